@@ -1,0 +1,48 @@
+"""Engine configuration: what a daemon is started with (ceilings) and where its live knobs begin."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stallfree.contracts import Ceilings, Tuning
+
+
+@dataclass
+class SchedulerConfig:
+    ceilings: Ceilings = field(default_factory=Ceilings)
+    tuning: Tuning = field(default_factory=Tuning)
+    # KV blocks kept free at admission so running decodes can grow without preempting at once.
+    watermark_blocks: int = 0
+    max_model_len: int = 2048
+    # stall_free: decodes, then partial-prefill chunks, then new prompts, all under the budget (Sarathi-Serve).
+    # prefill_priority: whole prompts first, decodes pause for them (pre-chunking engines; a baseline).
+    # decode_priority: iterations are all-decode or all-prefill, prefill only when no decode runs (baseline).
+    policy: str = "stall_free"
+    # When set (and a cost model is given), prefill chunks are cut so the predicted iteration time fits.
+    iteration_time_target_ms: float | None = None
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 0  # 0: size from memory (kv_memory_fraction of free device memory, or a CPU default)
+    kv_memory_fraction: float = 0.9
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class ModelConfig:
+    # A name from models/shapes.py (random weights), "smollm2-135m" (embedded GGUF), a HF folder or a .gguf path.
+    model: str = "smollm2-135m"
+    device: str = "cpu"
+    dtype: str = "float32"
+    attention_backend: str = "auto"  # auto | torch | triton | flashinfer
+    max_model_len: int | None = None  # None: the model's own context
+    seed: int = 0
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    backend: str = "model"  # model | sim
