@@ -1,0 +1,153 @@
+"""Serving daemons as local processes on loopback ports: the local runtime's stand-in for a Deployment.
+
+The control loop acts on replicas through the same verbs it uses in a cluster (create, scale, drain,
+delete); here a replica is a `stallfree serve` child process instead of a pod. A dead process is
+restarted, as a kubelet would restart a crashed container.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LocalReplica:
+    name: str
+    port: int
+    process: subprocess.Popen
+    log_path: Path
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    draining: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+class LocalDaemonSet:
+    """Keeps `desired` replicas of one service running; ordinal names like a StatefulSet (svc-0, svc-1...)."""
+
+    def __init__(self, service: str, daemon_args: list[str], admin_token: str, log_dir: Path,
+                 threads_per_replica: int = 1, extra_env: dict[str, str] | None = None) -> None:
+        self.service = service
+        self.daemon_args = list(daemon_args)
+        self.admin_token = admin_token
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.threads_per_replica = threads_per_replica
+        self.extra_env = dict(extra_env or {})
+        self.replicas: list[LocalReplica] = []
+        self.total_restarts = 0
+
+    # -- verbs the control loop and the runtime use ---------------------------------------------
+    def scale_to(self, desired: int, drain_timeout_s: float = 30.0) -> None:
+        """Start missing replicas now; stop surplus ones (newest first) after draining them."""
+        while len(self.replicas) < desired:
+            self.replicas.append(self._spawn(self._next_name()))
+        while len(self.replicas) > desired:
+            self.drain_and_stop(self.replicas.pop(), drain_timeout_s)
+
+    def restart_dead(self) -> list[str]:
+        """Restart every replica whose process exited (not ones we are draining). Returns their names."""
+        restarted = []
+        for index, replica in enumerate(self.replicas):
+            if not replica.alive and not replica.draining:
+                fresh = self._spawn(replica.name)
+                fresh.restarts = replica.restarts + 1
+                self.replicas[index] = fresh
+                self.total_restarts += 1
+                restarted.append(replica.name)
+        return restarted
+
+    def ready(self, replica: LocalReplica, timeout_s: float = 1.0) -> bool:
+        if not replica.alive or replica.draining:
+            return False
+        try:
+            return httpx.get(f"{replica.url}/ready", timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_ready(self, timeout_s: float = 180.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.replicas and all(self.ready(r) for r in self.replicas):
+                return True
+            for replica in self.replicas:
+                if not replica.alive:
+                    raise RuntimeError(f"replica {replica.name} exited during start-up; see {replica.log_path}")
+            time.sleep(0.5)
+        return False
+
+    def drain_and_stop(self, replica: LocalReplica, timeout_s: float = 30.0) -> None:
+        """SIGTERM lets the daemon drain: it refuses new requests and finishes in-flight ones, then exits."""
+        replica.draining = True
+        if replica.alive:
+            replica.process.send_signal(signal.SIGTERM)
+            try:
+                replica.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                replica.process.kill()
+                replica.process.wait()
+
+    def kill(self, name: str) -> None:
+        """Hard-kill a replica (fault injection): it is restarted by restart_dead()."""
+        for replica in self.replicas:
+            if replica.name == name and replica.alive:
+                replica.process.kill()
+                replica.process.wait()
+
+    def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        for replica in self.replicas:
+            if replica.alive:
+                replica.draining = True
+                replica.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + drain_timeout_s
+        for replica in self.replicas:
+            try:
+                replica.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                replica.process.kill()
+                replica.process.wait()
+        self.replicas.clear()
+
+    # -- internals --------------------------------------------------------------------------------
+    def _next_name(self) -> str:
+        taken = {r.name for r in self.replicas}
+        ordinal = 0
+        while f"{self.service}-{ordinal}" in taken:
+            ordinal += 1
+        return f"{self.service}-{ordinal}"
+
+    def _spawn(self, name: str) -> LocalReplica:
+        port = free_port()
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        env["STALLFREE_ADMIN_TOKEN"] = self.admin_token
+        # One replica per core, as one daemon per GPU node: replicas must not fight over threads.
+        env["OMP_NUM_THREADS"] = str(self.threads_per_replica)
+        log_path = self.log_dir / f"{name}.log"
+        log = open(log_path, "ab")
+        cmd = [sys.executable, "-m", "stallfree.cli", "serve", *self.daemon_args,
+               "--host", "127.0.0.1", "--port", str(port)]
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        return LocalReplica(name=name, port=port, process=process, log_path=log_path)
