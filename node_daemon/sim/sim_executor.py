@@ -1,0 +1,86 @@
+"""The sim execution backend: runs a scheduled iteration by letting the cost model's time pass.
+
+Real-time mode sleeps for the predicted iteration time (`stallfree serve --backend sim`: the same
+scheduler, API, metrics and admin endpoints, at a speed no CPU could compute); virtual-time mode only
+advances a clock (`stallfree simulate`, VirtualReplica). Sampled tokens are deterministic placeholders:
+bytes of a fixed text, so a byte-level tokenizer turns them into readable words, never EOS unless asked.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+
+from stallfree.node_daemon.scheduler_output import SchedulerOutput
+from stallfree.node_daemon.sim.cost_model import IterationCostModel
+
+PLACEHOLDER_TEXT = (
+    b"The quick brown fox jumps over the lazy dog while the scheduler keeps every decode moving. "
+    b"Chunked prefill splits long prompts so that no iteration stalls the running streams. "
+)
+
+
+class VirtualClock:
+    """Simulated seconds; only the simulation moves it."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class SimExecutor:
+    """Executor protocol (engine_protocol.Executor) over a cost model."""
+
+    def __init__(
+        self,
+        cost_model: IterationCostModel,
+        clock: VirtualClock | None = None,
+        vocab_size: int = 256,
+        eos_token_id: int | None = None,
+        eos_after: int | None = None,
+    ) -> None:
+        """clock None: real time (sleep). eos_after N: every request's N-th output token is `eos_token_id`."""
+        if eos_after is not None and (eos_token_id is None or eos_after < 1):
+            raise ValueError("eos_after needs an eos_token_id and must be at least 1")
+        self.cost_model = cost_model
+        self.clock = clock
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.eos_after = eos_after
+        self.last_iteration_ms = 0.0
+        self.num_iterations = 0
+        self.busy_s = 0.0
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        decode_context_lens: list[int] = []
+        prefill_chunks: list[tuple[int, int]] = []
+        sampled: dict[str, int] = {}
+        for chunk in output.chunks:
+            if chunk.is_prefill:
+                prefill_chunks.append((chunk.start, chunk.num_tokens))
+            else:
+                decode_context_lens.append(chunk.start + chunk.num_tokens)
+            if chunk.samples:
+                request = chunk.request
+                sampled[request.request_id] = self.placeholder_token(request.request_id,
+                                                                     len(request.output_token_ids))
+        iteration_ms = self.cost_model.predict_ms(decode_context_lens, prefill_chunks)
+        self.last_iteration_ms = iteration_ms
+        self.num_iterations += 1
+        self.busy_s += iteration_ms / 1000.0
+        if self.clock is None:
+            time.sleep(iteration_ms / 1000.0)
+        else:
+            self.clock.advance(iteration_ms / 1000.0)
+        return sampled
+
+    def placeholder_token(self, request_id: str, position: int) -> int:
+        """The token a request samples at output `position`: deterministic, and EOS only when asked."""
+        if self.eos_after is not None and position + 1 >= self.eos_after:
+            return self.eos_token_id  # type: ignore[return-value]
+        offset = zlib.crc32(request_id.encode()) % len(PLACEHOLDER_TEXT)
+        return PLACEHOLDER_TEXT[(offset + position) % len(PLACEHOLDER_TEXT)] % self.vocab_size
