@@ -10,8 +10,9 @@ Pure Python, no torch: the model runner owns the tensors, this file owns which b
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from collections import OrderedDict
+from typing import Callable
 
 # A block's content hash: sha256 over its parent's hash and its token ids, so equal hashes mean the
 # same whole prefix. A cryptographic hash because a collision would serve one tenant another's KV.
@@ -19,9 +20,15 @@ BlockHash = bytes
 ROOT_HASH: BlockHash = b""
 
 
+_PACKERS: dict[int, Callable[..., bytes]] = {}
+
+
 def hash_block_tokens(parent_hash: BlockHash, token_ids: list[int]) -> BlockHash:
-    """Chained content hash of one full block."""
-    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+    """Chained content hash of one full block (token ids packed as little-endian int64)."""
+    pack = _PACKERS.get(len(token_ids))
+    if pack is None:
+        pack = _PACKERS[len(token_ids)] = struct.Struct(f"<{len(token_ids)}q").pack
+    return hashlib.sha256(parent_hash + pack(*token_ids)).digest()
 
 
 class KVBlock:

@@ -118,20 +118,31 @@ class KVCacheManager:
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Index the request's blocks that are now full of computed KV (call after the model ran)."""
+        """Index the request's blocks that are now full of computed KV (call after the model ran).
+
+        Per decode this runs once every block_size tokens, so it is written flat.
+        """
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
         request_id = request.request_id
-        done = self._num_cached_blocks.get(request_id, 0)
+        num_cached = self._num_cached_blocks
+        done = num_cached.get(request_id, 0)
         if num_full <= done:
             return
-        hashes = self._hashes_up_to(request, num_full)
+        hashes = self._block_hashes.get(request_id)
+        if hashes is None or len(hashes) < num_full:
+            hashes = self._hashes_up_to(request, num_full)
         block_ids = request.block_ids
-        cache_block = self.pool.cache_block
+        cached = self.pool.cached
+        blocks = self.pool.blocks
         for i in range(done, num_full):
-            cache_block(block_ids[i], hashes[i])
-        self._num_cached_blocks[request_id] = num_full
+            block_hash = hashes[i]
+            if block_hash not in cached:  # a duplicate of a cached block stays unindexed
+                block_id = block_ids[i]
+                blocks[block_id].block_hash = block_hash
+                cached[block_hash] = block_id
+        num_cached[request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (tail first, so its tail is evicted first) and clear its block table.
@@ -155,11 +166,23 @@ class KVCacheManager:
         hashes = self._block_hashes.setdefault(request.request_id, [])
         if len(hashes) < num_blocks:
             size = self.block_size
-            tokens = request.prompt_token_ids
-            if num_blocks * size > len(tokens):
-                tokens = tokens + request.output_token_ids
+            prompt = request.prompt_token_ids
+            outputs = request.output_token_ids
+            num_prompt = len(prompt)
             parent = hashes[-1] if hashes else ROOT_HASH
             for i in range(len(hashes), num_blocks):
-                parent = hash_block_tokens(parent, tokens[i * size:(i + 1) * size])
+                start, end = i * size, (i + 1) * size
+                if end <= num_prompt:
+                    tokens = prompt[start:end]
+                elif start >= num_prompt:
+                    tokens = outputs[start - num_prompt:end - num_prompt]
+                else:
+                    tokens = prompt[start:] + outputs[:end - num_prompt]
+                parent = hash_block_tokens(parent, tokens)
                 hashes.append(parent)
         return hashes
+
+    def hash_prompt(self, request: Request) -> None:
+        """Hash the prompt's full blocks once, on arrival, so lookups in the scheduling step are cheap."""
+        if self.enable_prefix_caching:
+            self._hashes_up_to(request, (request.num_prompt_tokens - 1) // self.block_size)

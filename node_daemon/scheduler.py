@@ -38,6 +38,7 @@ Baseline policies (SchedulerConfig.policy), for the simulator's comparisons:
 from __future__ import annotations
 
 import math
+from bisect import insort
 from collections import deque
 from typing import Protocol, Sequence
 
@@ -77,8 +78,14 @@ class Scheduler:
         self._block_size = kv_cache.block_size
         self._time_target = config.iteration_time_target_ms if cost_model is not None else None
         self.waiting: deque[Request] = deque()  # preempted at the front, then new requests in arrival order
-        self.running: list[Request] = []  # admission order (the preemption victim is the last one)
+        # Running requests in admission order, and the same split into those that decode and those
+        # still prefilling (both kept in admission order, so the latest admitted is always a tail).
+        self.running: list[Request] = []
+        self._decoding: list[Request] = []
+        self._prefilling: list[Request] = []
         self._requests: dict[str, Request] = {}  # every unfinished request
+        self._admission: dict[str, int] = {}  # running request -> admission sequence number
+        self._num_admissions = 0
         # KV blocks each running request reserved at admission, and the sum of what they may still take.
         self._reserved_blocks: dict[str, int] = {}
         self._growth_blocks = 0
@@ -142,6 +149,7 @@ class Scheduler:
                 f"{self.kv_cache.num_blocks} blocks of {self._block_size}: lower max_tokens or the prompt"
             )
         request.max_model_len = max_model_len
+        self.kv_cache.hash_prompt(request)
         self._requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -161,8 +169,7 @@ class Scheduler:
         if request is None:
             return
         if request.status is _RUNNING:
-            self.running.remove(request)
-            self._release_reservation(request)
+            self._remove_running(request)
         else:
             self.waiting.remove(request)
         request.status = status
@@ -173,75 +180,55 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         tuning = self._tuning
         out = SchedulerOutput(token_budget=tuning.token_budget)
-        if len(self.running) > tuning.max_num_seqs:
-            while len(self.running) > tuning.max_num_seqs:
-                self._preempt(self.running[-1], out)
+        while len(self.running) > tuning.max_num_seqs:  # max_num_seqs was lowered live
+            self._preempt(self.running[-1], out)
         policy = self.config.policy
         if policy == "stall_free":
             self._schedule_stall_free(out, tuning)
         elif policy == "prefill_priority":
             if not self._schedule_whole_prompts(out, tuning):
-                self._schedule_decodes_only(out)
-        else:  # decode_priority
-            if self.running:
-                self._schedule_decodes_only(out)
-            else:
-                self._schedule_whole_prompts(out, tuning)
+                self._schedule_decodes(out, None)
+        elif self.running:  # decode_priority
+            self._schedule_decodes(out, None)
+        else:
+            self._schedule_whole_prompts(out, tuning)
         return out
 
     def _schedule_stall_free(self, out: SchedulerOutput, tuning: Tuning) -> None:
-        budget = tuning.token_budget
-        block_size = self._block_size
         kv = self.kv_cache
-        running = self.running
-        chunks = out.chunks
         timed = self._time_target is not None
-        decode_lens: list[int] = []
-        prefilling: list[Request] = []
+        decode_lens: list[int] | None = [] if timed else None
 
-        # 1. Every running decode, one token each. A decode needs a new block only at a block boundary.
-        i = 0
-        while i < len(running):
-            request = running[i]
-            start = request.num_computed_tokens
-            num_outputs = len(request.output_token_ids)
-            if not num_outputs or len(request.prompt_token_ids) + num_outputs - start > 1:
-                prefilling.append(request)
-                i += 1
-                continue
-            if start >= len(request.block_ids) * block_size and not self._grow(request, 1, out, None):
-                break  # it preempted itself: it was the last request
-            chunks.append(ScheduledChunk(request, start, 1, False, True))
-            if timed:
-                decode_lens.append(start + 1)
-            i += 1
+        # 1. Every running decode, one token each.
+        self._schedule_decodes(out, decode_lens)
+        chunks = out.chunks
         num_decodes = len(chunks)
-        budget -= num_decodes
-        out.num_decode_tokens = num_decodes
+        budget = tuning.token_budget - num_decodes
 
-        # 2. Next chunk of every partial prefill, in admission order.
+        # 2. The next chunk of every partial prefill, in admission order. A KV shortfall here preempts
+        # the latest admitted partial prefill (decodes were all scheduled already).
         prefill_chunks: list[tuple[int, int]] = []
-        still_partial: list[Request] = []
-        for request in prefilling:
-            if request.status is not _RUNNING:
-                continue  # preempted above to make room
-            remaining = request.num_tokens - request.num_computed_tokens
-            n = self._chunk_size(remaining, budget, tuning, decode_lens, prefill_chunks, request.num_computed_tokens)
-            if n <= 0 or not self._grow(request, n, out, chunks):
-                still_partial.append(request)
-                continue
+        num_partial = 0
+        prefilling = self._prefilling
+        for request in prefilling:  # preemption only removes the tail
             start = request.num_computed_tokens
+            remaining = request.num_tokens - start
+            n = self._chunk_size(remaining, budget, tuning, decode_lens, prefill_chunks, start)
+            if n <= 0:
+                num_partial += 1
+                continue
+            if not self._grow(request, n, out, prefilling):
+                break
             chunks.append(ScheduledChunk(request, start, n, True, n == remaining))
             if timed:
                 prefill_chunks.append((start, n))
             budget -= n
             if n < remaining:
-                still_partial.append(request)
-        # A later chunk's preemption may have taken one that was counted.
-        num_partial = sum(1 for request in still_partial if request.status is _RUNNING)
+                num_partial += 1
 
         # 3. New (and preempted) requests, strictly first come, first served.
         waiting = self.waiting
+        running = self.running
         while waiting and budget > 0 and len(running) < tuning.max_num_seqs:
             request = waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(request)
@@ -257,16 +244,34 @@ class Scheduler:
             budget -= n
             if n < remaining:
                 num_partial += 1
+        out.num_decode_tokens = num_decodes
         out.num_prefill_tokens = tuning.token_budget - num_decodes - budget
         self._num_partial_prefills = num_partial
 
-    def _chunk_size(self, remaining: int, budget: int, tuning: Tuning, decode_lens: list[int],
+    def _schedule_decodes(self, out: SchedulerOutput, decode_lens: list[int] | None) -> None:
+        """One token for every running decode; a decode needs a new block only at a block boundary.
+
+        `_decoding` is in admission order and the victim of a KV shortfall is the latest admitted
+        request (running[-1]): never one scheduled earlier in this loop, and the loop survives it.
+        """
+        block_size = self._block_size
+        chunks = out.chunks
+        for request in self._decoding:
+            start = request.num_computed_tokens
+            if start >= len(request.block_ids) * block_size and not self._grow(request, 1, out, None):
+                break  # it preempted itself: it was the latest admitted, so the last decode
+            chunks.append(ScheduledChunk(request, start, 1, False, True))
+            if decode_lens is not None:
+                decode_lens.append(start + 1)
+        out.num_decode_tokens = len(chunks)
+
+    def _chunk_size(self, remaining: int, budget: int, tuning: Tuning, decode_lens: list[int] | None,
                     prefill_chunks: list[tuple[int, int]], prefix_len: int) -> int:
         """Tokens of this prefill to run now: the leftover budget, the long-prefill cap, the time target."""
         n = remaining if remaining < budget else budget
         if 0 < tuning.long_prefill_threshold < n:
             n = tuning.long_prefill_threshold
-        if self._time_target is not None and n > 0:
+        if decode_lens is not None and n > 0:
             n = self._fit_time_target(n, decode_lens, prefill_chunks, prefix_len)
         return n
 
@@ -291,21 +296,6 @@ class Scheduler:
         if lo == 0 and not decode_lens and not prefill_chunks:
             return 1
         return lo
-
-    def _schedule_decodes_only(self, out: SchedulerOutput) -> None:
-        """One token for every running request that decodes (the baselines' decode iteration)."""
-        block_size = self._block_size
-        running = self.running
-        chunks = out.chunks
-        i = 0
-        while i < len(running):
-            request = running[i]
-            start = request.num_computed_tokens
-            if start >= len(request.block_ids) * block_size and not self._grow(request, 1, out, None):
-                break
-            chunks.append(ScheduledChunk(request, start, 1, False, True))
-            i += 1
-        out.num_decode_tokens = len(chunks)
 
     def _schedule_whole_prompts(self, out: SchedulerOutput, tuning: Tuning) -> bool:
         """Admit whole prompts FCFS up to max(budget ceiling, max_model_len) tokens; True if any was."""
@@ -342,24 +332,26 @@ class Scheduler:
         request.status = _RUNNING
         request.num_computed_tokens = request.num_cached_tokens = len(hits) * self._block_size
         reserved = kv.blocks_for(reserve_tokens)
-        self._reserved_blocks[request.request_id] = reserved
+        request_id = request.request_id
+        self._reserved_blocks[request_id] = reserved
         self._growth_blocks += max(0, reserved - len(request.block_ids))
+        self._num_admissions += 1
+        self._admission[request_id] = self._num_admissions
         self.running.append(request)
+        self._prefilling.append(request)
         return True
 
-    def _grow(self, request: Request, num_new_tokens: int, out: SchedulerOutput,
-              scheduled: list[ScheduledChunk] | None) -> bool:
-        """Room for a running request's next tokens, preempting the latest admitted others if KV is short.
+    def _grow(self, request: Request, num_new_tokens: int, out: SchedulerOutput, pool: list[Request] | None) -> bool:
+        """Room for a running request's next tokens, preempting if KV is short; False if it had to go itself.
 
-        Victims are running requests not yet scheduled in this iteration (`scheduled` lists the chunks
-        so far; None means everything after `request` in admission order is unscheduled). False when
-        `request` itself had to go.
+        The victim is the latest admitted request not yet scheduled in this iteration: the tail of
+        `running` while decodes are scheduled (pool None), the tail of `pool` (partial prefills) after.
         """
         kv = self.kv_cache
         reserved = self._reserved_blocks[request.request_id]
         before = len(request.block_ids)
         while not kv.allocate_slots(request, num_new_tokens):
-            victim = self._pick_victim(request, scheduled)
+            victim = (self.running if pool is None else pool)[-1]
             self._preempt(victim, out)
             if victim is request:
                 return False
@@ -368,19 +360,9 @@ class Scheduler:
             self._growth_blocks -= max(0, reserved - before) - max(0, reserved - after)
         return True
 
-    def _pick_victim(self, request: Request, scheduled: list[ScheduledChunk] | None) -> Request:
-        if scheduled is None:
-            return self.running[-1]
-        taken = {id(chunk.request) for chunk in scheduled}
-        for victim in reversed(self.running):
-            if victim is request or id(victim) not in taken:
-                return victim
-        return request
-
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Preempt by recompute: free its KV, queue it ahead of new requests."""
-        self.running.remove(request)
-        self._release_reservation(request)
+        self._remove_running(request)
         request.status = RequestStatus.PREEMPTED
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
@@ -389,15 +371,27 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request)
 
-    def _release_reservation(self, request: Request) -> None:
-        reserved = self._reserved_blocks.pop(request.request_id)
+    def _remove_running(self, request: Request) -> None:
+        """Take a running request out of the running lists and give back its reservation."""
+        request_id = request.request_id
+        self.running.remove(request)
+        if self._prefilling and request in self._prefilling:
+            self._prefilling.remove(request)
+        else:
+            self._decoding.remove(request)
+        del self._admission[request_id]
+        reserved = self._reserved_blocks.pop(request_id)
         self._growth_blocks -= max(0, reserved - len(request.block_ids))
 
     # ---- after the model ran -----------------------------------------------------------------------
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance every scheduled request, append sampled tokens, finish the stopped; returns those finished."""
+        """Advance every scheduled request, append sampled tokens, finish the stopped; returns those finished.
+
+        Call once per schedule(), before the next one. A prefill whose chunk sampled now decodes.
+        """
         finished: list[Request] = []
+        started_decoding: list[Request] = []
         block_size = self._block_size
         kv = self.kv_cache
         caching = kv.enable_prefix_caching
@@ -424,13 +418,20 @@ class Scheduler:
             elif len(outputs) >= sampling.max_tokens or len(request.prompt_token_ids) + len(outputs) >= request.max_model_len:
                 request.status = _LENGTH
             else:
+                if chunk.is_prefill:
+                    started_decoding.append(request)
                 continue
             finished.append(request)
+        if started_decoding:
+            admission = self._admission
+            prefilling, decoding = self._prefilling, self._decoding
+            for request in started_decoding:
+                prefilling.remove(request)
+                insort(decoding, request, key=lambda r: admission[r.request_id])
         if finished:
             requests = self._requests
             for request in finished:
                 del requests[request.request_id]
-                self._release_reservation(request)
+                self._remove_running(request)
                 kv.free(request)
-            self.running = [request for request in self.running if request.status is _RUNNING]
         return finished
