@@ -23,6 +23,7 @@ from stallfree.node_daemon.chat_template import render_chat
 log = logging.getLogger(__name__)
 
 CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_PAIR_ALPHABET = " etaoinsrhldcumfpgwybvkxjqz"
 
 # Pre-tokenizer split patterns by GGUF tokenizer.ggml.pre (the same regexes llama.cpp uses).
 _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -133,14 +134,26 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def byte_level_tokenizer(vocab_size: int) -> Tokenizer:
-    """Bytes 0..255 are ids 0..255, then <|endoftext|>, <|im_start|>, <|im_end|>; any text round-trips."""
+    """Bytes 0..255 are ids 0..255, then <|endoftext|>, <|im_start|>, <|im_end|>, then two-letter tokens.
+
+    The two-letter tokens (pairs over space and the lowercase letters, with their merges) fill the
+    rest of a small vocab, so a random-weight model's output reads as text rather than mostly nothing;
+    any text still round-trips exactly. Ids past the table (large vocabs) decode to nothing.
+    """
     need = 256 + len(CHATML_SPECIALS)
     if vocab_size < need:
         raise ValueError(f"a byte-level tokenizer needs a vocab of at least {need}, the model has {vocab_size}")
-    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    byte_chars = bytes_to_unicode()
+    vocab = {ch: b for b, ch in byte_chars.items()}
+    vocab.update({t: 256 + i for i, t in enumerate(CHATML_SPECIALS)})
+    letters = [byte_chars[b] for b in _PAIR_ALPHABET.encode()]
+    pairs = [(a, b) for a in letters for b in letters][: vocab_size - need]
+    for i, (a, b) in enumerate(pairs):
+        vocab[a + b] = need + i
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
+    # The specials are in the vocab already (ids 256..258); this marks them special (never split, skippable).
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHATML_SPECIALS])
     endoftext, _, im_end = (backend.token_to_id(t) for t in CHATML_SPECIALS)
     return Tokenizer(backend, eos_token_ids=(im_end, endoftext), bos_token_id=None, add_bos_token=False,

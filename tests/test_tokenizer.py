@@ -52,9 +52,12 @@ def test_byte_level_tokenizer_fits_tiny_vocab_and_round_trips() -> None:
     ids = tk.encode(text)
     assert max(ids) < 512
     assert tk.decode(ids, skip_special_tokens=False) == text
-    assert tk.eos_token_ids[0] == tk.token_to_id("<|im_end|>")
-    # Ids past the tokenizer's table (random weights sample from the whole vocab) decode to nothing.
-    assert tk.decode([ord("A"), 500, ord("B")]) == "AB"
+    assert tk.eos_token_ids[0] == tk.token_to_id("<|im_end|>") == 258
+    assert len(tk.encode("the cat")) < len("the cat".encode())  # two-letter tokens fill the small vocab
+    assert tk.decode(list(range(256, 512))).count("\ufffd") == 0  # every id of the vocab decodes to text
+    # Ids past the tokenizer's table (random weights of a large vocab) decode to nothing.
+    big = byte_level_tokenizer(128256)
+    assert big.decode([ord("A"), 100_000, ord("B")]) == "AB"
     with pytest.raises(ValueError, match="at least"):
         byte_level_tokenizer(100)
 
