@@ -258,6 +258,7 @@ class TritonBackend:
     """AttentionBackend over the two Triton kernels; every index it needs is already in the metadata."""
 
     name = "triton"
+    supports_cuda_graphs = True  # no host-side state per step: a captured launch stays valid
 
     def __init__(self, num_splits: int | None = None) -> None:
         self.num_splits = num_splits  # None: chosen per batch; CUDA-graph capture may pin it
