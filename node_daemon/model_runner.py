@@ -61,6 +61,12 @@ class ModelRunner:
             self._host_i64 = torch.empty(3 * max_num_tokens + max_num_seqs, dtype=torch.int64, pin_memory=True)
             self._host_i32 = torch.empty(2 * max_num_seqs + 1 + max_num_seqs * self.max_blocks_per_seq,
                                          dtype=torch.int32, pin_memory=True)
+        # --- CUDA-graph hook (node_daemon/cuda_graphs.py): with the KV cache allocated, capture decode-only
+        # graphs at bucketed batch sizes up to max_num_seqs. None on the CPU, for a backend that cannot be
+        # captured (the torch reference) and with STALLFREE_CUDA_GRAPHS=0.
+        from stallfree.node_daemon.cuda_graphs import DecodeCudaGraphs
+
+        self.cuda_graphs = DecodeCudaGraphs.for_runner(self)
 
     # --- the per-iteration path ----------------------------------------------------------------------
 
