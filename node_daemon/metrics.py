@@ -29,7 +29,7 @@ ITERATION_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(0, 17))
 FINISH_REASONS = ("stop", "length", "abort")
 ERROR_REASONS = (
     "invalid_request", "validation", "not_found", "too_large", "unauthorized", "queue_full", "draining",
-    "engine", "internal",
+    "starting", "engine", "internal",
 )
 
 

@@ -14,6 +14,8 @@ import time
 from collections import deque
 from typing import Callable
 
+import numpy as np
+
 from stallfree.contracts import Ceilings, Percentiles, Tuning, WindowStats
 from stallfree.node_daemon.engine_protocol import IterationRecord
 from stallfree.node_daemon.request import Request
@@ -24,12 +26,12 @@ def percentiles_ms(samples_s: list[float]) -> Percentiles:
     n = len(samples_s)
     if n == 0:
         return Percentiles()
-    ordered = sorted(samples_s)
+    ordered = np.sort(np.asarray(samples_s, dtype=np.float64))  # releases the GIL while it sorts
 
     def rank(q: float) -> float:
-        return ordered[max(0, math.ceil(q * n) - 1)] * 1000.0
+        return float(ordered[max(0, math.ceil(q * n) - 1)]) * 1000.0
 
-    return Percentiles(count=n, p50=rank(0.50), p90=rank(0.90), p99=rank(0.99), max=ordered[-1] * 1000.0)
+    return Percentiles(count=n, p50=rank(0.50), p90=rank(0.90), p99=rank(0.99), max=float(ordered[-1]) * 1000.0)
 
 
 class StatsWindow:
@@ -52,6 +54,7 @@ class StatsWindow:
         # (arrival time, prompt tokens): demand, refused arrivals included
         self._arrivals: deque[tuple[float, int]] = deque()
         self._last: IterationRecord | None = None
+        self._prefill_rate = (float("-inf"), 0.0)  # (computed at, tokens/s): Retry-After asks often
 
     # --- EngineObserver (engine thread) ---
 
@@ -86,6 +89,19 @@ class StatsWindow:
         """A validated request arrived (also when backpressure refuses it: that is still demand)."""
         with self._lock:
             self._arrivals.append((self._clock() if now is None else now, num_prompt_tokens))
+
+    def prefill_tokens_per_s(self) -> float:
+        """Prefill tokens computed per second over the window, recomputed at most once a second."""
+        now = self._clock()
+        at, rate = self._prefill_rate
+        if now - at < 1.0:
+            return rate
+        with self._lock:
+            self._prune(now)
+            total = sum(it[1] for it in self._iterations)
+        rate = total / max(1e-9, min(self.window_s, now - self._started))
+        self._prefill_rate = (now, rate)
+        return rate
 
     def snapshot(
         self,

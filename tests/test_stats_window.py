@@ -131,3 +131,16 @@ def test_bad_window_is_refused() -> None:
     with pytest.raises(ValueError):
         StatsWindow(window_s=0)
     assert math.isfinite(StatsWindow(1.0).snapshot(Tuning(), Ceilings()).request_rate)
+
+
+def test_prefill_rate_for_retry_after_is_cached_for_a_second() -> None:
+    clock = Clock(0.0)
+    window = StatsWindow(window_s=10.0, clock=clock)
+    clock.t = 10.0
+    window.on_iteration(_record(start=9.0, prefill=500, decode=0))
+    assert window.prefill_tokens_per_s() == pytest.approx(500 / 10.0)
+    window.on_iteration(_record(start=9.5, prefill=500, decode=0))
+    clock.t = 10.5
+    assert window.prefill_tokens_per_s() == pytest.approx(50.0)  # cached
+    clock.t = 11.5
+    assert window.prefill_tokens_per_s() == pytest.approx(1000 / 10.0)

@@ -1,0 +1,115 @@
+"""The FastAPI app factory: one daemon's state, its routes, the error handlers and the body limit.
+
+The engine runs its loop in its own thread (AsyncEngine); this app only validates, admits, streams and
+reports, on the HTTP event loop. Everything a route needs hangs off one `Daemon` object on app.state.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from stallfree.contracts import Profile
+from stallfree.node_daemon.engine_protocol import EngineClient
+from stallfree.node_daemon.metrics import EngineMetrics
+from stallfree.node_daemon.server.auth import Auth
+from stallfree.node_daemon.server.backpressure import AdmissionControl
+from stallfree.node_daemon.server.body_limit import BodyLimitMiddleware
+from stallfree.node_daemon.server.drain import DrainState
+from stallfree.node_daemon.server.errors import APIError, install_error_handlers
+from stallfree.node_daemon.stats_window import StatsWindow
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+@dataclass
+class LiveCounts:
+    """What the engine holds right now (the last iteration's counts go stale when it idles)."""
+
+    num_waiting: int
+    num_running: int
+    kv_usage: float
+
+
+@dataclass
+class Daemon:
+    metrics: EngineMetrics
+    stats: StatsWindow
+    admission: AdmissionControl
+    drain: DrainState
+    auth: Auth
+    served_model_name: str
+    # None while the model loads and the profile runs (in a start-up thread); the server already answers.
+    engine: EngineClient | None = None
+    profile: Profile | None = None
+    tpot_slo_ms: float | None = None
+    # Why the daemon is not serving yet ("loading model", "profiling"); None once the engine runs.
+    starting: str | None = None
+    # Returns None when the engine loop is healthy, else why not (a dead loop fails /health).
+    engine_error: Callable[[], str | None] = lambda: None
+    live_counts: Callable[[], LiveCounts | None] = lambda: None
+    vocab_size: int | None = None
+    kv_capacity_tokens: int | None = None  # the whole KV cache: no request may need more
+    created: int = field(default_factory=lambda: int(time.time()))
+    # Aborts that run after a client left; kept so the tasks are not garbage-collected mid-flight.
+    background: set = field(default_factory=set)
+
+    def not_ready_reason(self) -> str | None:
+        if self.drain.draining:
+            return "draining"
+        if self.starting is not None:
+            return self.starting
+        if self.engine is None:
+            return "no engine"
+        return self.engine_error()
+
+    def require_engine(self) -> EngineClient:
+        """The engine, or 503 while the daemon starts (a client retries; a probe waits)."""
+        engine = self.engine
+        if engine is None or self.starting is not None:
+            raise APIError(503, f"the daemon is starting ({self.starting or 'no engine'}); retry shortly",
+                           code="starting", reason="starting", headers={"Retry-After": "5"})
+        return engine
+
+
+def get_daemon(request: Request) -> Daemon:
+    return request.app.state.daemon
+
+
+def create_app(daemon: Daemon, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    from stallfree.node_daemon.server.admin_routes import router as admin_router
+    from stallfree.node_daemon.server.openai_routes import router as openai_router
+
+    app = FastAPI(title="stallfree daemon", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.daemon = daemon
+    install_error_handlers(app, daemon.metrics.record_error)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes,
+                       on_refused=lambda: daemon.metrics.record_error("too_large"))
+    app.include_router(openai_router)
+    app.include_router(admin_router)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        error = daemon.engine_error() if daemon.engine is not None else None
+        if error is not None:
+            return JSONResponse({"status": "unhealthy", "reason": error}, status_code=500)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        reason = daemon.not_ready_reason()
+        if reason is not None:
+            return JSONResponse({"ready": False, "reason": reason}, status_code=503)
+        return JSONResponse({"ready": True})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(daemon.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+

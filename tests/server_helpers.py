@@ -1,0 +1,99 @@
+"""A real daemon in-process for the server tests: the `stallfree serve` build path, uvicorn on a loopback port."""
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import uvicorn
+
+from stallfree.node_daemon.server.app import Daemon
+from stallfree.node_daemon.server.serve_cli import build_daemon, parse_options, start_engine
+
+ADMIN_TOKEN = "test-admin-token"
+# Small ceilings keep the tiny model's start-up profile to a second or two.
+TINY_ARGS = ["--model", "tiny", "--device", "cpu", "--max-token-budget", "512", "--max-num-seqs-ceiling", "64",
+             "--max-num-seqs", "64", "--token-budget", "256", "--num-kv-blocks", "2048",
+             "--profile-max-seconds", "5"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LiveDaemon:
+    daemon: Daemon
+    url: str
+    server: uvicorn.Server
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    @property
+    def llm_engine(self):
+        return self.daemon.engine.engine  # the AsyncEngine's LLMEngine (KV cache, scheduler)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Until the engine holds no request and every in-flight HTTP request closed."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (not self.llm_engine.has_unfinished() and not self.daemon.drain.in_flight
+                    and self.daemon.engine.num_in_flight == 0):
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"daemon not idle after {timeout_s}s: {self.llm_engine.scheduler.num_running} running, "
+                             f"{len(self.daemon.drain.in_flight)} in flight")
+
+
+@contextlib.contextmanager
+def running_daemon(extra_args: list[str] = (), admin_token: str | None = ADMIN_TOKEN,
+                   base_args: list[str] = TINY_ARGS) -> Iterator[LiveDaemon]:
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        if admin_token is not None:
+            mp = stack.enter_context(_env("STALLFREE_ADMIN_TOKEN", admin_token))
+        opts = parse_options([*base_args, *extra_args, "--host", "127.0.0.1", "--port", str(port)])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the test machine is shared: one intra-op thread keeps iterations steady
+        daemon, app = build_daemon(opts)
+        start_engine(opts, daemon)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                               access_log=False, lifespan="off"))
+        thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 20
+            while not server.started:
+                if time.monotonic() > deadline or not thread.is_alive():
+                    raise RuntimeError("uvicorn did not start")
+                time.sleep(0.01)
+            yield LiveDaemon(daemon, f"http://127.0.0.1:{port}", server)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+            daemon.engine.shutdown_sync()
+            torch.set_num_threads(threads)
+        del mp
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    import os
+
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
