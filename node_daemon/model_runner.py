@@ -37,12 +37,14 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_num_tokens: int,
-                 max_num_seqs: int) -> None:
+                 max_num_seqs: int, loaded: LoadedModel | None = None) -> None:
+        """`loaded`: serve an already loaded model (tests, or a benchmark reusing one) instead of loading
+        model_config.model."""
         if max_num_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"max_num_tokens and max_num_seqs must be positive, got {max_num_tokens}, {max_num_seqs}")
         if cache_config.block_size < 1:
             raise ValueError(f"block_size must be positive, got {cache_config.block_size}")
-        self.loaded: LoadedModel = load_model(model_config)
+        self.loaded: LoadedModel = loaded if loaded is not None else load_model(model_config)
         self.model = self.loaded.model
         self.device: torch.device = self.loaded.device
         self.block_size = cache_config.block_size
@@ -53,9 +55,6 @@ class ModelRunner:
         self.attn: AttentionBackend = select_backend(model_config.attention_backend, self.device)
         self.num_blocks = cache_config.num_blocks or self._num_blocks_from_memory(cache_config.kv_memory_fraction)
         self.kv_caches: list[KVCache] = self._allocate_kv_cache(self.num_blocks)
-        # CUDA graphs plug in here (node_daemon/cuda_graphs.py): an object with can_run(inputs) -> bool and
-        # run(inputs) -> hidden states, used for decode-only iterations. None: always run eagerly.
-        self.cuda_graphs = None
         self._pinned = self.device.type == "cuda"
         if self._pinned:
             self._host_i64 = torch.empty(3 * max_num_tokens + max_num_seqs, dtype=torch.int64, pin_memory=True)

@@ -1,0 +1,80 @@
+"""Shared by the model tests: requests with hand-placed KV blocks, chunked prefills, a cached SmolLM2 runner."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from stallfree.node_daemon.config import CacheConfig, ModelConfig
+from stallfree.node_daemon.model_runner import ModelRunner
+from stallfree.node_daemon.request import Request
+from stallfree.node_daemon.sampling_params import SamplingParams
+from stallfree.node_daemon.scheduler_output import ScheduledChunk, SchedulerOutput
+
+# The test machine's cores are shared: OpenMP threads spin-waiting on a busy core make every op many times
+# slower, while one thread is steady. Model tests are small enough for one.
+torch.set_num_threads(1)
+
+
+# About 40 SmolLM2 tokens of plain English prose.
+ENGLISH_PASSAGE = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+                   "combined movable metal type with an oil-based ink and a wooden screw press, so that books "
+                   "could be copied faster and more cheaply than")
+
+
+def tiny_runner(num_blocks: int = 96, block_size: int = 16, **model_kwargs) -> ModelRunner:
+    return ModelRunner(ModelConfig(model="tiny", **model_kwargs), CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                       max_num_tokens=1024, max_num_seqs=16)
+
+
+@functools.lru_cache(maxsize=None)
+def smollm2_runner() -> ModelRunner:
+    """Loaded once per test session (a few seconds on the CPU); tests use disjoint block ids."""
+    return ModelRunner(ModelConfig(model="smollm2-135m"), CacheConfig(block_size=16, num_blocks=64),
+                       max_num_tokens=512, max_num_seqs=8)
+
+
+@functools.lru_cache(maxsize=None)
+def smollm2_tokenizer():
+    from stallfree.node_daemon.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_runner().loaded)
+
+
+def make_request(request_id: str, prompt: list[int], block_ids: list[int]) -> Request:
+    req = Request(request_id, prompt, SamplingParams(max_tokens=64))
+    req.block_ids = list(block_ids)
+    return req
+
+
+def step(runner: ModelRunner, chunks: list[ScheduledChunk], all_logits: bool = False) -> torch.Tensor:
+    return runner.execute_model(SchedulerOutput(chunks=chunks), all_logits=all_logits)
+
+
+def prefill_all_rows(runner: ModelRunner, req: Request, chunk_size: int, start: int = 0) -> torch.Tensor:
+    """Prefill req's tokens from `start` in chunks of `chunk_size`; logits of every computed row, stacked."""
+    rows = []
+    end = req.num_tokens
+    pos = start
+    while pos < end:
+        n = min(chunk_size, end - pos)
+        chunk = ScheduledChunk(req, pos, n, is_prefill=True, samples=pos + n == end)
+        rows.append(step(runner, [chunk], all_logits=True))
+        pos += n
+    req.num_computed_tokens = end
+    return torch.cat(rows)
+
+
+def greedy_decode(runner: ModelRunner, req: Request, last_logits: torch.Tensor, steps: int) -> list[int]:
+    """Append `steps` greedy tokens, one decode iteration each; returns them."""
+    logits = last_logits
+    for _ in range(steps):
+        req.output_token_ids.append(int(logits.argmax()))
+        pos = req.num_tokens - 1
+        logits = step(runner, [ScheduledChunk(req, pos, 1, is_prefill=False, samples=True)])[0]
+        req.num_computed_tokens = req.num_tokens
+    return req.output_token_ids[-steps:]
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max())
