@@ -22,7 +22,9 @@ length on the device, so a captured CUDA graph stays valid as sequences grow.
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -164,16 +166,32 @@ def _merge_splits_kernel(
              mask=dim_valid)
 
 
-def choose_tiles(max_query_len: int, group: int, on_gpu: bool) -> tuple[int, int]:
-    """(BLOCK_M rows of packed query heads, BLOCK_N key positions per tile) from host-known figures."""
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape of the attention kernel. Defaults below were checked on sm_90 by e2e/gpu/compile_sm90.py
+    (no spills, wgmma for 64/128-row tiles, cp.async pipelining); e2e/gpu/gpu_check.py sweeps alternatives."""
+
+    block_m: int  # tile rows: BLOCK_Q tokens x GROUP packed query heads
+    block_n: int  # key positions per KV tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def choose_config(max_query_len: int, group: int, on_gpu: bool) -> KernelConfig:
+    """The launch shape from host-known figures only (never a device read)."""
+    rows = max(16, triton.next_power_of_2(group))
     if max_query_len * group <= 16:
-        block_m = max(16, triton.next_power_of_2(group))  # decode-only: one token's heads fill the rows
-    elif on_gpu:
-        block_m = max(128 if max_query_len * group >= 512 else 64, triton.next_power_of_2(group))
-    else:
-        block_m = max(32, triton.next_power_of_2(group))
-    block_n = 64 if on_gpu else 32
-    return block_m, block_n
+        return KernelConfig(rows, 64 if on_gpu else 32)  # decode-only: one token's heads fill the rows
+    if not on_gpu:
+        return KernelConfig(max(32, rows), 32)  # the interpreter: small tiles, few programs
+    if max_query_len * group >= 512:
+        return KernelConfig(max(128, rows), 64, num_warps=8)  # prefill chunks: two warpgroups of wgmma
+    return KernelConfig(max(64, rows), 64, num_warps=4)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def choose_num_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, max_seq_len: int,
@@ -192,10 +210,11 @@ def choose_num_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, max_
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     metadata: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] over k/v_cache [num_blocks, block_size, num_kv_heads, head_dim].
 
     `num_splits` None picks split-KV from the batch shape; tests and CUDA-graph capture may fix it.
+    `config` None picks the launch shape from the batch shape; benchmarks sweep it.
     Rows of tokens that belong to no sequence are left as they were in `out`.
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -211,12 +230,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return out
     group = num_heads // num_kv_heads
     on_gpu = query.is_cuda
-    block_m, block_n = choose_tiles(metadata.max_query_len, group, on_gpu)
-    block_q = block_m // group
+    config = config or choose_config(metadata.max_query_len, group, on_gpu)
+    if config.block_m < group:
+        raise ValueError(f"block_m {config.block_m} cannot hold the {group} query heads of one KV head")
+    block_q = config.block_m // group
     if num_splits is None:
-        num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count if on_gpu else 1
+        num_sms = _num_sms(query.device.index or 0) if on_gpu else 1
         num_splits = choose_num_splits(metadata.max_query_len, num_seqs, num_kv_heads, metadata.max_seq_len,
-                                       num_sms, block_n)
+                                       num_sms, config.block_n)
     if num_splits > 1:
         if num_splits & (num_splits - 1):
             raise ValueError(f"num_splits must be a power of two, got {num_splits}")
@@ -226,7 +247,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     else:
         partial_out = partial_lse = out  # unused by the kernel; any tensor satisfies the signature
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
-    num_warps = 8 if on_gpu and block_m >= 128 else 4
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, partial_out, partial_lse,
         metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
@@ -239,9 +259,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2) if num_splits > 1 else 0,
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=k_cache.shape[1],
+        BLOCK_Q=block_q, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE_SIZE=k_cache.shape[1],
         NUM_SPLITS=num_splits, IEEE_DOT=query.dtype == torch.float32,
-        num_warps=num_warps, num_stages=2,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
