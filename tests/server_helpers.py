@@ -58,8 +58,7 @@ def running_daemon(extra_args: list[str] = (), admin_token: str | None = ADMIN_T
                    base_args: list[str] = TINY_ARGS) -> Iterator[LiveDaemon]:
     port = free_port()
     with contextlib.ExitStack() as stack:
-        if admin_token is not None:
-            mp = stack.enter_context(_env("STALLFREE_ADMIN_TOKEN", admin_token))
+        stack.enter_context(_env("STALLFREE_ADMIN_TOKEN", admin_token))
         opts = parse_options([*base_args, *extra_args, "--host", "127.0.0.1", "--port", str(port)])
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the test machine is shared: one intra-op thread keeps iterations steady
@@ -81,15 +80,18 @@ def running_daemon(extra_args: list[str] = (), admin_token: str | None = ADMIN_T
             thread.join(timeout=10)
             daemon.engine.shutdown_sync()
             torch.set_num_threads(threads)
-        del mp
 
 
 @contextlib.contextmanager
-def _env(name: str, value: str):
+def _env(name: str, value: str | None):
+    """Set (or with None, remove) an environment variable for the block."""
     import os
 
     old = os.environ.get(name)
-    os.environ[name] = value
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
     try:
         yield
     finally:
