@@ -156,6 +156,11 @@ class ControlLoop:
                     await self.actuator.put_tuning(obs.name, decision.tuning)
                 except Exception as exc:  # noqa: BLE001 - any failure is retried by the next step's drift check
                     failures.append(f"PUT tuning to {obs.name} failed: {exc}")
+                else:
+                    if not decision.changed and decision.kind != REAPPLY:
+                        # A replica that restarted (or missed a PUT) runs other knobs than it should.
+                        await self._event("TuningReapplied", f"{obs.name} ran {_fmt(obs.tuning)}; re-applied "
+                                          f"{_fmt(decision.tuning)}")
             if decision.changed or decision.kind == REAPPLY:
                 await self._event(_event_reason(decision.kind), f"{obs.name}: {decision.message}")
 
@@ -260,6 +265,10 @@ def _replica_status(obs: ReplicaObservation, decision: TuningDecision | None) ->
     if decision is not None and decision.tuning is not None:
         row.update(desiredTokenBudget=decision.tuning.token_budget, desiredMaxNumSeqs=decision.tuning.max_num_seqs)
     return row
+
+
+def _fmt(tuning: Tuning) -> str:
+    return f"budget {tuning.token_budget}, max_num_seqs {tuning.max_num_seqs}"
 
 
 def _names_with_reasons(observations: Sequence[ReplicaObservation]) -> str:

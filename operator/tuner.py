@@ -41,7 +41,7 @@ class TunerConfig:
     decrease_target: float = 0.75
     decrease_min: float = 0.5
     decrease_max: float = 0.85
-    raise_below: float = 0.7
+    raise_below: float = 0.65
     raise_target: float = 0.75
     raise_max: float = 2.0
     min_raise: float = 1.05  # smaller raises are not worth a change

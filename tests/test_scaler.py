@@ -1,0 +1,151 @@
+"""The scaler, pure: capacity exhaustion sized from demand, cooldowns, stabilized scale-in, unknown replicas."""
+from __future__ import annotations
+
+import json
+
+from stallfree.operator.control_policy import ScalingPolicy
+from stallfree.operator.scaler import HOLD, SCALED_DOWN, SCALED_UP, ReplicaLoad, ScalerState, decide_replicas
+
+POLICY = ScalingPolicy(min_replicas=1, max_replicas=10, scale_up_stabilization_s=30, scale_down_stabilization_s=300)
+CAP = 6000.0  # prefill tokens/s per replica
+
+
+def loaded(name: str, demand: float, at_ceiling: bool = True, breaching: bool = True, waiting: int = 50) -> ReplicaLoad:
+    return ReplicaLoad(name, known=True, ready=True, at_ceiling=at_ceiling, breaching=breaching,
+                       slo_met=not breaching, prompt_tokens_per_s=demand, capacity_tokens_per_s=CAP,
+                       num_waiting=waiting)
+
+
+def quiet(name: str, demand: float) -> ReplicaLoad:
+    return loaded(name, demand, at_ceiling=False, breaching=False, waiting=0)
+
+
+def unknown(name: str, ready: bool = True) -> ReplicaLoad:
+    return ReplicaLoad(name, known=False, ready=ready, unknown_reason="stats scrape failed: timed out" if ready
+                       else "not ready")
+
+
+def run(steps, policy=POLICY, state=ScalerState(), current=1, start=0.0, interval=10.0):
+    """Feed `steps` (a list of load lists, or a callable of the current count) one interval apart."""
+    decisions = []
+    t = start
+    for loads in steps:
+        t += interval
+        loads = loads(current) if callable(loads) else loads
+        decision, state = decide_replicas(loads, current, policy, state, t)
+        decisions.append((t, decision))
+        current = decision.desired
+    return decisions, state, current
+
+
+def test_exhaustion_must_last_a_window_then_sizes_from_demand_not_plus_one():
+    demand = 3.4 * CAP
+    decisions, _, current = run([[loaded("r0", demand)]] * 4)
+    kinds = [d.kind for _, d in decisions]
+    assert kinds[:3] == [HOLD, HOLD, HOLD] and decisions[0][1].reason == "capacity_exhausted_waiting"
+    assert kinds[3] == SCALED_UP and current == 4  # ceil(3.4 / 0.9), not 2
+    assert decisions[3][1].capacity_exhausted is True
+    assert "demand" in decisions[3][1].message
+
+
+def test_no_exhaustion_while_a_replica_can_still_raise_its_budget():
+    loads = [loaded("r0", 2 * CAP), loaded("r1", 2 * CAP, at_ceiling=False)]
+    decisions, _, current = run([loads] * 10, current=2)
+    assert current == 2 and all(d.capacity_exhausted is False for _, d in decisions)
+
+
+def test_cooldown_after_a_scale_up_and_no_double_count_of_starting_replicas():
+    demand = 3.4 * CAP
+    decisions, state, current = run([[loaded("r0", demand)]] * 4)
+    assert current == 4
+    # The new ones are starting (not ready): r0 still reports the whole demand, and stays exhausted.
+    starting = [loaded("r0", demand), unknown("r1", False), unknown("r2", False), unknown("r3", False)]
+    decisions, state, current = run([starting] * 6, state=state, current=4, start=40.0)
+    assert current == 4
+    assert {d.reason for _, d in decisions} <= {"capacity_exhausted_waiting", "replicas_starting"}
+    # A restarted operator that lost every memory still does not add more for the same demand.
+    decisions, _, current = run([starting] * 6, state=ScalerState(), current=4, start=100.0)
+    assert current == 4 and decisions[-1][1].reason == "replicas_starting"
+
+
+def test_backlog_draining_does_not_add_replicas_but_growing_queues_do():
+    state = ScalerState(last_scale_at=0.0, last_direction=1)
+    draining = [[loaded(f"r{i}", 0.75 * CAP, waiting=100 - 10 * k) for i in range(4)] for k in range(8)]
+    decisions, _, current = run(draining, state=state, current=4, start=40.0)
+    assert current == 4 and decisions[-1][1].reason == "backlog_draining"
+    growing = [[loaded(f"r{i}", 0.75 * CAP, waiting=10 + 10 * k) for i in range(4)] for k in range(5)]
+    decisions, _, current = run(growing, state=state, current=4, start=40.0)
+    assert current == 5  # the estimate says 4 suffice, the queues say otherwise: one more
+    assert [d.kind for _, d in decisions].count(SCALED_UP) == 1
+
+
+def test_unreadable_serving_replica_counts_as_itself_and_blocks_scale_in():
+    # r1 serves but cannot be read: its share is unknown, so it is kept and never counted as spare.
+    decisions, _, current = run([[loaded("r0", 2.5 * CAP), unknown("r1")]] * 4, current=2)
+    assert current == 1 + 3  # r1 itself + ceil(2.5 / 0.9) for what r0 sees
+    assert "1 unknown" in decisions[-1][1].message
+    # Light load for far longer than the stabilization window: never a scale-in.
+    decisions, _, current = run([[quiet("r0", 0.1 * CAP), unknown("r1")]] * 60, current=2)
+    assert current == 2 and all(d.reason == "scale_in_blocked" for _, d in decisions)
+    assert "r1 unknown" in decisions[-1][1].message
+
+
+def test_no_known_replica_no_decision():
+    decision, state = decide_replicas([unknown("r0"), unknown("r1", False)], 2, POLICY, ScalerState(), 10.0)
+    assert decision.kind == HOLD and decision.reason == "no_known_replicas" and decision.capacity_exhausted is None
+    assert state.exhausted_since is None
+
+
+def test_scale_in_waits_out_the_window_and_takes_its_largest_recommendation():
+    steps = [[quiet(f"r{i}", 0.3 * CAP) for i in range(4)]] * 29  # 1.2 replicas' demand: fits 2 at 70%
+    decisions, state, current = run(steps, current=4)
+    assert current == 4 and decisions[-1][1].reason == "stabilizing"
+    decisions, state, current = run([[quiet(f"r{i}", 0.3 * CAP) for i in range(4)]] * 2, state=state, current=4,
+                                    start=290.0)
+    assert current == 2 and decisions[-1][1].kind == SCALED_DOWN and decisions[-1][0] >= 300
+    # A busier spell inside the window holds the count at what that spell needed.
+    busy_then_quiet = [[quiet(f"r{i}", 0.6 * CAP) for i in range(4)]] * 5 + \
+        [[quiet(f"r{i}", 0.1 * CAP) for i in range(4)]] * 26
+    decisions, _, current = run(busy_then_quiet, current=4)
+    assert current == 4  # 2.4 replicas' demand at 70% needed 4 within the last 300 s
+
+
+def test_scale_in_never_while_an_slo_is_missed():
+    steps = [[loaded(f"r{i}", 0.1 * CAP, at_ceiling=False, breaching=True) for i in range(3)]] * 50
+    _, _, current = run(steps, current=3)
+    assert current == 3
+
+
+def test_a_few_unknown_steps_neither_allow_nor_block():
+    fits = [quiet("r0", 0.2 * CAP), quiet("r1", 0.2 * CAP)]
+    gappy = [fits if k % 3 else [quiet("r0", 0.2 * CAP), unknown("r1")] for k in range(40)]
+    decisions, _, current = run(gappy, current=2)
+    assert current == 1
+    t, down = next((t, d) for t, d in decisions if d.kind == SCALED_DOWN)
+    assert t >= 300 and all(o.known for o in fits)
+
+
+def test_bounds_hold():
+    policy = ScalingPolicy(min_replicas=2, max_replicas=3, scale_up_stabilization_s=0, scale_down_stabilization_s=0)
+    decision, _ = decide_replicas([loaded("r0", 10 * CAP)], 1, policy, ScalerState(), 10.0)
+    assert decision.desired == 2 and decision.reason == "replica_bounds"
+    decision, _ = decide_replicas([loaded(f"r{i}", 10 * CAP) for i in range(3)], 3, policy, ScalerState(), 10.0)
+    assert decision.desired == 3 and decision.reason == "at_max_replicas" and decision.capacity_exhausted
+    decision, _ = decide_replicas([quiet(f"r{i}", 0.0) for i in range(3)], 3, policy, ScalerState(), 10.0)
+    assert decision.desired == 2
+
+
+def test_no_flapping_under_noisy_load_near_a_boundary():
+    import random
+
+    rng = random.Random(7)
+    steps = [lambda n: [quiet(f"r{i}", rng.uniform(1.1, 1.5) * CAP / n) for i in range(n)]] * 180
+    decisions, _, _ = run(steps, current=3)
+    changes = [d for _, d in decisions if d.changed]
+    assert len(changes) <= 1 and all(d.kind == SCALED_DOWN for d in changes)
+
+
+def test_state_round_trips_through_json():
+    _, state, _ = run([[loaded("r0", 3 * CAP)]] * 5)
+    again = ScalerState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert again == state
