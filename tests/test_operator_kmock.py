@@ -1,0 +1,171 @@
+"""The real kopf operator against kmock's Kubernetes emulator over HTTP.
+
+Each test starts `kopf run` (KopfRunner, in a thread) with the operator's handlers, points it and the
+operator's client at the emulator through KUBECONFIG, changes InferenceServices through the
+emulator's HTTP API as kubectl would, and checks what the operator made.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from typing import Any, Callable
+
+import kopf.testing
+import pytest
+
+from kmock_bridge import BridgedEmulator
+from stallfree.operator import handlers  # noqa: F401  (registers the handlers with kopf)
+from stallfree.operator import render
+from stallfree.operator import spec as s
+
+pytestmark = pytest.mark.kmock(cls=BridgedEmulator)
+
+NS = "ns1"
+IS_RESOURCE = f"{s.GROUP}/{s.VERSION}/{s.PLURAL}"
+IS_URL = f"/apis/{s.GROUP}/{s.VERSION}/namespaces/{NS}/{s.PLURAL}"
+DEPLOYMENTS = "apps/v1/deployments"
+
+
+@pytest.fixture(autouse=True)
+def kubeconfig(tmp_path, kmock: BridgedEmulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "kubeconfig"
+    path.write_text(f"""
+kind: Config
+apiVersion: v1
+current-context: kmock
+clusters: [{{name: kmock, cluster: {{server: "{kmock.url!s}"}}}}]
+contexts: [{{name: kmock, context: {{cluster: kmock, user: kmock}}}}]
+users: [{{name: kmock, user: {{token: test}}}}]
+""")
+    monkeypatch.setenv("KUBECONFIG", str(path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    kmock.install_basics(NS)
+
+
+class Operator:
+    """`kopf run` in a thread; stopping it never blocks the event loop that serves the emulator."""
+
+    def __init__(self) -> None:
+        self.runner = kopf.testing.KopfRunner(
+            ["run", "--standalone", "--namespace", NS, "-m", "stallfree.operator.handlers"], timeout=20)
+
+    async def __aenter__(self) -> "Operator":
+        self.runner.__enter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await asyncio.to_thread(self.runner.__exit__, None, None, None)
+        assert self.runner.exit_code == 0, self.runner.output
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 8.0) -> Any:
+    """Poll until `check()` returns something truthy without raising; fail with its last error."""
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            result = check()
+            if result:
+                return result
+        except (KeyError, AssertionError, ValueError, TypeError) as exc:
+            last = exc
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"condition not met in {timeout}s: {last!r}")
+
+
+def manifest(name: str = "chat", **spec: Any) -> dict[str, Any]:
+    base = {"model": {"source": "embedded", "name": "smollm2-135m"},
+            "engine": {"device": "cpu", "tokenBudget": {"initial": 256}, "maxNumSeqs": {"initial": 16}},
+            "slos": {"tpotP99Ms": 200}}
+    for key, value in spec.items():
+        base[key] = value
+    return {"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": {"name": name, "namespace": NS},
+            "spec": base}
+
+
+def obj(kmock: BridgedEmulator, resource: str, name: str) -> dict[str, Any]:
+    return kmock.objects[resource, NS, name].raw
+
+
+def exists(kmock: BridgedEmulator, resource: str, name: str) -> bool:
+    try:
+        return not kmock.objects[resource, NS, name].deleted
+    except KeyError:
+        return False
+
+
+def condition(kmock: BridgedEmulator, name: str, type_: str) -> dict[str, Any]:
+    for item in obj(kmock, IS_RESOURCE, name).get("status", {}).get("conditions", []):
+        if item["type"] == type_:
+            return item
+    raise KeyError(type_)
+
+
+async def create(kmock: BridgedEmulator, body: dict[str, Any]) -> None:
+    response = await kmock.post(IS_URL, json=body)
+    assert response.status == 201 or response.status == 200, await response.text()
+
+
+async def patch_spec(kmock: BridgedEmulator, name: str, spec_patch: dict[str, Any]) -> None:
+    response = await kmock.patch(f"{IS_URL}/{name}", json={"spec": spec_patch},
+                                 headers={"Content-Type": "application/merge-patch+json"})
+    assert response.status == 200, await response.text()
+
+
+def events(kmock: BridgedEmulator, reason: str) -> list[dict[str, Any]]:
+    out = []
+    for resource in ("v1/events", "events.k8s.io/v1/events"):
+        for request in kmock[kmock.resource(resource)]:
+            data = request.data or {}
+            if request.method == "POST" and data.get("reason") == reason:
+                out.append(data)
+    return out
+
+
+async def test_create_makes_owned_children_with_the_right_fields(kmock: BridgedEmulator) -> None:
+    async with Operator():
+        await create(kmock, manifest())
+        deployment = await eventually(lambda: obj(kmock, DEPLOYMENTS, "chat"))
+        await eventually(lambda: exists(kmock, "v1/services", "chat")
+                         and exists(kmock, "policy/v1/poddisruptionbudgets", "chat")
+                         and exists(kmock, "v1/secrets", "chat-admin-token"))
+        await eventually(lambda: condition(kmock, "chat", "Ready")["reason"] == "NoReplicaReady")
+
+        owner_uid = obj(kmock, IS_RESOURCE, "chat")["metadata"]["uid"]
+        for resource, name in ((DEPLOYMENTS, "chat"), ("v1/services", "chat"),
+                               ("policy/v1/poddisruptionbudgets", "chat"), ("v1/secrets", "chat-admin-token")):
+            refs = obj(kmock, resource, name)["metadata"]["ownerReferences"]
+            assert [(r["kind"], r["name"], r["uid"], r["controller"]) for r in refs] == \
+                [(s.KIND, "chat", owner_uid, True)], resource
+
+        pod = deployment["spec"]["template"]["spec"]
+        args = pod["containers"][0]["args"]
+        assert args[0] == "serve"
+        assert args[args.index("--model") + 1] == "smollm2-135m"
+        assert args[args.index("--device") + 1] == "cpu"
+        assert args[args.index("--token-budget") + 1] == "256"
+        assert args[args.index("--max-num-seqs") + 1] == "16"
+        assert args[args.index("--tpot-slo-ms") + 1] == "200"
+        assert args[args.index("--admin-token-file") + 1] == "/etc/stallfree/admin/token"
+        assert pod["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/ready"
+        assert pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0][
+            "topologyKey"] == "kubernetes.io/hostname"
+        assert deployment["spec"]["replicas"] == 1
+        assert obj(kmock, "v1/services", "chat")["spec"]["selector"] == render.selector_labels("chat")
+        assert not exists(kmock, "monitoring.coreos.com/v1/servicemonitors", "chat")  # no such API here
+
+        status = obj(kmock, IS_RESOURCE, "chat")["status"]
+        assert status["selector"] == render.selector_string("chat")
+        assert status["observedGeneration"] == 1
+        assert condition(kmock, "chat", "SLOMet")["status"] == "Unknown"
+        assert events(kmock, "Created")
+
+        # The Deployment controller reports a ready replica: the service becomes Ready.
+        response = await kmock.patch(f"/apis/apps/v1/namespaces/{NS}/deployments/chat/status", json={"status": {
+            "observedGeneration": deployment["metadata"]["generation"], "replicas": 1, "readyReplicas": 1,
+            "updatedReplicas": 1, "availableReplicas": 1}}, headers={"Content-Type": "application/merge-patch+json"})
+        assert response.status == 200
+        await eventually(lambda: condition(kmock, "chat", "Ready")["status"] == "True")
+        assert condition(kmock, "chat", "Progressing")["reason"] == "RolloutComplete"
+        assert obj(kmock, IS_RESOURCE, "chat")["status"]["readyReplicas"] == 1
