@@ -54,7 +54,7 @@ def get_hardware(
     overhead_ms: float | None = None,
     memory_gib: float | None = None,
 ) -> Hardware:
-    """A preset by name with any figure overridden; raises ValueError naming the bad input."""
+    """A preset by name with any figure overridden (its name then ends in '*'); ValueError names bad input."""
     try:
         hardware = HARDWARE[name.lower()]
     except KeyError:
@@ -68,4 +68,4 @@ def get_hardware(
     for key, value in changes.items():
         if value < 0 or (key != "overhead_ms" and value == 0):
             raise ValueError(f"{key} must be {'>= 0' if key == 'overhead_ms' else 'positive'}, got {value}")
-    return replace(hardware, **changes) if changes else hardware
+    return replace(hardware, name=f"{hardware.name}*", **changes) if changes else hardware
