@@ -68,14 +68,23 @@ class VirtualCluster:
         for _ in range(replicas - len(serving)):
             name = f"r{self._next_index}"
             self._next_index += 1
-            replica = VirtualReplica.for_model(
-                self.spec.model, self.spec.hardware, tuning=self.spec.start_tuning, ceilings=self.spec.ceilings,
-                max_model_len=self.spec.max_model_len, dtype=self.spec.dtype, name=name,
-                stats_window_s=self.window_s, start_time=now)
-            self.slots[name] = _Slot(replica, now if ready_now else now + self.spec.startup_s)
+            self.slots[name] = _Slot(self._new_replica(name, now), now if ready_now else now + self.spec.startup_s)
         for name in serving[replicas:] if replicas < len(serving) else ():
             self.slots[name].draining = True
         self.desired = replicas
+
+    def restart(self, name: str, now: float) -> None:
+        """The replica's process dies and comes back with its start-up flags (queued work is lost)."""
+        slot = self.slots[name]
+        slot.replica = self._new_replica(name, now)
+        slot.ready_at = now
+        self._profiles.pop(name, None)
+
+    def _new_replica(self, name: str, now: float) -> VirtualReplica:
+        spec = self.spec
+        return VirtualReplica.for_model(spec.model, spec.hardware, tuning=spec.start_tuning, ceilings=spec.ceilings,
+                                        max_model_len=spec.max_model_len, dtype=spec.dtype, name=name,
+                                        stats_window_s=self.window_s, start_time=now)
 
     def reap(self) -> list[str]:
         """Remove drained replicas (nothing waiting, running or yet to arrive)."""
@@ -199,31 +208,54 @@ def active_phase(phases: Sequence[LoadPhase], t: float) -> LoadPhase | None:
     return current
 
 
+class ClosedLoopDriver:
+    """Steps load, virtual time and the control loop together, one control interval per `step()`.
+
+    Its parts stay reachable so tests can inject faults between steps: restart a replica, make one
+    unreadable, wrap the actuator, or resume the loop from its serialised state.
+    """
+
+    def __init__(self, cluster_spec: ClusterSpec, policy: ControlPolicy, phases: Sequence[LoadPhase],
+                 replicas: int = 1, unreadable: Sequence[str] = (), seed: int = 0) -> None:
+        self.policy = policy
+        self.phases = list(phases)
+        self.cluster = VirtualCluster(cluster_spec, policy.window_s, replicas)
+        self.observer = VirtualObserver(self.cluster, policy.min_samples, unreadable)
+        self.actuator = VirtualActuator(self.cluster)
+        self.loop = ControlLoop(policy, self.observer, self.actuator)
+        self.rng = random.Random(seed)
+        self.t = 0.0
+        self.submitted = 0
+        self.steps: list[StepResult] = []
+
+    async def step(self) -> StepResult:
+        t, end = self.t, self.t + self.policy.interval_s
+        # Arrivals of this interval, cut at phase boundaries so a load step lands when it says.
+        cuts = sorted({t, end, *(p.start_s for p in self.phases if t < p.start_s < end)})
+        for lo, hi in zip(cuts, cuts[1:]):
+            phase = active_phase(self.phases, lo)
+            if phase is not None:
+                self.submitted += self.cluster.submit(poisson_arrivals(phase, lo, hi, self.rng), t)
+        self.cluster.advance_to(end)
+        self.cluster.reap()
+        self.t = end
+        self.actuator.now = end
+        result = await self.loop.step(self.cluster.targets(end), self.cluster.desired, end)
+        self.steps.append(result)
+        return result
+
+    async def run(self, duration_s: float) -> ClosedLoopRun:
+        while self.t < duration_s - 1e-9:
+            await self.step()
+        return ClosedLoopRun(self.steps, self.actuator.events, self.submitted, self.policy)
+
+
 async def run_closed_loop(cluster_spec: ClusterSpec, policy: ControlPolicy, phases: Sequence[LoadPhase],
                           duration_s: float, replicas: int = 1, unreadable: Sequence[str] = (),
                           seed: int = 0) -> ClosedLoopRun:
     """Drive the real control loop over the virtual cluster for `duration_s` virtual seconds."""
-    cluster = VirtualCluster(cluster_spec, policy.window_s, replicas)
-    observer = VirtualObserver(cluster, policy.min_samples, unreadable)
-    actuator = VirtualActuator(cluster)
-    loop = ControlLoop(policy, observer, actuator)
-    rng = random.Random(seed)
-    steps: list[StepResult] = []
-    submitted, t, interval = 0, 0.0, policy.interval_s
-    while t < duration_s - 1e-9:
-        end = min(duration_s, t + interval)
-        # Arrivals of this interval, cut at phase boundaries so a load step lands when it says.
-        cuts = sorted({t, end, *(p.start_s for p in phases if t < p.start_s < end)})
-        for lo, hi in zip(cuts, cuts[1:]):
-            phase = active_phase(phases, lo)
-            if phase is not None:
-                submitted += cluster.submit(poisson_arrivals(phase, lo, hi, rng), t)
-        cluster.advance_to(end)
-        cluster.reap()
-        t = end
-        actuator.now = t
-        steps.append(await loop.step(cluster.targets(t), cluster.desired, t))
-    return ClosedLoopRun(steps, actuator.events, submitted, policy)
+    driver = ClosedLoopDriver(cluster_spec, policy, phases, replicas, unreadable, seed)
+    return await driver.run(duration_s)
 
 
 def run_closed_loop_sync(*args: Any, **kwargs: Any) -> ClosedLoopRun:
