@@ -118,3 +118,17 @@ def test_everything_freed_after_the_module(live: LiveDaemon, client: openai.Open
     kv = live.llm_engine.kv_cache
     assert kv.num_free_blocks == kv.num_blocks
     assert live.daemon.admission.queued_requests == 0 and live.daemon.admission.queued_tokens == 0
+
+
+@pytest.mark.slow
+def test_smollm2_answers_through_the_chat_api() -> None:
+    """The embedded SmolLM2-135M-Instruct behind the whole stack: chat template, real tokenizer, EOS."""
+    with running_daemon(["--model", "smollm2-135m", "--served-model-name", "smollm2", "--no-profile",
+                         "--num-kv-blocks", "256", "--max-model-len", "2048"]) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+        r = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0)
+        assert "Paris" in r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop"  # ended by the model's own end-of-turn token
+        assert r.usage.prompt_tokens == _chat_prompt_len(live, messages)
+        assert r.usage.completion_tokens < 16
