@@ -107,3 +107,143 @@ def test_abort_frees_a_running_request(cost):
     assert replica.abort(rid)
     assert replica.num_running == 0 and replica.kv_usage == 0
     assert not replica.abort(rid)
+
+
+# ---- the long-prompt scenario -------------------------------------------------------------------
+
+from stallfree.node_daemon.sim.scenarios import long_prompt_scenario  # noqa: E402
+from stallfree.node_daemon.sim.simulate import SimSetup, simulate  # noqa: E402
+
+# A small model on the textbook device: every figure below follows from the cost model's arithmetic.
+SMALL = SimSetup(model="qwen2-0.5b", hardware="textbook", max_model_len=8192, max_num_seqs=32, num_kv_blocks=4096)
+
+
+def test_without_chunking_the_prompt_stalls_every_decode_for_its_whole_prefill():
+    result = long_prompt_scenario(SMALL, decoders=16, prompt_len=4096, decoder_prompt_len=256,
+                                  decoder_output_len=512, no_chunking=True)
+    cost = SMALL.build_replica().cost_model
+    assert result["prefill_iterations"] == 1
+    assert result["decode_tokens_during_prefill"] == 0
+    assert result["ttft_ms"] == pytest.approx(cost.predict_ms([], [(0, 4096)]))
+    # The gap spans the prefill plus the next decode step.
+    assert result["ttft_ms"] < result["max_decode_gap_ms"] < result["ttft_ms"] + 3 * result["steady_decode_gap_ms"]
+
+
+def test_a_token_budget_bounds_the_decode_gap_at_some_cost_in_ttft():
+    stalled = long_prompt_scenario(SMALL, 16, 4096, 256, 512, no_chunking=True)
+    budget = 16 + 256
+    chunked = long_prompt_scenario(SMALL.__class__(**{**SMALL.__dict__, "token_budget": budget}), 16, 4096, 256, 512)
+    assert chunked["prefill_iterations"] == 4096 // 256
+    assert chunked["decode_tokens_during_prefill"] == 16 * chunked["prefill_iterations"]
+    assert chunked["max_decode_gap_ms"] * 5 < stalled["max_decode_gap_ms"]
+    assert chunked["ttft_ms"] > stalled["ttft_ms"]  # re-reads and per-iteration weight reads
+
+
+def test_an_iteration_time_target_keeps_every_gap_under_it():
+    setup = SimSetup(**{**SMALL.__dict__, "policy": "stall-free-time", "iteration_time_target_ms": 4.0})
+    result = long_prompt_scenario(setup, 16, 4096, 256, 512)
+    assert result["max_decode_gap_ms"] <= 4.0 + 1e-9
+    assert result["prefill_iterations"] > 1
+
+
+def test_scenario_refuses_what_cannot_fit():
+    with pytest.raises(ValueError, match="does not fit max_model_len"):
+        long_prompt_scenario(SMALL, 4, 9000)
+    with pytest.raises(ValueError, match="tokens of KV cache"):
+        long_prompt_scenario(SimSetup(model="llama-3-8b", hardware="a100"), 400, 4096, 1024, 4096)
+
+
+# ---- workloads, capacity, sweeps ----------------------------------------------------------------
+
+from stallfree.node_daemon.sim.capacity import CapacityCriteria, find_capacity  # noqa: E402
+from stallfree.node_daemon.sim.latency_summary import SLOs  # noqa: E402
+from stallfree.node_daemon.sim.sweep import budget_sweep  # noqa: E402
+from stallfree.node_daemon.sim.workload import Fixed, WorkloadSpec, generate, parse_length  # noqa: E402
+
+MISTRAL_A100 = SimSetup(model="mistral-7b", hardware="a100", token_budget=512, max_num_seqs=64, num_kv_blocks=16384)
+SMALL_MIX = WorkloadSpec(num_requests=120, prompt=parse_length("mix:0.8*fixed:256|0.2*fixed:3000"),
+                         output=Fixed(48), seed=3)
+
+
+def test_simulation_reports_every_request_and_goodput_under_slos():
+    requests = generate(WorkloadSpec(rate=4.0, num_requests=60, prompt=Fixed(512), output=Fixed(32), seed=1))
+    result = simulate(requests, MISTRAL_A100, SLOs(ttft_ms=200, tpot_ms=30))
+    s = result.summary
+    assert s["completed"] == 60 and len(result.requests) == 60
+    assert s["itl_ms"]["count"] == 60 * 31 == len(result.itl_ms)
+    assert s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] <= s["ttft_ms"]["max"]
+    assert s["goodput"] == pytest.approx(sum(r["slo_met"] for r in result.requests) / s["duration_s"])
+    assert all(r["queue_wait_ms"] <= r["ttft_ms"] <= r["e2e_ms"] for r in result.requests)
+
+
+def test_chunking_keeps_tail_itl_low_where_prefill_priority_stalls():
+    requests = generate(WorkloadSpec(rate=3.0, num_requests=80, prompt=parse_length("mix:0.7*fixed:200|0.3*fixed:4000"),
+                                     output=Fixed(64), seed=2))
+    stall_free = simulate(requests, MISTRAL_A100).summary
+    prefill_first = simulate(requests, SimSetup(**{**MISTRAL_A100.__dict__, "policy": "prefill-priority"})).summary
+    decode_first = simulate(requests, SimSetup(**{**MISTRAL_A100.__dict__, "policy": "decode-priority"})).summary
+    assert stall_free["itl_ms"]["max"] * 3 < prefill_first["itl_ms"]["max"]
+    # Decode-priority never stalls a decode but starves prompts: queue wait balloons.
+    assert decode_first["queue_wait_ms"]["p99"] > stall_free["queue_wait_ms"]["p99"]
+    assert all(s["completed"] == 80 for s in (stall_free, prefill_first, decode_first))
+
+
+def test_capacity_search_brackets_the_highest_passing_rate():
+    criteria = CapacityCriteria(tbt_slo_ms=60.0)
+    stall_free = find_capacity(SMALL_MIX, MISTRAL_A100, criteria, rel_tol=0.05)
+    prefill_first = find_capacity(SMALL_MIX, SimSetup(**{**MISTRAL_A100.__dict__, "policy": "prefill-priority"}),
+                                  criteria, rel_tol=0.05)
+    for result in (stall_free, prefill_first):
+        passed = [p.rate for p in result.probes if p.ok]
+        failed = [p.rate for p in result.probes if not p.ok]
+        assert result.capacity_rps == max(passed)
+        assert min(r for r in failed if r > result.capacity_rps) <= result.capacity_rps * 1.06
+    assert stall_free.capacity_rps > 1.5 * prefill_first.capacity_rps
+
+
+def test_budget_sweep_traces_the_ttft_tpot_tradeoff_and_the_profile_pick():
+    workload = WorkloadSpec(rate=2.0, num_requests=60, prompt=Fixed(2000), output=Fixed(32), seed=4)
+    result = budget_sweep(workload, MISTRAL_A100, [128, 512, 2048], SLOs(tpot_ms=40), target_fraction=0.8)
+    tpot = [p.tpot_p99_ms for p in result.points]
+    ttft = [p.ttft_p99_ms for p in result.points]
+    assert tpot[0] < tpot[1] < tpot[2]
+    assert ttft[0] > ttft[1] > ttft[2]
+    profile = SimSetup(**{**MISTRAL_A100.__dict__, "token_budget": 2048, "max_token_budget": 2048}).build_replica().profile()
+    assert result.profile_budget == profile.budget_for(32.0, lo=128, hi=2048)
+    assert 128 < result.profile_budget < 2048
+    with pytest.raises(ValueError, match="TPOT SLO"):
+        budget_sweep(workload, MISTRAL_A100, [128], SLOs())
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+from stallfree.node_daemon.sim import simulate_cli  # noqa: E402
+
+
+def test_cli_scenario_json_has_the_figures(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    png = tmp_path / "s.png"
+    code = simulate_cli.main(["--scenario", "long-prompt", "--model", "qwen2-0.5b", "--hardware", "textbook",
+                              "--decoders", "8", "--prompt-len", "2048", "--decoder-output-len", "256",
+                              "--budget", "264", "--num-kv-blocks", "2048", "--json", str(out), "--plot", str(png)])
+    assert code == 0
+    data = __import__("json").loads(out.read_text())
+    assert {"max_decode_gap_ms", "ttft_ms", "decode_tokens_during_prefill"} <= set(data)
+    assert data["decode_tokens_during_prefill"] == 8 * 8
+    assert png.stat().st_size > 10_000
+    assert "budget 264" in capsys.readouterr().out
+
+
+def test_cli_workload_prints_json_to_stdout_and_refuses_bad_flags(capsys):
+    code = simulate_cli.main(["--model", "qwen2-0.5b", "--num-requests", "20", "--prompt-len", "uniform:50:500",
+                              "--output-len", "fixed:10", "--rate", "5", "--num-kv-blocks", "2048", "--policies", "stall-free,prefill-priority",
+                              "--json"])
+    assert code == 0
+    data = __import__("json").loads(capsys.readouterr().out)
+    assert set(data["results"]) == {"stall-free", "prefill-priority"}
+    assert data["results"]["stall-free"]["summary"]["completed"] == 20
+    assert simulate_cli.main(["--prompt-len", "gauss:3"]) == 2
+    assert "bad length distribution" in capsys.readouterr().err
+    assert simulate_cli.main(["--policies", "fifo"]) == 2
+    assert simulate_cli.main(["--hardware", "tpu"]) == 2
+    assert "unknown hardware preset" in capsys.readouterr().err

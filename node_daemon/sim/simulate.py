@@ -46,6 +46,7 @@ class SimSetup:
     max_model_len: int = 8192
     block_size: int = 16
     kv_memory_fraction: float = 0.9
+    num_kv_blocks: int | None = None  # None: size from device memory after the weights
     enable_prefix_caching: bool = True
 
     def check(self) -> None:
@@ -79,8 +80,8 @@ class SimSetup:
         self.check()
         cost = build_cost_model(self.model, self.hardware, self.dtype, tflops=self.tflops, hbm_tbps=self.hbm_tbps,
                                 overhead_ms=self.overhead_ms)
-        return VirtualReplica(cost, self.scheduler_config(), num_kv_blocks=sim_num_kv_blocks(
-            cost, self.block_size, self.kv_memory_fraction), block_size=self.block_size,
+        num_blocks = self.num_kv_blocks or sim_num_kv_blocks(cost, self.block_size, self.kv_memory_fraction)
+        return VirtualReplica(cost, self.scheduler_config(), num_kv_blocks=num_blocks, block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching, **kwargs)
 
     def describe(self) -> dict[str, Any]:

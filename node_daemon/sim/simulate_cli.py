@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-model-len", type=int, default=8192)
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--kv-memory-fraction", type=float, default=0.9)
+    engine.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: from device memory after weights)")
     engine.add_argument("--no-prefix-caching", action="store_true")
     add_workload_args(parser)
     slo = parser.add_argument_group("SLOs (goodput)")
@@ -88,7 +89,7 @@ def _setup(args: argparse.Namespace, policy: str, budget: int) -> SimSetup:
         max_partial_prefills=args.max_partial_prefills, long_prefill_threshold=args.long_prefill_threshold,
         iteration_time_target_ms=args.iteration_time_target_ms, max_token_budget=args.max_token_budget,
         max_model_len=args.max_model_len, block_size=args.block_size, kv_memory_fraction=args.kv_memory_fraction,
-        enable_prefix_caching=not args.no_prefix_caching,
+        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
     )
     setup.check()
     return setup
