@@ -10,7 +10,6 @@ import sys
 import time
 
 import httpx
-import pytest
 
 from server_helpers import free_port
 

@@ -1,31 +1,28 @@
 """/v1/completions, /v1/chat/completions and /v1/models, as OpenAI serves them.
 
 The path of one request: validate (model, unsupported fields, prompt and max_tokens against the context)
--> admit (drain, queue bounds) -> engine.generate -> SSE chunks or one JSON body. Per-token work is one
-string template and one json.dumps of the new text.
+-> admit (drain, queue bounds) -> engine.generate -> SSE chunks (streaming.py) or one JSON body.
 """
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from stallfree.node_daemon.async_engine import EngineDeadError
 from stallfree.node_daemon.engine_protocol import RequestOutput
 from stallfree.node_daemon.server import protocol
 from stallfree.node_daemon.server.app import Daemon, get_daemon
-from stallfree.node_daemon.server.errors import APIError, sse_error
+from stallfree.node_daemon.server.errors import APIError
 from stallfree.node_daemon.server.generation import Generation, admit
+from stallfree.node_daemon.server.streaming import ChunkRenderer, SSEResponse, stream_events
 
 router = APIRouter()
 
 # OpenAI's default for the legacy completions endpoint; chat defaults to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-SSE_DONE = "data: [DONE]\n\n"
 
 
 def require_api_key(request: Request) -> None:
@@ -65,7 +62,7 @@ async def create_chat_completion(body: protocol.ChatCompletionRequest, request: 
 # --- validation -----------------------------------------------------------------------------------
 
 
-def _check_request(daemon: Daemon, body: protocol._SamplingFields) -> None:
+def _check_request(daemon: Daemon, body: protocol.SamplingFields) -> None:
     daemon.require_engine()
     if body.model != daemon.served_model_name:
         raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
@@ -92,7 +89,7 @@ def _check_token_ids(daemon: Daemon, ids: list[int]) -> list[int]:
     return list(ids)
 
 
-def _max_tokens(daemon: Daemon, body: protocol._SamplingFields, num_prompt_tokens: int, chat: bool) -> int:
+def _max_tokens(daemon: Daemon, body: protocol.SamplingFields, num_prompt_tokens: int, chat: bool) -> int:
     max_tokens = _max_tokens_in_context(daemon, body, num_prompt_tokens, chat)
     capacity = daemon.kv_capacity_tokens
     # The engine reserves a request's final KV footprint; one that can never fit is refused here, not mid-stream.
@@ -103,7 +100,7 @@ def _max_tokens(daemon: Daemon, body: protocol._SamplingFields, num_prompt_token
     return max_tokens
 
 
-def _max_tokens_in_context(daemon: Daemon, body: protocol._SamplingFields, num_prompt_tokens: int,
+def _max_tokens_in_context(daemon: Daemon, body: protocol.SamplingFields, num_prompt_tokens: int,
                            chat: bool) -> int:
     context = daemon.require_engine().max_model_len
     if num_prompt_tokens == 0:
@@ -128,7 +125,7 @@ def _max_tokens_in_context(daemon: Daemon, body: protocol._SamplingFields, num_p
 # --- generation -----------------------------------------------------------------------------------
 
 
-async def _serve(daemon: Daemon, request: Request, body: protocol._SamplingFields, prompt_ids: list[int],
+async def _serve(daemon: Daemon, request: Request, body: protocol.SamplingFields, prompt_ids: list[int],
                  chat: bool):
     sampling = body.to_sampling_params(_max_tokens(daemon, body, len(prompt_ids), chat))
     try:
@@ -139,8 +136,8 @@ async def _serve(daemon: Daemon, request: Request, body: protocol._SamplingField
     ticket = admit(daemon, len(prompt_ids))
     generation = Generation(daemon, rid, prompt_ids, sampling, ticket)
     if body.stream:
-        render = _ChunkRenderer(rid, protocol.now_s(), daemon.served_model_name, chat, body.include_usage)
-        return _SSEResponse(_stream(daemon, generation, render), on_close=generation.close)
+        render = ChunkRenderer(rid, protocol.now_s(), daemon.served_model_name, chat, body.include_usage)
+        return SSEResponse(stream_events(daemon, generation, render), on_close=generation.close)
     return await _complete(daemon, request, generation, chat)
 
 
@@ -191,88 +188,3 @@ async def _client_gone(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-class _ChunkRenderer:
-    """SSE events of one stream; the per-token event is a prebuilt template around json.dumps(text)."""
-
-    def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool) -> None:
-        self.rid, self.created, self.model, self.chat = rid, created, model, chat
-        # With include_usage every chunk carries "usage": null and one last chunk carries the counts.
-        self.include_usage = include_usage
-        head = json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                           "created": created, "model": model}, separators=(",", ":"))[:-1]
-        usage_field = ',"usage":null' if include_usage else ""
-        if chat:
-            self._text_head = 'data: ' + head + ',"choices":[{"index":0,"delta":{"content":'
-            self._text_tail = '},"logprobs":null,"finish_reason":null}]' + usage_field + '}\n\n'
-        else:
-            self._text_head = 'data: ' + head + ',"choices":[{"index":0,"text":'
-            self._text_tail = ',"logprobs":null,"finish_reason":null}]' + usage_field + '}\n\n'
-
-    def text(self, text: str) -> str:
-        return self._text_head + json.dumps(text, ensure_ascii=False) + self._text_tail
-
-    def role(self) -> str:
-        return _event(protocol.chat_chunk(self.rid, self.created, self.model, {"role": "assistant", "content": ""},
-                                          None, self.include_usage))
-
-    def finish(self, reason: str) -> str:
-        if self.chat:
-            chunk = protocol.chat_chunk(self.rid, self.created, self.model, {}, reason, self.include_usage)
-        else:
-            chunk = protocol.completion_chunk(self.rid, self.created, self.model, "", reason, self.include_usage)
-        return _event(chunk)
-
-    def usage(self, out: RequestOutput) -> str:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        usage = protocol.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-        return _event(protocol.usage_chunk(self.rid, self.created, self.model, obj, usage))
-
-
-def _event(data: dict) -> str:
-    return "data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n\n"
-
-
-async def _stream(daemon: Daemon, generation: Generation, render: _ChunkRenderer) -> AsyncIterator[str]:
-    if render.chat:
-        yield render.role()
-    last = None
-    try:
-        async for out in generation.outputs():
-            last = out
-            if out.text:
-                yield render.text(out.text)
-    except (ValueError, EngineDeadError) as exc:
-        # The 200 and maybe some text went out already: the error becomes the stream's last event.
-        daemon.metrics.record_error("invalid_request" if isinstance(exc, ValueError) else "engine")
-        yield sse_error(str(exc), "invalid_request" if isinstance(exc, ValueError) else "engine_dead")
-        yield SSE_DONE
-        return
-    if last is None or last.finish_reason == "error":
-        daemon.metrics.record_error("engine")
-        detail = last.error if last is not None and last.error else "the engine stopped without an answer"
-        yield sse_error(f"generation failed: {detail}", "engine_error")
-    elif last.finish_reason == "abort":
-        daemon.metrics.record_error("draining")
-        yield sse_error("the request was aborted: the server is shutting down", "aborted")
-    else:
-        yield render.finish(last.finish_reason)
-        if render.include_usage:
-            yield render.usage(last)
-    yield SSE_DONE
-
-
-class _SSEResponse(StreamingResponse):
-    """A StreamingResponse that always runs `on_close`, even when the client left before the first byte."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()

@@ -15,23 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from stallfree.node_daemon.sampling_params import SamplingParams
 
 
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
     """Fields both endpoints share; `top_k`, `ignore_eos`, `stop_token_ids` are the usual extensions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -93,7 +82,7 @@ class _SamplingFields(BaseModel):
         )
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     # A string, a batch of one string, token ids, or a batch of one token-id list.
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
@@ -143,7 +132,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -170,12 +159,6 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # --- responses (plain dicts on the hot path: building them through pydantic per token costs too much) ---
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
