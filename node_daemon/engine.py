@@ -129,6 +129,13 @@ class LLMEngine:
         self._release(request, self.clock())
         return request
 
+    def abort_all(self) -> int:
+        """Abort every unfinished request; returns how many there were."""
+        request_ids = list(self._detokenizers)
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        return len(request_ids)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--token-budget", type=int, default=256, help="tokens per iteration (prefill chunk size)")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads on the CPU (0: torch's default)")
     parser.add_argument("--stats", action="store_true", help="print TTFT, TPOT and token counts to stderr")
     return parser
 
@@ -59,6 +60,11 @@ def _run(args: argparse.Namespace) -> int:
 
     from stallfree.node_daemon.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from stallfree.node_daemon.engine import LLMEngine
+
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     max_num_seqs = 1
     budget = max(args.token_budget, min_budget_for(max_num_seqs))

@@ -17,6 +17,17 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "Chunked prefill keeps decodes moving " * 3, "x", "Paged KV cache blocks"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread: on a shared CPU, spinning OpenMP workers make the tiny model many times slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_engine(num_blocks: int = 96, budget: int = 512, max_num_seqs: int = 16, observer=None,
                 tokenizer=None, prefix_caching: bool = True) -> LLMEngine:
     config = EngineConfig(

@@ -1,0 +1,160 @@
+"""AsyncEngine: the engine thread streams to asyncio callers; aborts, bad input, tuning, errors, shutdown."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from stallfree.contracts import Tuning, TuningError
+from stallfree.node_daemon.async_engine import AsyncEngine, EngineDeadError
+from stallfree.node_daemon.engine_protocol import RequestOutput
+from stallfree.node_daemon.sampling_params import SamplingParams
+from tests.test_engine import make_engine, one_torch_thread, run_all, tokens_of  # noqa: F401 (autouse)
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+PROMPTS = {"a": list(range(10, 40)), "b": list(range(100, 170)), "c": [7, 8, 9]}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    engine = make_engine()
+    for rid, ids in PROMPTS.items():
+        engine.add_request(rid, prompt_token_ids=ids, sampling=GREEDY)
+    return {rid: tokens_of(outs) for rid, outs in run_all(engine).items()}
+
+
+@pytest.fixture
+async def client():
+    engine = AsyncEngine(make_engine(budget=48), model_name="tiny")
+    yield engine
+    await engine.shutdown()
+
+
+async def collect(client: AsyncEngine, rid: str, ids: list[int], sampling: SamplingParams = GREEDY) -> list[RequestOutput]:
+    return [out async for out in client.generate(rid, ids, sampling)]
+
+
+async def test_concurrent_streams_match_the_sync_engine(client: AsyncEngine, reference) -> None:
+    results = await asyncio.gather(*(collect(client, rid, ids) for rid, ids in PROMPTS.items()))
+    for rid, outs in zip(PROMPTS, results):
+        assert tokens_of(outs) == reference[rid]
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+        assert not any(o.finished for o in outs[:-1])
+    assert client.num_in_flight == 0
+    kv = client.engine.kv_cache
+    await asyncio.sleep(0.05)
+    assert kv.num_free_blocks == kv.num_blocks
+    assert client.model_name == "tiny" and client.max_model_len == 256
+    assert client.encode("hi") and "<|im_start|>user" in client.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+async def test_bad_input_raises_while_other_streams_continue(client: AsyncEngine, reference) -> None:
+    good = asyncio.create_task(collect(client, "a", PROMPTS["a"]))
+    with pytest.raises(ValueError, match="empty"):
+        await collect(client, "bad1", [])
+    with pytest.raises(ValueError, match="context"):
+        await collect(client, "bad2", [1] * 300)
+    with pytest.raises(ValueError, match="max_tokens"):
+        await collect(client, "bad3", [1, 2], SamplingParams(max_tokens=0))
+    assert tokens_of(await good) == reference["a"]
+    assert client.num_in_flight == 0
+
+
+async def test_duplicate_request_id_is_refused(client: AsyncEngine) -> None:
+    first = client.generate("dup", PROMPTS["b"], GREEDY)
+    await first.__anext__()
+    with pytest.raises(ValueError, match="already in flight"):
+        await collect(client, "dup", PROMPTS["c"])
+    rest = [out async for out in first]
+    assert rest[-1].finished
+
+
+async def test_leaving_a_stream_early_aborts_it_and_frees_its_blocks(client: AsyncEngine) -> None:
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    stream = client.generate("early", PROMPTS["b"], long)
+    async for out in stream:
+        if out.num_output_tokens >= 2:
+            break
+    await stream.aclose()
+    task = asyncio.create_task(collect(client, "cancelled", PROMPTS["a"], long))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    kv = client.engine.kv_cache
+    for _ in range(100):
+        if kv.num_free_blocks == kv.num_blocks and not client.engine.has_unfinished():
+            break
+        await asyncio.sleep(0.02)
+    assert kv.num_free_blocks == kv.num_blocks
+    assert client.num_in_flight == 0
+
+
+async def test_explicit_abort_ends_the_stream(client: AsyncEngine) -> None:
+    long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    stream = client.generate("x", PROMPTS["a"], long)
+    first = await stream.__anext__()
+    assert not first.finished
+    await client.abort("x")
+    rest = [out async for out in stream]
+    assert rest[-1].finished and rest[-1].finish_reason == "abort"
+    assert rest[-1].num_output_tokens < 200
+
+
+async def test_tuning_is_checked_now_and_applied_before_the_next_iteration(client: AsyncEngine) -> None:
+    with pytest.raises(TuningError, match="ceiling"):
+        client.set_tuning(Tuning(token_budget=100_000, max_num_seqs=4))
+    new = Tuning(token_budget=40, max_num_seqs=4)
+    client.set_tuning(new)
+    assert client.get_tuning() == new
+    outs = await collect(client, "t", PROMPTS["b"])
+    assert outs[-1].finished
+    assert client.engine.scheduler.tuning == new
+    assert client.ceilings.max_token_budget == 512
+
+
+async def test_a_failing_step_fails_the_requests_in_flight_with_a_message(client: AsyncEngine, reference) -> None:
+    executor = client.engine.executor
+    real_execute = executor.execute
+    calls = {"n": 0}
+
+    def flaky(output):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        return real_execute(output)
+
+    executor.execute = flaky
+    try:
+        outs = await collect(client, "doomed", PROMPTS["b"])
+        assert outs[-1].finished and outs[-1].finish_reason == "error"
+        assert "device lost" in outs[-1].error
+        # The loop survives: the next request is served normally.
+        assert tokens_of(await collect(client, "c", PROMPTS["c"])) == reference["c"]
+    finally:
+        executor.execute = real_execute
+    kv = client.engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+async def test_idle_engine_does_not_spin(client: AsyncEngine) -> None:
+    await collect(client, "warm", PROMPTS["c"])
+    iterations = client.engine.num_iterations
+    cpu = time.process_time()
+    await asyncio.sleep(0.5)
+    assert time.process_time() - cpu < 0.2  # a spinning loop would burn the whole 0.5 s
+    assert client.engine.num_iterations == iterations
+    assert await client.wait_idle(timeout=1.0)
+
+
+async def test_shutdown_aborts_streams_in_flight_and_refuses_new_ones() -> None:
+    client = AsyncEngine(make_engine(), model_name="tiny")
+    stream = client.generate("s", PROMPTS["a"], SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True))
+    await stream.__anext__()
+    await client.shutdown()
+    rest = [out async for out in stream]
+    assert rest and rest[-1].finished and rest[-1].finish_reason == "abort"
+    assert not client.is_running
+    with pytest.raises(EngineDeadError):
+        await collect(client, "late", PROMPTS["c"])
