@@ -251,9 +251,12 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"stallfree serve: error: {exc}", file=sys.stderr)
         return 2
+    import prometheus_client
     import uvicorn
 
     from stallfree.node_daemon.server.drain import DrainingServer
+
+    prometheus_client.disable_created_metrics()  # no *_created series: one fewer sample per metric per scrape
 
     logging.basicConfig(level=opts.args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     daemon, app = build_daemon(opts)
