@@ -66,15 +66,19 @@ def run(args: argparse.Namespace) -> dict:
         while scheduler.num_waiting < args.waiting:
             prompt = system_prompt + [rng.randrange(VOCAB) for _ in range(rng.randint(*args.prompt_len))]
             sampling = SamplingParams(max_tokens=rng.randint(*args.output_len), ignore_eos=True)
-            scheduler.add_request(Request(f"req-{counter}", prompt, sampling, arrival_time=0.0))
+            request = Request(f"req-{counter}", prompt, sampling, arrival_time=0.0)
+            t0 = perf()
+            scheduler.add_request(request)  # hashes the prompt's full blocks, once, on arrival
+            add_us.append((perf() - t0) / 1000)
             counter += 1
 
+    perf = time.perf_counter_ns
+    add_us: list[float] = []
     schedule_us: list[float] = []
     update_us: list[float] = []
     running: list[int] = []
     tokens: list[int] = []
     finished = 0
-    perf = time.perf_counter_ns
     for step in range(args.warmup + args.steps):
         refill()
         t0 = perf()
@@ -96,6 +100,7 @@ def run(args: argparse.Namespace) -> dict:
         "p99_us": round(_percentile(schedule_us, 99), 2),
         "update_median_us": round(statistics.median(update_us), 2),
         "update_p99_us": round(_percentile(update_us, 99), 2),
+        "add_request_median_us": round(statistics.median(add_us[-args.steps:]), 2),
         "steps": args.steps,
         "mean_running": round(statistics.fmean(running), 1),
         "waiting": args.waiting,
@@ -121,6 +126,7 @@ def main(argv: list[str]) -> int:
         return 0
     print(f"schedule():           median {result['median_us']:8.1f} us   p99 {result['p99_us']:8.1f} us")
     print(f"update_from_output(): median {result['update_median_us']:8.1f} us   p99 {result['update_p99_us']:8.1f} us")
+    print(f"add_request():        median {result['add_request_median_us']:8.1f} us   (arrival: prompt block hashes)")
     print(f"steady state: {result['mean_running']} running, {result['waiting']} waiting, "
           f"{result['mean_tokens_per_step']} tokens/step of budget {result['token_budget']}, "
           f"{result['finished']} finished over {result['steps']} steps, {result['preemptions']} preemptions, "

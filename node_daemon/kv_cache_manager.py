@@ -163,7 +163,9 @@ class KVCacheManager:
 
     def _hashes_up_to(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """Content hashes of the request's first `num_blocks` full blocks, extending the per-request memo."""
-        hashes = self._block_hashes.setdefault(request.request_id, [])
+        hashes = self._block_hashes.get(request.request_id)
+        if hashes is None:
+            hashes = self._block_hashes[request.request_id] = []
         if len(hashes) < num_blocks:
             size = self.block_size
             prompt = request.prompt_token_ids
