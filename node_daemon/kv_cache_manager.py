@@ -9,7 +9,9 @@ p % block_size.
 
 Content hashes are chained over full blocks of the request's tokens (prompt, then outputs, so a
 request preempted by recompute finds its own blocks again). A hit never covers the last token: the
-model must run at least one position to produce logits.
+model must run at least one position to produce logits. Blocks are indexed only after the model has
+written them (from update_from_output), so a hit never reads KV that a step has yet to compute, and an
+aborted step leaves nothing wrong in the index. A prompt's hashes are computed once, on arrival.
 """
 from __future__ import annotations
 
