@@ -77,9 +77,15 @@ async def test_leaving_a_stream_early_aborts_it_and_frees_its_blocks(client: Asy
         if out.num_output_tokens >= 2:
             break
     await stream.aclose()
-    task = asyncio.create_task(collect(client, "cancelled", PROMPTS["a"], long))
-    await asyncio.sleep(0.2)
-    task.cancel()
+    got_first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in client.generate("cancelled", PROMPTS["a"], long):
+            got_first.set()
+
+    task = asyncio.create_task(consume())
+    await got_first.wait()
+    task.cancel()  # the task now waits inside the stream for its next token
     with pytest.raises(asyncio.CancelledError):
         await task
     kv = client.engine.kv_cache

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from stallfree.node_daemon.detokenizer import IncrementalDetokenizer
 from stallfree.node_daemon.tokenizer import byte_level_tokenizer
 
-TK = byte_level_tokenizer(512)  # one token per byte: every multi-byte character arrives split
+TK = byte_level_tokenizer(259)  # bytes and specials only: every multi-byte character arrives split
 
 
 def _stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:

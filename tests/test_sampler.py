@@ -23,7 +23,7 @@ def test_greedy_rows_are_argmax_even_beside_random_rows() -> None:
     assert Sampler().sample(logits, [SamplingParams(temperature=0.0)] * 4, list("abcd")) == argmax
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(st.integers(1, 10), st.floats(0.3, 2.0), st.integers(0, 10_000))
 def test_top_k_never_leaves_the_k_best(k: int, temperature: float, seed: int) -> None:
     logits = _logits(3, seed=seed)
@@ -34,7 +34,7 @@ def test_top_k_never_leaves_the_k_best(k: int, temperature: float, seed: int) ->
         assert all(tok in allowed[i].tolist() for i, tok in enumerate(out))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(st.floats(0.05, 0.95), st.integers(0, 10_000))
 def test_top_p_stays_inside_the_nucleus(top_p: float, seed: int) -> None:
     logits = _logits(2, seed=seed)
