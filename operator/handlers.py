@@ -177,7 +177,11 @@ def deployment_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logge
     if spec is None or problems:
         return  # the InvalidSpec conditions stand until the spec is fixed
     generation = (owner.get("status") or {}).get("observedGeneration")
-    refresh_status(kube, owner, spec, dict(body), generation)
+    # Events queue up; read the Deployment as it is now so a stale event never writes old counts.
+    fresh = kube.get("apps/v1", "Deployment", namespace, body["metadata"]["name"])
+    if fresh is None:
+        return  # its DELETED event follows and re-creates it
+    refresh_status(kube, owner, spec, fresh, generation)
 
 
 # -- delete ---------------------------------------------------------------------------------------------

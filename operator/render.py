@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from stallfree.contracts import Tuning, min_budget_for
 from stallfree.operator import spec as s
 
 DAEMON_PORT = 8000
@@ -67,8 +68,8 @@ def admin_secret_name(name: str) -> str:
 class StartupKnobs:
     """Live knobs as a daemon gets them on its command line; the control loop moves them afterwards."""
 
-    token_budget: int | str
-    max_num_seqs: int | str
+    token_budget: int | str  # "auto": the daemon picks it from its profile and the TPOT SLO
+    max_num_seqs: int
     max_partial_prefills: int
     long_prefill_threshold: int
     tpot_slo_ms: float
@@ -77,7 +78,7 @@ class StartupKnobs:
     @classmethod
     def from_spec(cls, spec: s.InferenceServiceSpec) -> "StartupKnobs":
         engine = spec.engine
-        return cls(token_budget=engine.token_budget.initial, max_num_seqs=engine.max_num_seqs.initial,
+        return cls(token_budget=engine.token_budget.initial, max_num_seqs=startup_max_num_seqs(spec),
                    max_partial_prefills=engine.max_partial_prefills,
                    long_prefill_threshold=engine.long_prefill_threshold,
                    tpot_slo_ms=spec.slos.tpot_p99_ms, stats_window_s=spec.slos.window_seconds)
@@ -88,6 +89,18 @@ class StartupKnobs:
     @classmethod
     def from_json(cls, text: str) -> "StartupKnobs":
         return cls(**json.loads(text))
+
+
+def startup_max_num_seqs(spec: s.InferenceServiceSpec) -> int:
+    """max_num_seqs "auto": the engine's default, inside the live bounds, leaving an initial budget room."""
+    bounds = spec.engine.max_num_seqs
+    if bounds.initial != s.AUTO:
+        return int(bounds.initial)
+    seqs = max(bounds.min, min(Tuning().max_num_seqs, bounds.upper(spec.engine.ceilings)))
+    budget = spec.engine.token_budget.initial
+    while budget != s.AUTO and seqs > bounds.min and min_budget_for(seqs) > int(budget):
+        seqs -= 1
+    return seqs
 
 
 def rollout_view(spec: s.InferenceServiceSpec) -> dict[str, Any]:
@@ -142,10 +155,8 @@ def daemon_args(spec: s.InferenceServiceSpec, knobs: StartupKnobs | None = None,
         args.append("--no-prefix-caching")
     args += ["--max-token-budget", str(engine.ceilings.max_token_budget),
              "--max-num-seqs-ceiling", str(engine.ceilings.max_num_seqs),
-             "--token-budget", str(knobs.token_budget)]
-    if knobs.max_num_seqs != s.AUTO:
-        args += ["--max-num-seqs", str(knobs.max_num_seqs)]
-    args += ["--max-partial-prefills", str(knobs.max_partial_prefills),
+             "--token-budget", str(knobs.token_budget), "--max-num-seqs", str(knobs.max_num_seqs),
+             "--max-partial-prefills", str(knobs.max_partial_prefills),
              "--long-prefill-threshold", str(knobs.long_prefill_threshold),
              "--tpot-slo-ms", _num(knobs.tpot_slo_ms), "--stats-window-s", _num(knobs.stats_window_s)]
     if engine.max_queue_requests is not None:

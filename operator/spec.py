@@ -115,6 +115,13 @@ RULES: list[CrossFieldRule] = [
         lambda e: _is_auto(e.token_budget.initial) or _is_auto(e.max_num_seqs.initial)
         or e.token_budget.initial >= min_budget_for(e.max_num_seqs.initial)),
     CrossFieldRule(
+        "spec.engine",
+        "type(self.tokenBudget.initial) == string || type(self.maxNumSeqs.initial) == int || ("
+        + _headroom_cel("self.tokenBudget.initial", "self.maxNumSeqs.min") + ")",
+        "tokenBudget.initial leaves no prefill headroom beside maxNumSeqs.min decodes",
+        lambda e: _is_auto(e.token_budget.initial) or not _is_auto(e.max_num_seqs.initial)
+        or e.token_budget.initial >= min_budget_for(e.max_num_seqs.min)),
+    CrossFieldRule(
         "spec.model", "self.source == 'embedded' || self.source == 'random' || has(self.path)",
         "model.path is required when model.source is hf-folder or gguf",
         lambda m: m.source in ("embedded", "random") or m.path is not None),
@@ -245,7 +252,7 @@ class EngineSpec(_Model):
                                         description="most prefill tokens per request per iteration; 0: no cap (live)")
     max_queue_requests: int | None = Field(None, ge=1, description="requests waiting before 429s")
     max_queue_tokens: int | None = Field(None, ge=1, description="prompt tokens waiting before 429s")
-    drain_timeout_seconds: float = Field(30.0, ge=0, le=3600, description="how long a stopping pod finishes work")
+    drain_timeout_seconds: float = Field(30.0, ge=1, le=3600, description="how long a stopping pod finishes work")
     api_key_secret: str | None = Field(None, min_length=1, max_length=253,
                                        description="Secret (key api-key) whose value clients must present")
 

@@ -19,7 +19,8 @@ from stallfree.operator import handlers  # noqa: F401  (registers the handlers w
 from stallfree.operator import render
 from stallfree.operator import spec as s
 
-pytestmark = pytest.mark.kmock(cls=BridgedEmulator)
+pytestmark = [pytest.mark.kmock(cls=BridgedEmulator),
+              pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")]
 
 NS = "ns1"
 IS_RESOURCE = f"{s.GROUP}/{s.VERSION}/{s.PLURAL}"
@@ -169,3 +170,84 @@ async def test_create_makes_owned_children_with_the_right_fields(kmock: BridgedE
         await eventually(lambda: condition(kmock, "chat", "Ready")["status"] == "True")
         assert condition(kmock, "chat", "Progressing")["reason"] == "RolloutComplete"
         assert obj(kmock, IS_RESOURCE, "chat")["status"]["readyReplicas"] == 1
+
+
+def template(kmock: BridgedEmulator, name: str = "chat") -> dict[str, Any]:
+    return copy.deepcopy(obj(kmock, DEPLOYMENTS, name)["spec"]["template"])
+
+
+async def test_live_knob_change_leaves_the_pod_template_untouched(kmock: BridgedEmulator) -> None:
+    async with Operator():
+        await create(kmock, manifest())
+        before = await eventually(lambda: template(kmock))
+        token_before = obj(kmock, "v1/secrets", "chat-admin-token")["stringData"]["token"]
+
+        await patch_spec(kmock, "chat", {"replicas": 3, "slos": {"tpotP99Ms": 120, "ttftP99Ms": 900},
+                                         "engine": {"tokenBudget": {"initial": 512, "max": 1024}},
+                                         "tuning": {"intervalSeconds": 5}, "scaling": {"maxReplicas": 6}})
+        await eventually(lambda: obj(kmock, DEPLOYMENTS, "chat")["spec"]["replicas"] == 3)
+        await eventually(lambda: obj(kmock, IS_RESOURCE, "chat")["status"]["observedGeneration"] == 2)
+        assert template(kmock) == before  # no restart: same args, same annotations
+        args = before["spec"]["containers"][0]["args"]
+        assert args[args.index("--token-budget") + 1] == "256"  # the start-up value the pods run with
+        assert obj(kmock, "v1/secrets", "chat-admin-token")["stringData"]["token"] == token_before
+        assert len(kmock.objects["v1/secrets", NS, "chat-admin-token"].history) == 1  # made once
+        assert not events(kmock, "RollingOut")
+
+
+async def test_model_change_rolls_the_pod_template(kmock: BridgedEmulator) -> None:
+    async with Operator():
+        await create(kmock, manifest())
+        before = await eventually(lambda: template(kmock))
+        await patch_spec(kmock, "chat", {"model": {"source": "random", "name": "tiny"},
+                                         "engine": {"tokenBudget": {"initial": 512}}})
+        after = await eventually(lambda: (t := template(kmock)) != before and t)
+        hash_key = render.ANNOTATION_TEMPLATE_HASH
+        assert after["metadata"]["annotations"][hash_key] != before["metadata"]["annotations"][hash_key]
+        args = after["spec"]["containers"][0]["args"]
+        assert args[args.index("--model") + 1] == "random:tiny"
+        assert args[args.index("--token-budget") + 1] == "512"  # a roll picks up the live knobs too
+        await eventually(lambda: events(kmock, "RollingOut"))
+        await eventually(lambda: obj(kmock, IS_RESOURCE, "chat")["status"]["templateHash"]
+                         == after["metadata"]["annotations"][hash_key])
+
+
+async def test_invalid_spec_sets_a_condition_and_makes_nothing(kmock: BridgedEmulator) -> None:
+    async with Operator():
+        await create(kmock, manifest("bad", model={"source": "hf-folder", "path": "models/llama"}))
+        degraded = await eventually(lambda: condition(kmock, "bad", "Degraded"))
+        assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+        assert "must be an absolute path" in degraded["message"]
+        assert condition(kmock, "bad", "Ready")["status"] == "False"
+        await eventually(lambda: events(kmock, "InvalidSpec"))
+        await asyncio.sleep(0.3)  # give a wrong reconcile time to show itself
+        for resource, name in ((DEPLOYMENTS, "bad"), ("v1/services", "bad"), ("v1/secrets", "bad-admin-token"),
+                               ("policy/v1/poddisruptionbudgets", "bad")):
+            assert not exists(kmock, resource, name), resource
+
+        # Fixing the spec makes the service.
+        await patch_spec(kmock, "bad", {"model": {"source": "embedded", "path": None}})
+        await eventually(lambda: exists(kmock, DEPLOYMENTS, "bad"))
+        await eventually(lambda: condition(kmock, "bad", "Degraded")["status"] == "False")
+
+
+async def test_delete_removes_children_and_releases_the_object(kmock: BridgedEmulator) -> None:
+    async with Operator():
+        await create(kmock, manifest())
+        await eventually(lambda: exists(kmock, DEPLOYMENTS, "chat") and exists(kmock, "v1/secrets", "chat-admin-token"))
+        response = await kmock.delete(f"{IS_URL}/chat")
+        assert response.status == 200
+        await eventually(lambda: not exists(kmock, IS_RESOURCE, "chat"))  # finalizer removed, object gone
+        for resource, name in ((DEPLOYMENTS, "chat"), ("v1/services", "chat"), ("v1/secrets", "chat-admin-token"),
+                               ("policy/v1/poddisruptionbudgets", "chat")):
+            assert not exists(kmock, resource, name), resource
+
+
+async def test_service_monitor_only_where_the_api_exists(kmock: BridgedEmulator) -> None:
+    kmock.resources["monitoring.coreos.com/v1/servicemonitors"] = kmock.ResourceInfo(
+        kind="ServiceMonitor", namespaced=True, verbs={"get", "list", "create", "patch", "delete"})
+    async with Operator():
+        await create(kmock, manifest())
+        monitor = await eventually(lambda: obj(kmock, "monitoring.coreos.com/v1/servicemonitors", "chat"))
+        assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+        assert monitor["metadata"]["ownerReferences"][0]["name"] == "chat"
