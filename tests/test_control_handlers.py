@@ -1,0 +1,149 @@
+"""The control loop inside the real kopf operator, against kmock's API server and a live sim daemon.
+
+One daemon (`stallfree serve --backend sim`, in-process on a loopback port) stands as the pod of an
+InferenceService; kmock holds the InferenceService, its admin Secret and that Pod (podIP 127.0.0.1,
+port `http` = the daemon's). The operator runs the reconciler and the control handlers together.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import httpx
+import kopf.testing
+import pytest
+
+from kmock_bridge import BridgedEmulator
+from server_helpers import ADMIN_TOKEN, free_port, running_daemon
+from stallfree.operator import render
+from stallfree.operator import spec as s
+from test_operator_kmock import IS_RESOURCE, NS, condition, create, eventually, events, kubeconfig, obj  # noqa: F401
+
+pytestmark = pytest.mark.kmock(cls=BridgedEmulator)
+
+SIM_DAEMON = ["--backend", "sim", "--model", "llama-3-8b", "--hardware", "h100", "--max-model-len", "4096",
+              "--max-token-budget", "2048", "--max-num-seqs-ceiling", "128", "--max-num-seqs", "64",
+              "--token-budget", "512", "--stats-window-s", "3", "--profile-max-seconds", "5"]
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with running_daemon(base_args=SIM_DAEMON) as live:
+        yield live
+
+
+@pytest.fixture()
+def traffic(daemon):
+    """Steady small requests for the daemon's stats window (bounded: stops with the test, 60 s at most)."""
+    stop = threading.Event()
+
+    def send() -> None:
+        deadline = time.monotonic() + 60
+        with httpx.Client(timeout=10) as client:
+            while not stop.is_set() and time.monotonic() < deadline:
+                client.post(f"{daemon.url}/v1/completions",
+                            json={"model": "llama-3-8b", "prompt": "tell me a story " * 20, "max_tokens": 12})
+
+    threads = [threading.Thread(target=send, daemon=True) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    yield
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=15)
+
+
+class Operator:
+    def __init__(self, metrics_port: int) -> None:
+        self.metrics_port = metrics_port
+        self.runner = kopf.testing.KopfRunner(
+            ["run", "--standalone", "--namespace", NS, "-m", "stallfree.operator.handlers",
+             "-m", "stallfree.operator.control_handlers"], timeout=30)
+
+    async def __aenter__(self) -> "Operator":
+        self.runner.__enter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await asyncio.to_thread(self.runner.__exit__, None, None, None)
+        assert self.runner.exit_code == 0, self.runner.output
+
+
+def daemon_pod(name: str, port: int) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": render.labels("chat")},
+            "spec": {"containers": [{"name": "daemon", "image": "x",
+                                     "ports": [{"name": "http", "containerPort": port}]}]},
+            "status": {"podIP": "127.0.0.1", "phase": "Running",
+                       "conditions": [{"type": "Ready", "status": "True"}],
+                       "containerStatuses": [{"name": "daemon", "restartCount": 0}]}}
+
+
+def service(**spec: Any) -> dict[str, Any]:
+    body = {"model": {"source": "random", "name": "llama-3-8b"},
+            "engine": {"backend": "sim", "hardware": "h100", "ceilings": {"maxTokenBudget": 2048, "maxNumSeqs": 128},
+                       "tokenBudget": {"initial": "auto", "max": 1024}, "maxNumSeqs": {"initial": 64}},
+            "slos": {"tpotP99Ms": 50, "ttftP99Ms": 2000, "queueWaitP99Ms": 1000, "windowSeconds": 5},
+            "tuning": {"intervalSeconds": 1}, "scaling": {"minReplicas": 1, "maxReplicas": 3}}
+    body.update(spec)
+    return {"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": {"name": "chat", "namespace": NS}, "spec": body}
+
+
+async def test_the_operator_tunes_a_live_daemon_reports_and_resumes(kmock: BridgedEmulator, daemon, traffic,
+                                                                   monkeypatch) -> None:
+    port = free_port()
+    monkeypatch.setenv("STALLFREE_OPERATOR_METRICS_PORT", str(port))
+    daemon_port = int(daemon.url.rsplit(":", 1)[1])
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "chat-admin-token", "namespace": NS},
+              "stringData": {"token": ADMIN_TOKEN}}
+    for url, body in ((f"/api/v1/namespaces/{NS}/secrets", secret),
+                      (f"/api/v1/namespaces/{NS}/pods", daemon_pod("chat-abc", daemon_port))):
+        response = await kmock.post(url, json=body)
+        assert response.status in (200, 201), await response.text()
+    with httpx.Client() as client:
+        client.put(f"{daemon.url}/admin/tuning", json={"token_budget": 512}, headers=daemon.admin_headers)
+
+    async with Operator(port):
+        await create(kmock, service())
+        # The tuner's first decision (the profile's budget for 80% of the TPOT SLO, under tokenBudget.max)
+        # reaches the daemon over its admin API.
+        def tuned() -> int:
+            return httpx.get(f"{daemon.url}/admin/tuning", headers=daemon.admin_headers).json()["token_budget"]
+
+        budget = await eventually(lambda: tuned() != 512 and tuned(), timeout=20)
+        assert budget <= 1024
+        control = await eventually(lambda: obj(kmock, IS_RESOURCE, "chat")["status"]["control"], timeout=10)
+        replica = control["replicas"][0]
+        assert replica["name"] == "chat-abc" and replica["desiredTokenBudget"] == budget
+        assert control["scaling"]["current"] == 1
+        slo = await eventually(lambda: condition(kmock, "chat", "SLOMet")["reason"] != "AwaitingObservation"
+                               and condition(kmock, "chat", "SLOMet"), timeout=20)
+        assert slo["status"] in ("True", "False", "Unknown") and slo["message"]
+        assert condition(kmock, "chat", "PrefillCapacityExhausted")["reason"] != "AwaitingObservation"
+        # The reconciler's conditions and the control loop's live side by side.
+        await eventually(lambda: condition(kmock, "chat", "Ready") and condition(kmock, "chat", "SLOMet"), timeout=15)
+        await asyncio.sleep(1.5)  # another control step or two
+        assert condition(kmock, "chat", "Ready") and condition(kmock, "chat", "Progressing")
+        await eventually(lambda: events(kmock, "TuningInitialised"))
+        await eventually(lambda: obj(kmock, IS_RESOURCE, "chat")["status"]["control"]["replicas"][0]["known"],
+                         timeout=20)
+        status = obj(kmock, IS_RESOURCE, "chat")["status"]
+        assert status["tokenBudget"] == budget and status["p99TpotMs"] is not None
+
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'stallfree_operator_desired_replicas{inferenceservice="chat",namespace="ns1"} 1.0' in text
+        assert 'stallfree_operator_slo_p99_seconds{inferenceservice="chat",metric="tpot",namespace="ns1"} 0.05' in text
+        assert 'stallfree_operator_decisions_total{inferenceservice="chat",kind="initial"' in text
+
+    # A restarted operator resumes from status.control.state: no second start, the same tuning.
+    initialised = len(events(kmock, "TuningInitialised"))
+    steps_before = obj(kmock, IS_RESOURCE, "chat")["status"]["control"]["lastStepTime"]
+    monkeypatch.setenv("STALLFREE_OPERATOR_METRICS_PORT", "0")
+    async with Operator(0):
+        await eventually(lambda: obj(kmock, IS_RESOURCE, "chat")["status"]["control"]["lastStepTime"] > steps_before,
+                         timeout=15)
+        await asyncio.sleep(1.5)
+    assert len(events(kmock, "TuningInitialised")) == initialised
+    assert tuned() == budget
