@@ -132,3 +132,18 @@ def test_smollm2_answers_through_the_chat_api() -> None:
         assert r.choices[0].finish_reason == "stop"  # ended by the model's own end-of-turn token
         assert r.usage.prompt_tokens == _chat_prompt_len(live, messages)
         assert r.usage.completion_tokens < 16
+
+
+def test_continuous_usage_stats_counts_tokens_per_event(live: LiveDaemon) -> None:
+    import json
+
+    import httpx
+
+    body = {"model": MODEL, "prompt": "count me", "max_tokens": 12, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    content = [e for e in events if e["choices"] and e["choices"][0]["text"]]
+    counts = [e["usage"]["completion_tokens"] for e in content]
+    assert counts == sorted(counts) and counts[-1] <= 12
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12

@@ -136,7 +136,8 @@ async def _serve(daemon: Daemon, request: Request, body: protocol.SamplingFields
     ticket = admit(daemon, len(prompt_ids))
     generation = Generation(daemon, rid, prompt_ids, sampling, ticket)
     if body.stream:
-        render = ChunkRenderer(rid, protocol.now_s(), daemon.served_model_name, chat, body.include_usage)
+        render = ChunkRenderer(rid, protocol.now_s(), daemon.served_model_name, chat, body.include_usage,
+                               body.continuous_usage)
         return SSEResponse(stream_events(daemon, generation, render), on_close=generation.close)
     return await _complete(daemon, request, generation, chat)
 

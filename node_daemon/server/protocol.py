@@ -18,6 +18,8 @@ from stallfree.node_daemon.sampling_params import SamplingParams
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    # vLLM's extension: every chunk carries the running usage (clients can count tokens per event).
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(BaseModel):
@@ -65,6 +67,10 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

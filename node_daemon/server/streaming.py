@@ -2,7 +2,8 @@
 
 Chat: a role chunk, content chunks, a chunk with finish_reason and an empty delta; completions: text
 chunks, then one with finish_reason. With stream_options.include_usage every chunk carries "usage": null
-and a last chunk with no choices carries the counts. Then `data: [DONE]`. The per-token event is a
+and a last chunk with no choices carries the counts (with continuous_usage_stats, vLLM's extension, every
+content chunk carries the running counts instead of null). Then `data: [DONE]`. The per-token event is a
 prebuilt string template around one json.dumps of the new text (the hot path).
 """
 from __future__ import annotations
@@ -25,22 +26,29 @@ SSE_DONE = "data: [DONE]\n\n"
 class ChunkRenderer:
     """SSE events of one stream; the per-token event is a prebuilt template around json.dumps(text)."""
 
-    def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool) -> None:
+    def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool,
+                 continuous_usage: bool = False) -> None:
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
         # With include_usage every chunk carries "usage": null and one last chunk carries the counts.
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
         head = json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                            "created": created, "model": model}, separators=(",", ":"))[:-1]
-        usage_field = ',"usage":null' if include_usage else ""
         if chat:
             self._text_head = 'data: ' + head + ',"choices":[{"index":0,"delta":{"content":'
-            self._text_tail = '},"logprobs":null,"finish_reason":null}]' + usage_field + '}\n\n'
+            self._text_tail = '},"logprobs":null,"finish_reason":null}]'
         else:
             self._text_head = 'data: ' + head + ',"choices":[{"index":0,"text":'
-            self._text_tail = ',"logprobs":null,"finish_reason":null}]' + usage_field + '}\n\n'
+            self._text_tail = ',"logprobs":null,"finish_reason":null}]'
+        self._text_end = (',"usage":null}\n\n' if include_usage else '}\n\n')
 
-    def text(self, text: str) -> str:
-        return self._text_head + json.dumps(text, ensure_ascii=False) + self._text_tail
+    def text(self, text: str, out: RequestOutput) -> str:
+        if self.continuous_usage:
+            p, c = out.num_prompt_tokens, out.num_output_tokens
+            end = f',"usage":{{"prompt_tokens":{p},"completion_tokens":{c},"total_tokens":{p + c}}}}}\n\n'
+        else:
+            end = self._text_end
+        return self._text_head + json.dumps(text, ensure_ascii=False) + self._text_tail + end
 
     def role(self) -> str:
         return _event(protocol.chat_chunk(self.rid, self.created, self.model, {"role": "assistant", "content": ""},
@@ -71,7 +79,7 @@ async def stream_events(daemon: Daemon, generation: Generation, render: ChunkRen
         async for out in generation.outputs():
             last = out
             if out.text:
-                yield render.text(out.text)
+                yield render.text(out.text, out)
     except (ValueError, EngineDeadError) as exc:
         # The 200 and maybe some text went out already: the error becomes the stream's last event.
         daemon.metrics.record_error("invalid_request" if isinstance(exc, ValueError) else "engine")
