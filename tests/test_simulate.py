@@ -247,3 +247,47 @@ def test_cli_workload_prints_json_to_stdout_and_refuses_bad_flags(capsys):
     assert simulate_cli.main(["--policies", "fifo"]) == 2
     assert simulate_cli.main(["--hardware", "tpu"]) == 2
     assert "unknown hardware preset" in capsys.readouterr().err
+
+
+# ---- the sim executor --------------------------------------------------------------------------
+
+from stallfree.node_daemon.request import Request  # noqa: E402
+from stallfree.node_daemon.sampling_params import SamplingParams  # noqa: E402
+from stallfree.node_daemon.scheduler_output import ScheduledChunk, SchedulerOutput  # noqa: E402
+from stallfree.node_daemon.sim import sim_executor  # noqa: E402
+from stallfree.node_daemon.sim.backend import sim_tokenizer  # noqa: E402
+
+
+def _batch() -> SchedulerOutput:
+    decoding = Request("d", [1] * 100, SamplingParams(max_tokens=50))
+    decoding.output_token_ids = [65] * 9
+    prefilling = Request("p", [2] * 300, SamplingParams(max_tokens=5))
+    chunks = [ScheduledChunk(decoding, 108, 1, False, True), ScheduledChunk(prefilling, 0, 256, True, False)]
+    return SchedulerOutput(chunks=chunks, num_decode_tokens=1, num_prefill_tokens=256, token_budget=512)
+
+
+def test_sim_executor_charges_the_cost_models_time_in_virtual_or_real_time(cost, monkeypatch):
+    expected_ms = cost.predict_ms([109], [(0, 256)])
+    clock = sim_executor.VirtualClock(5.0)
+    executor = sim_executor.SimExecutor(cost, clock=clock)
+    sampled = executor.execute(_batch())
+    assert set(sampled) == {"d"}  # the partial prefill chunk samples nothing
+    assert clock.now == pytest.approx(5.0 + expected_ms / 1000)
+    slept: list[float] = []
+    monkeypatch.setattr(sim_executor.time, "sleep", slept.append)
+    sim_executor.SimExecutor(cost).execute(_batch())
+    assert slept == [pytest.approx(expected_ms / 1000)]
+
+
+def test_placeholder_tokens_are_deterministic_readable_and_never_eos_unless_asked(cost):
+    executor = sim_executor.SimExecutor(cost, clock=sim_executor.VirtualClock(), vocab_size=128256)
+    tokens = [executor.placeholder_token("req-1", i) for i in range(60)]
+    assert tokens == [executor.placeholder_token("req-1", i) for i in range(60)]
+    text = sim_tokenizer("llama-3-8b").decode(tokens)
+    assert len(text) == 60 and text.isascii() and " " in text
+    eos = sim_tokenizer("llama-3-8b").eos_token_ids[0]
+    assert eos not in tokens
+    stopping = sim_executor.SimExecutor(cost, clock=sim_executor.VirtualClock(), eos_token_id=eos, eos_after=3)
+    assert [stopping.placeholder_token("r", i) for i in range(3)][-1] == eos
+    with pytest.raises(ValueError, match="eos_after"):
+        sim_executor.SimExecutor(cost, eos_after=3)

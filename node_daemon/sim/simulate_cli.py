@@ -215,8 +215,8 @@ def run_workload(args: argparse.Namespace) -> int:
     results = {}
     for policy in _policies(args):
         results[policy] = simulate(requests, _setup(args, policy, budget), slos, keep_timeline=bool(args.plot))
-    header = (f"{'policy':<18}{'done':>6}{'req/s':>8}{'out tok/s':>10}{'TTFT p50/p99/max ms':>24}"
-              f"{'TPOT p50/p99/max ms':>22}{'ITL p50/p99/max ms':>22}{'queue p50/p99 ms':>19}{'goodput':>9}")
+    header = (f"{'policy':<18}{'done':>6}{'req/s':>8}{'out tok/s':>10}{'TTFT p50/p99/max ms':>28}"
+              f"{'TPOT p50/p99/max ms':>22}{'ITL p50/p99/max ms':>22}{'queue p50/p99 ms':>22}{'goodput':>9}")
     lines = [f"{len(requests)} requests on {args.model} @ {args.hardware} (prompt {workload.prompt.describe()}, "
              f"output {workload.output.describe()}, {workload.arrival} {workload.rate:g} req/s)", header]
     for policy, result in results.items():
@@ -226,8 +226,8 @@ def run_workload(args: argparse.Namespace) -> int:
             return f"{_fmt(m['p50'])}/{_fmt(m['p99'])}/{_fmt(m['max'])}"
 
         lines.append(f"{policy:<18}{s['completed']:>6}{s['request_throughput']:>8.2f}{s['output_throughput']:>10.0f}"
-                     f"{three(s['ttft_ms']):>24}{three(s['tpot_ms']):>22}{three(s['itl_ms']):>22}"
-                     f"{_fmt(s['queue_wait_ms']['p50']) + '/' + _fmt(s['queue_wait_ms']['p99']):>19}"
+                     f"{three(s['ttft_ms']):>28}{three(s['tpot_ms']):>22}{three(s['itl_ms']):>22}"
+                     f"{_fmt(s['queue_wait_ms']['p50']) + '/' + _fmt(s['queue_wait_ms']['p99']):>22}"
                      f"{s['goodput']:>9.2f}")
     if args.plot:
         from stallfree.node_daemon.sim.plots import latency_cdfs
