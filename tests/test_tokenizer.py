@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from stallfree.node_daemon.chat_template import CHATML_TEMPLATE, ChatTemplateError, render_chat
-from stallfree.node_daemon.tokenizer import byte_level_tokenizer, from_hf_folder, load_tokenizer
+from stallfree.node_daemon.tokenizer import byte_level_tokenizer, bytes_to_unicode, from_hf_folder, load_tokenizer
 
 
 def _smollm2_gguf() -> Path:
@@ -110,3 +110,60 @@ def test_hf_folder_tokenizer(tmp_path: Path) -> None:
 def test_unknown_source_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="no tokenizer"):
         load_tokenizer("no-such-model")
+
+
+def _write_gguf(path: Path, **fields) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(fields["model"])
+    if "pre" in fields:
+        writer.add_tokenizer_pre(fields["pre"])
+    writer.add_token_list(fields["tokens"])
+    writer.add_token_types(fields["types"])
+    if "scores" in fields:
+        writer.add_token_scores(fields["scores"])
+    if "merges" in fields:
+        writer.add_token_merges(fields["merges"])
+    writer.add_bos_token_id(fields["bos"])
+    writer.add_eos_token_id(fields["eos"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_sentencepiece_vocab_with_byte_fallback(tmp_path: Path) -> None:
+    """A llama.cpp SPM vocab: pieces with scores, <0xNN> byte tokens, a space prefix, BOS added."""
+    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "he", "ll", "▁he", "llo", "▁hello", "▁w", "or", "▁wor", "ld",
+              "▁world"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    scores[259 + pieces.index("▁hello")] = 10.0  # merged pieces rank first
+    path = tmp_path / "spm.gguf"
+    _write_gguf(path, model="llama", tokens=tokens, types=types, scores=scores, bos=1, eos=2)
+    tk = load_tokenizer(path)
+    ids = tk.encode("hello world é")
+    assert ids[0] == 1 and tk.add_bos_token
+    assert [tk.backend.id_to_token(i) for i in ids[1:3]] == ["▁hello", "▁world"]
+    assert "<0xC3>" in [tk.backend.id_to_token(i) for i in ids]  # é has no piece: UTF-8 bytes instead
+    assert tk.decode(ids) == "hello world é"
+    assert tk.eos_token_ids == (2,)
+
+
+def test_gguf_llama3_style_byte_level_bpe(tmp_path: Path) -> None:
+    byte_chars = list(bytes_to_unicode().values())
+    tokens = byte_chars + ["Ġw", "or", "ld", "Ġwor", "Ġworld", "<|begin_of_text|>", "<|eot_id|>"]
+    types = [1] * (len(tokens) - 2) + [3, 3]
+    merges = ["Ġ w", "o r", "l d", "Ġw or", "Ġwor ld"]
+    path = tmp_path / "bpe.gguf"
+    _write_gguf(path, model="gpt2", pre="llama-bpe", tokens=tokens, types=types, merges=merges,
+                bos=len(tokens) - 2, eos=len(tokens) - 1)
+    tk = load_tokenizer(path)
+    ids = tk.encode("hi world 12345")
+    assert tk.backend.id_to_token(ids[2]) == "Ġworld"
+    assert tk.decode(ids) == "hi world 12345"
+    assert tk.eos_token_ids == (len(tokens) - 1,)
+    # Llama-3's split pattern groups up to three digits (SmolLM2's "smollm" splits every digit).
+    assert [piece for piece, _ in tk.backend.pre_tokenizer.pre_tokenize_str("12345")] == ["123", "45"]
