@@ -55,11 +55,13 @@ class ModelRunner:
         self.attn: AttentionBackend = select_backend(model_config.attention_backend, self.device)
         self.num_blocks = cache_config.num_blocks or self._num_blocks_from_memory(cache_config.kv_memory_fraction)
         self.kv_caches: list[KVCache] = self._allocate_kv_cache(self.num_blocks)
-        self._pinned = self.device.type == "cuda"
-        if self._pinned:
-            self._host_i64 = torch.empty(3 * max_num_tokens + max_num_seqs, dtype=torch.int64, pin_memory=True)
-            self._host_i32 = torch.empty(2 * max_num_seqs + 1 + max_num_seqs * self.max_blocks_per_seq,
-                                         dtype=torch.int32, pin_memory=True)
+        # On CUDA the index buffers are staged in pinned host memory (asynchronous copies); on the CPU the
+        # freshly built host tensors are the inputs themselves.
+        self._staging: dict[torch.dtype, torch.Tensor] | None = None
+        self._staging_copied = None  # a CUDA event: the last copies out of the staging buffers are done
+        if self.device.type == "cuda":
+            self._staging = self.allocate_staging_buffers(pin_memory=True)
+            self._staging_copied = torch.cuda.Event()
         # --- CUDA-graph hook (node_daemon/cuda_graphs.py): with the KV cache allocated, capture decode-only
         # graphs at bucketed batch sizes up to max_num_seqs. None on the CPU, for a backend that cannot be
         # captured (the torch reference) and with STALLFREE_CUDA_GRAPHS=0.
@@ -125,8 +127,13 @@ class ModelRunner:
             block_tables += used
             block_tables += pad[len(used):]
 
-        i64 = self._to_device(ids + positions + slots + sample_rows, torch.int64, "_host_i64")
-        i32 = self._to_device(query_start_loc + seq_lens + block_tables, torch.int32, "_host_i32")
+        if self._staging_copied is not None:
+            # An iteration that samples nothing never synchronises: wait for its copies before refilling.
+            self._staging_copied.synchronize()
+        i64 = self._to_device(ids + positions + slots + sample_rows, torch.int64)
+        i32 = self._to_device(query_start_loc + seq_lens + block_tables, torch.int32)
+        if self._staging_copied is not None:
+            self._staging_copied.record()
         metadata = AttentionMetadata(
             query_start_loc=i32[:num_seqs + 1],
             seq_lens=i32[num_seqs + 1:2 * num_seqs + 1],
@@ -146,15 +153,18 @@ class ModelRunner:
             is_decode_only=num_tokens == num_seqs,
         )
 
-    def _to_device(self, values: list[int], dtype: torch.dtype, pinned_name: str) -> torch.Tensor:
-        """One host tensor, one copy. On CUDA through a pinned buffer (the engine reads sampled tokens back
-        every iteration, which synchronises, so the buffer is free again when the next iteration fills it)."""
-        if not self._pinned:
-            return torch.tensor(values, dtype=dtype)
-        pinned: torch.Tensor = getattr(self, pinned_name)
-        if len(values) > pinned.numel():
+    def allocate_staging_buffers(self, pin_memory: bool) -> dict[torch.dtype, torch.Tensor]:
+        """Host buffers for the packed index tensors, sized by the ceilings (bigger iterations bypass them)."""
+        i64 = 3 * self.max_num_tokens + self.max_num_seqs
+        i32 = 2 * self.max_num_seqs + 1 + self.max_num_seqs * self.max_blocks_per_seq
+        return {torch.int64: torch.empty(i64, dtype=torch.int64, pin_memory=pin_memory),
+                torch.int32: torch.empty(i32, dtype=torch.int32, pin_memory=pin_memory)}
+
+    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """One host tensor, one copy (through the staging buffer when there is one and it is big enough)."""
+        if self._staging is None or len(values) > self._staging[dtype].numel():
             return torch.tensor(values, dtype=dtype).to(self.device)
-        host = pinned[:len(values)]
+        host = self._staging[dtype][:len(values)]
         host.numpy()[:] = values
         return host.to(self.device, non_blocking=True)
 

@@ -104,3 +104,21 @@ def test_bad_iterations_are_refused_with_clear_errors():
         runner.execute_model(SchedulerOutput(chunks=[ScheduledChunk(long, 50, 20, True, True)]))
     with pytest.raises(ValueError, match="max_num_tokens and max_num_seqs must be positive"):
         ModelRunner(ModelConfig(model="tiny"), CacheConfig(num_blocks=4), max_num_tokens=0, max_num_seqs=4)
+
+
+def test_staging_buffers_give_the_same_inputs_and_logits():
+    """The CUDA path's packed host buffers (unpinned here) fill exactly what fresh host tensors hold."""
+    plain = tiny_runner(num_blocks=32)
+    staged = tiny_runner(num_blocks=32)
+    staged._staging = staged.allocate_staging_buffers(pin_memory=False)
+    results = []
+    for runner in (plain, staged):
+        req = make_request("a", list(range(3, 40)), [4, 1, 9])
+        rows = prefill_all_rows(runner, req, chunk_size=11)
+        req.output_token_ids.append(int(rows[-1].argmax()))
+        results.append((rows, step(runner, [ScheduledChunk(req, 37, 1, False, True)])))
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+    # An iteration bigger than the buffers bypasses them.
+    staged._staging = {dtype: buf[:4] for dtype, buf in staged._staging.items()}
+    big = make_request("b", list(range(3, 40)), [4, 1, 9])
+    torch.testing.assert_close(prefill_all_rows(staged, big, chunk_size=37), prefill_all_rows(plain, big, 37))
