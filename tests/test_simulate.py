@@ -291,3 +291,13 @@ def test_placeholder_tokens_are_deterministic_readable_and_never_eos_unless_aske
     assert [stopping.placeholder_token("r", i) for i in range(3)][-1] == eos
     with pytest.raises(ValueError, match="eos_after"):
         sim_executor.SimExecutor(cost, eos_after=3)
+
+
+def test_a_shared_prefix_is_served_from_the_prefix_cache():
+    spec = dict(rate=2.0, num_requests=30, prompt=Fixed(2048), output=Fixed(8), seed=5)
+    shared = simulate(generate(WorkloadSpec(**spec, shared_prefix_fraction=0.75)), MISTRAL_A100).requests
+    unique = simulate(generate(WorkloadSpec(**spec)), MISTRAL_A100).requests
+    assert all(r["cached_tokens"] == 0 for r in unique)
+    # Every request after the first finds the 1,536-token prefix (96 full blocks) in the cache.
+    assert all(r["cached_tokens"] == 1536 for r in shared[1:])
+    assert sum(r["ttft_ms"] for r in shared) < 0.6 * sum(r["ttft_ms"] for r in unique)
