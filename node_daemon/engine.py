@@ -170,7 +170,7 @@ class LLMEngine:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = start
         sampled = self.executor.execute(output)
-        finished = scheduler.update_from_output(output, sampled)
+        scheduler.update_from_output(output, sampled)  # appends tokens, finishes on EOS and length
         now = self.clock()
         observer = self.observer
         if observer is not None:
