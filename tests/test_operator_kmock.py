@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import pathlib
 import time
 from typing import Any, Callable
 
+import kopf
 import kopf.testing
 import pytest
+import yaml
 
 from kmock_bridge import BridgedEmulator
 from stallfree.operator import handlers  # noqa: F401  (registers the handlers with kopf)
@@ -26,6 +29,34 @@ NS = "ns1"
 IS_RESOURCE = f"{s.GROUP}/{s.VERSION}/{s.PLURAL}"
 IS_URL = f"/apis/{s.GROUP}/{s.VERSION}/namespaces/{NS}/{s.PLURAL}"
 DEPLOYMENTS = "apps/v1/deployments"
+
+
+CLUSTER_ROLE = yaml.safe_load((pathlib.Path(__file__).resolve().parents[1] / "manifests" / "operator"
+                               / "clusterrole.yaml").read_text())
+
+
+def rbac_verb(request: Any) -> str:
+    method = str(request.method.value)
+    if method == "GET":
+        return "watch" if request.params.get("watch") in ("true", "1") else "get" if request.name else "list"
+    return {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[method]
+
+
+def assert_rbac_allows_what_the_operator_did(kmock: BridgedEmulator) -> None:
+    """Least privilege, checked from the other side: every API call the operator made is allowed."""
+    def allowed(group: str, resource: str, verb: str) -> bool:
+        return any(group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]
+                   for rule in CLUSTER_ROLE["rules"])
+
+    calls = set()
+    for request in kmock._requests:
+        if request.resource is None or not request.resource.plural \
+                or request.headers.get("User-Agent", "").startswith("kmock"):
+            continue  # discovery, or the test acting as a user
+        resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        calls.add((request.resource.group, resource, rbac_verb(request)))
+    denied = sorted(call for call in calls if not allowed(*call))
+    assert calls and not denied, denied
 
 
 @pytest.fixture(autouse=True)
@@ -44,12 +75,29 @@ users: [{{name: kmock, user: {{token: test}}}}]
     kmock.install_basics(NS)
 
 
+def reconciler_registry() -> kopf.OperatorRegistry:
+    """The reconciler's handlers only, even where another test module imported the control loop's
+    handlers into kopf's default registry."""
+    source, registry = kopf.get_default_registry(), kopf.OperatorRegistry()
+    for part in ("_activities", "_indexing", "_watching", "_spawning", "_changing", "_webhooks"):
+        for handler in getattr(source, part).get_all_handlers():
+            if getattr(handler.fn, "__module__", None) == handlers.__name__:
+                getattr(registry, part).append(handler)
+    return registry
+
+
+@pytest.fixture(autouse=True)
+def rbac_checked(kmock: BridgedEmulator):
+    yield
+    assert_rbac_allows_what_the_operator_did(kmock)
+
+
 class Operator:
     """`kopf run` in a thread; stopping it never blocks the event loop that serves the emulator."""
 
     def __init__(self) -> None:
-        self.runner = kopf.testing.KopfRunner(
-            ["run", "--standalone", "--namespace", NS, "-m", "stallfree.operator.handlers"], timeout=20)
+        self.runner = kopf.testing.KopfRunner(["run", "--standalone", "--namespace", NS],
+                                              registry=reconciler_registry(), timeout=20)
 
     async def __aenter__(self) -> "Operator":
         self.runner.__enter__()
