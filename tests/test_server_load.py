@@ -80,10 +80,16 @@ def test_64_streams_with_random_disconnects_free_every_kv_block(live: LiveDaemon
 
 
 def test_non_streaming_client_that_gives_up_is_aborted(live: LiveDaemon) -> None:
-    body = {"model": MODEL, "prompt": "a long answer", "max_tokens": 1500, "ignore_eos": True}
+    def aborted() -> float:
+        return live.daemon.metrics.registry.get_sample_value(
+            "stallfree_request_success_total", {"model": MODEL, "finished_reason": "abort"})
+
+    before = aborted()
+    body = {"model": MODEL, "prompt": "a long answer", "max_tokens": 1900, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(live.url + "/v1/completions", json=body, timeout=0.5)
-    live.wait_idle(timeout_s=10)  # far sooner than 1500 tokens would take
+        httpx.post(live.url + "/v1/completions", json=body, timeout=0.3)
+    live.wait_idle(timeout_s=30)
+    assert aborted() == before + 1  # ended by the abort, not by running to max_tokens
     kv = live.llm_engine.kv_cache
     assert kv.num_free_blocks == kv.num_blocks
 
@@ -109,7 +115,7 @@ def test_budget_put_under_load_shows_in_tokens_per_iteration(live: LiveDaemon) -
     before = httpx.get(live.url + "/admin/tuning", headers=admin).json()
     assert before["token_budget"] == 256
     rng = random.Random(3)
-    prompts = [[rng.randrange(16, 500) for _ in range(1200)] for _ in range(8)]
+    prompts = [[rng.randrange(16, 500) for _ in range(1600)] for _ in range(8)]
 
     async def run() -> tuple[list[dict], dict, dict]:
         async with httpx.AsyncClient(base_url=live.url, timeout=120) as client:
