@@ -4,6 +4,9 @@ Real-time mode sleeps for the predicted iteration time (`stallfree serve --backe
 scheduler, API, metrics and admin endpoints, at a speed no CPU could compute); virtual-time mode only
 advances a clock (`stallfree simulate`, VirtualReplica). Sampled tokens are deterministic placeholders:
 bytes of a fixed text, so a byte-level tokenizer turns them into readable words, never EOS unless asked.
+
+In real time the engine's own scheduling time comes on top of the sleep, so a served sim iteration is a
+little slower than predicted (the cost model's overhead term already stands for that work on a device).
 """
 from __future__ import annotations
 
