@@ -186,7 +186,7 @@ class Scheduler:
         if policy == "stall_free":
             self._schedule_stall_free(out, tuning)
         elif policy == "prefill_priority":
-            if not self._schedule_whole_prompts(out, tuning):
+            if out.preempted or not self._schedule_whole_prompts(out, tuning):
                 self._schedule_decodes(out, None)
         elif self.running:  # decode_priority
             self._schedule_decodes(out, None)
@@ -226,10 +226,11 @@ class Scheduler:
             if n < remaining:
                 num_partial += 1
 
-        # 3. New (and preempted) requests, strictly first come, first served.
+        # 3. New (and preempted) requests, strictly first come, first served. Not after a preemption in
+        # this iteration: KV is short, and the victim would only take back the room it just gave.
         waiting = self.waiting
         running = self.running
-        while waiting and budget > 0 and len(running) < tuning.max_num_seqs:
+        while waiting and budget > 0 and len(running) < tuning.max_num_seqs and not out.preempted:
             request = waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit_tokens

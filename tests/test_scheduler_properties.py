@@ -6,6 +6,7 @@ request was lost and every KV block came back.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, given, settings
@@ -21,7 +22,9 @@ from stallfree.node_daemon.scheduler import Scheduler
 CEILINGS = Ceilings(max_token_budget=160, max_num_seqs=12)
 MAX_MODEL_LEN = 96
 PREFIXES = [[], [11, 12, 13, 14, 15, 16, 17, 18, 19], [11, 12, 13, 14, 30, 31, 32, 33, 34, 35, 36, 37]]
-PROPERTY_SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# STALLFREE_PROPERTY_EXAMPLES=2000 for a deep run; the default keeps the suite fast.
+EXAMPLES = int(os.environ.get("STALLFREE_PROPERTY_EXAMPLES", "120"))
+PROPERTY_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
@@ -183,7 +186,7 @@ def test_stall_free_invariants_under_random_load_aborts_and_live_tuning(data):
     drain(s, ledger, data)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=max(1, EXAMPLES // 3), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.sampled_from(["prefill_priority", "decode_priority"]))
 def test_baseline_policies_serve_everything_and_conserve_blocks(data, policy):
     s = make(policy, data)
