@@ -19,6 +19,7 @@ store the cache the same way.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -56,13 +57,15 @@ class FlashInferBackend:
     supports_cuda_graphs = True  # through use_cuda_graph_batch(): fixed-buffer wrappers planned before replay
 
     def __init__(self, device: torch.device | str, workspace_bytes: int = WORKSPACE_BYTES,
-                 kernel_backend: str = "auto") -> None:
+                 kernel_backend: str | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"the flashinfer backend runs on CUDA devices only, not {self.device}; "
                              f"use --attention-backend torch on the CPU")
         self._flashinfer = import_flashinfer()
-        self._kernel_backend = kernel_backend  # flashinfer's own choice: auto (fa3 on Hopper), fa2, fa3
+        # flashinfer's kernel family: auto (FA3 on Hopper for long queries, FA2 for short), fa2 or fa3.
+        # STALLFREE_FLASHINFER_BACKEND=fa2 pins FA2, e.g. where only FA2 kernels were built ahead of time.
+        self._kernel_backend = kernel_backend or os.environ.get("STALLFREE_FLASHINFER_BACKEND", "auto")
         self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace, "NHD", backend=kernel_backend)

@@ -114,20 +114,23 @@ def _attention_constexprs(group: int, head_dim: int, config: KernelConfig, split
                 NUM_SPLITS=splits, IEEE_DOT=False)
 
 
-def run(arch: int, dtype: str) -> list[Variant]:
+def run(arch: int, dtype: str, quick: bool = False) -> list[Variant]:
     results = []
-    for label, consts, config, _splits, default in attention_variants():
+    variants = attention_variants()
+    if quick:  # the engine's two Llama-3 launch shapes only (decode, prefill chunk)
+        variants = [v for v in variants if v[0] in ("llama-3-8b decode", "llama-3-8b prefill chunk")]
+    for label, consts, config, _splits, default in variants:
         r = compile_variant(triton_attention._paged_attention_kernel, consts, config.num_warps, config.num_stages,
                             dtype, arch)
         results.append(Variant("paged_attention", f"{label} ({config.block_m}x{config.block_n}, "
                                                   f"{config.num_warps} warps, {config.num_stages} stages)",
                                default=default, **r))
-    for heads, head_dim in ((8, 128), (3, 64)):
+    for heads, head_dim in ((8, 128), (3, 64))[:1 if quick else 2]:
         consts = dict(NUM_KV_HEADS=heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(heads),
                       BLOCK_D=head_dim)
         r = compile_variant(triton_kv_write._write_kv_kernel, consts, 4, 1, dtype, arch)
         results.append(Variant("write_kv", f"{heads} KV heads x {head_dim}", default=True, **r))
-    for splits in (2, 16):
+    for splits in () if quick else (2, 16):
         consts = dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=splits)
         r = compile_variant(triton_attention._merge_splits_kernel, consts, 4, 1, dtype, arch)
         results.append(Variant("merge_splits", f"{splits} splits x 128", default=True, **r))
@@ -139,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (90: H100/H200)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--json", help="write the table here as JSON")
+    parser.add_argument("--quick", action="store_true", help="only the Llama-3 decode and prefill shapes")
     args = parser.parse_args(argv)
     try:
-        results = run(args.arch, args.dtype)
+        results = run(args.arch, args.dtype, args.quick)
     except Exception as exc:  # a compile error is the finding: report it, fail
         print(f"compile failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,82 @@
+"""The prepared GPU check without a GPU: its roofline arithmetic, its dry run, and the sm_90 compile of the
+Triton kernels (Triton's bundled ptxas assembles for Hopper on any machine)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+GPU_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "e2e", "gpu")
+sys.path.insert(0, GPU_DIR)
+
+from roofline import (Sequence, attention_kv_bytes, decode_floor_s, iteration_flops,  # noqa: E402
+                      kv_bytes_read, weight_bytes_read)
+from stallfree.node_daemon.models.shapes import get_shape  # noqa: E402
+
+LLAMA = get_shape("llama-3-8b")
+
+
+def test_visible_pairs_follow_the_bottom_right_causal_mask():
+    # Three new tokens over two cached ones: they see 3, 4 and 5 keys.
+    assert Sequence(3, 5).visible_pairs == 12
+    assert Sequence(1, 100).visible_pairs == 100  # a decode sees its whole context
+    assert Sequence(4, 4).visible_pairs == 10  # a fresh prefill: the lower triangle
+
+
+def test_decode_bytes_are_weights_plus_every_sequence_cache():
+    kv_per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads of 128, bf16
+    batch = [Sequence(1, 1000), Sequence(1, 24)]
+    assert kv_bytes_read(LLAMA, batch) == 1024 * kv_per_token
+    embedding = 128256 * 4096
+    assert weight_bytes_read(LLAMA, 2) == 2 * (LLAMA.num_parameters - embedding + 2 * 4096)
+    floor = decode_floor_s(LLAMA, batch, 4e12)
+    assert floor == pytest.approx((weight_bytes_read(LLAMA, 2) + 1024 * kv_per_token) / 4e12)
+    assert 14e9 < weight_bytes_read(LLAMA, 1) < 16e9  # Llama-3-8B in bf16 without its embedding table
+    assert attention_kv_bytes(LLAMA, batch) == 1024 * kv_per_token // 32
+
+
+def test_iteration_flops_count_projections_head_and_attention():
+    one = iteration_flops(LLAMA, [Sequence(1, 1)], sampled_rows=1)
+    two = iteration_flops(LLAMA, [Sequence(1, 1), Sequence(1, 1)], sampled_rows=0)
+    head = 2 * 128256 * 4096
+    attention_one = 4 * 32 * 32 * 128  # one (query, key) pair in every head of every layer
+    # Two unsampled tokens cost twice one token's body; the sampled one adds the LM head.
+    assert one - head - attention_one == (two - 2 * attention_one) // 2
+    assert 13e9 < (one - head) / 1 < 16e9  # ~2 FLOPs per non-embedding weight
+
+
+def test_dry_run_builds_every_batch_on_the_cpu(tmp_path):
+    out = tmp_path / "dry.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, os.path.join(GPU_DIR, "gpu_check.py"), "--dry-run", "--json", str(out),
+                           "--decode-batches", "1,16", "--engine-context", "256", "--mixed-tokens", "512",
+                           "--mixed-decodes", "8", "--chunk-prefix", "128", "--max-model-len", "1024"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert not report["errors"]
+    rows = report["sections"]["batches"]["rows"]
+    assert rows and all(r["ok"] for r in rows)
+    plan = report["sections"]["plan"]["rows"]
+    assert [r["iteration"] for r in plan][:2] == ["decode b=1 ctx=256", "decode b=16 ctx=256"]
+
+
+def test_bad_arguments_are_refused():
+    done = subprocess.run([sys.executable, os.path.join(GPU_DIR, "gpu_check.py"), "--dry-run",
+                           "--mixed-tokens", "64", "--mixed-decodes", "64"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "room for a prefill chunk" in done.stderr
+
+
+@pytest.mark.slow
+def test_triton_kernels_compile_for_sm90_without_spills(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "sm90.json"
+    done = subprocess.run([sys.executable, os.path.join(GPU_DIR, "compile_sm90.py"), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    variants = {v["label"].split(" (")[0]: v for v in json.loads(out.read_text())["variants"]}
+    assert variants["llama-3-8b prefill chunk"]["matrix_path"] == "wgmma"  # Hopper's matrix instructions
+    assert all(v["spill_bytes"] == 0 for v in variants.values())
