@@ -95,6 +95,7 @@ def _run(args: argparse.Namespace) -> int:
                 finish_reason = output.finish_reason
                 num_output, num_prompt = output.num_output_tokens, output.num_prompt_tokens
     sys.stdout.write("\n")
+    sys.stdout.flush()
     if args.stats:
         end = time.monotonic()
         ttft = (first_token_at or end) - start
