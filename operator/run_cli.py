@@ -30,7 +30,7 @@ def load_handlers(with_control_loop: bool) -> list[str]:
     return loaded
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stallfree operator", description=__doc__)
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", action="append", default=[],
@@ -40,7 +40,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--liveness-host", default="0.0.0.0")
     parser.add_argument("--no-control-loop", action="store_true", help="reconcile only: no tuning or scaling")
     parser.add_argument("-v", "--verbose", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import pathlib
+import socket
+import subprocess
+import sys
 import time
 from typing import Any, Callable
 
+import httpx
 import kopf
 import kopf.testing
 import pytest
@@ -299,3 +304,38 @@ async def test_service_monitor_only_where_the_api_exists(kmock: BridgedEmulator)
         monitor = await eventually(lambda: obj(kmock, "monitoring.coreos.com/v1/servicemonitors", "chat"))
         assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
         assert monitor["metadata"]["ownerReferences"][0]["name"] == "chat"
+
+
+async def test_stallfree_operator_command_reconciles_and_answers_liveness(kmock: BridgedEmulator, tmp_path) -> None:
+    """`stallfree operator` as a process: it reconciles, and kopf's /healthz answers for the livenessProbe."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = (tmp_path / "operator.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "stallfree.cli", "operator", "-n", NS, "--no-control-loop",
+         "--liveness-host", "127.0.0.1", "--liveness-port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        await create(kmock, manifest())
+        await eventually(lambda: exists(kmock, DEPLOYMENTS, "chat"), timeout=30)
+
+        async def healthz() -> int:
+            async with httpx.AsyncClient() as client:
+                try:
+                    return (await client.get(f"http://127.0.0.1:{port}/healthz", timeout=2)).status_code
+                except httpx.HTTPError:
+                    return 0
+
+        deadline = time.monotonic() + 20
+        while await healthz() != 200:
+            assert time.monotonic() < deadline and process.poll() is None, (tmp_path / "operator.log").read_text()
+            await asyncio.sleep(0.2)
+    finally:
+        process.terminate()
+        try:
+            await asyncio.to_thread(process.wait, 15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            await asyncio.to_thread(process.wait)
+        log.close()
