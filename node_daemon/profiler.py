@@ -8,7 +8,8 @@ runner or sim executor, sampler), on the daemon's own device, before it serves:
   token budgets T = 64, 128, ... up to the budget ceiling. This is the curve Sarathi-Serve picks the
   budget from: the largest T whose iteration time fits the TPOT target.
 
-Each point is the median of a few iterations after a warm-up. Prompts are random token ids, distinct per
+Each point is the median of a few iterations after a warm-up; points run cheapest first (the mixed curve
+before the decode-only one) until `max_seconds` is spent. Prompts are random token ids, distinct per
 request, so the prefix cache never shortens a measured prefill. The engine's observer is detached while
 profiling (synthetic iterations must not reach the metrics or the stats window) and every synthetic
 request is aborted afterwards, so the engine starts serving empty with its tuning restored.
@@ -181,8 +182,10 @@ def measure_profile(engine: LLMEngine, device: str, settings: ProfileSettings | 
     engine.observer = profiler.recorder
     ceilings = engine.ceilings
     try:
-        decode_only = profiler.decode_only(ceilings)
+        # The mixed curve first: the starting budget comes from it, so it gets the time cap's first share.
         mixed = profiler.mixed(ceilings)
+        profiler._shrink_decoders(0)
+        decode_only = profiler.decode_only(ceilings)
     finally:
         profiler.cleanup()
         engine.set_tuning(saved_tuning)

@@ -108,3 +108,12 @@ def test_starting_tuning_lowers_max_num_seqs_when_the_slo_is_tight() -> None:
     tight = starting_tuning(PROFILE, 6.0, ceilings, Tuning(max_num_seqs=64))
     assert tight.token_budget == 64 and tight.max_num_seqs == 32  # 32 decodes + 32 tokens of prefill room
     assert min_budget_for(tight.max_num_seqs) <= tight.token_budget
+
+
+def test_time_cap_stops_the_sweep_and_still_cleans_up(one_thread) -> None:
+    engine, device, _ = _engine(["--model", "tiny", "--device", "cpu", "--max-token-budget", "512",
+                                 "--max-num-seqs-ceiling", "32", "--max-num-seqs", "8", "--token-budget", "128",
+                                 "--num-kv-blocks", "512"])
+    profile = measure_profile(engine, device, ProfileSettings(max_seconds=1e-6))
+    assert profile.mixed == [] and profile.decode_only == []
+    assert not engine.has_unfinished() and engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks

@@ -75,6 +75,6 @@ async def get_profile(request: Request, tpot_slo_ms: float | None = None) -> JSO
     body = daemon.profile.to_dict()
     body["tpot_slo_ms"] = target
     body["suggested_token_budget"] = (
-        None if target is None else
+        None if target is None or not daemon.profile.mixed else
         suggest_token_budget(daemon.profile, target, engine.ceilings, engine.get_tuning().max_num_seqs))
     return JSONResponse(body)
