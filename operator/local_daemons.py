@@ -33,6 +33,7 @@ class LocalReplica:
     started_at: float = field(default_factory=time.monotonic)
     restarts: int = 0
     draining: bool = False
+    drain_started: float = 0.0
 
     @property
     def url(self) -> str:
@@ -47,7 +48,8 @@ class LocalDaemonSet:
     """Keeps `desired` replicas of one service running; ordinal names like a StatefulSet (svc-0, svc-1...)."""
 
     def __init__(self, service: str, daemon_args: list[str], admin_token: str, log_dir: Path,
-                 threads_per_replica: int = 1, extra_env: dict[str, str] | None = None) -> None:
+                 threads_per_replica: int = 1, extra_env: dict[str, str] | None = None,
+                 drain_timeout_s: float = 30.0) -> None:
         self.service = service
         self.daemon_args = list(daemon_args)
         self.admin_token = admin_token
@@ -55,16 +57,43 @@ class LocalDaemonSet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.threads_per_replica = threads_per_replica
         self.extra_env = dict(extra_env or {})
+        self.drain_timeout_s = drain_timeout_s
         self.replicas: list[LocalReplica] = []
+        self.draining: list[LocalReplica] = []
         self.total_restarts = 0
 
     # -- verbs the control loop and the runtime use ---------------------------------------------
-    def scale_to(self, desired: int, drain_timeout_s: float = 30.0) -> None:
-        """Start missing replicas now; stop surplus ones (newest first) after draining them."""
+    def scale_to(self, desired: int) -> None:
+        """Start missing replicas now; surplus ones (newest first) start draining and leave the set.
+
+        Draining is not awaited here: the daemon finishes its in-flight requests within its own grace
+        period and exits; `reap()` collects it (and kills one that overstays `drain_timeout_s`).
+        """
         while len(self.replicas) < desired:
             self.replicas.append(self._spawn(self._next_name()))
         while len(self.replicas) > desired:
-            self.drain_and_stop(self.replicas.pop(), drain_timeout_s)
+            replica = self.replicas.pop()
+            self.begin_drain(replica)
+            self.draining.append(replica)
+
+    def begin_drain(self, replica: LocalReplica) -> None:
+        """SIGTERM lets the daemon drain: it refuses new requests and finishes in-flight ones, then exits."""
+        replica.draining = True
+        replica.drain_started = time.monotonic()
+        if replica.alive:
+            replica.process.send_signal(signal.SIGTERM)
+
+    def reap(self) -> list[LocalReplica]:
+        """Drained replicas that have exited (or were killed for overstaying); they are gone for good."""
+        gone = []
+        for replica in list(self.draining):
+            if replica.alive and time.monotonic() - replica.drain_started > self.drain_timeout_s + 5:
+                replica.process.kill()
+            if not replica.alive:
+                replica.process.wait()
+                self.draining.remove(replica)
+                gone.append(replica)
+        return gone
 
     def restart_dead(self) -> list[str]:
         """Restart every replica whose process exited (not ones we are draining). Returns their names."""
@@ -97,17 +126,6 @@ class LocalDaemonSet:
             time.sleep(0.5)
         return False
 
-    def drain_and_stop(self, replica: LocalReplica, timeout_s: float = 30.0) -> None:
-        """SIGTERM lets the daemon drain: it refuses new requests and finishes in-flight ones, then exits."""
-        replica.draining = True
-        if replica.alive:
-            replica.process.send_signal(signal.SIGTERM)
-            try:
-                replica.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                replica.process.kill()
-                replica.process.wait()
-
     def kill(self, name: str) -> None:
         """Hard-kill a replica (fault injection): it is restarted by restart_dead()."""
         for replica in self.replicas:
@@ -115,19 +133,20 @@ class LocalDaemonSet:
                 replica.process.kill()
                 replica.process.wait()
 
-    def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+    def shutdown(self) -> None:
+        """Drain every replica at once and wait for all of them (killing any that overstay)."""
         for replica in self.replicas:
-            if replica.alive:
-                replica.draining = True
-                replica.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + drain_timeout_s
-        for replica in self.replicas:
+            self.begin_drain(replica)
+        self.draining.extend(self.replicas)
+        self.replicas.clear()
+        deadline = time.monotonic() + self.drain_timeout_s + 5
+        for replica in self.draining:
             try:
                 replica.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 replica.process.kill()
                 replica.process.wait()
-        self.replicas.clear()
+        self.draining.clear()
 
     # -- internals --------------------------------------------------------------------------------
     def _next_name(self) -> str:

@@ -17,10 +17,9 @@ import torch
 
 from stallfree.node_daemon.config import ModelConfig
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
-from stallfree.node_daemon.models.shapes import SHAPES, ModelShape, get_shape
+from stallfree.node_daemon.models.shapes import RANDOM_PREFIX, SHAPES, ModelShape, get_shape
 
 EMBEDDED_MODEL = "smollm2-135m"
-RANDOM_PREFIX = "random:"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -65,8 +65,14 @@ SHAPES: dict[str, ModelShape] = {
 }
 
 
+# "random:<shape>" asks for random weights of a shape even where the bare name means a real model
+# (smollm2-135m is the embedded GGUF; random:smollm2-135m is random weights of its shape).
+RANDOM_PREFIX = "random:"
+
+
 def get_shape(name: str) -> ModelShape:
+    """A named shape; the random: prefix is accepted, since a shape is all it names."""
     try:
-        return SHAPES[name.lower()]
+        return SHAPES[name.lower().removeprefix(RANDOM_PREFIX)]
     except KeyError:
         raise ValueError(f"unknown model shape {name!r}; known: {', '.join(sorted(SHAPES))}") from None
