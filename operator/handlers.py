@@ -82,22 +82,41 @@ def _template_hash_of(deployment: dict[str, Any] | None) -> str | None:
     return ((deployment or {}).get("metadata") or {}).get("annotations", {}).get(render.ANNOTATION_TEMPLATE_HASH)
 
 
+class ChildConflict(Exception):
+    """An object the service would own already exists and belongs to someone else."""
+
+
+def _check_owned(current: dict[str, Any] | None, owner: dict[str, Any]) -> None:
+    if current is None:
+        return
+    uid = owner["metadata"].get("uid")
+    refs = (current.get("metadata") or {}).get("ownerReferences") or []
+    if not any(ref.get("uid") == uid and ref.get("controller") for ref in refs):
+        raise ChildConflict(f"{current.get('kind', 'object')} {current['metadata']['name']} exists and is not "
+                            f"owned by this InferenceService; rename one of them or delete it")
+
+
 def apply_children(kube: Kube, owner: dict[str, Any], spec: s.InferenceServiceSpec,
                    existing: dict[str, Any] | None) -> Applied:
+    """Apply every child; ChildConflict (before anything is written) where a name is taken."""
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     created: list[str] = []
+    knobs = render.startup_knobs(spec, existing)
+    with_monitor = kube.has_api(*SERVICE_MONITOR_API)
+    children = render.children(name, namespace, spec, knobs, with_service_monitor=with_monitor)
+    currents = [existing if child["kind"] == "Deployment" else kube.get(
+        child["apiVersion"], child["kind"], namespace, child["metadata"]["name"]) for child in children]
     secret = render.admin_secret(name, namespace, secrets.token_urlsafe(32))
+    for current in [kube.get("v1", "Secret", namespace, secret["metadata"]["name"]), *currents]:
+        _check_owned(current, owner)
+
     kopf.adopt(secret, owner=owner)
     if kube.create_if_absent(secret):  # made once: a reconcile never rotates the token
         created.append(f"Secret/{secret['metadata']['name']}")
 
-    knobs = render.startup_knobs(spec, existing)
-    with_monitor = kube.has_api(*SERVICE_MONITOR_API)
     deployment = None
-    for child in render.children(name, namespace, spec, knobs, with_service_monitor=with_monitor):
+    for child, current in zip(children, currents):
         kopf.adopt(child, owner=owner)
-        current = existing if child["kind"] == "Deployment" else kube.get(
-            child["apiVersion"], child["kind"], namespace, child["metadata"]["name"])
         result = current if current is not None and contains(current, child) else kube.apply(child)
         if current is None:
             created.append(f"{child['kind']}/{child['metadata']['name']}")
@@ -139,7 +158,16 @@ def reconcile_service(kube: Kube, owner: dict[str, Any], logger: logging.Logger 
                            cond.invalid_spec(message, generation, serving_previous=existing is not None))
         return
     assert spec is not None
-    applied = apply_children(kube, owner, spec, existing)
+    try:
+        applied = apply_children(kube, owner, spec, existing)
+    except ChildConflict as exc:
+        logger.warning(f"not applied: {exc}")
+        kopf.warn(owner, reason="ChildConflict", message=str(exc))
+        kube.update_status(namespace, name, {"observedGeneration": generation}, [
+            cond.condition(cond.DEGRADED, "True", "ChildConflict", str(exc), generation),
+            cond.condition(cond.PROGRESSING, "False", "ChildConflict", "waiting for the name to be free", generation),
+            cond.condition(cond.READY, "False", "ChildConflict", str(exc), generation)])
+        return
     if applied.created:
         kopf.info(owner, reason="Created", message=f"made {', '.join(applied.created)}")
     if applied.rolled:

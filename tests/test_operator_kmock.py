@@ -213,7 +213,7 @@ async def test_create_makes_owned_children_with_the_right_fields(kmock: BridgedE
         assert status["selector"] == render.selector_string("chat")
         assert status["observedGeneration"] == 1
         assert condition(kmock, "chat", "SLOMet")["status"] == "Unknown"
-        assert events(kmock, "Created")
+        await eventually(lambda: events(kmock, "Created"))
 
         # The Deployment controller reports a ready replica: the service becomes Ready.
         response = await kmock.patch(f"/apis/apps/v1/namespaces/{NS}/deployments/chat/status", json={"status": {
@@ -339,3 +339,17 @@ async def test_stallfree_operator_command_reconciles_and_answers_liveness(kmock:
             process.kill()
             await asyncio.to_thread(process.wait)
         log.close()
+
+
+async def test_a_name_taken_by_someone_else_is_not_taken_over(kmock: BridgedEmulator) -> None:
+    foreign = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "chat", "namespace": NS},
+               "spec": {"replicas": 5, "template": {"spec": {"containers": [{"name": "web", "image": "nginx"}]}}}}
+    response = await kmock.post(f"/apis/apps/v1/namespaces/{NS}/deployments", json=foreign)
+    assert response.status in (200, 201)
+    async with Operator():
+        await create(kmock, manifest())
+        degraded = await eventually(lambda: condition(kmock, "chat", "Degraded"))
+        assert degraded["reason"] == "ChildConflict" and "not owned" in degraded["message"]
+        await eventually(lambda: events(kmock, "ChildConflict"))
+        assert obj(kmock, DEPLOYMENTS, "chat")["spec"]["replicas"] == 5  # untouched
+        assert not exists(kmock, "v1/secrets", "chat-admin-token")  # nothing half made
