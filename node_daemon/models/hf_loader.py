@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
-from stallfree.node_daemon.models.loader import LoadedModel, resolve_max_model_len
+from stallfree.node_daemon.models.loader import LoadedModel, check_fits, resolve_max_model_len
 from stallfree.node_daemon.models.shapes import ModelShape
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -45,6 +45,11 @@ def hf_shape(config: dict, name: str) -> ModelShape:
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise ValueError("Llama checkpoints with attention_bias or mlp_bias are not supported")
     hidden, num_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    context = int(config.get("max_position_embeddings", 4096))
+    window = config.get("sliding_window")
+    if window and config.get("use_sliding_window", model_type == "mistral"):
+        # Attention here is always full; within one window full and sliding attention agree exactly.
+        context = min(context, int(window))
     return ModelShape(
         name=name,
         vocab_size=int(config["vocab_size"]),
@@ -54,7 +59,7 @@ def hf_shape(config: dict, name: str) -> ModelShape:
         num_heads=num_heads,
         num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
         head_dim=int(config.get("head_dim") or hidden // num_heads),
-        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        max_position_embeddings=context,
         rope_theta=float(config.get("rope_theta", 10000.0)),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -67,6 +72,7 @@ def load_hf(folder: str, dtype: torch.dtype, device: torch.device, max_model_len
     config = read_config(folder)
     shape = hf_shape(config, os.path.basename(os.path.normpath(folder)))
     context = resolve_max_model_len(shape, max_model_len)
+    check_fits(shape, dtype, device)
     model = LlamaForCausalLM(shape, dtype, device, context)
     model.load_weights(iter_safetensors(folder))
     return LoadedModel(model=model, shape=shape, eos_token_ids=_eos_token_ids(folder, config),

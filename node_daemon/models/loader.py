@@ -78,6 +78,7 @@ def load_random(shape: ModelShape, dtype: torch.dtype, device: torch.device, max
     from stallfree.node_daemon.models.random_weights import init_random_weights
 
     context = resolve_max_model_len(shape, max_model_len)
+    check_fits(shape, dtype, device)
     model = LlamaForCausalLM(shape, dtype, device, context)
     init_random_weights(model, seed)
     return LoadedModel(model=model, shape=shape, eos_token_ids=(), bos_token_id=None, max_model_len=context,
@@ -107,6 +108,18 @@ def resolve_dtype(name: str, device: torch.device, checkpoint: str | None = None
         raise ValueError(f"unsupported dtype {name!r}; use auto, {', '.join(_DTYPES)}") from None
 
 
+def check_fits(shape: ModelShape, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before allocating, a model whose weights cannot fit in the device's free memory."""
+    need = shape.num_parameters * torch.empty((), dtype=dtype).element_size()
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = _host_available_bytes()
+    if need > free:
+        raise ValueError(f"{shape.name} needs {need / 2**30:.1f} GiB of weights in {str(dtype).removeprefix('torch.')} "
+                         f"but only {free / 2**30:.1f} GiB is free on {device}")
+
+
 def resolve_max_model_len(shape: ModelShape, requested: int | None) -> int:
     if requested is None:
         return shape.max_position_embeddings
@@ -116,3 +129,15 @@ def resolve_max_model_len(shape: ModelShape, requested: int | None) -> int:
         raise ValueError(f"max_model_len {requested} exceeds the context of {shape.name} "
                          f"({shape.max_position_embeddings} tokens)")
     return requested
+
+
+def _host_available_bytes() -> int:
+    # MemAvailable counts reclaimable page cache too; sysconf's free pages do not.
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
