@@ -161,12 +161,12 @@ def test_unpermute_inverts_llama_cpp_permute():
     torch.testing.assert_close(unpermute_rope_rows(llama_cpp_permute(b, 2), 2), b, rtol=0, atol=0)
 
 
-def _write_gguf(loaded: LoadedModel, path: str) -> None:
-    """Write a model as llama.cpp's converter would: GGUF names, permuted Q/K, one Q8_0 tensor."""
+def _write_gguf(loaded: LoadedModel, path: str, arch: str = "llama") -> None:
+    """Write a model as llama.cpp's converter would: GGUF names, Q/K permuted for `llama`, one Q8_0 tensor."""
     import gguf
 
     shape = loaded.shape
-    w = gguf.GGUFWriter(path, "llama")
+    w = gguf.GGUFWriter(path, arch)
     w.add_block_count(shape.num_layers)
     w.add_context_length(shape.max_position_embeddings)
     w.add_embedding_length(shape.hidden_size)
@@ -193,9 +193,9 @@ def _write_gguf(loaded: LoadedModel, path: str) -> None:
             _, _, layer, rest = name.split(".", 3)
             part, kind = rest.rsplit(".", 1)
             gguf_name = f"blk.{layer}.{names[part]}.{kind}"
-            if part == "self_attn.q_proj":
+            if arch == "llama" and part == "self_attn.q_proj":
                 t = llama_cpp_permute(t, shape.num_heads)
-            elif part == "self_attn.k_proj":
+            elif arch == "llama" and part == "self_attn.k_proj":
                 t = llama_cpp_permute(t, shape.num_kv_heads)
         array = t.numpy().astype(np.float32)
         if gguf_name == "blk.0.ffn_down.weight":
@@ -219,6 +219,15 @@ def test_gguf_file_round_trip_undoes_the_qk_permutation(tmp_path):
     loaded = load_model(ModelConfig(model=path))
     assert loaded.source_kind == "gguf" and loaded.source == path and loaded.eos_token_ids == (7,)
     assert loaded.shape.num_kv_heads == 2 and not loaded.shape.tie_word_embeddings
+    assert relative_error(_logits(loaded), _logits(original)) < 1e-6
+
+
+def test_gguf_qwen2_file_keeps_qk_rows_and_reads_the_bias(tmp_path):
+    original = _random(seed=6, qkv_bias=True, tie_word_embeddings=True)
+    path = str(tmp_path / "tiny-qwen2.gguf")
+    _write_gguf(original, path, arch="qwen2")
+    loaded = load_model(ModelConfig(model=path))
+    assert loaded.shape.qkv_bias and loaded.shape.tie_word_embeddings
     assert relative_error(_logits(loaded), _logits(original)) < 1e-6
 
 
