@@ -54,8 +54,9 @@ def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     tuning = Tuning(token_budget=args.token_budget, max_num_seqs=args.running,
                     max_partial_prefills=args.max_partial_prefills)
-    config = SchedulerConfig(ceilings=Ceilings(max_token_budget=max(2048, args.token_budget), max_num_seqs=args.running),
-                             tuning=tuning, max_model_len=args.prompt_len[1] + args.output_len[1] + 1)
+    ceilings = Ceilings(max_token_budget=max(2048, args.token_budget), max_num_seqs=args.running)
+    max_model_len = args.shared_prefix + args.prompt_len[1] + args.output_len[1]
+    config = SchedulerConfig(ceilings=ceilings, tuning=tuning, max_model_len=max_model_len)
     kv = KVCacheManager(args.num_blocks, args.block_size, enable_prefix_caching=not args.no_prefix_caching)
     scheduler = Scheduler(config, kv)
     system_prompt = [rng.randrange(VOCAB) for _ in range(args.shared_prefix)]
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> dict:
         "finished": finished,
         "preemptions": scheduler.num_preemptions,
         "kv_usage": round(kv.usage, 3),
-        "prefix_cache_hit_rate": round(kv.prefix_cache_hits / kv.prefix_cache_queries, 3) if kv.prefix_cache_queries else 0.0,
+        "prefix_cache_hit_rate": round(kv.prefix_cache_hits / max(1, kv.prefix_cache_queries), 3),
         "prefix_caching": not args.no_prefix_caching,
         "python": sys.version.split()[0],
     }

@@ -416,7 +416,8 @@ class Scheduler:
             sampling = request.sampling
             if (token in request.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
                 request.status = _STOPPED
-            elif len(outputs) >= sampling.max_tokens or len(request.prompt_token_ids) + len(outputs) >= request.max_model_len:
+            elif (len(outputs) >= sampling.max_tokens
+                  or len(request.prompt_token_ids) + len(outputs) >= request.max_model_len):
                 request.status = _LENGTH
             else:
                 if chunk.is_prefill:

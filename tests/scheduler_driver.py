@@ -123,4 +123,5 @@ def run_to_completion(scheduler: Scheduler, token_of=lambda request: 7, max_step
 
 
 def is_decode(request: Request) -> bool:
-    return request.status is RequestStatus.RUNNING and bool(request.output_token_ids) and request.num_tokens_to_compute == 1
+    running = request.status is RequestStatus.RUNNING
+    return running and bool(request.output_token_ids) and request.num_tokens_to_compute == 1

@@ -249,7 +249,8 @@ def test_kv_shortfall_preempts_the_latest_admitted_which_resumes_first_and_finis
         if output.preempted:
             assert s.waiting[0] is output.preempted[-1]  # ahead of "later"
             # No admission in an iteration that preempted: the victim must not take its room back.
-            assert not {c.request.request_id for c in output.chunks} & (waiting_before | {r.request_id for r in output.preempted})
+            not_admissible = waiting_before | {r.request_id for r in output.preempted}
+            assert not {c.request.request_id for c in output.chunks} & not_admissible
         finished += done
     assert preempted and preempted[0] == "r2"
     assert sorted(r.request_id for r in finished) == ["later", "r0", "r1", "r2"]

@@ -71,7 +71,8 @@ def checked_step(s: Scheduler, ledger: Ledger, data) -> None:
     assert len(s.running) <= tuning.max_num_seqs
     assert not preempted & set(scheduled)
     for r in output.preempted:
-        assert r.status is RequestStatus.PREEMPTED and not r.block_ids and s.waiting[0].status is RequestStatus.PREEMPTED
+        assert r.status is RequestStatus.PREEMPTED and not r.block_ids
+        assert s.waiting[0].status is RequestStatus.PREEMPTED
 
     for chunk in output.chunks:
         request = chunk.request
