@@ -8,7 +8,9 @@ and PrefillCapacityExhausted conditions) and to the operator's metrics. The loop
 status.control.state, so an operator that restarts resumes where it was and does not scale twice.
 
 Loaded by `stallfree operator` next to the reconciler (handlers.py). Operator metrics are served on
-STALLFREE_OPERATOR_METRICS_PORT (default 9090; 0 turns them off).
+STALLFREE_OPERATOR_METRICS_PORT (default 9090; 0 turns them off). With STALLFREE_PROMETHEUS_URL set, replicas
+are observed through that Prometheus (series selected by namespace and service, one per pod) instead of
+their admin API; tuning PUTs still go to the admin API.
 """
 from __future__ import annotations
 
@@ -24,18 +26,22 @@ import kopf
 from prometheus_client import start_http_server
 from pydantic import ValidationError
 
+from stallfree.contracts import Ceilings
+
 from stallfree.operator import conditions as cond
 from stallfree.operator import spec as s
 from stallfree.operator.control_loop import ControlLoop, ControlState, StepResult
 from stallfree.operator.control_policy import ControlPolicy
 from stallfree.operator.k8s_actuator import KubernetesActuator, read_admin_token, replica_targets
 from stallfree.operator.kube import Kube
-from stallfree.operator.observe import HttpObserver
+from stallfree.operator.observe import HttpObserver, Observer
+from stallfree.operator.observe_prometheus import PrometheusObserver
 from stallfree.operator.operator_metrics import OperatorMetrics
 
 TICK_S = 1.0
 SCRAPE_TIMEOUT_S = 3.0
 METRICS_PORT_ENV = "STALLFREE_OPERATOR_METRICS_PORT"
+PROMETHEUS_URL_ENV = "STALLFREE_PROMETHEUS_URL"
 METRICS = OperatorMetrics()
 
 
@@ -94,7 +100,7 @@ async def control_step(memo: kopf.Memo, owner: dict[str, Any], spec: s.Inference
     if client.is_closed:  # the operator is stopping
         raise kopf.TemporaryError("operator stopping", delay=TICK_S)
     token = memo.control_admin_token
-    loop = ControlLoop(policy, HttpObserver(client, token, SCRAPE_TIMEOUT_S, policy.min_samples),
+    loop = ControlLoop(policy, observer_for(client, token, namespace, name, spec, policy),
                        KubernetesActuator(kube, owner, client, token, targets, SCRAPE_TIMEOUT_S), state)
     result = await loop.step(targets, spec.replicas, now)
     memo.control_state = loop.state
@@ -104,6 +110,16 @@ async def control_step(memo: kopf.Memo, owner: dict[str, Any], spec: s.Inference
     await asyncio.to_thread(kube.update_status, namespace, name, status_fields(result), conditions)
     METRICS.record(namespace, name, result, policy)
     return result
+
+
+def observer_for(client: httpx.AsyncClient, token: str | None, namespace: str, name: str,
+                 spec: s.InferenceServiceSpec, policy: ControlPolicy) -> Observer:
+    prometheus = os.environ.get(PROMETHEUS_URL_ENV)
+    if prometheus:
+        ceilings = Ceilings(spec.engine.ceilings.max_token_budget, spec.engine.ceilings.max_num_seqs)
+        return PrometheusObserver(client, prometheus, f'namespace="{namespace}", service="{name}"', policy.window_s,
+                                  ceilings, policy.min_samples)
+    return HttpObserver(client, token, SCRAPE_TIMEOUT_S, policy.min_samples)
 
 
 def status_fields(result: StepResult) -> dict[str, Any]:
