@@ -57,12 +57,13 @@ class FlashInferBackend:
     supports_cuda_graphs = True  # through use_cuda_graph_batch(): fixed-buffer wrappers planned before replay
 
     def __init__(self, device: torch.device | str, workspace_bytes: int = WORKSPACE_BYTES,
-                 kernel_backend: str | None = None) -> None:
+                 kernel_backend: str | None = None, flashinfer_module=None) -> None:
+        """`flashinfer_module` replaces the real package (tests of the planning logic on the CPU)."""
         self.device = torch.device(device)
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" and flashinfer_module is None:
             raise ValueError(f"the flashinfer backend runs on CUDA devices only, not {self.device}; "
                              f"use --attention-backend torch on the CPU")
-        self._flashinfer = import_flashinfer()
+        self._flashinfer = flashinfer_module or import_flashinfer()
         # flashinfer's kernel family: auto (FA3 on Hopper for long queries, FA2 for short), fa2 or fa3.
         # STALLFREE_FLASHINFER_BACKEND=fa2 pins FA2, e.g. where only FA2 kernels were built ahead of time.
         self._kernel_backend = kernel_backend or os.environ.get("STALLFREE_FLASHINFER_BACKEND", "auto")
