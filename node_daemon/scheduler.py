@@ -331,7 +331,8 @@ class Scheduler:
             return False
         self.waiting.popleft()
         request.status = _RUNNING
-        request.num_computed_tokens = request.num_cached_tokens = len(hits) * self._block_size
+        request.num_computed_tokens = num_hit_tokens = len(hits) * self._block_size
+        request.num_cached_tokens = min(num_hit_tokens, request.num_prompt_tokens)  # prompt tokens only
         reserved = kv.blocks_for(reserve_tokens)
         request_id = request.request_id
         self._reserved_blocks[request_id] = reserved

@@ -255,6 +255,7 @@ def test_kv_shortfall_preempts_the_latest_admitted_which_resumes_first_and_finis
     assert preempted and preempted[0] == "r2"
     assert sorted(r.request_id for r in finished) == ["later", "r0", "r1", "r2"]
     assert all(len(r.output_token_ids) == r.sampling.max_tokens for r in finished)
+    assert all(r.num_cached_tokens <= r.num_prompt_tokens for r in finished)  # usage counts prompt tokens only
     assert s.get_request("r2") is None and s.num_preemptions == len(preempted)
 
 
