@@ -5,7 +5,7 @@ Sections, each bounded by the time budget and reported even if another fails:
   ceilings     device-to-device copy bandwidth (bytes read + written) and the bf16 8192^3 matrix rate
   correctness  every attention backend (torch, triton, flashinfer) in bf16 against the float64 reference:
                decodes, prefills, chunked prefills over a prefix, mixed; GQA 4 (Llama-3) and 3 (SmolLM2);
-               pages of 16 (and 32 for Triton); outputs poisoned with NaN; KV write exact; relative error < 1e-2
+               pages of 16 and 32; outputs poisoned with NaN; KV write exact; relative error < 1e-2
   attention    one layer's attention for decode batches and a mixed 2,048-token batch (Llama-3-8B shape),
                timed by CUDA-graph replay over enough layers' caches to defeat the L2; Triton/flashinfer ratio;
                a small sweep of Triton launch shapes
