@@ -73,20 +73,22 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """Hand out n blocks with ref_cnt 1, evicting cached ones from the LRU front. Caller checks room."""
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} KV blocks, {len(self._free)} free")
-        free, blocks, cached = self._free, self.blocks, self.cached
+        free = self._free
+        if n > len(free):
+            raise RuntimeError(f"asked for {n} KV blocks, {len(free)} free")
+        popitem, blocks, cached = free.popitem, self.blocks, self.cached
         out = []
+        evicted = 0
         for _ in range(n):
-            block_id = free.popitem(last=False)[0]
+            block_id = popitem(False)[0]
             block = blocks[block_id]
             if block.block_hash is not None:
-                if cached.get(block.block_hash) == block_id:
-                    del cached[block.block_hash]
+                del cached[block.block_hash]  # a block carries a hash only while the index points at it
                 block.block_hash = None
-                self.num_evictions += 1
+                evicted += 1
             block.ref_cnt = 1
             out.append(block_id)
+        self.num_evictions += evicted
         return out
 
     def touch(self, block_ids: list[int]) -> None:
