@@ -91,6 +91,10 @@ def check_blocks_conserved(scheduler: Scheduler) -> None:
         assert block.ref_cnt == refs.get(block.block_id, 0), f"block {block.block_id} ref count drifted"
         assert pool.is_free(block.block_id) == (block.ref_cnt == 0)
     assert kv.num_used_blocks == len(refs)
+    # The prefix-cache index and the blocks agree both ways (eviction relies on it).
+    for block_hash, block_id in pool.cached.items():
+        assert pool.blocks[block_id].block_hash == block_hash
+    assert sum(1 for block in pool.blocks if block.block_hash is not None) == len(pool.cached)
 
 
 _SHADOWS: "weakref.WeakKeyDictionary[Scheduler, ShadowKV]" = weakref.WeakKeyDictionary()
