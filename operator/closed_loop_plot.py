@@ -14,7 +14,8 @@ def plot_timeline(result: dict[str, Any], path: str) -> None:
     rows, slo = result["timeline"], result["slo"]
     t = [r["t"] for r in rows]
     fig, axes = plt.subplots(4, 1, figsize=(11, 11), sharex=True)
-    fig.suptitle(f"stallfree control --scenario {result['scenario']}  ({result['model']} on {result['hardware']})")
+    title = result.get("title") or f"stallfree control --scenario {result['scenario']}"
+    fig.suptitle(f"{title}  ({result['model']} on {result['hardware']})")
 
     ax = axes[0]
     ax.plot(t, [r["p99_tpot_ms"] for r in rows], label="p99 TPOT (worst known replica)", color="tab:blue")
@@ -55,7 +56,7 @@ def plot_timeline(result: dict[str, Any], path: str) -> None:
             if d["kind"] in ("scaled_up", "scaled_down"):
                 ax.axvline(r["t"], color="tab:purple", alpha=0.4, linestyle="--")
     ax.set_ylabel("replicas")
-    ax.set_xlabel("virtual time (s)")
+    ax.set_xlabel(result.get("time_label", "virtual time (s)"))
     ax.legend(loc="upper left", fontsize=8)
     for phase in result["load"][1:]:
         for panel in axes:

@@ -159,6 +159,8 @@ def report(name: str, spec: InferenceServiceSpec, runtime: LocalRuntime, load: L
     starts = load.phase_starts if load else []
     result = {
         "scenario": "up --demo" if load else "up",
+        "title": f"stallfree up -f {name}" + (" --demo" if load else ""),
+        "time_label": "wall time since start (s)",
         "service": name,
         "model": spec.model.daemon_model,
         "hardware": spec.engine.device,
