@@ -43,8 +43,6 @@ DEVICE_PACKAGES = ["torch", "torchgen", "functorch", "numpy", "numpy.libs", "pac
                    "pynvml.py", "jinja2", "markupsafe", "typing_extensions.py", "sympy", "mpmath", "networkx",
                    "filelock", "fsspec", "triton", "yaml", "_yaml"]
 DEVICE_CUDA_NAMESPACE = ["bindings", "core", "pathfinder"]  # cuda-bindings, cuda-core, cuda-pathfinder
-# Package folders our modules need beyond what `import flashinfer` loads.
-KEEP_DIRS = ["jit", "attention", "norm", "triton", "trace", "autotuner", "utils"]
 
 
 def module_specs(fa3: bool) -> list:
@@ -102,11 +100,14 @@ def prepare_toolchain(work: str) -> str:
     return home
 
 
-def build(specs: list, jobs: int) -> None:
+def build(specs: list, jobs: int, rebuild: bool) -> None:
     from flashinfer.jit.core import build_jit_specs
 
     os.environ["MAX_JOBS"] = str(jobs)
     for spec in specs:
+        if spec.jit_library_path.exists() and not rebuild:
+            print(f"built already: {spec.name}", flush=True)
+            continue
         print(f"building {spec.name}", flush=True)
         build_jit_specs([spec], verbose=False, skip_prebuilt=False)
         if not spec.jit_library_path.exists():
@@ -114,61 +115,122 @@ def build(specs: list, jobs: int) -> None:
         print(f"  {spec.jit_library_path.stat().st_size / 1e6:.1f} MB", flush=True)
 
 
-def traced_files(package_dir: str, emulated_site: str) -> set[str]:
-    """Files (relative to the package) that `import flashinfer` and our modules' Python wrappers load,
-    traced in the emulated GPU environment so optional dependencies it lacks are not followed."""
-    code = (
-        "import sys, os, json\n"
-        "import flashinfer, flashinfer.prefill, flashinfer.norm, flashinfer.rope, flashinfer.activation, "
-        "flashinfer.sampling, flashinfer.page\n"
-        "root = os.path.dirname(flashinfer.__file__)\n"
-        "files = [os.path.relpath(m.__file__, root) for m in list(sys.modules.values())\n"
-        "         if getattr(m, '__file__', None) and m.__file__.startswith(root)]\n"
-        "print(json.dumps(files))\n"
-    )
+# Build-time parts of apache-tvm-ffi (headers, sources, Cython sources, a test library): not needed to load modules.
+TVM_FFI_SKIP = ("3rdparty", "include", "src", "cython", "CMakeLists.txt")
+
+
+def exercise_code(prefill_backends: list[str]) -> str:
+    """Python run in the emulated GPU environment: import flashinfer, then load every module the engine calls
+    through the getters flashinfer's own ops use (a prebuilt library loads on a CPU too), then print the
+    package files that were imported. Lazy imports on these paths are thereby traced, and checked."""
+    return f"""
+import builtins, io, json, os, sys
+# Source templates flashinfer reads from its data/ folder while it names and generates a module (before it
+# finds the prebuilt library): recorded, so the bundle carries exactly those.
+data_reads = set()
+_open = io.open
+def recording_open(file, *args, **kwargs):
+    path = os.fspath(file) if isinstance(file, (str, bytes, os.PathLike)) else ""
+    if isinstance(path, str) and os.sep + "flashinfer" + os.sep + "data" + os.sep in path:
+        data_reads.add(path)
+    return _open(file, *args, **kwargs)
+builtins.open = io.open = recording_open
+import torch
+import flashinfer, flashinfer.prefill, flashinfer.norm, flashinfer.rope, flashinfer.activation, flashinfer.sampling
+bf16 = torch.bfloat16
+for backend in {prefill_backends!r}:
+    for head_dim in (128, 64):
+        flashinfer.prefill.get_batch_prefill_module(backend, bf16, bf16, bf16, torch.int32, head_dim, head_dim,
+                                                    0, False, False, False)
+flashinfer.norm.get_norm_module()
+flashinfer.rope.get_rope_module()
+flashinfer.activation.get_act_and_mul_module("silu")
+flashinfer.sampling.get_sampling_module()
+try:  # the wrapper's constructor on the CPU gets as far as its first device call
+    flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), "NHD", backend="fa2")
+except Exception as exc:
+    print("wrapper on the CPU:", type(exc).__name__, file=sys.stderr)
+root = os.path.dirname(flashinfer.__file__)
+files = {{os.path.relpath(m.__file__, root) for m in list(sys.modules.values())
+         if getattr(m, "__file__", None) and m.__file__.startswith(root)}}
+files |= {{os.path.relpath(p, root) for p in data_reads if p.startswith(root)}}
+print(json.dumps(sorted(files)))
+"""
+
+
+def _copy_libraries(specs: list, package: str) -> dict:
+    """Each built library where flashinfer looks before it would compile: data/aot/<name>/<name>.so."""
+    sizes = {}
+    for spec in specs:
+        target = os.path.join(package, "data", "aot", spec.name, f"{spec.name}.so")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(spec.jit_library_path, target)
+        sizes[spec.name] = os.path.getsize(target)
+    return sizes
+
+
+def _local_tvm_ffi(site: str) -> None:
+    """This interpreter's tvm_ffi, trimmed as the bundle's is (the bundle's own is built for the GPU's CPython)."""
     import tvm_ffi
 
-    only = tempfile.mkdtemp()  # flashinfer and tvm_ffi alone, not the rest of this environment
-    os.symlink(package_dir, os.path.join(only, "flashinfer"))
-    os.symlink(os.path.dirname(tvm_ffi.__file__), os.path.join(only, "tvm_ffi"))
-    out = _run_emulated(code, [emulated_site, only])
+    shutil.copytree(os.path.dirname(tvm_ffi.__file__), os.path.join(site, "tvm_ffi"),
+                    ignore=shutil.ignore_patterns("__pycache__", *TVM_FFI_SKIP))
+
+
+def traced_files(src: str, specs: list, emulated_site: str, prefill_backends: list[str]) -> set[str]:
+    """Package files the engine's paths import, traced over every .py file of the package plus the built
+    libraries, in the emulated GPU environment (so optional dependencies it lacks are not followed)."""
+    site = tempfile.mkdtemp()
+    shutil.copytree(src, os.path.join(site, "flashinfer"),
+                    ignore=shutil.ignore_patterns("data", "__pycache__", "*.cu", "*.cuh", "*.h", "*.c", "*.cubin"))
+    csrc = os.path.join(src, "data", "csrc")  # its top-level sources and templates (not the kernel libraries)
+    os.makedirs(os.path.join(site, "flashinfer", "data", "csrc"))
+    for name in os.listdir(csrc):
+        if os.path.isfile(os.path.join(csrc, name)):
+            shutil.copy2(os.path.join(csrc, name), os.path.join(site, "flashinfer", "data", "csrc", name))
+    _copy_libraries(specs, os.path.join(site, "flashinfer"))
+    _local_tvm_ffi(site)
+    out = _run_emulated(exercise_code(prefill_backends), [emulated_site, site], _exercise_env())
+    shutil.rmtree(site, ignore_errors=True)
     return set(json.loads(out.strip().splitlines()[-1]))
 
 
-def assemble(bundle: str, specs: list, emulated_site: str, tvm_ffi_wheel_dir: str) -> dict:
+def _exercise_env() -> dict:
+    return {"FLASHINFER_DISABLE_JIT": "1", "FLASHINFER_CUDA_ARCH_LIST": "9.0", "FLASHINFER_USE_CUDA_NORM": "1",
+            "LD_LIBRARY_PATH": os.path.join(SYSTEM_CUDA, "lib64")}
+
+
+def assemble(bundle: str, specs: list, emulated_site: str, tvm_ffi_wheel_dir: str,
+             prefill_backends: list[str]) -> dict:
     import flashinfer
 
     src = os.path.dirname(flashinfer.__file__)
     site = os.path.join(bundle, "site")
     shutil.rmtree(site, ignore_errors=True)
     dst = os.path.join(site, "flashinfer")
-    keep = traced_files(src, emulated_site)
-    for d in KEEP_DIRS:
-        for path in glob.glob(os.path.join(src, d, "**", "*"), recursive=True):
-            rel = os.path.relpath(path, src)
-            if os.path.isfile(path) and path.endswith((".py", ".json")) and "__pycache__" not in rel:
-                keep.add(rel)
+    keep = traced_files(src, specs, emulated_site, prefill_backends)
+    # Data files beside traced modules (configs they may read), and every package __init__ on the way.
+    for rel in list(keep):
+        folder = os.path.dirname(rel)
+        keep.update(os.path.relpath(p, src) for p in glob.glob(os.path.join(src, folder, "*.json")))
+        parts = folder.split(os.sep) if folder else []
+        for i in range(1, len(parts) + 1):
+            init = os.path.join(*parts[:i], "__init__.py")
+            if os.path.exists(os.path.join(src, init)):
+                keep.add(init)
     for rel in sorted(keep):
         os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
         shutil.copy2(os.path.join(src, rel), os.path.join(dst, rel))
-    # Every package folder on the way needs its __init__ (some are traced only as parents).
-    for rel in list(keep):
-        parts = rel.split(os.sep)[:-1]
-        for i in range(1, len(parts) + 1):
-            init = os.path.join(*parts[:i], "__init__.py")
-            if os.path.exists(os.path.join(src, init)) and not os.path.exists(os.path.join(dst, init)):
-                shutil.copy2(os.path.join(src, init), os.path.join(dst, init))
-    modules = {}
-    for spec in specs:
-        target = os.path.join(dst, "data", "aot", spec.name, f"{spec.name}.so")
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        shutil.copy2(spec.jit_library_path, target)
-        modules[spec.name] = os.path.getsize(target)
+    modules = _copy_libraries(specs, dst)
     wheel = glob.glob(os.path.join(tvm_ffi_wheel_dir, "apache_tvm_ffi-*.whl"))
     if not wheel:
         raise RuntimeError("no apache-tvm-ffi wheel for the GPU machine's Python: see fetch_tvm_ffi_wheel()")
     with zipfile.ZipFile(wheel[0]) as z:
-        z.extractall(site)
+        for name in z.namelist():
+            parts = name.split("/")
+            if parts[0] == "tvm_ffi" and any(p in TVM_FFI_SKIP for p in parts[1:]):
+                continue
+            z.extract(name, site)
     return modules
 
 
@@ -212,31 +274,19 @@ def _run_emulated(code: str, path: list[str], extra_env: dict | None = None) -> 
     return done.stdout
 
 
-def verify(bundle: str, emulated_site: str, names: list[str]) -> str:
-    """In the emulated GPU environment, with JIT disabled: flashinfer imports from the bundle and every module
-    resolves to its prebuilt library, which loads (the CUDA runtime from the system toolkit stands in)."""
+def verify(bundle: str, emulated_site: str, prefill_backends: list[str]) -> str:
+    """In the emulated GPU environment, JIT disabled: flashinfer imports from the bundle alone and every module
+    the engine calls loads from its prebuilt library (the CUDA runtime of the system toolkit stands in)."""
     site = os.path.join(bundle, "site")
     if sys.version_info[:2] != tuple(int(x) for x in DEVICE_PYTHON.split(".")):
-        # The bundle's tvm_ffi is built for the GPU machine's CPython; check with this interpreter's own copy.
-        import tvm_ffi
-
+        # The bundle's tvm_ffi is built for the GPU machine's CPython: check with this interpreter's own copy.
         local = os.path.join(tempfile.mkdtemp(), "site")
         shutil.copytree(site, local, ignore=shutil.ignore_patterns("tvm_ffi", "apache_tvm_ffi-*"))
-        os.symlink(os.path.dirname(tvm_ffi.__file__), os.path.join(local, "tvm_ffi"))
+        _local_tvm_ffi(local)
         site = local
-    code = (
-        "import flashinfer, tvm_ffi\n"
-        "from flashinfer.jit import env\n"
-        f"names = {names!r}\n"
-        "for n in names:\n"
-        "    path = env.get_aot_path(n)\n"
-        "    assert path.exists() and str(path).startswith(os.path.dirname(flashinfer.__file__)), (n, path)\n"
-        "    tvm_ffi.load_module(str(path))\n"
-        "print('flashinfer', flashinfer.__version__, 'from', flashinfer.__file__, '| modules load:', len(names))\n"
-    )
-    lib = os.path.join(SYSTEM_CUDA, "lib64")
-    return _run_emulated("import os\n" + code, [emulated_site, site],
-                         {"FLASHINFER_DISABLE_JIT": "1", "LD_LIBRARY_PATH": lib})
+    out = _run_emulated(exercise_code(prefill_backends), [emulated_site, site], _exercise_env())
+    return f"flashinfer from the bundle alone: {len(json.loads(out.strip().splitlines()[-1]))} files imported, " \
+           f"every module loaded from its prebuilt library"
 
 
 def bundle_size(path: str) -> int:
@@ -249,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=None, help="build folder (default: <out>.build)")
     p.add_argument("--fa3", action="store_true", help="also the Hopper FA3 prefill kernels (much longer build)")
     p.add_argument("--jobs", type=int, default=2, help="parallel nvcc jobs")
+    p.add_argument("--rebuild", action="store_true", help="compile modules again even if the build folder has them")
     args = p.parse_args(argv)
     out = os.path.abspath(args.out)
     work = os.path.abspath(args.work or out + ".build")
@@ -258,10 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["FLASHINFER_CUDA_ARCH_LIST"] = "9.0"
     os.environ["FLASHINFER_WORKSPACE_BASE"] = work
     specs = module_specs(args.fa3)
-    build(specs, args.jobs)
+    build(specs, args.jobs, args.rebuild)
     site = emulated_device_site(work)
-    modules = assemble(out, specs, site, fetch_tvm_ffi_wheel(work))
-    summary = verify(out, site, list(modules))
+    prefill_backends = ["fa2", "fa3"] if args.fa3 else ["fa2"]
+    modules = assemble(out, specs, site, fetch_tvm_ffi_wheel(work), prefill_backends)
+    summary = verify(out, site, prefill_backends)
     manifest = {"flashinfer": __import__("flashinfer").__version__, "arch": "sm_90a",
                 "kernel_backend": "auto" if args.fa3 else "fa2", "modules": modules,
                 "bundle_bytes": bundle_size(out)}
