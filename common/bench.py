@@ -10,6 +10,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "stall": ("stallfree.node_daemon.bench_stall", "decode gaps when a long prompt arrives: chunked vs unchunked"),
     "itl": ("stallfree.node_daemon.server.bench_itl", "client-seen vs engine-side inter-token latency (API overhead)"),
     "serve": ("stallfree.node_daemon.sim.bench_serve", "load against any OpenAI-compatible endpoint"),
+    "soak": ("stallfree.operator.soak", "thousands of requests, cancellations and a kill across local replicas"),
 }
 
 

@@ -94,11 +94,13 @@ async def fetch_profile(runtime: LocalRuntime) -> Profile:
 
 
 async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, out: Path) -> dict[str, Any]:
-    extra: list[str] = []
     if args.demo:
-        # Start far above what the TPOT SLO allows on a CPU, so the tuner has something to correct.
-        extra = ["--token-budget", str(spec.engine.ceilings.max_token_budget)]
-    runtime = LocalRuntime(name, spec, out, threads_per_replica=args.threads_per_replica, extra_daemon_args=extra)
+        # A budget configured far above what the TPOT SLO allows on this hardware: the daemons start
+        # there and the tuner must find the way down from feedback (not from the profile).
+        engine = spec.engine
+        budget = engine.token_budget.model_copy(update={"initial": engine.ceilings.max_token_budget})
+        spec = spec.model_copy(update={"engine": engine.model_copy(update={"token_budget": budget})})
+    runtime = LocalRuntime(name, spec, out, threads_per_replica=args.threads_per_replica)
     interval = args.interval or runtime.policy.interval_s
     view = LiveView(name, runtime.policy, live=not args.no_live and sys.stdout.isatty())
     stop = asyncio.Event()
