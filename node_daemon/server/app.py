@@ -85,7 +85,8 @@ def create_app(daemon: Daemon, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> 
     from stallfree.node_daemon.server.admin_routes import router as admin_router
     from stallfree.node_daemon.server.openai_routes import router as openai_router
 
-    app = FastAPI(title="stallfree daemon", docs_url=None, redoc_url=None, openapi_url=None)
+    # The OpenAPI schema is served (clients and fuzzers read it); the interactive docs pages are not.
+    app = FastAPI(title="stallfree daemon", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.daemon = daemon
     install_error_handlers(app, daemon.metrics.record_error)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes,

@@ -71,6 +71,8 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, 
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('msg', 'cannot parse')}", None, True
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "missing" and not loc:
+        return "request body is empty: expected a JSON object", None, True
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
     if first.get("type") == "model_attributes_type" or (not loc and "dict" in msg.lower()):
