@@ -21,6 +21,7 @@ import httpx
 import yaml
 
 from stallfree.contracts import Profile
+from stallfree.node_daemon.sim.bench_serve import PromptBuilder
 from stallfree.operator.local_load import LoadDriver, LoadPhase
 from stallfree.operator.local_runtime import LocalRuntime
 from stallfree.operator.local_view import LiveView
@@ -68,21 +69,43 @@ def load_manifest(path: str) -> tuple[str, InferenceServiceSpec]:
     return name, spec
 
 
-def demo_phases(profile: Profile, tpot_slo_ms: float, long_prompt: int, scale: float = 1.0) -> list[LoadPhase]:
-    """Phases sized from the replica's own measured profile, so the demo means the same on any machine.
+def demo_load(profile: Profile, tpot_slo_ms: float, long_prompt: int, scale: float = 1.0
+              ) -> tuple[LoadPhase, list[LoadPhase]]:
+    """Chat traffic throughout, and long-prompt phases sized from the replica's own measured profile,
+    so the demo means the same on any machine.
 
-    One replica's prefill capacity is what its TPOT-limited budget pushes through per second; the
-    overload phase asks for well over that, which no budget can serve: a second replica is needed.
+    One replica's prefill capacity is what its TPOT-limited budget pushes through per second. The
+    long-prompt phase stays under it (only the budget is wrong); the next phase asks for well over it,
+    which no budget can serve: a second replica is needed.
     """
     budget = profile.budget_for(tpot_slo_ms * 0.8)
     prefill_tokens_per_s = budget / (profile.iteration_ms_at(budget) / 1000.0)
-    long_rate = prefill_tokens_per_s / long_prompt  # requests/s one replica can prefill
-    return [
-        LoadPhase("warm-up", 30 * scale, 0.25 * prefill_tokens_per_s / 64, 64, 24),
-        LoadPhase("long prompts", 90 * scale, 0.45 * long_rate, long_prompt, 24),
-        LoadPhase("beyond one replica", 150 * scale, 1.6 * long_rate, long_prompt, 24),
-        LoadPhase("cool-down", 30 * scale, 0.25 * prefill_tokens_per_s / 64, 64, 24),
+    long_rate = prefill_tokens_per_s / long_prompt  # long prompts per second one replica can prefill
+    phases = [
+        LoadPhase("chat only", 20 * scale, 0.0, long_prompt, 24),
+        LoadPhase("long prompts", 100 * scale, 0.45 * long_rate, long_prompt, 24),
+        LoadPhase("beyond one replica", 120 * scale, 1.3 * long_rate, long_prompt, 24),
+        LoadPhase("cool-down", 20 * scale, 0.0, long_prompt, 24),
     ]
+    # Enough short requests that every stats window holds TPOT samples (the loop refuses to decide on
+    # fewer), at a small share of the prefill capacity.
+    chat_rate = max(0.6, min(0.1 * prefill_tokens_per_s / 64, 20.0))
+    chat = LoadPhase("chat", sum(p.duration_s for p in phases), chat_rate, 64, 24)
+    return chat, phases
+
+
+def prompt_builder(spec: InferenceServiceSpec) -> PromptBuilder:
+    """Prompts of exact token lengths, counted by the tokenizer the daemons use."""
+    from stallfree.node_daemon.tokenizer import load_tokenizer
+
+    model = spec.model
+    if model.source == "embedded":
+        from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path
+
+        return PromptBuilder(load_tokenizer(embedded_gguf_path()))
+    if model.source == "random":
+        return PromptBuilder(load_tokenizer(model.name))  # the byte-level tokenizer of that shape
+    return PromptBuilder(load_tokenizer(model.path))
 
 
 async def fetch_profile(runtime: LocalRuntime) -> Profile:
@@ -112,19 +135,19 @@ async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, o
     view.say(f"starting {len(runtime.daemons.replicas)} replica(s) of {name} "
              f"({spec.model.daemon_model}, {spec.engine.device}); logs in {runtime.daemons.log_dir}")
     load: LoadDriver | None = None
-    load_task: asyncio.Task | None = None
+    load_task: asyncio.Future | None = None
     phases: list[LoadPhase] = []
     try:
         await runtime.wait_ready(args.start_timeout, on_wait=view.waiting)
         view.say(f"ready after {runtime.elapsed():.0f}s (model loaded, profile measured)")
         if args.demo:
             profile = await fetch_profile(runtime)
-            long_prompt = min(768, (spec.model.max_model_len or 2048) - 64)
-            phases = demo_phases(profile, spec.slos.tpot_p99_ms, long_prompt, scale=args.phase_scale)
-            from stallfree.node_daemon.sim.bench_serve import PromptBuilder
-
-            load = LoadDriver(runtime.ready_urls, spec.model.served_name, PromptBuilder(chars_per_token=4.0))
-            load_task = asyncio.create_task(load.run(phases, runtime.started, on_phase=view.phase, stop=stop))
+            # Long enough that the starting budget takes each one in a single stalling iteration.
+            long_prompt = min(spec.engine.ceilings.max_token_budget - 64, (spec.model.max_model_len or 2048) - 64)
+            chat, phases = demo_load(profile, spec.slos.tpot_p99_ms, long_prompt, scale=args.phase_scale)
+            load = LoadDriver(runtime.ready_urls, spec.model.served_name, prompt_builder(spec))
+            load_task = asyncio.gather(load.run([chat], runtime.started, stop=stop),
+                                       load.run(phases, runtime.started, on_phase=view.phase, stop=stop))
         if args.duration:
             run_for = args.duration
         else:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ import torch
 import uvicorn
 
 from stallfree.node_daemon.server.app import Daemon
+from stallfree.operator.local_daemons import free_port
 from stallfree.node_daemon.server.serve_cli import build_daemon, parse_options, start_engine
 
 ADMIN_TOKEN = "test-admin-token"
@@ -19,12 +19,6 @@ ADMIN_TOKEN = "test-admin-token"
 TINY_ARGS = ["--model", "tiny", "--device", "cpu", "--max-token-budget", "512", "--max-num-seqs-ceiling", "64",
              "--max-num-seqs", "64", "--token-budget", "256", "--num-kv-blocks", "2048",
              "--profile-max-seconds", "5"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -15,17 +15,12 @@ from stallfree.node_daemon.sim import bench_serve
 from stallfree.node_daemon.sim.backend import build_cost_model
 from stallfree.node_daemon.sim.latency_summary import SLOs
 from stallfree.node_daemon.sim.workload import RequestSpec
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from stallfree.operator.local_daemons import free_port
 
 
 @pytest.fixture(scope="module")
 def sim_daemon():
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "STALLFREE_ADMIN_TOKEN": "test-admin-token"}
     env.pop("STALLFREE_API_KEY", None)
     process = subprocess.Popen(
@@ -119,7 +114,7 @@ def test_bench_reports_server_errors_per_request(sim_daemon, capsys):
 
 
 def test_bad_input_is_refused_before_any_load(capsys):
-    assert bench_serve.main(["--base-url", f"http://127.0.0.1:{_free_port()}", "--num-requests", "1"]) == 2
+    assert bench_serve.main(["--base-url", f"http://127.0.0.1:{free_port()}", "--num-requests", "1"]) == 2
     assert "pass --model" in capsys.readouterr().err
     assert bench_serve.main(["--model", "m", "--output-len", "fixed:0"]) == 2
     assert "at least 1 token" in capsys.readouterr().err

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import httpx
 
 from stallfree.node_daemon.sim.latency_summary import SLOs, summarize
+from stallfree.node_daemon.sim.simulate_cli import emit
 from stallfree.node_daemon.sim.workload import RequestSpec, generate
 from stallfree.node_daemon.sim.workload_args import add_workload_args, workload_from_args
 
@@ -363,16 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                               "itl_ms": [g for r in done for g in r.itl_ms], "e2e_ms": [r.e2e_ms for r in done]}},
                      args.plot, f"bench serve: {args.base_url} ({model})",
                      {"ttft_ms": slos.ttft_ms, "tpot_ms": slos.tpot_ms, "e2e_ms": slos.e2e_ms})
-    if args.json == "-":
-        print(json.dumps(payload, indent=2))
-    else:
-        print(text)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(payload, fh, indent=2)
-            print(f"wrote {args.json}")
-        if args.plot:
-            print(f"wrote {args.plot}")
+    emit(args, payload, text)
     return 0 if summary["completed"] else 1
 
 

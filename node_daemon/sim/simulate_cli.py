@@ -103,7 +103,8 @@ def _policies(args: argparse.Namespace) -> list[str]:
     return names
 
 
-def _emit(args: argparse.Namespace, payload: Any, text: str) -> None:
+def emit(args: argparse.Namespace, payload: Any, text: str) -> None:
+    """Print the text (or the JSON to stdout with --json -), write --json FILE, and say what was written."""
     if args.json == "-":
         print(json.dumps(payload, indent=2))
     else:
@@ -153,7 +154,7 @@ def run_scenario(args: argparse.Namespace) -> int:
         from stallfree.node_daemon.sim.plots import scenario_bars
 
         scenario_bars(results, args.plot)
-    _emit(args, results[0] if len(results) == 1 else results, "\n".join(lines))
+    emit(args, results[0] if len(results) == 1 else results, "\n".join(lines))
     return 0
 
 
@@ -180,7 +181,7 @@ def run_capacity(args: argparse.Namespace) -> int:
         from stallfree.node_daemon.sim.plots import capacity_probes
 
         capacity_probes(results, args.plot)
-    _emit(args, payload, "\n".join(lines))
+    emit(args, payload, "\n".join(lines))
     return 0
 
 
@@ -203,7 +204,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         from stallfree.node_daemon.sim.plots import budget_frontier
 
         budget_frontier(result, args.plot)
-    _emit(args, result, "\n".join(lines))
+    emit(args, result, "\n".join(lines))
     return 0
 
 
@@ -243,7 +244,7 @@ def run_workload(args: argparse.Namespace) -> int:
                             "num_requests": len(requests), "seed": workload.seed,
                             "shared_prefix_fraction": workload.shared_prefix_fraction},
                "results": {p: r.to_dict(per_request=args.per_request) for p, r in results.items()}}
-    _emit(args, payload, "\n".join(lines))
+    emit(args, payload, "\n".join(lines))
     return 0
 
 
