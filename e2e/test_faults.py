@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from conftest import REPO, local_daemons, wait_ready
+from daemon_helpers import REPO, local_daemons, wait_ready
 from stallfree.operator.local_cli import load_manifest
 from stallfree.operator.local_load import LoadDriver, LoadPhase
 from stallfree.operator.local_runtime import LocalRuntime

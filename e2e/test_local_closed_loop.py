@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import REPO
+from daemon_helpers import REPO
 from stallfree.operator.local_cli import main as up
 
 pytestmark = pytest.mark.slow
