@@ -84,7 +84,7 @@ def demo_load(profile: Profile, tpot_slo_ms: float, long_prompt: int, scale: flo
     phases = [
         LoadPhase("chat only", 20 * scale, 0.0, long_prompt, 24),
         LoadPhase("long prompts", 100 * scale, 0.45 * long_rate, long_prompt, 24),
-        LoadPhase("beyond one replica", 120 * scale, 1.3 * long_rate, long_prompt, 24),
+        LoadPhase("beyond one replica", 120 * scale, 1.2 * long_rate, long_prompt, 24),
         LoadPhase("cool-down", 20 * scale, 0.0, long_prompt, 24),
     ]
     # Enough short requests that every stats window holds TPOT samples (the loop refuses to decide on
