@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import httpx
 
-from stallfree.node_daemon.sim.bench_serve import PromptBuilder, RequestResult, _payload, send_request
+from stallfree.node_daemon.sim.bench_serve import PromptBuilder, RequestResult, send_request, streaming_body
 from stallfree.node_daemon.sim.latency_summary import summarize
 
 
@@ -84,7 +84,7 @@ class LoadDriver:
         record = PhasedResult(phase.label, result)
         self.results.append(record)
         prompt = self.prompts.text(phase.prompt_tokens, seed=index, lead=f"{index}:")
-        body = _payload("completions", self.model, prompt, phase.max_tokens)
+        body = streaming_body("completions", self.model, prompt, phase.max_tokens)
         for _attempt in range(2):
             urls = self.urls()
             if not urls:

@@ -99,7 +99,7 @@ def load_prompt_tokenizer(source: str) -> Any:
 # ---- one request ------------------------------------------------------------------------------
 
 
-def _payload(endpoint: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+def streaming_body(endpoint: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
                             "ignore_eos": True, "stream_options": {"include_usage": True}}
     if endpoint == "chat":
@@ -203,7 +203,7 @@ async def run_benchmark(base_url: str, requests: list[RequestSpec], prompts: lis
         delay = requests[i].arrival_s - (time.perf_counter() - start)
         if delay > 0:
             await asyncio.sleep(delay)
-        body = _payload(endpoint, model, prompts[i], requests[i].output_len)
+        body = streaming_body(endpoint, model, prompts[i], requests[i].output_len)
         if semaphore is None:
             results[i].sent_s = time.perf_counter() - start
             await send_request(client, url, body, results[i], endpoint)
