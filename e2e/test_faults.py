@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from daemon_helpers import REPO, local_daemons, wait_ready
+from daemon_helpers import REPO, local_daemons
 from stallfree.operator.local_cli import load_manifest
 from stallfree.operator.local_load import LoadDriver, LoadPhase
 from stallfree.operator.local_runtime import LocalRuntime
@@ -63,7 +63,7 @@ def test_a_killed_daemon_fails_only_its_own_streams_explicitly_and_is_restarted(
         assert all(r["end"] == "error" and r["tokens"] < 300 for r in on_victim), on_victim
 
         assert daemons.restart_dead() == [victim.name]
-        wait_ready(daemons, 60)
+        assert daemons.wait_ready(60)
         after = asyncio.run(_one_more(daemons.replicas[0].url))
         assert after == {"end": "done", "tokens": 5}
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from stallfree.node_daemon.sim.bench_serve import PromptBuilder
 from stallfree.operator.local_daemons import LocalDaemonSet, LocalReplica
 
 SIM_DAEMON_ARGS = ["--backend", "sim", "--model", "llama-3-8b", "--hardware", "h100", "--max-model-len", "4096",
@@ -75,6 +76,7 @@ class Soak:
         self.outcomes: list[Outcome | None] = [None] * config.requests
         self.kills = 0
         self.restarts = 0
+        self.prompts = PromptBuilder(chars_per_token=1.0)  # prompt lengths in characters: any mix will do
 
     async def run(self) -> dict[str, Any]:
         config = self.config
@@ -129,7 +131,7 @@ class Soak:
             return
         replica = urls[index % len(urls)]
         cancel_after = rng.randint(1, 6) if rng.random() < self.config.cancel_fraction else None
-        body = {"model": "llama-3-8b", "prompt": " ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 150))),
+        body = {"model": "llama-3-8b", "prompt": self.prompts.text(rng.randint(20, 600), seed=index, lead=f"{index}:"),
                 "max_tokens": rng.randint(4, 48), "stream": True, "ignore_eos": True}
         self.outcomes[index] = await self._stream(client, replica, body, cancel_after)
 
@@ -209,10 +211,6 @@ class Soak:
             out[replica.name] = {"kv_usage": stats["kv_usage"], "running": stats["num_running"],
                                  "waiting": stats["num_waiting"]}
         return out
-
-
-_WORDS = ("alpha beta gamma delta kernel token budget prefill decode stream cache block river cloud "
-          "signal market paper night power field water light story").split()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -170,9 +170,6 @@ def build_llm_engine(opts: ServeOptions, observer: Any):
         config.model.max_model_len = a.max_model_len or shape.max_position_embeddings
         config.scheduler.max_model_len = config.model.max_model_len
         executor = build_sim_executor(cost_model)
-        # Prompts are checked against the executor's vocab; the sim samples bytes but must accept any id
-        # the model's (and the sim tokenizer's) vocabulary has. Bytes stay bytes under the larger modulus.
-        executor.vocab_size = max(executor.vocab_size, shape.vocab_size)
         engine = LLMEngine(config, executor=executor, tokenizer=sim_tokenizer(shape), observer=observer)
         return engine, f"sim:{cost_model.hardware.name}"
     engine = LLMEngine(config, observer=observer)

@@ -57,9 +57,13 @@ def sim_num_kv_blocks(cost_model: RooflineCostModel, block_size: int, kv_memory_
 
 def build_sim_executor(cost_model: RooflineCostModel, virtual: bool = False, eos_token_id: int | None = None,
                        eos_after: int | None = None) -> SimExecutor:
-    """Real time (sleeps) for serving; virtual time for simulations."""
+    """Real time (sleeps) for serving; virtual time for simulations.
+
+    The vocabulary is the model's: prompts may hold any of its ids. The placeholder tokens it samples
+    are bytes, which stay bytes under that modulus.
+    """
     return SimExecutor(cost_model, clock=VirtualClock() if virtual else None,
-                       vocab_size=min(256, cost_model.shape.vocab_size), eos_token_id=eos_token_id,
+                       vocab_size=cost_model.shape.vocab_size, eos_token_id=eos_token_id,
                        eos_after=eos_after)
 
 
