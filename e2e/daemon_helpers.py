@@ -6,8 +6,8 @@ import secrets
 from pathlib import Path
 from typing import Iterator
 
-from stallfree.operator.local_daemons import LocalDaemonSet
-from stallfree.operator.soak import SIM_DAEMON_ARGS
+from stallfree.operator.local.daemons import LocalDaemonSet
+from stallfree.bench.soak import SIM_DAEMON_ARGS
 
 REPO = Path(__file__).resolve().parent.parent
 

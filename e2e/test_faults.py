@@ -9,10 +9,10 @@ import httpx
 import pytest
 
 from daemon_helpers import REPO, local_daemons
-from stallfree.operator.local_cli import load_manifest
-from stallfree.operator.local_load import LoadDriver, LoadPhase
-from stallfree.operator.local_runtime import LocalRuntime
-from stallfree.node_daemon.sim.bench_serve import PromptBuilder
+from stallfree.cli.up import load_manifest
+from stallfree.operator.local.load import LoadDriver, LoadPhase
+from stallfree.operator.local.runtime import LocalRuntime
+from stallfree.bench.serve import PromptBuilder
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from server_helpers import ADMIN_TOKEN, running_daemon  # noqa: E402
 
-from stallfree.operator.soak import SIM_DAEMON_ARGS  # noqa: E402
+from stallfree.bench.soak import SIM_DAEMON_ARGS  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

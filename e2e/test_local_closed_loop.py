@@ -8,7 +8,7 @@ import json
 import pytest
 
 from daemon_helpers import REPO
-from stallfree.operator.local_cli import main as up
+from stallfree.cli.up import main as up
 
 pytestmark = pytest.mark.slow
 

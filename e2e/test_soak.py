@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from stallfree.operator.soak import Soak, SoakConfig
+from stallfree.bench.soak import Soak, SoakConfig
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ that plan. The float workspace is allocated once and reused by every plan.
 
 CUDA graphs. A captured decode graph must read its indices from fixed addresses, so graph mode keeps
 one wrapper per batch-size bucket built with use_cuda_graph=True and fixed index buffers;
-node_daemon/cuda_graphs.py selects the bucket with use_cuda_graph_batch() and calls begin_iteration(),
+node_daemon/engine/cuda_graphs.py selects the bucket with use_cuda_graph_batch() and calls begin_iteration(),
 which then plans at once (outside the graph) so that the replay sees this step's pages.
 
 Keys and values are written by the Triton KV write kernel (slot -1 skipped), so both CUDA backends

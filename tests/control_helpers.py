@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from stallfree.contracts import Ceilings, Percentiles, Profile, ProfilePoint, Tuning, WindowStats
-from stallfree.operator.observe import ReplicaObservation
+from stallfree.operator.control.observe import ReplicaObservation
 
 
 def pct(p99: float | None, count: int = 100) -> Percentiles:

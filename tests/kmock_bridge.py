@@ -29,7 +29,7 @@ import jsonpatch
 import kmock
 from kmock._internal import enums, parsing, rendering
 
-from stallfree.operator import crd, spec as s
+from stallfree.operator.api import crd, spec as s
 
 _UNSET = object()
 

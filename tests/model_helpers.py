@@ -5,11 +5,11 @@ import functools
 
 import torch
 
-from stallfree.node_daemon.config import CacheConfig, ModelConfig
-from stallfree.node_daemon.model_runner import ModelRunner
-from stallfree.node_daemon.request import Request
-from stallfree.node_daemon.sampling_params import SamplingParams
-from stallfree.node_daemon.scheduler_output import ScheduledChunk, SchedulerOutput
+from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+from stallfree.node_daemon.engine.model_runner import ModelRunner
+from stallfree.node_daemon.engine.request import Request
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 # The test machine's cores are shared: OpenMP threads spin-waiting on a busy core make every op many times
 # slower, while one thread is steady. Model tests are small enough for one.
@@ -36,7 +36,7 @@ def smollm2_runner() -> ModelRunner:
 
 @functools.lru_cache(maxsize=None)
 def smollm2_tokenizer():
-    from stallfree.node_daemon.tokenizer import load_tokenizer
+    from stallfree.node_daemon.text.tokenizer import load_tokenizer
 
     return load_tokenizer(smollm2_runner().loaded)
 

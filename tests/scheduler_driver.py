@@ -11,12 +11,12 @@ import weakref
 import zlib
 
 from stallfree.contracts import Ceilings, Tuning
-from stallfree.node_daemon.config import SchedulerConfig
-from stallfree.node_daemon.kv_cache_manager import KVCacheManager
-from stallfree.node_daemon.request import Request, RequestStatus
-from stallfree.node_daemon.sampling_params import SamplingParams
-from stallfree.node_daemon.scheduler import Scheduler
-from stallfree.node_daemon.scheduler_output import SchedulerOutput
+from stallfree.node_daemon.engine.config import SchedulerConfig
+from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
+from stallfree.node_daemon.engine.request import Request, RequestStatus
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.scheduler import Scheduler
+from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
 
 EOS = 2
 

@@ -11,8 +11,8 @@ import torch
 import uvicorn
 
 from stallfree.node_daemon.server.app import Daemon
-from stallfree.operator.local_daemons import free_port
-from stallfree.node_daemon.server.serve_cli import build_daemon, parse_options, start_engine
+from stallfree.operator.local.daemons import free_port
+from stallfree.cli.serve import build_daemon, parse_options, start_engine
 
 ADMIN_TOKEN = "test-admin-token"
 # Small ceilings keep the tiny model's start-up profile to a second or two.

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from stallfree.contracts import Tuning, TuningError
-from stallfree.node_daemon.async_engine import AsyncEngine, EngineDeadError
-from stallfree.node_daemon.engine_protocol import RequestOutput
-from stallfree.node_daemon.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.async_engine import AsyncEngine, EngineDeadError
+from stallfree.node_daemon.engine.engine_protocol import RequestOutput
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from tests.test_engine import make_engine, one_torch_thread, run_all, tokens_of  # noqa: F401 (autouse)
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

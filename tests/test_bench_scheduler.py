@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from stallfree.bench import main as bench_main
+from stallfree.cli.bench import main as bench_main
 
 
 def test_bench_scheduler_prints_json_figures(capsys, tmp_path):

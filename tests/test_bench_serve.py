@@ -11,11 +11,11 @@ import time
 import httpx
 import pytest
 
-from stallfree.node_daemon.sim import bench_serve
+from stallfree.bench import serve as bench_serve
 from stallfree.node_daemon.sim.backend import build_cost_model
-from stallfree.node_daemon.sim.latency_summary import SLOs
-from stallfree.node_daemon.sim.workload import RequestSpec
-from stallfree.operator.local_daemons import free_port
+from stallfree.simulator.latency_summary import SLOs
+from stallfree.simulator.workload import RequestSpec
+from stallfree.operator.local.daemons import free_port
 
 
 @pytest.fixture(scope="module")

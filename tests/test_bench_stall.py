@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from stallfree.node_daemon import bench_stall
+from stallfree.bench import stall as bench_stall
 
 
 def test_bench_stall_reports_both_modes(tmp_path, capsys) -> None:

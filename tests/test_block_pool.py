@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from stallfree.node_daemon.block_pool import ROOT_HASH, BlockPool, hash_block_tokens
+from stallfree.node_daemon.engine.block_pool import ROOT_HASH, BlockPool, hash_block_tokens
 
 
 def test_allocate_and_release_count_blocks():

@@ -10,7 +10,7 @@ import torch
 
 from model_helpers import (ENGLISH_PASSAGE, greedy_decode, make_request, prefill_all_rows, relative_error,
                            smollm2_runner, smollm2_tokenizer, step, tiny_runner)
-from stallfree.node_daemon.scheduler_output import ScheduledChunk
+from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk
 
 TOLERANCE = 1e-4
 DECODE_STEPS = 4

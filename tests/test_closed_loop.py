@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from stallfree.operator.closed_loop_cli import main
+from stallfree.cli.control import main
 
 
 def run_cli(tmp_path, scenario: str, plot: bool = False) -> dict:

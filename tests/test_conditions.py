@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stallfree.operator import conditions as cond
+from stallfree.operator.api import conditions as cond
 
 
 def deployment(replicas: int, ready: int, updated: int, total: int | None = None, generation: int = 2,

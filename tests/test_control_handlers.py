@@ -17,8 +17,8 @@ import pytest
 
 from kmock_bridge import BridgedEmulator
 from server_helpers import ADMIN_TOKEN, free_port, running_daemon
-from stallfree.operator import render
-from stallfree.operator import spec as s
+from stallfree.operator.reconcile import render
+from stallfree.operator.api import spec as s
 from test_operator_kmock import IS_RESOURCE, NS, condition, create, eventually, events, kubeconfig, obj  # noqa: F401
 
 pytestmark = pytest.mark.kmock(cls=BridgedEmulator)
@@ -59,8 +59,8 @@ class Operator:
     def __init__(self, metrics_port: int) -> None:
         self.metrics_port = metrics_port
         self.runner = kopf.testing.KopfRunner(
-            ["run", "--standalone", "--namespace", NS, "-m", "stallfree.operator.handlers",
-             "-m", "stallfree.operator.control_handlers"], timeout=30)
+            ["run", "--standalone", "--namespace", NS, "-m", "stallfree.operator.reconcile.handlers",
+             "-m", "stallfree.operator.reconcile.control_handlers"], timeout=30)
 
     async def __aenter__(self) -> "Operator":
         self.runner.__enter__()

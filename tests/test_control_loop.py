@@ -5,10 +5,10 @@ import json
 from dataclasses import replace
 
 from stallfree.contracts import Ceilings, Tuning
-from stallfree.node_daemon.sim.workload import parse_length
-from stallfree.operator.closed_loop import ClosedLoopDriver, ClusterSpec, LoadPhase
-from stallfree.operator.control_loop import ControlLoop, ControlState
-from stallfree.operator.control_policy import ControlPolicy, ScalingPolicy, SLOTargets
+from stallfree.simulator.workload import parse_length
+from stallfree.simulator.closed_loop import ClosedLoopDriver, ClusterSpec, LoadPhase
+from stallfree.operator.control.loop import ControlLoop, ControlState
+from stallfree.operator.control.policy import ControlPolicy, ScalingPolicy, SLOTargets
 
 CLUSTER = ClusterSpec("mistral-7b", "a100", ceilings=Ceilings(2048, 256), start_tuning=Tuning(256, 64),
                       max_model_len=8192, startup_s=20)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from stallfree.contracts import Profile, ProfilePoint
-from stallfree.node_daemon.models.shapes import get_shape
+from stallfree.shapes import get_shape
 from stallfree.node_daemon.sim.cost_model import ProfileCostModel, RooflineCostModel
 from stallfree.node_daemon.sim.hardware import HARDWARE, get_hardware
 

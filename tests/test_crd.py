@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from stallfree.operator import crd
-from stallfree.operator import spec as s
+from stallfree.operator.api import crd
+from stallfree.operator.api import spec as s
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "manifests" / "examples").glob("*.yaml"))

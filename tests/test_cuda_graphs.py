@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from model_helpers import make_request, tiny_runner
-from stallfree.node_daemon.cuda_graphs import DecodeCudaGraphs, graph_batch_sizes
-from stallfree.node_daemon.scheduler_output import ScheduledChunk, SchedulerOutput
+from stallfree.node_daemon.engine.cuda_graphs import DecodeCudaGraphs, graph_batch_sizes
+from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
 def test_buckets_cover_every_batch_up_to_the_ceiling():

@@ -6,8 +6,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stallfree.node_daemon.detokenizer import IncrementalDetokenizer
-from stallfree.node_daemon.tokenizer import byte_level_tokenizer
+from stallfree.node_daemon.text.detokenizer import IncrementalDetokenizer
+from stallfree.node_daemon.text.tokenizer import byte_level_tokenizer
 
 TK = byte_level_tokenizer(259)  # bytes and specials only: every multi-byte character arrives split
 

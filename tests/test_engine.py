@@ -6,11 +6,11 @@ import dataclasses
 import pytest
 
 from stallfree.contracts import Ceilings, Tuning, TuningError
-from stallfree.node_daemon.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from stallfree.node_daemon.engine import LLMEngine
-from stallfree.node_daemon.engine_protocol import IterationRecord, RequestOutput
-from stallfree.node_daemon.request import Request
-from stallfree.node_daemon.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from stallfree.node_daemon.engine.engine import LLMEngine
+from stallfree.node_daemon.engine.engine_protocol import IterationRecord, RequestOutput
+from stallfree.node_daemon.engine.request import Request
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 256
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from stallfree.node_daemon import generate_cli
+from stallfree.cli import generate as generate_cli
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ sys.path.insert(0, GPU_DIR)
 
 from roofline import (Sequence, attention_kv_bytes, decode_floor_s, iteration_flops,  # noqa: E402
                       kv_bytes_read, weight_bytes_read)
-from stallfree.node_daemon.models.shapes import get_shape  # noqa: E402
+from stallfree.shapes import get_shape  # noqa: E402
 
 LLAMA = get_shape("llama-3-8b")
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from scheduler_driver import make_request
 
-from stallfree.node_daemon.kv_cache_manager import KVCacheManager
-from stallfree.node_daemon.request import RequestStatus
+from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
+from stallfree.node_daemon.engine.request import RequestStatus
 
 
 def computed(kv: KVCacheManager, request, num_tokens: int) -> None:

@@ -10,14 +10,14 @@ import torch
 from model_helpers import make_request, prefill_all_rows, relative_error, step, tiny_runner
 from stallfree.kernels.attention import AttentionMetadata
 from stallfree.kernels.torch_reference import TorchReferenceBackend, paged_attention, write_kv
-from stallfree.node_daemon.config import CacheConfig, ModelConfig
-from stallfree.node_daemon.model_runner import ModelRunner
+from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+from stallfree.node_daemon.engine.model_runner import ModelRunner
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
 from stallfree.node_daemon.models.loader import LoadedModel
 from stallfree.node_daemon.models.random_weights import init_random_weights
 from stallfree.node_daemon.models.rope import RotaryEmbedding, inverse_frequencies
-from stallfree.node_daemon.models.shapes import get_shape
-from stallfree.node_daemon.scheduler_output import ScheduledChunk
+from stallfree.shapes import get_shape
+from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk
 
 
 # --- paged attention vs dense ----------------------------------------------------------------------------

@@ -10,14 +10,14 @@ import torch
 
 from model_helpers import (ENGLISH_PASSAGE, greedy_decode, make_request, prefill_all_rows, relative_error,
                            smollm2_runner, smollm2_tokenizer)
-from stallfree.node_daemon.config import CacheConfig, ModelConfig
-from stallfree.node_daemon.model_runner import ModelRunner
+from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+from stallfree.node_daemon.engine.model_runner import ModelRunner
 from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path, unpermute_rope_rows
 from stallfree.node_daemon.models.hf_loader import save_hf_folder
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
 from stallfree.node_daemon.models.loader import LoadedModel, load_model
 from stallfree.node_daemon.models.random_weights import init_random_weights
-from stallfree.node_daemon.models.shapes import SHAPES, get_shape
+from stallfree.shapes import SHAPES, get_shape
 
 PROMPT = [7, 300, 42, 42, 9, 511, 0, 64, 128, 256, 3, 17, 99, 150, 200, 250, 301, 302, 303]
 

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import yaml
 
-from stallfree.operator import run_cli
+from stallfree.cli import operator as run_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPERATOR = ROOT / "manifests" / "operator"
@@ -57,4 +57,4 @@ def test_operator_deployment_matches_its_command_line() -> None:
 
 
 def test_reconcile_only_loads_the_reconciler() -> None:
-    assert run_cli.load_handlers(with_control_loop=False) == ["stallfree.operator.handlers"]
+    assert run_cli.load_handlers(with_control_loop=False) == ["stallfree.operator.reconcile.handlers"]

@@ -6,10 +6,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stallfree.contracts import Tuning
-from stallfree.node_daemon.engine_protocol import IterationRecord
-from stallfree.node_daemon.metrics import TOKEN_LATENCY_BUCKETS, EngineMetrics
-from stallfree.node_daemon.request import Request, RequestStatus
-from stallfree.node_daemon.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.engine_protocol import IterationRecord
+from stallfree.node_daemon.server.metrics import TOKEN_LATENCY_BUCKETS, EngineMetrics
+from stallfree.node_daemon.engine.request import Request, RequestStatus
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
 
 MODEL = "tiny-test"
 

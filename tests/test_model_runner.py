@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import stallfree.node_daemon.model_runner as model_runner
+import stallfree.node_daemon.engine.model_runner as model_runner
 from model_helpers import make_request, prefill_all_rows, step, tiny_runner
-from stallfree.node_daemon.config import CacheConfig, ModelConfig
-from stallfree.node_daemon.model_runner import ModelRunner
-from stallfree.node_daemon.scheduler_output import ScheduledChunk, SchedulerOutput
+from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+from stallfree.node_daemon.engine.model_runner import ModelRunner
+from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
 def test_kv_cache_layout_and_default_size_on_cpu():

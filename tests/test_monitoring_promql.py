@@ -27,11 +27,11 @@ from prometheus_client import start_http_server
 
 from server_helpers import ADMIN_TOKEN, free_port, running_daemon
 from stallfree.contracts import Ceilings, Tuning
-from stallfree.operator.control_loop import ControlLoop
-from stallfree.operator.control_policy import ControlPolicy, ScalingPolicy, SLOTargets, TuningBounds
-from stallfree.operator.observe import HttpObserver, ReplicaTarget
-from stallfree.operator.observe_prometheus import PrometheusObserver
-from stallfree.operator.operator_metrics import OperatorMetrics
+from stallfree.operator.control.loop import ControlLoop
+from stallfree.operator.control.policy import ControlPolicy, ScalingPolicy, SLOTargets, TuningBounds
+from stallfree.operator.control.observe import HttpObserver, ReplicaTarget
+from stallfree.operator.control.observe_prometheus import PrometheusObserver
+from stallfree.operator.control.operator_metrics import OperatorMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "manifests" / "monitoring"

@@ -23,9 +23,9 @@ import pytest
 import yaml
 
 from kmock_bridge import BridgedEmulator
-from stallfree.operator import handlers  # noqa: F401  (registers the handlers with kopf)
-from stallfree.operator import render
-from stallfree.operator import spec as s
+from stallfree.operator.reconcile import handlers  # noqa: F401  (registers the handlers with kopf)
+from stallfree.operator.reconcile import render
+from stallfree.operator.api import spec as s
 
 pytestmark = [pytest.mark.kmock(cls=BridgedEmulator),
               pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")]

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from stallfree.contracts import Ceilings, Profile, ProfilePoint, Tuning, min_budget_for
-from stallfree.node_daemon.profiler import ProfileSettings, measure_profile, starting_tuning, suggest_token_budget
-from stallfree.node_daemon.sampling_params import SamplingParams
-from stallfree.node_daemon.server.serve_cli import build_llm_engine, parse_options
+from stallfree.node_daemon.engine.profiler import ProfileSettings, measure_profile, starting_tuning, suggest_token_budget
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
+from stallfree.cli.serve import build_llm_engine, parse_options
 
 
 class CountingObserver:

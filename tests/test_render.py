@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from stallfree.node_daemon.server.serve_cli import build_parser, parse_options
-from stallfree.operator import render
-from stallfree.operator import spec as s
+from stallfree.cli.serve import build_parser, parse_options
+from stallfree.operator.reconcile import render
+from stallfree.operator.api import spec as s
 
 BASE: dict[str, Any] = {
     "model": {"source": "embedded", "name": "smollm2-135m", "maxModelLen": 2048},

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stallfree.node_daemon.sampler import Sampler
-from stallfree.node_daemon.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.sampler import Sampler
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
 
 
 def _logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:

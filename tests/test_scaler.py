@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from stallfree.operator.control_policy import ScalingPolicy
-from stallfree.operator.scaler import HOLD, SCALED_DOWN, SCALED_UP, ReplicaLoad, ScalerState, decide_replicas
+from stallfree.operator.control.policy import ScalingPolicy
+from stallfree.operator.control.scaler import HOLD, SCALED_DOWN, SCALED_UP, ReplicaLoad, ScalerState, decide_replicas
 
 POLICY = ScalingPolicy(min_replicas=1, max_replicas=10, scale_up_stabilization_s=30, scale_down_stabilization_s=300)
 CAP = 6000.0  # prefill tokens/s per replica

@@ -6,7 +6,7 @@ from scheduler_driver import (EOS, check_blocks_conserved, checked_step, make_re
                               run_to_completion, sample_tokens)
 
 from stallfree.contracts import Tuning, TuningError
-from stallfree.node_daemon.request import RequestStatus
+from stallfree.node_daemon.engine.request import RequestStatus
 
 
 def step(scheduler, token: int = 7):

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from scheduler_driver import EOS, check_blocks_conserved, is_decode, make_request, sample_tokens, shadow_for
 
 from stallfree.contracts import Ceilings, Tuning, min_budget_for
-from stallfree.node_daemon.config import SchedulerConfig
-from stallfree.node_daemon.kv_cache_manager import KVCacheManager
-from stallfree.node_daemon.request import Request, RequestStatus
-from stallfree.node_daemon.scheduler import Scheduler
+from stallfree.node_daemon.engine.config import SchedulerConfig
+from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
+from stallfree.node_daemon.engine.request import Request, RequestStatus
+from stallfree.node_daemon.engine.scheduler import Scheduler
 
 CEILINGS = Ceilings(max_token_budget=160, max_num_seqs=12)
 MAX_MODEL_LEN = 96

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from stallfree.node_daemon.server import bench_itl
+from stallfree.bench import itl as bench_itl
 
 from server_helpers import ADMIN_TOKEN, running_daemon
 

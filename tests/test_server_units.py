@@ -96,7 +96,7 @@ def test_secrets_come_from_files_then_env(tmp_path, monkeypatch) -> None:
 
 
 def test_serve_command_line_errors_are_one_line_and_exit_2(capsys) -> None:
-    from stallfree.node_daemon.server.serve_cli import main, parse_options
+    from stallfree.cli.serve import main, parse_options
 
     for argv, needle in ((["--max-num-seqs", "0"], "--max-num-seqs"), (["--token-budget", "lots"], "--token-budget"),
                          (["--token-budget", "10", "--max-num-seqs", "64"], "prefill room"),
@@ -112,7 +112,7 @@ def test_serve_command_line_errors_are_one_line_and_exit_2(capsys) -> None:
 
 def test_start_up_failure_exits_1(capsys) -> None:
     from server_helpers import free_port
-    from stallfree.node_daemon.server.serve_cli import main
+    from stallfree.cli.serve import main
 
     assert main(["--model", "no-such-model", "--host", "127.0.0.1", "--port", str(free_port()),
                  "--log-level", "error"]) == 1

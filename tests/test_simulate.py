@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from stallfree.contracts import Ceilings, Profile, TuningError, Tuning
-from stallfree.node_daemon.config import SchedulerConfig
+from stallfree.node_daemon.engine.config import SchedulerConfig
 from stallfree.node_daemon.sim.backend import build_cost_model
-from stallfree.node_daemon.sim.virtual_replica import VirtualReplica
+from stallfree.simulator.virtual_replica import VirtualReplica
 
 
 @pytest.fixture
@@ -111,8 +111,8 @@ def test_abort_frees_a_running_request(cost):
 
 # ---- the long-prompt scenario -------------------------------------------------------------------
 
-from stallfree.node_daemon.sim.scenarios import long_prompt_scenario  # noqa: E402
-from stallfree.node_daemon.sim.simulate import SimSetup, simulate  # noqa: E402
+from stallfree.simulator.scenarios import long_prompt_scenario  # noqa: E402
+from stallfree.simulator.simulate import SimSetup, simulate  # noqa: E402
 
 # A small model on the textbook device: every figure below follows from the cost model's arithmetic.
 SMALL = SimSetup(model="qwen2-0.5b", hardware="textbook", max_model_len=8192, max_num_seqs=32, num_kv_blocks=4096)
@@ -155,10 +155,10 @@ def test_scenario_refuses_what_cannot_fit():
 
 # ---- workloads, capacity, sweeps ----------------------------------------------------------------
 
-from stallfree.node_daemon.sim.capacity import CapacityCriteria, find_capacity  # noqa: E402
-from stallfree.node_daemon.sim.latency_summary import SLOs  # noqa: E402
-from stallfree.node_daemon.sim.sweep import budget_sweep  # noqa: E402
-from stallfree.node_daemon.sim.workload import Fixed, WorkloadSpec, generate, parse_length  # noqa: E402
+from stallfree.simulator.capacity import CapacityCriteria, find_capacity  # noqa: E402
+from stallfree.simulator.latency_summary import SLOs  # noqa: E402
+from stallfree.simulator.sweep import budget_sweep  # noqa: E402
+from stallfree.simulator.workload import Fixed, WorkloadSpec, generate, parse_length  # noqa: E402
 
 MISTRAL_A100 = SimSetup(model="mistral-7b", hardware="a100", token_budget=512, max_num_seqs=64, num_kv_blocks=16384)
 SMALL_MIX = WorkloadSpec(num_requests=120, prompt=parse_length("mix:0.8*fixed:256|0.2*fixed:3000"),
@@ -217,7 +217,7 @@ def test_budget_sweep_traces_the_ttft_tpot_tradeoff_and_the_profile_pick():
 
 # ---- the command ------------------------------------------------------------------------------
 
-from stallfree.node_daemon.sim import simulate_cli  # noqa: E402
+from stallfree.cli import simulate as simulate_cli  # noqa: E402
 
 
 def test_cli_scenario_json_has_the_figures(tmp_path, capsys):
@@ -251,9 +251,9 @@ def test_cli_workload_prints_json_to_stdout_and_refuses_bad_flags(capsys):
 
 # ---- the sim executor --------------------------------------------------------------------------
 
-from stallfree.node_daemon.request import Request  # noqa: E402
-from stallfree.node_daemon.sampling_params import SamplingParams  # noqa: E402
-from stallfree.node_daemon.scheduler_output import ScheduledChunk, SchedulerOutput  # noqa: E402
+from stallfree.node_daemon.engine.request import Request  # noqa: E402
+from stallfree.node_daemon.engine.sampling_params import SamplingParams  # noqa: E402
+from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput  # noqa: E402
 from stallfree.node_daemon.sim import sim_executor  # noqa: E402
 from stallfree.node_daemon.sim.backend import sim_tokenizer  # noqa: E402
 

@@ -8,8 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from stallfree.contracts import min_budget_for
-from stallfree.operator import checks
-from stallfree.operator import spec as s
+from stallfree.operator.api import checks
+from stallfree.operator.api import spec as s
 
 
 def error_of(data: dict[str, Any]) -> str:

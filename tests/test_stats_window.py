@@ -7,10 +7,10 @@ import random
 import pytest
 
 from stallfree.contracts import Ceilings, Tuning, WindowStats
-from stallfree.node_daemon.engine_protocol import IterationRecord
-from stallfree.node_daemon.request import Request, RequestStatus
-from stallfree.node_daemon.sampling_params import SamplingParams
-from stallfree.node_daemon.stats_window import StatsWindow, percentiles_ms
+from stallfree.node_daemon.engine.engine_protocol import IterationRecord
+from stallfree.node_daemon.engine.request import Request, RequestStatus
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.stats_window import StatsWindow, percentiles_ms
 
 
 class Clock:

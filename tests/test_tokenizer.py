@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stallfree.node_daemon.chat_template import CHATML_TEMPLATE, ChatTemplateError, render_chat
-from stallfree.node_daemon.tokenizer import byte_level_tokenizer, bytes_to_unicode, from_hf_folder, load_tokenizer
+from stallfree.node_daemon.text.chat_template import CHATML_TEMPLATE, ChatTemplateError, render_chat
+from stallfree.node_daemon.text.tokenizer import byte_level_tokenizer, bytes_to_unicode, from_hf_folder, load_tokenizer
 
 
 def _smollm2_gguf() -> Path:

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from control_helpers import linear_profile, observation, stats
 from stallfree.contracts import Ceilings, Tuning, min_budget_for, validate_tuning
-from stallfree.operator.control_policy import ControlPolicy, SLOTargets, TuningBounds
-from stallfree.operator.tuner import (BUDGET_LOWERED, BUDGET_RAISED, HOLD, INITIAL, REAPPLY, SEQS_LOWERED,
+from stallfree.operator.control.policy import ControlPolicy, SLOTargets, TuningBounds
+from stallfree.operator.control.tuner import (BUDGET_LOWERED, BUDGET_RAISED, HOLD, INITIAL, REAPPLY, SEQS_LOWERED,
                                       ReplicaTunerState, TunerConfig, decide_tuning)
 
 POLICY = ControlPolicy(slo=SLOTargets(ttft_p99_ms=2000, tpot_p99_ms=40, queue_wait_p99_ms=1000), window_s=10,

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from stallfree.node_daemon.sim.workload import (
+from stallfree.simulator.workload import (
     SHAREGPT_OUTPUT, SHAREGPT_PROMPT, Fixed, LogNormal, Mixture, Uniform, WorkloadSpec, generate, load_trace,
     parse_length, prompt_token_ids,
 )

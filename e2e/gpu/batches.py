@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from stallfree.kernels.attention import AttentionMetadata
-from stallfree.node_daemon.request import Request
-from stallfree.node_daemon.sampling_params import SamplingParams
-from stallfree.node_daemon.scheduler_output import ScheduledChunk, SchedulerOutput
+from stallfree.node_daemon.engine.request import Request
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 from roofline import Sequence
 

@@ -11,10 +11,10 @@ from gpu_timing import wall_ms
 def engine_timing(backends: dict, device, ceilings: dict, args, report, rows: list[dict]) -> None:
     import torch
 
-    from stallfree.node_daemon.config import CacheConfig, ModelConfig
-    from stallfree.node_daemon.cuda_graphs import DecodeCudaGraphs
-    from stallfree.node_daemon.model_executor import ModelExecutor
-    from stallfree.node_daemon.model_runner import ModelRunner
+    from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+    from stallfree.node_daemon.engine.cuda_graphs import DecodeCudaGraphs
+    from stallfree.node_daemon.engine.model_executor import ModelExecutor
+    from stallfree.node_daemon.engine.model_runner import ModelRunner
     from stallfree.node_daemon.models.loader import load_model
 
     from batches import decode_batch, engine_iteration, mixed_batch
@@ -92,13 +92,13 @@ def dry_run(args, report: Report) -> None:
 
     from stallfree.kernels import torch_reference
     from stallfree.kernels.flashinfer_index import build_paged_kv_indices
-    from stallfree.node_daemon.config import CacheConfig, ModelConfig
-    from stallfree.node_daemon.cuda_graphs import graph_batch_sizes
-    from stallfree.node_daemon.model_runner import ModelRunner
+    from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+    from stallfree.node_daemon.engine.cuda_graphs import graph_batch_sizes
+    from stallfree.node_daemon.engine.model_runner import ModelRunner
     from stallfree.node_daemon.models.llama import LlamaForCausalLM
     from stallfree.node_daemon.models.loader import LoadedModel
     from stallfree.node_daemon.models.random_weights import init_random_weights
-    from stallfree.node_daemon.models.shapes import get_shape
+    from stallfree.shapes import get_shape
 
     from batches import CORRECTNESS_CASES, attention_inputs, decode_batch, engine_iteration, mixed_batch
     from roofline import Sequence, decode_floor_s, iteration_flops, kv_bytes_read, weight_bytes_read

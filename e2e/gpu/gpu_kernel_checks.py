@@ -120,7 +120,7 @@ def attention_timing(backends: dict, device, ceilings: dict, args, report, rows:
     import torch
 
     from stallfree.kernels.triton_attention import KernelConfig, paged_attention
-    from stallfree.node_daemon.models.shapes import get_shape
+    from stallfree.shapes import get_shape
 
     from batches import attention_inputs, decode_batch, mixed_batch
     from roofline import attention_flops, attention_kv_bytes

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stallfree.node_daemon.models.shapes import ModelShape
+from stallfree.shapes import ModelShape
 
 
 @dataclass(frozen=True)

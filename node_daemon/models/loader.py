@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from stallfree.node_daemon.config import ModelConfig
+from stallfree.node_daemon.engine.config import ModelConfig
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
-from stallfree.node_daemon.models.shapes import RANDOM_PREFIX, SHAPES, ModelShape, get_shape
+from stallfree.shapes import RANDOM_PREFIX, SHAPES, ModelShape, get_shape
 
 EMBEDDED_MODEL = "smollm2-135m"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

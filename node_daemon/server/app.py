@@ -15,14 +15,14 @@ from starlette.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from stallfree.contracts import Profile
-from stallfree.node_daemon.engine_protocol import EngineClient
-from stallfree.node_daemon.metrics import EngineMetrics
+from stallfree.node_daemon.engine.engine_protocol import EngineClient
+from stallfree.node_daemon.server.metrics import EngineMetrics
 from stallfree.node_daemon.server.auth import Auth
 from stallfree.node_daemon.server.backpressure import AdmissionControl
 from stallfree.node_daemon.server.body_limit import BodyLimitMiddleware
 from stallfree.node_daemon.server.drain import DrainState
 from stallfree.node_daemon.server.errors import APIError, install_error_handlers
-from stallfree.node_daemon.stats_window import StatsWindow
+from stallfree.node_daemon.engine.stats_window import StatsWindow
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 

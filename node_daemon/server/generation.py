@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from stallfree.node_daemon.engine_protocol import RequestOutput
-from stallfree.node_daemon.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.engine_protocol import RequestOutput
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.node_daemon.server.app import Daemon
 from stallfree.node_daemon.server.backpressure import QueueTicket, Refusal
 from stallfree.node_daemon.server.errors import APIError

@@ -11,8 +11,8 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from stallfree.node_daemon.async_engine import EngineDeadError
-from stallfree.node_daemon.engine_protocol import RequestOutput
+from stallfree.node_daemon.engine.async_engine import EngineDeadError
+from stallfree.node_daemon.engine.engine_protocol import RequestOutput
 from stallfree.node_daemon.server import protocol
 from stallfree.node_daemon.server.app import Daemon, get_daemon
 from stallfree.node_daemon.server.errors import APIError

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stallfree.node_daemon.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
 
 
 class StreamOptions(BaseModel):

@@ -13,8 +13,8 @@ from typing import AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
 
-from stallfree.node_daemon.async_engine import EngineDeadError
-from stallfree.node_daemon.engine_protocol import RequestOutput
+from stallfree.node_daemon.engine.async_engine import EngineDeadError
+from stallfree.node_daemon.engine.engine_protocol import RequestOutput
 from stallfree.node_daemon.server import protocol
 from stallfree.node_daemon.server.app import Daemon
 from stallfree.node_daemon.server.errors import sse_error

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from stallfree.node_daemon.models.shapes import ModelShape, get_shape
+from stallfree.shapes import ModelShape, get_shape
 from stallfree.node_daemon.sim.cost_model import RooflineCostModel, dtype_bytes
 from stallfree.node_daemon.sim.hardware import Hardware, get_hardware
 from stallfree.node_daemon.sim.sim_executor import SimExecutor, VirtualClock
@@ -69,7 +69,7 @@ def build_sim_executor(cost_model: RooflineCostModel, virtual: bool = False, eos
 
 def sim_tokenizer(model: str | ModelShape):
     """A byte-level tokenizer sized to the shape's vocab: placeholder tokens are bytes, so the API returns text."""
-    from stallfree.node_daemon.tokenizer import byte_level_tokenizer
+    from stallfree.node_daemon.text.tokenizer import byte_level_tokenizer
 
     shape = model if isinstance(model, ModelShape) else resolve_shape(model)
     return byte_level_tokenizer(shape.vocab_size)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from stallfree.contracts import Profile, ProfilePoint
-from stallfree.node_daemon.models.shapes import ModelShape
+from stallfree.shapes import ModelShape
 from stallfree.node_daemon.sim.hardware import Hardware
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "auto": 2}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import zlib
 
-from stallfree.node_daemon.scheduler_output import SchedulerOutput
+from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
 from stallfree.node_daemon.sim.cost_model import IterationCostModel
 
 PLACEHOLDER_TEXT = (

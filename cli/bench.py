@@ -1,0 +1,32 @@
+"""`stallfree bench <name>`: each benchmark is a module with main(argv); they print figures and write JSON/PNG."""
+from __future__ import annotations
+
+import sys
+
+from stallfree.cli import run_module_main
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "scheduler": ("stallfree.bench.scheduler", "microseconds per scheduling step (256 running, 1024 waiting)"),
+    "stall": ("stallfree.bench.stall", "decode gaps when a long prompt arrives: chunked vs unchunked"),
+    "itl": ("stallfree.bench.itl", "client-seen vs engine-side inter-token latency (API overhead)"),
+    "serve": ("stallfree.bench.serve", "load against any OpenAI-compatible endpoint"),
+    "soak": ("stallfree.bench.soak", "thousands of requests, cancellations and a kill across local replicas"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, BENCHMARKS))
+    lines = ["usage: stallfree bench <name> [options]", "", "benchmarks:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in BENCHMARKS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    return run_module_main(BENCHMARKS, argv[0], argv[1:], _usage())
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

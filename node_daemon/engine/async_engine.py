@@ -1,0 +1,246 @@
+"""AsyncEngine: the engine loop on its own thread, streamed to asyncio callers (engine_protocol.EngineClient).
+
+The HTTP event loop never runs an iteration, so serving requests cannot stretch one. Callers hand
+commands (add, abort, tuning) to the engine thread through a deque and wake it with an event; the
+thread applies them between iterations, runs `LLMEngine.step()`, and hands each iteration's outputs
+back in one `call_soon_threadsafe` per event loop. With nothing to do it sleeps on the event (no
+spinning). An exception in a step fails every in-flight request with finish_reason "error" and its
+message, logs the traceback, and the loop carries on for new requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from stallfree.contracts import Ceilings, Tuning, validate_tuning
+from stallfree.node_daemon.engine.engine import LLMEngine
+from stallfree.node_daemon.engine.engine_protocol import RequestOutput
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (shut down, or died): no request can be served."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, model_name: str | None = None) -> None:
+        self.engine = engine
+        self.model_name: str = model_name or engine.config.model.model
+        self.max_model_len: int = engine.max_model_len
+        self._streams: dict[str, _Stream] = {}  # touched by event loops; the engine thread only reads
+        self._commands: deque[tuple[Any, ...]] = deque()
+        self._wake = threading.Event()
+        self._pending_tuning: Tuning | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="stallfree-engine", daemon=True)
+        self._thread.start()
+
+    # ---- EngineClient ------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.tokenizer.encode(text)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs until one is finished. Leaving early (break, cancel) aborts it.
+
+        Bad input raises ValueError at the first iteration; nothing else in flight is disturbed.
+        """
+        if self._dead is not None or self._stopping:
+            raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._submit(("add", request_id, list(prompt_token_ids), sampling, time.monotonic()))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                while not item.finished and not stream.queue.empty():
+                    more = stream.queue.get_nowait()
+                    if isinstance(more, BaseException):  # keep the exception for the next round
+                        stream.queue.put_nowait(more)
+                        break
+                    item = _merge(item, more)
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (its KV blocks are freed at the next turn of the engine loop)."""
+        self._submit(("abort", request_id))
+
+    def get_tuning(self) -> Tuning:
+        pending = self._pending_tuning
+        return pending if pending is not None else self.engine.get_tuning()
+
+    def set_tuning(self, tuning: Tuning) -> None:
+        """Check against the ceilings now (raises contracts.TuningError); applied before the next iteration."""
+        validate_tuning(tuning, self.engine.ceilings)
+        self._pending_tuning = tuning
+        self._submit(("tuning", tuning))
+
+    @property
+    def ceilings(self) -> Ceilings:
+        return self.engine.ceilings
+
+    # ---- lifecycle and drain -----------------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests accepted and not yet finished (what a drain waits for)."""
+        return len(self._streams)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping and self._dead is None
+
+    async def wait_idle(self, timeout: float | None = None, poll_s: float = 0.02) -> bool:
+        """Wait until nothing is in flight; False if `timeout` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._streams:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine loop; requests still in flight finish with finish_reason "abort"."""
+        self._stopping = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, timeout)
+
+    def shutdown_sync(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- the engine thread -------------------------------------------------------------------------
+
+    def _submit(self, command: tuple[Any, ...]) -> None:
+        self._commands.append(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                self._apply_commands()
+                if self._stopping:
+                    break
+                if not engine.has_unfinished():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # noqa: BLE001 - the requests must learn why they ended
+                    log.exception("engine step failed; failing the requests in flight")
+                    outputs = engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                if outputs:
+                    self._deliver(outputs)
+        except BaseException as exc:  # noqa: BLE001 - a dead loop must not leave callers waiting
+            log.exception("engine loop died")
+            self._dead = exc
+            self._deliver(engine.fail_all(f"engine loop died: {type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            self._fail_streams_on_exit()
+
+    def _apply_commands(self) -> None:
+        commands = self._commands
+        engine = self.engine
+        while commands:
+            command = commands.popleft()
+            kind = command[0]
+            if kind == "add":
+                _, request_id, token_ids, sampling, arrival = command
+                try:
+                    engine.add_request(request_id, prompt_token_ids=token_ids, sampling=sampling, arrival_time=arrival)
+                except Exception as exc:  # noqa: BLE001 - delivered to the caller, nothing else disturbed
+                    self._deliver_to(request_id, exc if isinstance(exc, ValueError) else ValueError(str(exc)))
+            elif kind == "abort":
+                request = engine.abort_request(command[1])
+                if request is not None:
+                    self._deliver([RequestOutput(request.request_id, [], "", True, "abort", request.num_prompt_tokens,
+                                                 len(request.output_token_ids), request.num_cached_tokens)])
+            elif kind == "tuning":
+                try:
+                    engine.set_tuning(command[1])
+                except Exception:  # noqa: BLE001 - validated at set_tuning; keep the loop alive regardless
+                    log.exception("could not apply tuning %s", command[1])
+                if self._pending_tuning is command[1]:
+                    self._pending_tuning = None
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """One hand-off per event loop per iteration."""
+        streams = self._streams
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for output in outputs:
+            stream = streams.get(output.request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                pass
+
+    def _deliver_to(self, request_id: str, item: Any) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            except RuntimeError:
+                pass
+
+    def _fail_streams_on_exit(self) -> None:
+        """Anything still waiting when the loop ends gets a final output instead of hanging."""
+        engine = self.engine
+        outputs = []
+        for request_id in list(self._streams):
+            request = engine.abort_request(request_id)
+            reason = "error" if self._dead is not None else "abort"
+            error = f"engine loop died: {self._dead}" if self._dead is not None else None
+            prompt_len = request.num_prompt_tokens if request is not None else 0
+            out_len = len(request.output_token_ids) if request is not None else 0
+            outputs.append(RequestOutput(request_id, [], "", True, reason, prompt_len, out_len, error=error))
+        if outputs:
+            self._deliver(outputs)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two queued updates of one request as one (a slow reader gets fewer, larger updates)."""
+    return RequestOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.text + b.text, b.finished,
+                         b.finish_reason, b.num_prompt_tokens, b.num_output_tokens, b.num_cached_tokens, b.error)

@@ -1,0 +1,249 @@
+"""LLMEngine: the synchronous engine loop, one `step()` per iteration.
+
+    add_request -> Scheduler.schedule -> Executor.execute (model runner + sampler, or the sim)
+                -> Scheduler.update_from_output -> detokenize, stop strings -> RequestOutput per request
+
+The scheduler never reads a clock; this file stamps every request time (first scheduled, first and last
+token, finished) and tells the observer about each iteration, token and finish.
+
+Length policy (as vLLM): a prompt must leave room for at least one output token, so it may have at
+most max_model_len - 1 tokens; a larger max_tokens is accepted and generation stops at the context with
+finish_reason "length".
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+from stallfree.contracts import Ceilings, Tuning
+from stallfree.node_daemon.engine.config import EngineConfig
+from stallfree.node_daemon.text.detokenizer import IncrementalDetokenizer
+from stallfree.node_daemon.engine.engine_protocol import EngineObserver, Executor, IterationRecord, RequestOutput
+from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
+from stallfree.node_daemon.engine.request import Request, RequestStatus
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.scheduler import IterationCostModel, Scheduler
+from stallfree.node_daemon.text.tokenizer import Tokenizer, load_tokenizer
+
+_STOPPED = RequestStatus.FINISHED_STOPPED
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        tokenizer: Tokenizer | None = None,
+        observer: EngineObserver | None = None,
+        *,
+        cost_model: IterationCostModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Without an executor, load the model named by config.model and size the KV cache from it.
+
+        Another executor (the sim backend) brings its own `tokenizer`; its KV cache size and context come
+        from the executor's num_blocks / max_model_len when it has them, else from the config.
+        """
+        if executor is None:
+            from stallfree.node_daemon.engine.model_executor import ModelExecutor
+
+            executor = ModelExecutor.from_config(config)
+        self.config = config
+        self.executor = executor
+        loaded = getattr(executor, "loaded", None)
+        if tokenizer is None:
+            if loaded is None:
+                raise ValueError("an executor without a loaded model needs a tokenizer")
+            tokenizer = load_tokenizer(loaded)
+        self.tokenizer = tokenizer
+        self.max_model_len: int = (getattr(executor, "max_model_len", None) or config.model.max_model_len
+                                   or config.scheduler.max_model_len)
+        self.vocab_size: int = getattr(executor, "vocab_size", None) or tokenizer.vocab_size
+        num_blocks = getattr(executor, "num_blocks", None) or config.cache.num_blocks
+        if num_blocks < 1:
+            raise ValueError("the KV cache size is unknown: give config.cache.num_blocks")
+        block_size = getattr(executor, "block_size", None) or config.cache.block_size
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache, cost_model)
+        model_eos = tuple(loaded.eos_token_ids) if loaded is not None else ()
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(model_eos + tuple(tokenizer.eos_token_ids)))
+        self.observer = observer
+        self.clock = clock
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._free_executor_state = getattr(executor, "free", None)
+        self.num_iterations = 0
+
+    # ---- requests ------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        sampling: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; ValueError naming the problem (and nothing else changed) if it is bad."""
+        sampling = sampling if sampling is not None else SamplingParams()
+        if request_id in self._detokenizers:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        sampling.check()
+        token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
+        request = Request(request_id, token_ids, sampling, self.eos_token_ids,
+                          arrival_time=self.clock() if arrival_time is None else arrival_time,
+                          max_model_len=self.max_model_len)
+        self.scheduler.add_request(request)
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop)
+
+    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: Sequence[int] | None) -> list[int]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt_token_ids)  # type: ignore[arg-type]
+            vocab = self.vocab_size
+            for token in token_ids:
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                    raise ValueError(f"prompt token id {token!r} is outside the vocabulary [0, {vocab})")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but the model's context is {self.max_model_len} tokens: "
+                f"it may have at most {self.max_model_len - 1}, to leave room for the output"
+            )
+        return token_ids
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort at once: its KV blocks are free when this returns. None if unknown or already finished."""
+        request = self.scheduler.abort_request(request_id)
+        if request is None:
+            return None
+        self._release(request, self.clock())
+        return request
+
+    def abort_all(self) -> int:
+        """Abort every unfinished request; returns how many there were."""
+        request_ids = list(self._detokenizers)
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        return len(request_ids)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._detokenizers)
+
+    # ---- live tuning ---------------------------------------------------------------------------------
+
+    def get_tuning(self) -> Tuning:
+        return self.scheduler.tuning
+
+    def set_tuning(self, tuning: Tuning) -> None:
+        """Raises contracts.TuningError; a valid tuning takes effect at the next step."""
+        self.scheduler.set_tuning(tuning)
+
+    @property
+    def ceilings(self) -> Ceilings:
+        return self.scheduler.ceilings
+
+    # ---- one iteration -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; one RequestOutput per request that got a token (or finished) in it."""
+        scheduler = self.scheduler
+        start = self.clock()
+        output = scheduler.schedule()
+        if output.is_empty:
+            return []
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = start
+        sampled = self.executor.execute(output)
+        scheduler.update_from_output(output, sampled)  # appends tokens, finishes on EOS and length
+        now = self.clock()
+        observer = self.observer
+        if observer is not None:
+            observer.on_iteration(IterationRecord(
+                start=start, duration_s=now - start, num_prefill_tokens=output.num_prefill_tokens,
+                num_decode_tokens=output.num_decode_tokens, token_budget=output.token_budget,
+                max_num_seqs=scheduler.tuning.max_num_seqs, num_running=scheduler.num_running,
+                num_waiting=scheduler.num_waiting, num_partial_prefills=scheduler.num_partial_prefills,
+                kv_usage=self.kv_cache.usage, num_preempted=len(output.preempted),
+            ))
+        self.num_iterations += 1
+        outputs: list[RequestOutput] = []
+        detokenizers = self._detokenizers
+        for chunk in output.chunks:
+            if not chunk.samples:
+                continue
+            request = chunk.request
+            detok = detokenizers.get(request.request_id)
+            if detok is None or request.request_id not in sampled:
+                continue  # aborted since schedule()
+            token = request.output_token_ids[-1]
+            done = request.status.finished
+            if done and request.status is _STOPPED and _is_stop_token(request, token):
+                text = ""  # EOS and stop tokens are not part of the text
+            else:
+                text = detok.add_tokens((token,))
+                if detok.stopped_by is not None:
+                    if not done:
+                        scheduler.finish_request(request.request_id, _STOPPED)
+                    request.status = _STOPPED  # a stop string wins over a simultaneous length limit
+                    done = True
+            if done:
+                text += detok.finish()
+            first = request.first_token_time is None
+            if observer is not None:
+                observer.on_token(request, now, first)
+            if first:
+                request.first_token_time = now
+            request.last_token_time = now
+            outputs.append(RequestOutput(
+                request.request_id, [token], text, done, request.status.value if done else None,
+                request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
+            ))
+            if done:
+                self._release(request, now)
+        return outputs
+
+    def _release(self, request: Request, now: float) -> None:
+        request.finished_time = now
+        self._detokenizers.pop(request.request_id, None)
+        if self._free_executor_state is not None:
+            self._free_executor_state(request.request_id)
+        if self.observer is not None:
+            self.observer.on_finished(request, now)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Abort every unfinished request after an engine error; their outputs carry finish_reason "error"."""
+        outputs = []
+        for request_id in list(self._detokenizers):
+            request = self.scheduler.abort_request(request_id)
+            self._detokenizers.pop(request_id, None)
+            if request is None:
+                continue
+            request.finished_time = self.clock()
+            if self._free_executor_state is not None:
+                self._free_executor_state(request_id)
+            if self.observer is not None:
+                self.observer.on_finished(request, request.finished_time)
+            outputs.append(RequestOutput(request_id, [], "", True, "error", request.num_prompt_tokens,
+                                         len(request.output_token_ids), request.num_cached_tokens, error=message))
+        return outputs
+
+
+def _is_stop_token(request: Request, token: int) -> bool:
+    sampling = request.sampling
+    return token in sampling.stop_token_ids or (token in request.eos_token_ids and not sampling.ignore_eos)

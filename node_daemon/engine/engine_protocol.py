@@ -1,0 +1,84 @@
+"""The seams around the engine: what the server calls, what the engine reports, what executes a step.
+
+Three small protocols so the HTTP server, the metrics and the execution backend (a real model or the
+cost-model simulation) can be built and replaced apart from the engine loop itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+from stallfree.contracts import Ceilings, Tuning
+from stallfree.node_daemon.engine.request import Request
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
+
+
+class Executor(Protocol):
+    """Runs one scheduled iteration and returns the sampled token of every chunk with `samples=True`."""
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]: ...
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One update of one request, streamed from the engine to its caller."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # the new text since the last update (never a split UTF-8 character)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    error: str | None = None  # set with finish_reason "error" (e.g. the engine died mid-stream)
+
+
+@dataclass(slots=True)
+class IterationRecord:
+    """What one engine iteration did; the metrics and the stats window are fed from these."""
+
+    start: float  # time.monotonic() at the start of the step
+    duration_s: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    token_budget: int
+    max_num_seqs: int
+    num_running: int
+    num_waiting: int
+    num_partial_prefills: int
+    kv_usage: float
+    num_preempted: int
+
+
+class EngineObserver(Protocol):
+    """Called from the engine loop (its own thread): keep every method cheap."""
+
+    def on_iteration(self, record: IterationRecord) -> None: ...
+
+    def on_token(self, request: Request, now: float, first: bool) -> None: ...
+
+    def on_finished(self, request: Request, now: float) -> None: ...
+
+
+class EngineClient(Protocol):
+    """What the HTTP server needs from an engine running in the background."""
+
+    model_name: str
+    max_model_len: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def get_tuning(self) -> Tuning: ...
+
+    def set_tuning(self, tuning: Tuning) -> None: ...  # raises contracts.TuningError
+
+    @property
+    def ceilings(self) -> Ceilings: ...

@@ -1,0 +1,64 @@
+"""The real-model Executor: the model runner's logits, sampled per request (engine_protocol.Executor)."""
+from __future__ import annotations
+
+from stallfree.node_daemon.engine.config import EngineConfig
+from stallfree.node_daemon.engine.model_runner import ModelRunner
+from stallfree.node_daemon.models.loader import LoadedModel
+from stallfree.node_daemon.engine.sampler import Sampler
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
+
+
+class ModelExecutor:
+    """Runs one iteration on the model and returns the sampled token of every chunk that samples."""
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler | None = None) -> None:
+        self.runner = runner
+        self.sampler = sampler or Sampler(runner.device)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "ModelExecutor":
+        """Load the model and size its buffers for the ceilings (the live budget never exceeds them)."""
+        ceilings = config.scheduler.ceilings
+        runner = ModelRunner(config.model, config.cache, max_num_tokens=ceilings.max_token_budget,
+                             max_num_seqs=ceilings.max_num_seqs)
+        if config.scheduler.policy != "stall_free":
+            # The unchunked baselines run whole prompts: up to max(budget ceiling, context) tokens at once.
+            runner.max_num_tokens = max(runner.max_num_tokens, runner.max_model_len)
+        return cls(runner)
+
+    @property
+    def loaded(self) -> LoadedModel:
+        return self.runner.loaded
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.runner.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.loaded.shape.vocab_size
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        logits = self.runner.execute_model(output)
+        params: list[SamplingParams] = []
+        request_ids: list[str] = []
+        for chunk in output.chunks:
+            if chunk.samples:
+                params.append(chunk.request.sampling)
+                request_ids.append(chunk.request.request_id)
+        if not request_ids:
+            return {}
+        return dict(zip(request_ids, self.sampler.sample(logits, params, request_ids)))
+
+    def free(self, request_id: str) -> None:
+        """The request is gone: drop its sampling state (its seeded generator)."""
+        self.sampler.free(request_id)

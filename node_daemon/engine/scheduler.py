@@ -1,0 +1,440 @@
+"""The per-iteration scheduler: Sarathi-Serve's stall-free batching over a paged KV cache.
+
+Each `schedule()` builds one iteration under the live limits (token budget, max_num_seqs, max partial
+prefills, long-prefill threshold) in this order:
+
+1. every running decode, one token each (they never lose a step to a newcomer);
+2. the next chunk of each partially prefilled prompt, in admission order;
+3. new requests first come, first served (preempted ones ahead of new ones), while budget, sequence
+   slots, the partial-prefill cap and KV admission allow; the queue head blocks the rest (strict FCFS).
+
+Every prefill chunk is cut at the leftover budget, at `long_prefill_threshold` when set, and, when an
+iteration time target and a cost model are given, at the largest size whose predicted time fits.
+
+KV admission reserves a request's final footprint (prompt plus every token it may generate, or the
+`output_reservation` share of them) against the free blocks, net of prefix-cache hits and of what
+running requests may still grow to; `watermark_blocks` stay free unless the request would run alone.
+With the full reservation (the default) decoding cannot run out of KV. If it does anyway (a smaller
+reservation), the latest admitted request not yet scheduled this iteration is preempted by recompute
+and resumes ahead of new requests; its cached full blocks usually make the recompute a cache hit.
+
+Lowering max_num_seqs live below the running count preempts the latest admitted requests at the next
+step (so the decodes always fit the budget, which validate_tuning keeps above max_num_seqs); lowering
+the partial-prefill cap only stops new partial prefills, the ones in flight finish.
+
+A partial prefill is a running request whose prompt (or, after preemption, its recompute) will still be
+incomplete after this iteration. A prompt that completes within the iteration never counts.
+
+The engine calls `schedule()`, runs the model, then `update_from_output()` before the next
+`schedule()`. The scheduler never reads a clock: the engine (or the simulator) stamps times.
+
+Baseline policies (SchedulerConfig.policy), for the simulator's comparisons:
+- prefill_priority (vLLM before chunking, Orca): when a waiting request fits, the iteration runs whole
+  prompts only, FCFS, up to max(budget ceiling, max_model_len) tokens; running decodes pause for it.
+- decode_priority (FasterTransformer's request-level batching, Sarathi-Serve's "decode-prioritizing"):
+  an iteration is all-decode while anything runs; whole prompts are admitted only when nothing is
+  running, as one batch under the same token limit.
+"""
+from __future__ import annotations
+
+import math
+from bisect import insort
+from collections import deque
+from typing import Protocol, Sequence
+
+from stallfree.contracts import Ceilings, Tuning, validate_tuning
+from stallfree.node_daemon.engine.config import SchedulerConfig
+from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
+from stallfree.node_daemon.engine.request import Request, RequestStatus
+from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+POLICIES = ("stall_free", "prefill_priority", "decode_priority")
+
+_RUNNING = RequestStatus.RUNNING
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH
+
+
+class IterationCostModel(Protocol):
+    """Predicted iteration time of a batch: decodes by context length (the new token included) and
+    prefill chunks as (prefix_len, num_tokens). The simulator's cost models satisfy it."""
+
+    def predict_ms(self, decode_context_lens: Sequence[int], prefill_chunks: Sequence[tuple[int, int]]) -> float: ...
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, cost_model: IterationCostModel | None = None,
+                 *, output_reservation: float = 1.0) -> None:
+        if config.policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {config.policy!r}; choose one of {', '.join(POLICIES)}")
+        if not 0.0 <= output_reservation <= 1.0:
+            raise ValueError(f"output_reservation must be within [0, 1], got {output_reservation}")
+        validate_tuning(config.tuning, config.ceilings)
+        self.config = config
+        self.kv_cache = kv_cache
+        self.cost_model = cost_model
+        self.output_reservation = output_reservation
+        self._tuning = config.tuning
+        self._block_size = kv_cache.block_size
+        self._time_target = config.iteration_time_target_ms if cost_model is not None else None
+        self.waiting: deque[Request] = deque()  # preempted at the front, then new requests in arrival order
+        # Running requests in admission order, and the same split into those that decode and those
+        # still prefilling (both kept in admission order, so the latest admitted is always a tail).
+        self.running: list[Request] = []
+        self._decoding: list[Request] = []
+        self._prefilling: list[Request] = []
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._admission: dict[str, int] = {}  # running request -> admission sequence number
+        self._num_admissions = 0
+        # KV blocks each running request reserved at admission, and the sum of what they may still take.
+        self._reserved_blocks: dict[str, int] = {}
+        self._growth_blocks = 0
+        self._num_partial_prefills = 0
+        self.num_preemptions = 0
+
+    # ---- live limits -------------------------------------------------------------------------------
+
+    @property
+    def tuning(self) -> Tuning:
+        return self._tuning
+
+    @property
+    def ceilings(self) -> Ceilings:
+        return self.config.ceilings
+
+    def set_tuning(self, tuning: Tuning) -> None:
+        """Validate against the ceilings (raises TuningError) and take effect at the next schedule()."""
+        validate_tuning(tuning, self.config.ceilings)
+        self._tuning = tuning
+
+    # ---- request lifecycle -------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_partial_prefills(self) -> int:
+        """Running requests whose prefill stays incomplete after the last scheduled iteration."""
+        return self._num_partial_prefills
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; ValueError (nothing changed) if it could never be served."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
+            raise ValueError(f"request {request.request_id!r} was already scheduled once")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        request.sampling.check()
+        max_model_len = min(request.max_model_len, self.config.max_model_len)
+        if num_prompt > max_model_len:
+            raise ValueError(f"the prompt has {num_prompt} tokens, more than max_model_len {max_model_len}")
+        kv_tokens = max(num_prompt, min(num_prompt + request.sampling.max_tokens, max_model_len) - 1)
+        kv_blocks = self.kv_cache.blocks_for(kv_tokens)
+        if kv_blocks > self.kv_cache.num_blocks:
+            raise ValueError(
+                f"the request needs {kv_tokens} tokens of KV cache ({kv_blocks} blocks) but the whole cache holds "
+                f"{self.kv_cache.num_blocks} blocks of {self._block_size}: lower max_tokens or the prompt"
+            )
+        request.max_model_len = max_model_len
+        self.kv_cache.hash_prompt(request)
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish as aborted and free its KV blocks at once; None if unknown or already finished."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Finish with `status` (the engine's stop strings, aborts); unknown or finished ids are ignored."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status is _RUNNING:
+            self._remove_running(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.free(request)
+
+    # ---- one iteration -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        tuning = self._tuning
+        out = SchedulerOutput(token_budget=tuning.token_budget)
+        while len(self.running) > tuning.max_num_seqs:  # max_num_seqs was lowered live
+            self._preempt(self.running[-1], out)
+        policy = self.config.policy
+        if policy == "stall_free":
+            self._schedule_stall_free(out, tuning)
+        elif policy == "prefill_priority":
+            if out.preempted or not self._schedule_whole_prompts(out, tuning):
+                self._schedule_decodes(out, None)
+        elif self.running:  # decode_priority
+            self._schedule_decodes(out, None)
+        else:
+            self._schedule_whole_prompts(out, tuning)
+        return out
+
+    def _schedule_stall_free(self, out: SchedulerOutput, tuning: Tuning) -> None:
+        kv = self.kv_cache
+        timed = self._time_target is not None
+        decode_lens: list[int] | None = [] if timed else None
+
+        # 1. Every running decode, one token each.
+        self._schedule_decodes(out, decode_lens)
+        chunks = out.chunks
+        num_decodes = len(chunks)
+        budget = tuning.token_budget - num_decodes
+
+        # 2. The next chunk of every partial prefill, in admission order. A KV shortfall here preempts
+        # the latest admitted partial prefill (decodes were all scheduled already).
+        prefill_chunks: list[tuple[int, int]] = []
+        num_partial = 0
+        prefilling = self._prefilling
+        for request in prefilling:  # preemption only removes the tail
+            start = request.num_computed_tokens
+            remaining = request.num_tokens - start
+            n = self._chunk_size(remaining, budget, tuning, decode_lens, prefill_chunks, start)
+            if n <= 0:
+                num_partial += 1
+                continue
+            if not self._grow(request, n, out, prefilling):
+                break
+            chunks.append(ScheduledChunk(request, start, n, True, n == remaining))
+            if timed:
+                prefill_chunks.append((start, n))
+            budget -= n
+            if n < remaining:
+                num_partial += 1
+
+        # 3. New (and preempted) requests, strictly first come, first served. Not after a preemption in
+        # this iteration: KV is short, and the victim would only take back the room it just gave.
+        waiting = self.waiting
+        running = self.running
+        while waiting and budget > 0 and len(running) < tuning.max_num_seqs and not out.preempted:
+            request = waiting[0]
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            remaining = request.num_tokens - num_hit_tokens
+            n = self._chunk_size(remaining, budget, tuning, decode_lens, prefill_chunks, num_hit_tokens)
+            if n <= 0 or (n < remaining and num_partial >= tuning.max_partial_prefills):
+                break
+            if not self._admit(request, hits, n):
+                break
+            chunks.append(ScheduledChunk(request, num_hit_tokens, n, True, n == remaining))
+            if timed:
+                prefill_chunks.append((num_hit_tokens, n))
+            budget -= n
+            if n < remaining:
+                num_partial += 1
+        out.num_decode_tokens = num_decodes
+        out.num_prefill_tokens = tuning.token_budget - num_decodes - budget
+        self._num_partial_prefills = num_partial
+
+    def _schedule_decodes(self, out: SchedulerOutput, decode_lens: list[int] | None) -> None:
+        """One token for every running decode; a decode needs a new block only at a block boundary.
+
+        `_decoding` is in admission order and the victim of a KV shortfall is the latest admitted
+        request (running[-1]): never one scheduled earlier in this loop, and the loop survives it.
+        """
+        block_size = self._block_size
+        chunks = out.chunks
+        for request in self._decoding:
+            start = request.num_computed_tokens
+            if start >= len(request.block_ids) * block_size and not self._grow(request, 1, out, None):
+                break  # it preempted itself: it was the latest admitted, so the last decode
+            chunks.append(ScheduledChunk(request, start, 1, False, True))
+            if decode_lens is not None:
+                decode_lens.append(start + 1)
+        out.num_decode_tokens = len(chunks)
+
+    def _chunk_size(self, remaining: int, budget: int, tuning: Tuning, decode_lens: list[int] | None,
+                    prefill_chunks: list[tuple[int, int]], prefix_len: int) -> int:
+        """Tokens of this prefill to run now: the leftover budget, the long-prefill cap, the time target."""
+        n = remaining if remaining < budget else budget
+        if 0 < tuning.long_prefill_threshold < n:
+            n = tuning.long_prefill_threshold
+        if decode_lens is not None and n > 0:
+            n = self._fit_time_target(n, decode_lens, prefill_chunks, prefix_len)
+        return n
+
+    def _fit_time_target(self, limit: int, decode_lens: list[int], prefill_chunks: list[tuple[int, int]],
+                         prefix_len: int) -> int:
+        """Largest chunk up to `limit` whose predicted iteration fits the target (bisection).
+
+        An iteration that would otherwise be empty takes at least one token, so a target below the
+        fixed overhead slows prefill down but never stops it.
+        """
+        predict = self.cost_model.predict_ms  # type: ignore[union-attr]
+        target = self._time_target
+        if predict(decode_lens, prefill_chunks + [(prefix_len, limit)]) <= target:
+            return limit
+        lo, hi = 0, limit  # lo fits (0: nothing), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if predict(decode_lens, prefill_chunks + [(prefix_len, mid)]) <= target:
+                lo = mid
+            else:
+                hi = mid
+        if lo == 0 and not decode_lens and not prefill_chunks:
+            return 1
+        return lo
+
+    def _schedule_whole_prompts(self, out: SchedulerOutput, tuning: Tuning) -> bool:
+        """Admit whole prompts FCFS up to max(budget ceiling, max_model_len) tokens; True if any was."""
+        limit = max(self.config.ceilings.max_token_budget, self.config.max_model_len)
+        kv = self.kv_cache
+        waiting = self.waiting
+        num_tokens = 0
+        while waiting and len(self.running) < tuning.max_num_seqs:
+            request = waiting[0]
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            n = request.num_tokens - num_hit_tokens
+            if num_tokens + n > limit or not self._admit(request, hits, n):
+                break
+            out.chunks.append(ScheduledChunk(request, num_hit_tokens, n, True, True))
+            num_tokens += n
+        out.num_prefill_tokens = num_tokens
+        return num_tokens > 0
+
+    # ---- KV admission, growth and preemption -------------------------------------------------------
+
+    def _admit(self, request: Request, hits: list[int], num_new_tokens: int) -> bool:
+        """Move the queue head to running if its reserved footprint fits the free blocks; else False."""
+        kv = self.kv_cache
+        final_kv_tokens = max(request.num_prompt_tokens, request.max_total_tokens - 1)
+        now = request.num_tokens
+        reserve_tokens = max(now, now + math.ceil((final_kv_tokens - now) * self.output_reservation))
+        need = kv.blocks_to_admit(hits, reserve_tokens)
+        watermark = self.config.watermark_blocks if self.running else 0
+        if need + self._growth_blocks + watermark > kv.num_free_blocks:
+            return False
+        if not kv.allocate_slots(request, num_new_tokens, hits):
+            return False
+        self.waiting.popleft()
+        request.status = _RUNNING
+        request.num_computed_tokens = num_hit_tokens = len(hits) * self._block_size
+        request.num_cached_tokens = min(num_hit_tokens, request.num_prompt_tokens)  # prompt tokens only
+        reserved = kv.blocks_for(reserve_tokens)
+        request_id = request.request_id
+        self._reserved_blocks[request_id] = reserved
+        self._growth_blocks += max(0, reserved - len(request.block_ids))
+        self._num_admissions += 1
+        self._admission[request_id] = self._num_admissions
+        self.running.append(request)
+        self._prefilling.append(request)
+        return True
+
+    def _grow(self, request: Request, num_new_tokens: int, out: SchedulerOutput, pool: list[Request] | None) -> bool:
+        """Room for a running request's next tokens, preempting if KV is short; False if it had to go itself.
+
+        The victim is the latest admitted request not yet scheduled in this iteration: the tail of
+        `running` while decodes are scheduled (pool None), the tail of `pool` (partial prefills) after.
+        """
+        kv = self.kv_cache
+        reserved = self._reserved_blocks[request.request_id]
+        before = len(request.block_ids)
+        while not kv.allocate_slots(request, num_new_tokens):
+            victim = (self.running if pool is None else pool)[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        after = len(request.block_ids)
+        if after != before:
+            self._growth_blocks -= max(0, reserved - before) - max(0, reserved - after)
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Preempt by recompute: free its KV, queue it ahead of new requests."""
+        self._remove_running(request)
+        request.status = RequestStatus.PREEMPTED
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    def _remove_running(self, request: Request) -> None:
+        """Take a running request out of the running lists and give back its reservation."""
+        request_id = request.request_id
+        self.running.remove(request)
+        if self._prefilling and request in self._prefilling:
+            self._prefilling.remove(request)
+        else:
+            self._decoding.remove(request)
+        del self._admission[request_id]
+        reserved = self._reserved_blocks.pop(request_id)
+        self._growth_blocks -= max(0, reserved - len(request.block_ids))
+
+    # ---- after the model ran -----------------------------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance every scheduled request, append sampled tokens, finish the stopped; returns those finished.
+
+        Call once per schedule(), before the next one. A prefill whose chunk sampled now decodes.
+        """
+        finished: list[Request] = []
+        started_decoding: list[Request] = []
+        block_size = self._block_size
+        kv = self.kv_cache
+        caching = kv.enable_prefix_caching
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.status is not _RUNNING:
+                continue  # aborted or finished by the engine since schedule()
+            start = chunk.start
+            num_tokens = chunk.num_tokens
+            request.num_computed_tokens = start + num_tokens
+            if caching and start % block_size + num_tokens >= block_size:
+                kv.cache_full_blocks(request)
+            if not chunk.samples:
+                continue
+            try:
+                token = sampled[request.request_id]
+            except KeyError:
+                raise KeyError(f"no sampled token for request {request.request_id!r}, whose chunk samples") from None
+            outputs = request.output_token_ids
+            outputs.append(token)
+            sampling = request.sampling
+            if (token in request.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
+                request.status = _STOPPED
+            elif (len(outputs) >= sampling.max_tokens
+                  or len(request.prompt_token_ids) + len(outputs) >= request.max_model_len):
+                request.status = _LENGTH
+            else:
+                if chunk.is_prefill:
+                    started_decoding.append(request)
+                continue
+            finished.append(request)
+        if started_decoding:
+            admission = self._admission
+            prefilling, decoding = self._prefilling, self._decoding
+            for request in started_decoding:
+                prefilling.remove(request)
+                insort(decoding, request, key=lambda r: admission[r.request_id])
+        if finished:
+            requests = self._requests
+            for request in finished:
+                del requests[request.request_id]
+                self._remove_running(request)
+                kv.free(request)
+        return finished

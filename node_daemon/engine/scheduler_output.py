@@ -1,0 +1,40 @@
+"""What one scheduling step hands to the model runner (or the sim backend)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stallfree.node_daemon.engine.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `request`, starting at position `start` (= its num_computed_tokens before the step).
+
+    Token ids are request.all_token_ids[start:start + num_tokens]; their KV goes to the slots given by
+    request.block_ids. `samples` is True when the chunk reaches the request's newest token, so the
+    runner must return a sampled token for it (a partial prefill chunk samples nothing).
+    """
+
+    request: Request
+    start: int
+    num_tokens: int
+    is_prefill: bool
+    samples: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Decodes first, then prefill chunks in the order they were scheduled.
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
+    token_budget: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks

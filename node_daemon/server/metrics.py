@@ -1,0 +1,167 @@
+"""Prometheus metrics of one daemon, fed by the engine loop as an EngineObserver.
+
+Every series is named `stallfree_*` and carries a `model` label. Latency histograms have buckets below
+10 ms because TPOT SLOs are set in milliseconds; control decisions still use the exact percentiles of
+stats_window.py, never these buckets. Label children are resolved once here so the per-token path is
+a single observe() with no label lookup.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from stallfree.contracts import Tuning
+from stallfree.node_daemon.engine.engine_protocol import IterationRecord
+from stallfree.node_daemon.engine.request import Request
+
+# Per-token and per-iteration times (seconds): fine steps from 1 ms up to a few seconds of stall.
+TOKEN_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1,
+    0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)
+# Per-request times (seconds): TTFT, queue time, prefill, decode and end-to-end latency.
+REQUEST_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
+    5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+)
+# Tokens per iteration: powers of two, so a budget that is one shows as a bucket edge.
+ITERATION_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(0, 17))
+
+FINISH_REASONS = ("stop", "length", "abort")
+ERROR_REASONS = (
+    "invalid_request", "validation", "not_found", "too_large", "unauthorized", "queue_full", "draining",
+    "starting", "engine", "internal",
+)
+
+
+class EngineMetrics:
+    """The daemon's Prometheus series; register once per process (or per test with its own registry)."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        reg, m = self.registry, [model_name]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, ["model"], buckets=buckets, registry=reg)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["model"], registry=reg)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["model"], registry=reg)
+
+        self.ttft = hist("stallfree_time_to_first_token_seconds", "Arrival to first output token.",
+                         REQUEST_LATENCY_BUCKETS).labels(*m)
+        self.tpot = hist("stallfree_time_per_output_token_seconds",
+                         "Per request: (last token - first token) / (output tokens - 1).",
+                         TOKEN_LATENCY_BUCKETS).labels(*m)
+        self.itl = hist("stallfree_inter_token_latency_seconds", "Gap between consecutive tokens of a request.",
+                        TOKEN_LATENCY_BUCKETS).labels(*m)
+        self.queue_time = hist("stallfree_request_queue_time_seconds", "Arrival to first scheduled.",
+                               REQUEST_LATENCY_BUCKETS).labels(*m)
+        self.prefill_time = hist("stallfree_request_prefill_time_seconds", "First scheduled to first token.",
+                                 REQUEST_LATENCY_BUCKETS).labels(*m)
+        self.decode_time = hist("stallfree_request_decode_time_seconds", "First token to finish.",
+                                REQUEST_LATENCY_BUCKETS).labels(*m)
+        self.e2e = hist("stallfree_e2e_request_latency_seconds", "Arrival to finish.",
+                        REQUEST_LATENCY_BUCKETS).labels(*m)
+        self.iteration_time = hist("stallfree_iteration_time_seconds", "Wall time of one engine iteration.",
+                                   TOKEN_LATENCY_BUCKETS).labels(*m)
+        self.iteration_tokens = hist("stallfree_iteration_tokens", "Tokens scheduled per iteration (all).",
+                                     ITERATION_TOKEN_BUCKETS).labels(*m)
+        self.iteration_prefill_tokens = hist("stallfree_iteration_prefill_tokens",
+                                             "Prefill tokens scheduled per iteration.",
+                                             ITERATION_TOKEN_BUCKETS).labels(*m)
+        self.iteration_decode_tokens = hist("stallfree_iteration_decode_tokens",
+                                            "Decode tokens scheduled per iteration.",
+                                            ITERATION_TOKEN_BUCKETS).labels(*m)
+
+        self.num_running = gauge("stallfree_num_requests_running", "Requests in the running batch.").labels(*m)
+        self.num_waiting = gauge("stallfree_num_requests_waiting", "Requests waiting to be scheduled.").labels(*m)
+        self.num_partial_prefills = gauge("stallfree_num_partial_prefills",
+                                          "Requests whose prompt is partly prefilled.").labels(*m)
+        self.kv_usage = gauge("stallfree_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).").labels(*m)
+        self.token_budget = gauge("stallfree_token_budget", "Live token budget per iteration.").labels(*m)
+        self.max_num_seqs = gauge("stallfree_max_num_seqs", "Live cap on running requests.").labels(*m)
+        self.max_partial_prefills = gauge("stallfree_max_partial_prefills",
+                                          "Live cap on concurrent partial prefills.").labels(*m)
+        self.long_prefill_threshold = gauge("stallfree_long_prefill_threshold",
+                                            "Live per-request prefill cap per iteration (0 = none).").labels(*m)
+
+        self.iterations = counter("stallfree_iterations", "Engine iterations run.").labels(*m)
+        self.preemptions = counter("stallfree_preemptions", "Requests preempted (KV freed, recomputed later).").labels(*m)
+        self.prompt_tokens = counter("stallfree_prompt_tokens", "Prompt tokens of requests that started.").labels(*m)
+        self.generation_tokens = counter("stallfree_generation_tokens", "Output tokens generated.").labels(*m)
+        self.prefill_tokens = counter("stallfree_prefill_tokens_computed",
+                                      "Prefill tokens computed (chunks, recompute included).").labels(*m)
+        self.prefix_cache_queries = counter("stallfree_prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.").labels(*m)
+        self.prefix_cache_hits = counter("stallfree_prefix_cache_hits",
+                                         "Prompt tokens served from the prefix cache.").labels(*m)
+        success = Counter("stallfree_request_success", "Finished requests by finish reason.",
+                          ["model", "finished_reason"], registry=reg)
+        self._success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        errors = Counter("stallfree_request_errors", "Refused or failed requests by reason.",
+                         ["model", "reason"], registry=reg)
+        self._errors_family, self._model = errors, model_name
+        self._errors = {reason: errors.labels(model_name, reason) for reason in ERROR_REASONS}
+
+    # --- EngineObserver (engine thread) ---
+
+    def on_iteration(self, record: IterationRecord) -> None:
+        self.iterations.inc()
+        self.iteration_time.observe(record.duration_s)
+        self.iteration_tokens.observe(record.num_prefill_tokens + record.num_decode_tokens)
+        self.iteration_prefill_tokens.observe(record.num_prefill_tokens)
+        self.iteration_decode_tokens.observe(record.num_decode_tokens)
+        if record.num_prefill_tokens:
+            self.prefill_tokens.inc(record.num_prefill_tokens)
+        if record.num_preempted:
+            self.preemptions.inc(record.num_preempted)
+        self.num_running.set(record.num_running)
+        self.num_waiting.set(record.num_waiting)
+        self.num_partial_prefills.set(record.num_partial_prefills)
+        self.kv_usage.set(record.kv_usage)
+        self.token_budget.set(record.token_budget)
+        self.max_num_seqs.set(record.max_num_seqs)
+
+    def on_token(self, request: Request, now: float, first: bool) -> None:
+        self.generation_tokens.inc()
+        if first:
+            self.ttft.observe(now - request.arrival_time)
+            self.prompt_tokens.inc(request.num_prompt_tokens)
+            self.prefix_cache_queries.inc(request.num_prompt_tokens)
+            if request.num_cached_tokens:
+                self.prefix_cache_hits.inc(request.num_cached_tokens)
+            if request.first_scheduled_time is not None:
+                self.queue_time.observe(request.first_scheduled_time - request.arrival_time)
+                self.prefill_time.observe(now - request.first_scheduled_time)
+        elif request.last_token_time is not None:
+            # The engine updates last_token_time after notifying observers: it still holds the previous token.
+            self.itl.observe(now - request.last_token_time)
+
+    def on_finished(self, request: Request, now: float) -> None:
+        reason = request.status.value
+        counter = self._success.get(reason)
+        if counter is not None:
+            counter.inc()
+        self.e2e.observe(now - request.arrival_time)
+        if request.first_token_time is not None:
+            self.decode_time.observe(now - request.first_token_time)
+            num_output = len(request.output_token_ids)
+            if num_output > 1 and request.last_token_time is not None:
+                self.tpot.observe((request.last_token_time - request.first_token_time) / (num_output - 1))
+
+    # --- server side (HTTP event loop) ---
+
+    def record_error(self, reason: str) -> None:
+        child = self._errors.get(reason)
+        if child is None:
+            child = self._errors[reason] = self._errors_family.labels(self._model, reason)
+        child.inc()
+
+    def set_tuning(self, tuning: Tuning) -> None:
+        """Show a new tuning at once (iterations keep the budget gauges current afterwards)."""
+        self.token_budget.set(tuning.token_budget)
+        self.max_num_seqs.set(tuning.max_num_seqs)
+        self.max_partial_prefills.set(tuning.max_partial_prefills)
+        self.long_prefill_threshold.set(tuning.long_prefill_threshold)

@@ -1,0 +1,275 @@
+"""One InferenceService's control loop: observe -> decide (tuner, scaler) -> act, and report.
+
+The loop does no I/O of its own: an `Observer` reads the replicas and an `Actuator` acts on them, so the
+same loop drives Kubernetes (k8s_actuator.py), the local runtime and the virtual-time simulation. Its
+memory is a `ControlState` that serialises into the service's status: a restarted operator resumes
+from it (cooldowns, windows, learned TPOT limits) and does not scale twice.
+
+Acting is level-triggered: every step, a readable replica whose tuning differs from what the tuner
+wants gets a PUT, so a replica that restarted with its start-up flags is re-tuned at once.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, Sequence
+
+from stallfree.contracts import Tuning, WindowStats
+from stallfree.operator.control.capacity import prefill_capacity_tokens_per_s
+from stallfree.operator.control.policy import ControlPolicy
+from stallfree.operator.control.observe import Observer, ReplicaObservation, ReplicaTarget
+from stallfree.operator.control.scaler import ReplicaLoad, ScaleDecision, ScalerState, decide_replicas
+from stallfree.operator.control.tuner import REAPPLY, ReplicaTunerState, TunerConfig, TuningDecision, decide_tuning
+
+SLO_MET, CAPACITY_EXHAUSTED = "SLOMet", "PrefillCapacityExhausted"
+
+
+class Actuator(Protocol):
+    """How decisions reach the replicas. Methods raise on failure; the loop records it and retries."""
+
+    async def put_tuning(self, replica: str, tuning: Tuning) -> None: ...
+
+    async def set_replicas(self, replicas: int) -> None: ...
+
+    async def record_event(self, reason: str, message: str, warning: bool = False) -> None: ...
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: str  # "True" | "False" | "Unknown"
+    reason: str
+    message: str
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+@dataclass
+class ControlState:
+    """The loop's memory; round-trips through the InferenceService's status.control.state."""
+
+    tuners: dict[str, ReplicaTunerState] = field(default_factory=dict)
+    scaler: ScalerState = field(default_factory=ScalerState)
+    desired_replicas: int | None = None
+    unknown: list[str] = field(default_factory=list)  # replicas unknown at the last step (for events)
+    capacity_exhausted: bool = False
+    last_step_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tuners": {name: s.to_dict() for name, s in self.tuners.items()},
+            "scaler": self.scaler.to_dict(),
+            "desired_replicas": self.desired_replicas,
+            "unknown": list(self.unknown),
+            "capacity_exhausted": self.capacity_exhausted,
+            "last_step_at": self.last_step_at,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "ControlState":
+        if not data:
+            return cls()
+        return cls(
+            tuners={name: ReplicaTunerState.from_dict(s) for name, s in (data.get("tuners") or {}).items()},
+            scaler=ScalerState.from_dict(data.get("scaler") or {}),
+            desired_replicas=data.get("desired_replicas"),
+            unknown=list(data.get("unknown") or []),
+            capacity_exhausted=bool(data.get("capacity_exhausted", False)),
+            last_step_at=data.get("last_step_at"),
+        )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    time: float
+    observations: list[ReplicaObservation]
+    tuning: list[TuningDecision]
+    scale: ScaleDecision
+    conditions: list[Condition]
+    failures: list[str]
+    state: ControlState
+
+    @property
+    def unknown(self) -> list[ReplicaObservation]:
+        return [o for o in self.observations if not o.known]
+
+    def observed_p99(self) -> dict[str, float | None]:
+        """The worst known replica's p99s (a service meets its SLO only where every replica does)."""
+        known = [o.stats for o in self.observations if o.known and o.stats is not None]
+
+        def worst(values: list[float | None]) -> float | None:
+            present = [v for v in values if v is not None]
+            return max(present) if present else None
+
+        return {
+            "ttft_ms": worst([s.ttft_ms.p99 for s in known]),
+            "tpot_ms": worst([s.tpot_ms.p99 for s in known]),
+            "queue_wait_ms": worst([s.queue_wait_ms.p99 for s in known]),
+        }
+
+    def to_status(self) -> dict[str, Any]:
+        """What goes into the InferenceService's status.control (camelCase, JSON-safe)."""
+        p99 = self.observed_p99()
+        by_name = {d.replica: d for d in self.tuning}
+        return {
+            "lastStepTime": self.time,
+            "observed": {"p99TtftMs": p99["ttft_ms"], "p99TpotMs": p99["tpot_ms"],
+                         "p99QueueWaitMs": p99["queue_wait_ms"]},
+            "replicas": [_replica_status(o, by_name.get(o.name)) for o in self.observations],
+            "unknownReplicas": [{"name": o.name, "reason": o.unknown_reason} for o in self.unknown],
+            "decisions": [{"replica": d.replica, "kind": d.kind, "reason": d.reason, "message": d.message}
+                          for d in self.tuning if d.kind != "hold" or d.reason == "unknown"],
+            "scaling": {"current": self.scale.current, "desired": self.scale.desired, "kind": self.scale.kind,
+                        "reason": self.scale.reason, "message": self.scale.message},
+            "failures": list(self.failures),
+            "state": self.state.to_dict(),
+        }
+
+
+class ControlLoop:
+    def __init__(self, policy: ControlPolicy, observer: Observer, actuator: Actuator,
+                 state: ControlState | None = None, tuner_config: TunerConfig = TunerConfig()) -> None:
+        self.policy = policy
+        self.observer = observer
+        self.actuator = actuator
+        self.state = state or ControlState()
+        self.tuner_config = tuner_config
+
+    async def step(self, targets: Sequence[ReplicaTarget], current_replicas: int, now: float) -> StepResult:
+        """One control interval. `current_replicas`: the count the service is set to (spec.replicas)."""
+        policy, state = self.policy, self.state
+        observations = await self.observer.observe(targets, now)
+        names = {o.name for o in observations}
+        tuners = {name: s for name, s in state.tuners.items() if name in names}  # replicas gone: forgotten
+        failures: list[str] = []
+
+        decisions: list[TuningDecision] = []
+        for obs in observations:
+            seed = _settled_tuning([s for name, s in tuners.items() if name != obs.name])
+            decision, new_state = decide_tuning(obs, tuners.get(obs.name), policy, now, seed, self.tuner_config)
+            if new_state is not None:
+                tuners[obs.name] = new_state
+            decisions.append(decision)
+            if obs.tuning is not None and decision.tuning is not None and decision.tuning != obs.tuning \
+                    and policy.tuning_enabled:
+                try:
+                    await self.actuator.put_tuning(obs.name, decision.tuning)
+                except Exception as exc:  # noqa: BLE001 - any failure is retried by the next step's drift check
+                    failures.append(f"PUT tuning to {obs.name} failed: {exc}")
+                else:
+                    if not decision.changed and decision.kind != REAPPLY:
+                        # A replica that restarted (or missed a PUT) runs other knobs than it should.
+                        await self._event("TuningReapplied", f"{obs.name} ran {_fmt(obs.tuning)}; re-applied "
+                                          f"{_fmt(decision.tuning)}")
+            if decision.changed or decision.kind == REAPPLY:
+                await self._event(_event_reason(decision.kind), f"{obs.name}: {decision.message}")
+
+        loads = [_replica_load(o, d, policy) for o, d in zip(observations, decisions)]
+        scale, scaler_state = decide_replicas(loads, current_replicas, policy.scaling, state.scaler, now)
+        if scale.changed:
+            try:
+                if policy.scaling.mode == "managed":
+                    await self.actuator.set_replicas(scale.desired)
+                await self._event("ScaledUp" if scale.desired > scale.current else "ScaledDown", scale.message)
+            except Exception as exc:  # noqa: BLE001 - the scale did not happen: keep the old state, retry
+                failures.append(f"scaling to {scale.desired} failed: {exc}")
+                scaler_state = state.scaler
+        if scale.capacity_exhausted and not state.capacity_exhausted:
+            await self._event("PrefillCapacityExhausted", scale.message, warning=True)
+        unknown = [o.name for o in observations if not o.known]
+        for obs in observations:
+            if not obs.known and obs.name not in state.unknown:
+                await self._event("ReplicaUnknown", f"{obs.name}: {obs.unknown_reason}", warning=True)
+
+        self.state = ControlState(tuners=tuners, scaler=scaler_state,
+                                  desired_replicas=scale.desired,
+                                  unknown=unknown, capacity_exhausted=bool(scale.capacity_exhausted),
+                                  last_step_at=now)
+        conditions = [slo_condition(observations, policy), capacity_condition(scale)]
+        return StepResult(now, observations, decisions, scale, conditions, failures, self.state)
+
+    async def _event(self, reason: str, message: str, warning: bool = False) -> None:
+        try:
+            await self.actuator.record_event(reason, message, warning)
+        except Exception:  # noqa: BLE001 - an event that cannot be recorded must not stop the loop
+            pass
+
+
+def slo_condition(observations: Sequence[ReplicaObservation], policy: ControlPolicy) -> Condition:
+    known = [o for o in observations if o.known and o.stats is not None]
+    unknown = [o for o in observations if not o.known]
+    if not known:
+        return Condition(SLO_MET, "Unknown", "NoKnownReplicas",
+                         "no replica could be measured: " + _names_with_reasons(unknown))
+    breaches = []
+    for obs in known:
+        breaches += [f"{obs.name} p99 {label} {value:.1f} ms > {limit:g} ms"
+                     for label, value, limit in _p99s(obs.stats, policy) if value is not None and value > limit]
+    if breaches:
+        return Condition(SLO_MET, "False", "SLOBreached", "; ".join(breaches))
+    if unknown:
+        return Condition(SLO_MET, "Unknown", "ReplicasUnknown",
+                         f"{len(known)} replica(s) within SLO; unknown: " + _names_with_reasons(unknown))
+    return Condition(SLO_MET, "True", "WithinSLO", f"all {len(known)} replica(s) within their p99 SLOs")
+
+
+def capacity_condition(scale: ScaleDecision) -> Condition:
+    if scale.capacity_exhausted is None:
+        return Condition(CAPACITY_EXHAUSTED, "Unknown", "NoKnownReplicas", scale.message)
+    if scale.capacity_exhausted:
+        return Condition(CAPACITY_EXHAUSTED, "True", "CapacityExhausted", scale.message)
+    return Condition(CAPACITY_EXHAUSTED, "False", "CapacityAvailable", scale.message)
+
+
+def _p99s(stats: WindowStats, policy: ControlPolicy) -> list[tuple[str, float | None, float]]:
+    slo = policy.slo
+    return [("TTFT", stats.ttft_ms.p99, slo.ttft_p99_ms), ("TPOT", stats.tpot_ms.p99, slo.tpot_p99_ms),
+            ("queue wait", stats.queue_wait_ms.p99, slo.queue_wait_p99_ms)]
+
+
+def _replica_load(obs: ReplicaObservation, decision: TuningDecision, policy: ControlPolicy) -> ReplicaLoad:
+    if not obs.known or obs.stats is None:
+        return ReplicaLoad(obs.name, known=False, ready=obs.ready, unknown_reason=obs.unknown_reason)
+    stats, slo = obs.stats, policy.slo
+    breaching = (stats.queue_wait_ms.p99 or 0.0) > slo.queue_wait_p99_ms or (stats.ttft_ms.p99 or 0.0) > slo.ttft_p99_ms
+    slo_met = not breaching and (stats.tpot_ms.p99 or 0.0) <= slo.tpot_p99_ms
+    return ReplicaLoad(obs.name, known=True, ready=obs.ready, at_ceiling=bool(decision.at_ceiling),
+                       breaching=breaching, slo_met=slo_met, prompt_tokens_per_s=stats.prompt_tokens_per_s,
+                       num_waiting=stats.num_waiting,
+                       capacity_tokens_per_s=prefill_capacity_tokens_per_s(stats, obs.profile))
+
+
+def _settled_tuning(states: list[ReplicaTunerState]) -> Tuning | None:
+    """The median tuning sibling replicas run: where a new replica of the same service should start."""
+    if not states:
+        return None
+    ordered = sorted((s.tuning for s in states), key=lambda t: t.token_budget)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _event_reason(kind: str) -> str:
+    return {"budget_lowered": "BudgetLowered", "budget_raised": "BudgetRaised", "initial": "TuningInitialised",
+            "reapply": "TuningReapplied", "max_num_seqs_lowered": "MaxNumSeqsLowered",
+            "max_num_seqs_raised": "MaxNumSeqsRaised"}.get(kind, "Tuning")
+
+
+def _replica_status(obs: ReplicaObservation, decision: TuningDecision | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"name": obs.name, "known": obs.known, "ready": obs.ready}
+    if obs.unknown_reason:
+        row["unknownReason"] = obs.unknown_reason
+    if obs.stats is not None:
+        s = obs.stats
+        row.update(p99TtftMs=s.ttft_ms.p99, p99TpotMs=s.tpot_ms.p99, p99QueueWaitMs=s.queue_wait_ms.p99,
+                   tokenBudget=s.tuning.token_budget, maxNumSeqs=s.tuning.max_num_seqs, kvUsage=s.kv_usage,
+                   promptTokensPerS=s.prompt_tokens_per_s)
+    if decision is not None and decision.tuning is not None:
+        row.update(desiredTokenBudget=decision.tuning.token_budget, desiredMaxNumSeqs=decision.tuning.max_num_seqs)
+    return row
+
+
+def _fmt(tuning: Tuning) -> str:
+    return f"budget {tuning.token_budget}, max_num_seqs {tuning.max_num_seqs}"
+
+
+def _names_with_reasons(observations: Sequence[ReplicaObservation]) -> str:
+    return "; ".join(f"{o.name} ({o.unknown_reason})" for o in observations)

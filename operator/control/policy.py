@@ -1,0 +1,103 @@
+"""What one InferenceService asks of its control loop: SLOs, live tuning bounds, scaling rules, cadence.
+
+Plain frozen dataclasses so the pure tuner and scaler take them without pydantic; `from_spec` reads
+them off the parsed spec (operator/api/spec.py), which already holds the defaults and cross-field rules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from stallfree.contracts import Ceilings, min_budget_for
+
+if TYPE_CHECKING:
+    from stallfree.operator.api.spec import InferenceServiceSpec
+
+
+@dataclass(frozen=True)
+class SLOTargets:
+    """p99 targets in milliseconds."""
+
+    ttft_p99_ms: float = 2000.0
+    tpot_p99_ms: float = 100.0
+    queue_wait_p99_ms: float = 1000.0
+
+
+@dataclass(frozen=True)
+class TuningBounds:
+    """Where the tuner may move the live knobs; always clipped again under each replica's ceilings."""
+
+    min_token_budget: int = 64
+    max_token_budget: int = 1 << 16
+    min_num_seqs: int = 1
+    max_num_seqs: int = 1 << 16
+
+    def clipped(self, ceilings: Ceilings) -> "TuningBounds":
+        """The bounds a replica started with `ceilings` can honour (ceilings win over the spec)."""
+        max_budget = min(self.max_token_budget, ceilings.max_token_budget)
+        max_seqs = min(self.max_num_seqs, ceilings.max_num_seqs)
+        min_seqs = min(self.min_num_seqs, max_seqs)
+        min_budget = min(max(self.min_token_budget, min_budget_for(min_seqs)), max_budget)
+        return TuningBounds(min_budget, max_budget, min_seqs, max_seqs)
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    mode: str = "managed"  # managed: the operator sets replicas; external: HPA/KEDA do, we publish desired
+    min_replicas: int = 1
+    max_replicas: int = 8
+    # Capacity must stay exhausted this long before scaling up; also the pause after a scale-up.
+    scale_up_stabilization_s: float = 30.0
+    # Scale-in only after every recommendation of this long a window allowed the smaller count.
+    scale_down_stabilization_s: float = 300.0
+    # Up: size for demand at this fraction of capacity. Down: the smaller count must carry the load at this fraction.
+    scale_up_utilisation: float = 0.9
+    scale_down_utilisation: float = 0.7
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("managed", "external"):
+            raise ValueError(f"scaling mode must be 'managed' or 'external', got {self.mode!r}")
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ValueError(f"need 1 <= minReplicas ({self.min_replicas}) <= maxReplicas ({self.max_replicas})")
+        if not 0 < self.scale_down_utilisation <= self.scale_up_utilisation <= 1:
+            raise ValueError("need 0 < scale-down utilisation <= scale-up utilisation <= 1")
+
+
+@dataclass(frozen=True)
+class ControlPolicy:
+    slo: SLOTargets = field(default_factory=SLOTargets)
+    bounds: TuningBounds = field(default_factory=TuningBounds)
+    scaling: ScalingPolicy = field(default_factory=ScalingPolicy)
+    tuning_enabled: bool = True
+    # The spec's fixed starting budget; None ("auto") starts from each replica's profile.
+    initial_token_budget: int | None = None
+    interval_s: float = 10.0
+    window_s: float = 10.0  # the daemons' stats window (the tuner waits this long after a change)
+    min_samples: int = 5  # fewer latency samples in a window: that replica is unknown
+
+    @classmethod
+    def from_spec(cls, spec: "InferenceServiceSpec") -> "ControlPolicy":
+        """The policy an InferenceService's parsed spec declares."""
+        engine, ceilings = spec.engine, spec.engine.ceilings
+        budget, seqs = engine.token_budget, engine.max_num_seqs
+        return cls(
+            slo=SLOTargets(ttft_p99_ms=spec.slos.ttft_p99_ms, tpot_p99_ms=spec.slos.tpot_p99_ms,
+                           queue_wait_p99_ms=spec.slos.queue_wait_p99_ms),
+            bounds=TuningBounds(
+                min_token_budget=budget.min if budget.min is not None else TuningBounds.min_token_budget,
+                max_token_budget=budget.upper(ceilings),
+                min_num_seqs=seqs.min,
+                max_num_seqs=seqs.upper(ceilings),
+            ),
+            scaling=ScalingPolicy(
+                mode=spec.scaling.mode,
+                min_replicas=spec.scaling.min_replicas,
+                max_replicas=spec.scaling.max_replicas,
+                scale_up_stabilization_s=float(spec.scaling.scale_up_stabilization_seconds),
+                scale_down_stabilization_s=float(spec.scaling.scale_down_stabilization_seconds),
+            ),
+            tuning_enabled=spec.tuning.mode != "off",
+            initial_token_budget=None if isinstance(budget.initial, str) else budget.initial,
+            interval_s=spec.tuning.interval_seconds,
+            window_s=spec.slos.window_seconds,
+        )

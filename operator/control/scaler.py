@@ -1,0 +1,222 @@
+"""The scaler: how many replicas one InferenceService needs. Pure.
+
+Prefill capacity has run out when every known replica's tuner is at its ceiling (a larger budget would
+break TPOT, or the knobs are at their bounds) and queue wait or TTFT still breach. Once that has held
+for the scale-up stabilization window, desired = ceil(prompt-token demand / (per-replica prefill
+capacity at that budget x scale-up utilisation)): sized from demand, not one more at a time. After a
+scale-up, the next waits a scale-up window too, so replicas that are still starting are not counted twice.
+
+If the demand already fits the current count and the queues shrink, what still breaches is a backlog
+draining: no more replicas for it.
+
+Scale-in: each step that knows every replica recommends the smallest count that carries the demand at
+`scale_down_utilisation` of capacity (or the current count while any SLO is missed); the service
+shrinks only to the largest recommendation of the whole scale-down window, once a full window passed
+since the last change, and only on a step that knows every replica. A step with an unknown replica
+recommends nothing: it neither allows nor blocks. Unknown replicas are never read as idle or as loaded:
+a ready but unreadable replica is taken to carry its own share (kept, never counted as spare), and one
+that is starting adds nothing.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Sequence
+
+from stallfree.operator.control.policy import ScalingPolicy
+
+SCALED_UP, SCALED_DOWN, HOLD = "scaled_up", "scaled_down", "hold"
+NO_INFORMATION = -1  # a step that could not recommend (an unknown replica): neither for nor against scale-in
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """What the scaler needs from one replica this step (built from its observation and tuner decision)."""
+
+    name: str
+    known: bool
+    ready: bool
+    unknown_reason: str | None = None
+    at_ceiling: bool = False
+    breaching: bool = False  # p99 queue wait or TTFT above its SLO
+    slo_met: bool = True  # every p99 (TTFT, TPOT, queue wait) within its SLO
+    prompt_tokens_per_s: float = 0.0  # demand arriving at this replica
+    num_waiting: int = 0  # its queue now
+    capacity_tokens_per_s: float | None = None  # prefill capacity at its current budget
+
+
+@dataclass(frozen=True)
+class ScalerState:
+    exhausted_since: float | None = None
+    last_waiting: int | None = None  # known replicas' queues at the previous step
+    last_scale_at: float | None = None
+    last_direction: int = 0
+    # (time, recommended replicas) over the scale-down window
+    recommendations: tuple[tuple[float, int], ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ScalerState":
+        data = dict(data)
+        data["recommendations"] = tuple((float(t), int(n)) for t, n in data.get("recommendations", ()))
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    current: int
+    desired: int
+    kind: str
+    reason: str  # a short code (metric label)
+    message: str
+    capacity_exhausted: bool | None  # None: no known replica to tell
+    demand_tokens_per_s: float | None = None
+    capacity_per_replica_tokens_per_s: float | None = None
+
+    @property
+    def changed(self) -> bool:
+        return self.desired != self.current
+
+
+def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingPolicy, state: ScalerState,
+                    now: float) -> tuple[ScaleDecision, ScalerState]:
+    """The replica count for this step. `current` is the count the service is set to now."""
+    known = [r for r in loads if r.known]
+    unknown = [r for r in loads if not r.known]
+    bounded = max(policy.min_replicas, min(policy.max_replicas, current))
+    if bounded != current:
+        return _decide(current, bounded, SCALED_UP if bounded > current else SCALED_DOWN, "replica_bounds",
+                       f"{current} replicas is outside [{policy.min_replicas}, {policy.max_replicas}]",
+                       None, state, now)
+    if not known:
+        why = "; ".join(f"{r.name}: {r.unknown_reason}" for r in unknown) or "no replicas observed"
+        # Nothing known: no decision, and what was pending (exhaustion, recommendations) must not age into one.
+        held = replace(state, exhausted_since=None, last_waiting=None,
+                       recommendations=_keep(state, now, policy, NO_INFORMATION))
+        return ScaleDecision(current, current, HOLD, "no_known_replicas", f"no decision from unknown data ({why})",
+                             None), held
+
+    demand = sum(r.prompt_tokens_per_s for r in known)
+    capacities = [r.capacity_tokens_per_s for r in known if r.capacity_tokens_per_s]
+    capacity = sum(capacities) / len(capacities) if capacities else None
+    serving_unknown = [r for r in unknown if r.ready]  # they serve traffic we cannot see: kept as they are
+    exhausted = all(r.at_ceiling for r in known) and any(r.breaching for r in known)
+    waiting = sum(r.num_waiting for r in known)
+    draining = state.last_waiting is not None and waiting < state.last_waiting
+    if not exhausted:
+        state = replace(state, exhausted_since=None, last_waiting=waiting)
+    elif state.exhausted_since is None:
+        state = replace(state, exhausted_since=now, last_waiting=waiting)
+    else:
+        state = replace(state, last_waiting=waiting)
+    exhausted_since = state.exhausted_since
+    figures = _figures(demand, capacity, known, unknown)
+
+    if exhausted:
+        held_for = now - exhausted_since
+        cooling = state.last_direction > 0 and state.last_scale_at is not None and \
+            now - state.last_scale_at < policy.scale_up_stabilization_s
+        recs = _keep(state, now, policy, current)
+        if held_for < policy.scale_up_stabilization_s or cooling:
+            wait = "since the last scale-up" if cooling else f"for {held_for:.0f}s of {policy.scale_up_stabilization_s:g}s"
+            return ScaleDecision(current, current, HOLD, "capacity_exhausted_waiting",
+                                 f"prefill capacity exhausted ({figures}); waiting {wait}", True, demand,
+                                 capacity), replace(state, recommendations=recs)
+        need = len(serving_unknown) + (math.ceil(demand / (capacity * policy.scale_up_utilisation))
+                                       if capacity else len(known) + 1)
+        starting = [r for r in unknown if not r.ready]
+        if need <= current and starting:
+            # The count already covers the demand; the capacity is still starting (e.g. after a restart of
+            # this loop that lost its cooldown): adding more now would scale twice.
+            return ScaleDecision(current, current, HOLD, "replicas_starting",
+                                 f"prefill capacity exhausted ({figures}) but {current} replicas cover it once "
+                                 f"{len(starting)} starting become ready", True, demand,
+                                 capacity), replace(state, recommendations=recs)
+        if need <= current and draining:
+            # Demand fits the count and the queues shrink: what breaches is a backlog on its way out.
+            return ScaleDecision(current, current, HOLD, "backlog_draining",
+                                 f"queue wait or TTFT breach, but the demand fits {current} replicas ({figures}) "
+                                 f"and the queues shrink ({waiting} waiting)",
+                                 True, demand, capacity), replace(state, recommendations=recs)
+        desired = min(policy.max_replicas, max(current + 1, need))
+        if desired == current:
+            return ScaleDecision(current, current, HOLD, "at_max_replicas",
+                                 f"prefill capacity exhausted ({figures}) but maxReplicas is {policy.max_replicas}",
+                                 True, demand, capacity), replace(state, recommendations=recs)
+        return _decide(current, desired, SCALED_UP, "capacity_exhausted",
+                       f"prefill capacity exhausted ({figures}): {current} -> {desired} replicas",
+                       True, state, now, demand, capacity)
+
+    # Not exhausted: does the load fit fewer replicas, for a whole window?
+    if unknown or capacity is None:
+        # This step knows too little to recommend anything: it neither allows nor blocks scale-in later,
+        # and no decision is taken on it.
+        why = [f"{r.name} unknown ({r.unknown_reason})" for r in unknown]
+        if capacity is None:
+            why.append("prefill capacity unknown")
+        recs = _keep(state, now, policy, NO_INFORMATION)
+        return ScaleDecision(current, current, HOLD, "scale_in_blocked", "no scale-in: " + "; ".join(why), False,
+                             demand, capacity), replace(state, recommendations=recs)
+    misses = [r.name for r in known if not r.slo_met]
+    recommendation = current
+    if not misses:
+        fits = math.ceil(demand / (capacity * policy.scale_down_utilisation)) if demand > 0 else 1
+        recommendation = min(current, max(policy.min_replicas, fits))
+    recs = _keep(state, now, policy, recommendation)
+    state = replace(state, recommendations=recs)
+    stabilized, covered = _stabilized(recs, now, policy)
+    since_change = state.last_scale_at is None or now - state.last_scale_at >= policy.scale_down_stabilization_s * 0.999
+    if stabilized < current and covered and since_change:
+        return _decide(current, stabilized, SCALED_DOWN, "load_fits_fewer",
+                       f"the load fits {stabilized} replicas at {policy.scale_down_utilisation:.0%} of capacity "
+                       f"for {policy.scale_down_stabilization_s:g}s ({figures}): {current} -> {stabilized}",
+                       False, state, now, demand, capacity)
+    if misses:
+        reason, message = "scale_in_blocked", f"no scale-in: {', '.join(misses)} miss(es) an SLO"
+    elif recommendation < current:
+        reason, message = "stabilizing", (f"the load fits {recommendation} replicas ({figures}); waiting out the "
+                                          f"{policy.scale_down_stabilization_s:g}s stabilization window")
+    else:
+        reason, message = "load_fits", f"{current} replicas carry the load ({figures})"
+    return ScaleDecision(current, current, HOLD, reason, message, False, demand, capacity), state
+
+
+def _decide(current: int, desired: int, kind: str, reason: str, message: str, exhausted: bool | None,
+            state: ScalerState, now: float, demand: float | None = None,
+            capacity: float | None = None) -> tuple[ScaleDecision, ScalerState]:
+    direction = 1 if desired > current else -1
+    # A change restarts every window: exhaustion must be seen again, recommendations start afresh.
+    new_state = ScalerState(last_scale_at=now, last_direction=direction, recommendations=((now, desired),))
+    return ScaleDecision(current, desired, kind, reason, message, exhausted, demand, capacity), new_state
+
+
+def _keep(state: ScalerState, now: float, policy: ScalingPolicy, recommendation: int) -> tuple[tuple[float, int], ...]:
+    """The window's recommendations plus this one; the newest one at or before the window start stays."""
+    horizon = now - policy.scale_down_stabilization_s
+    recs = list(state.recommendations) + [(now, recommendation)]
+    while len(recs) > 1 and recs[1][0] <= horizon:
+        recs.pop(0)
+    return tuple(recs)
+
+
+def _stabilized(recs: tuple[tuple[float, int], ...], now: float, policy: ScalingPolicy) -> tuple[int, bool]:
+    """The largest recommendation of the window, and whether known steps cover it well enough to act on.
+
+    Covered: the history reaches back a whole window and at least half of its steps knew every replica
+    (steps that did not are no information, neither for nor against scale-in).
+    """
+    known = [n for _, n in recs if n != NO_INFORMATION]
+    if not known:
+        return 1 << 30, False
+    reaches_back = recs[0][0] <= now - policy.scale_down_stabilization_s * 0.999
+    return max(known), reaches_back and len(known) >= 0.5 * len(recs)
+
+
+def _figures(demand: float, capacity: float | None, known: list[ReplicaLoad], unknown: list[ReplicaLoad]) -> str:
+    cap = f"{capacity:.0f}" if capacity else "unknown"
+    text = f"demand {demand:.0f} prompt tok/s over {len(known)} known replica(s), capacity {cap} tok/s each"
+    if unknown:
+        text += f", {len(unknown)} unknown"
+    return text

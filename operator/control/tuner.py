@@ -1,0 +1,316 @@
+"""The tuner: one replica's token budget and max_num_seqs from its observed window. Pure.
+
+The law, per control step (observation and previous state in, a decision with its reason out):
+- start: the profile's budget for `start_fraction` of the TPOT SLO (or the spec's initial budget, or
+  what sibling replicas already settled on);
+- p99 TPOT above the SLO: multiplicative decrease, sized by the profile (calibrated by what was just
+  observed) to land at `decrease_target` of the SLO, each step between x`decrease_min` and x`decrease_max`;
+  the breached budget is remembered and later raises stay under it;
+- p99 TPOT under `raise_below` of the SLO while prefill is the bottleneck (queue wait or TTFT pressure,
+  the budget fully used): raise by at most x`raise_max`, to where the calibrated profile predicts
+  `raise_target` of the SLO, never past the remembered breach;
+- between the two: hold (the dead band is the hysteresis that lets it settle);
+- max_num_seqs: down on preemptions or a full KV cache, up when queue wait presses, the sequence cap is
+  what binds and the KV cache has headroom;
+- always: the budget at least min_budget_for(max_num_seqs) and inside the live bounds under the ceilings;
+- after any change, hold until a whole stats window (plus one typical decode) ran under the new tuning.
+
+`at_ceiling` tells the scaler that this replica cannot add prefill throughput by tuning any more.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable
+
+from stallfree.contracts import Profile, Tuning, WindowStats, min_budget_for
+from stallfree.operator.control.capacity import FULL_UTILISATION
+from stallfree.operator.control.policy import ControlPolicy, TuningBounds
+from stallfree.operator.control.observe import ReplicaObservation
+
+BUDGET_GRANULE = 16  # budgets move in steps of this many tokens (kernel-friendly, readable)
+
+# Decision kinds (also the `kind` label of the operator's decision counter).
+INITIAL, REAPPLY, HOLD = "initial", "reapply", "hold"
+BUDGET_LOWERED, BUDGET_RAISED = "budget_lowered", "budget_raised"
+SEQS_LOWERED, SEQS_RAISED = "max_num_seqs_lowered", "max_num_seqs_raised"
+
+
+@dataclass(frozen=True)
+class TunerConfig:
+    start_fraction: float = 0.8
+    decrease_target: float = 0.75
+    decrease_min: float = 0.5
+    decrease_max: float = 0.85
+    raise_below: float = 0.65
+    raise_target: float = 0.75
+    raise_max: float = 2.0
+    min_raise: float = 1.05  # smaller raises are not worth a change
+    pressure_fraction: float = 0.5  # queue wait or TTFT above this fraction of its SLO: prefill pressure
+    limit_margin: float = 0.9  # raises stay this far under a budget that breached
+    limit_memory_s: float = 600.0  # a breached budget is forgotten after this long without a breach
+    settle_fraction: float = 0.9  # of the settle time (window + one decode) to wait after a change
+    kv_high: float = 0.95
+    kv_low: float = 0.75
+    seqs_decrease: float = 0.8
+    seqs_raise: float = 1.25
+
+
+@dataclass(frozen=True)
+class ReplicaTunerState:
+    """What the tuner remembers about one replica (serialised into the InferenceService's status)."""
+
+    tuning: Tuning  # what this replica should run
+    last_change_at: float | None = None
+    last_direction: int = 0  # +1 budget raised, -1 lowered, 0 not yet moved
+    reversals: int = 0
+    tpot_limit_budget: int | None = None  # lowest budget that breached TPOT recently
+    tpot_limit_at: float | None = None
+    at_ceiling: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ReplicaTunerState":
+        data = dict(data)
+        data["tuning"] = Tuning.from_dict(data["tuning"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class TuningDecision:
+    replica: str
+    tuning: Tuning | None  # what the replica should run; None when nothing is known about it
+    kind: str
+    reason: str  # a short code (metric label)
+    message: str
+    at_ceiling: bool | None  # None: unknown replica
+
+    @property
+    def changed(self) -> bool:
+        return self.kind not in (HOLD, REAPPLY)
+
+
+def decide_tuning(
+    observation: ReplicaObservation,
+    state: ReplicaTunerState | None,
+    policy: ControlPolicy,
+    now: float,
+    seed: Tuning | None = None,
+    config: TunerConfig = TunerConfig(),
+) -> tuple[TuningDecision, ReplicaTunerState | None]:
+    """One replica's decision. `seed`: a tuning sibling replicas settled on (used for a new replica)."""
+    name, stats = observation.name, observation.stats
+    if stats is None:
+        return _hold(name, state, "unknown", f"no decision: {observation.unknown_reason}", None), state
+    if not policy.tuning_enabled:
+        # The knobs stay as the replica runs them; fixed knobs cannot add prefill throughput.
+        return TuningDecision(name, stats.tuning, HOLD, "tuning_off", "tuning is off for this service",
+                              True if observation.known else None), state
+    bounds = policy.bounds.clipped(stats.ceilings)
+    if state is None:
+        start, reason, message = _start(stats, observation.profile, policy, bounds, seed, config)
+        state = ReplicaTunerState(tuning=start)
+        if start != stats.tuning or not observation.known:
+            kind = INITIAL if start != stats.tuning else HOLD
+            if not observation.known:
+                message += f"; feedback waits: {observation.unknown_reason}"
+            return TuningDecision(name, start, kind, reason, message, None), state
+    if not observation.known:
+        return _hold(name, state, "unknown", f"holding {_fmt(state.tuning)}: {observation.unknown_reason}", None), state
+    if stats.tuning != state.tuning:
+        # Restarted, or a PUT that did not land: the window measured another tuning, so re-apply and wait.
+        return TuningDecision(name, state.tuning, REAPPLY, "tuning_drift",
+                              f"replica runs {_fmt(stats.tuning)}, re-applying {_fmt(state.tuning)}",
+                              state.at_ceiling), state
+    if state.last_change_at is not None and now - state.last_change_at < settle_s(stats, policy, config):
+        return _hold(name, state, "settling", "the window's TPOT still holds requests that decoded before the "
+                     "last change", state.at_ceiling), state
+    return _feedback(observation, stats, state, policy, bounds, now, config)
+
+
+def settle_s(stats: WindowStats, policy: ControlPolicy, config: TunerConfig = TunerConfig()) -> float:
+    """How long after a change the window still reflects the old tuning.
+
+    A window holds requests that finished in it, and a request's TPOT averages its whole decode: only
+    once a window plus one typical decode (output tokens per request x median TPOT) passed does the
+    p99 describe the new tuning alone. Deciding earlier would answer the same breach twice.
+    """
+    decode_s = 0.0
+    if stats.request_rate > 0 and stats.tpot_ms.p50:
+        decode_s = stats.generation_tokens_per_s / stats.request_rate * stats.tpot_ms.p50 / 1000.0
+    return config.settle_fraction * (policy.window_s + decode_s)
+
+
+# --- start ---------------------------------------------------------------------------------------------
+
+def _start(stats: WindowStats, profile: Profile | None, policy: ControlPolicy, bounds: TuningBounds,
+           seed: Tuning | None, config: TunerConfig) -> tuple[Tuning, str, str]:
+    if seed is not None:
+        tuning = _fit(seed, bounds)
+        return tuning, "start_from_service", f"start at {_fmt(tuning)}, as sibling replicas settled"
+    if policy.initial_token_budget is None and profile is not None and profile.mixed:
+        target_ms = config.start_fraction * policy.slo.tpot_p99_ms
+        budget = profile.budget_for(target_ms, lo=bounds.min_token_budget, hi=bounds.max_token_budget)
+        tuning = _fit(replace(stats.tuning, token_budget=budget), bounds)
+        return tuning, "start_from_profile", (
+            f"start at budget {tuning.token_budget}: the profile's largest budget within "
+            f"{target_ms:.1f} ms per iteration ({config.start_fraction:.0%} of the TPOT SLO)")
+    tuning = _fit(stats.tuning if policy.initial_token_budget is None
+                  else replace(stats.tuning, token_budget=policy.initial_token_budget), bounds)
+    return tuning, "start_from_spec", f"start at {_fmt(tuning)}"
+
+
+# --- feedback ------------------------------------------------------------------------------------------
+
+def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerState, policy: ControlPolicy,
+              bounds: TuningBounds, now: float, config: TunerConfig) -> tuple[TuningDecision, ReplicaTunerState]:
+    slo = policy.slo
+    tuning = state.tuning
+    budget, seqs = tuning.token_budget, tuning.max_num_seqs
+    tpot = stats.tpot_ms.p99 or 0.0
+    limit = state.tpot_limit_budget
+    if limit is not None and state.tpot_limit_at is not None and now - state.tpot_limit_at > config.limit_memory_s:
+        limit = None
+    predict = _tpot_predictor(stats, obs.profile, budget, tpot)
+    queue_pressure = (stats.queue_wait_ms.p99 or 0.0) > config.pressure_fraction * slo.queue_wait_p99_ms
+    ttft_pressure = (stats.ttft_ms.p99 or 0.0) > config.pressure_fraction * slo.ttft_p99_ms
+    pressure = queue_pressure or ttft_pressure
+    budget_full = stats.budget_utilisation >= FULL_UTILISATION
+
+    new_budget, new_seqs = budget, seqs
+    kind, reason, notes = HOLD, "within_slo", []
+    at_ceiling = False
+
+    if tpot > slo.tpot_p99_ms:
+        target = config.decrease_target * slo.tpot_p99_ms
+        lo = max(bounds.min_token_budget, int(budget * config.decrease_min))
+        hi = max(lo, int(budget * config.decrease_max))
+        new_budget = _largest_within(predict, target, lo, hi) or lo
+        limit = budget if limit is None else min(limit, budget)
+        state = replace(state, tpot_limit_at=now)
+        kind, reason, at_ceiling = BUDGET_LOWERED, "tpot_breach", True
+        notes.append(f"p99 TPOT {tpot:.1f} ms > SLO {slo.tpot_p99_ms:g} ms: budget {budget} -> {{budget}}")
+    elif pressure and budget_full:
+        cap = bounds.max_token_budget
+        if limit is not None:
+            cap = min(cap, int(limit * config.limit_margin))
+        hi = min(cap, int(budget * config.raise_max))
+        lo = int(budget * config.min_raise) + 1
+        candidate = None
+        if tpot < config.raise_below * slo.tpot_p99_ms and hi >= lo:
+            candidate = _largest_within(predict, config.raise_target * slo.tpot_p99_ms, lo, hi)
+        if candidate is not None:
+            new_budget = candidate
+            kind, reason = BUDGET_RAISED, "prefill_pressure"
+            what = "queue wait" if queue_pressure else "TTFT"
+            notes.append(f"prefill is the bottleneck ({what} p99 "
+                         f"{(stats.queue_wait_ms.p99 if queue_pressure else stats.ttft_ms.p99) or 0:.0f} ms, budget "
+                         f"{stats.budget_utilisation:.0%} used) with TPOT slack ({tpot:.1f} ms): "
+                         f"budget {budget} -> {{budget}}")
+        else:
+            at_ceiling = True
+            why = ("at its bound" if budget >= bounds.max_token_budget
+                   else f"p99 TPOT {tpot:.1f} ms leaves no room under {config.raise_below:.0%} of the SLO"
+                   if tpot >= config.raise_below * slo.tpot_p99_ms
+                   else f"a larger budget would break TPOT (limit {limit})" if limit is not None
+                   else "the profile predicts a TPOT breach")
+            reason = "tpot_limited" if budget < bounds.max_token_budget else "at_bounds"
+            notes.append(f"prefill pressure but the budget {budget} is {why}")
+    elif pressure:
+        reason = "not_budget_bound"
+
+    # max_num_seqs: preemptions and a full KV cache push it down, queue wait with KV headroom pulls it up.
+    seq_kind = None
+    if stats.preemptions > 0 or stats.kv_usage >= config.kv_high:
+        running_cap = max(1, int(stats.num_running * 0.9)) if stats.num_running else seqs
+        candidate = max(bounds.min_num_seqs, min(int(seqs * config.seqs_decrease), running_cap))
+        if candidate < seqs:
+            new_seqs, seq_kind = candidate, "preemptions" if stats.preemptions > 0 else "kv_pressure"
+            notes.append(f"{stats.preemptions} preemptions, KV {stats.kv_usage:.0%} used: "
+                         f"max_num_seqs {seqs} -> {new_seqs}")
+    elif (queue_pressure and not budget_full and stats.num_running >= 0.9 * seqs
+          and stats.kv_usage <= config.kv_low and tpot < config.raise_below * slo.tpot_p99_ms):
+        candidate = min(bounds.max_num_seqs, max(seqs + 1, int(seqs * config.seqs_raise)))
+        while candidate > seqs and min_budget_for(candidate) > max(new_budget, budget):
+            candidate -= 1
+        if candidate > seqs:
+            new_seqs, seq_kind = candidate, "queue_wait"
+            notes.append(f"queue wait presses while {stats.num_running} run at the cap and KV is "
+                         f"{stats.kv_usage:.0%} used: max_num_seqs {seqs} -> {new_seqs}")
+        else:
+            at_ceiling = True
+            notes.append(f"queue wait presses but max_num_seqs {seqs} is at its bound")
+
+    fitted = _fit(replace(tuning, token_budget=new_budget, max_num_seqs=new_seqs), bounds)
+    if kind == HOLD and seq_kind is not None:
+        kind = SEQS_LOWERED if fitted.max_num_seqs < seqs else SEQS_RAISED
+        reason = seq_kind
+    message = "; ".join(notes).replace("{budget}", str(fitted.token_budget)) or _hold_message(reason, tpot, slo)
+    if fitted == tuning:
+        held = replace(state, at_ceiling=at_ceiling, tpot_limit_budget=limit)
+        return _hold(obs.name, held, reason, message, at_ceiling), held
+    direction = (fitted.token_budget > budget) - (fitted.token_budget < budget)
+    reversals = state.reversals + (direction != 0 and state.last_direction != 0 and direction != state.last_direction)
+    new_state = replace(state, tuning=fitted, last_change_at=now, reversals=reversals,
+                        last_direction=direction or state.last_direction, tpot_limit_budget=limit,
+                        at_ceiling=at_ceiling)
+    return TuningDecision(obs.name, fitted, kind, reason, message, at_ceiling), new_state
+
+
+def _hold_message(reason: str, tpot: float, slo) -> str:
+    if reason == "not_budget_bound":
+        return "queue wait presses but the budget is not fully used: the budget is not the bottleneck"
+    return f"p99 TPOT {tpot:.1f} ms within SLO {slo.tpot_p99_ms:g} ms, no prefill pressure"
+
+
+def _tpot_predictor(stats: WindowStats, profile: Profile | None, budget: int,
+                    observed_tpot: float) -> Callable[[int], float]:
+    """p99 TPOT at another budget: what was observed, scaled by the profile's iteration-time ratio.
+
+    The observed/profile ratio carries what the profile does not see (long prefixes' attention, real
+    decode mix). Without a profile, TPOT is taken as proportional to the budget: pessimistic for raises.
+    """
+    if profile is not None and profile.mixed:
+        base = profile.iteration_ms_at(budget)
+        if base > 0:
+            return lambda b: observed_tpot * profile.iteration_ms_at(b) / base
+    return lambda b: observed_tpot * b / max(1, budget)
+
+
+def _largest_within(predict: Callable[[int], float], target_ms: float, lo: int, hi: int) -> int | None:
+    """Largest budget in [lo, hi], on the granule where the range allows, whose predicted TPOT fits."""
+    if hi - lo >= BUDGET_GRANULE:
+        lo = -(-lo // BUDGET_GRANULE) * BUDGET_GRANULE
+        hi = hi // BUDGET_GRANULE * BUDGET_GRANULE
+    if hi < lo or predict(lo) > target_ms:
+        return None
+    step = BUDGET_GRANULE if (hi - lo) % BUDGET_GRANULE == 0 else 1
+    # Bisection over the grid lo, lo + step, ..., hi (predicted TPOT grows with the budget).
+    good, bad = 0, (hi - lo) // step + 1
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if predict(lo + mid * step) <= target_ms:
+            good = mid
+        else:
+            bad = mid
+    return lo + good * step
+
+
+def _fit(tuning: Tuning, bounds: TuningBounds) -> Tuning:
+    """Inside the bounds, with the budget at least min_budget_for(max_num_seqs) (max_num_seqs gives way)."""
+    seqs = max(bounds.min_num_seqs, min(bounds.max_num_seqs, tuning.max_num_seqs))
+    budget = max(bounds.min_token_budget, min(bounds.max_token_budget, tuning.token_budget))
+    while seqs > bounds.min_num_seqs and min_budget_for(seqs) > budget:
+        seqs -= 1
+    budget = max(budget, min(bounds.max_token_budget, min_budget_for(seqs)))
+    return replace(tuning, token_budget=budget, max_num_seqs=seqs)
+
+
+def _hold(name: str, state: ReplicaTunerState | None, reason: str, message: str,
+          at_ceiling: bool | None) -> TuningDecision:
+    return TuningDecision(name, state.tuning if state else None, HOLD, reason, message, at_ceiling)
+
+
+def _fmt(tuning: Tuning) -> str:
+    return f"budget {tuning.token_budget}, max_num_seqs {tuning.max_num_seqs}"

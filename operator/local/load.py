@@ -1,0 +1,126 @@
+"""Load for the local runtime: Poisson phases of real streaming requests, routed like a Service would.
+
+Each request goes to the next replica that is live and not draining (round robin), streams over the
+OpenAI API and is measured client-side (TTFT, TPOT, ITL), reusing the benchmark client. A request
+refused by a draining replica (503) is retried once on another replica, as a Service's endpoints
+would drop the draining pod.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import httpx
+
+from stallfree.bench.serve import PromptBuilder, RequestResult, send_request, streaming_body
+from stallfree.simulator.latency_summary import summarize
+
+
+@dataclass(frozen=True)
+class LoadPhase:
+    label: str
+    duration_s: float
+    rate_per_s: float  # Poisson arrivals
+    prompt_tokens: int
+    max_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "duration_s": self.duration_s, "rate_per_s": self.rate_per_s,
+                "prompt_tokens": self.prompt_tokens, "max_tokens": self.max_tokens}
+
+
+@dataclass
+class PhasedResult:
+    phase: str
+    result: RequestResult
+    replica: str | None = None
+
+
+class LoadDriver:
+    def __init__(self, urls: Callable[[], list[str]], model: str, prompts: PromptBuilder, seed: int = 0,
+                 request_timeout_s: float = 600.0, max_in_flight: int = 512) -> None:
+        self.urls = urls
+        self.model = model
+        self.prompts = prompts
+        self.rng = random.Random(seed)
+        self.request_timeout_s = request_timeout_s
+        self.max_in_flight = max_in_flight
+        self.results: list[PhasedResult] = []
+        self.phase_starts: list[tuple[float, LoadPhase]] = []
+        self._counter = itertools.count()
+        self._round_robin = itertools.count()
+
+    async def run(self, phases: list[LoadPhase], started: float, on_phase: Callable[[LoadPhase], None] | None = None,
+                  stop: asyncio.Event | None = None) -> None:
+        """Send every phase's arrivals; returns once all sent requests ended (or `stop` is set)."""
+        tasks: list[asyncio.Task] = []
+        limits = httpx.Limits(max_connections=self.max_in_flight, max_keepalive_connections=self.max_in_flight)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s, connect=5.0),
+                                     limits=limits) as client:
+            for phase in phases:
+                self.phase_starts.append((time.time() - started, phase))
+                if on_phase:
+                    on_phase(phase)
+                phase_end = time.monotonic() + phase.duration_s
+                while time.monotonic() < phase_end and not (stop and stop.is_set()):
+                    gap = self.rng.expovariate(phase.rate_per_s) if phase.rate_per_s > 0 else phase.duration_s
+                    await asyncio.sleep(min(gap, max(0.0, phase_end - time.monotonic())))
+                    if time.monotonic() >= phase_end or (stop and stop.is_set()):
+                        break
+                    if sum(not t.done() for t in tasks) < self.max_in_flight:
+                        tasks.append(asyncio.create_task(self._one(client, phase, started)))
+                if stop and stop.is_set():
+                    break
+            # In-flight requests always get their answer: the daemons finish them even while draining.
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _one(self, client: httpx.AsyncClient, phase: LoadPhase, started: float) -> None:
+        index = next(self._counter)
+        result = RequestResult(index, phase.prompt_tokens, phase.max_tokens, time.time() - started)
+        record = PhasedResult(phase.label, result)
+        self.results.append(record)
+        prompt = self.prompts.text(phase.prompt_tokens, seed=index, lead=f"{index}:")
+        body = streaming_body("completions", self.model, prompt, phase.max_tokens)
+        for _attempt in range(2):
+            urls = self.urls()
+            if not urls:
+                result.error = "no ready replica"
+                return
+            url = urls[next(self._round_robin) % len(urls)]
+            record.replica = url
+            result.error = None
+            result.sent_s = time.time() - started
+            await send_request(client, url + "/v1/completions", body, result, "completions")
+            if result.ok or not (result.error or "").startswith("HTTP 503"):
+                return
+
+    def summary(self) -> dict[str, Any]:
+        """Client-side figures per phase and overall."""
+        by_phase: dict[str, list[RequestResult]] = {}
+        for record in self.results:
+            by_phase.setdefault(record.phase, []).append(record.result)
+        out = {label: _summary(results) for label, results in by_phase.items()}
+        out["all"] = _summary([r.result for r in self.results])
+        return out
+
+
+def _summary(results: list[RequestResult]) -> dict[str, Any]:
+    done = [r for r in results if r.ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            key = (r.error or "still running")[:100]
+            errors[key] = errors.get(key, 0) + 1
+    return {
+        "requests": len(results),
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "ttft_ms": summarize(r.ttft_ms for r in done),
+        "tpot_ms": summarize(r.tpot_ms for r in done if r.tpot_ms is not None),
+        "itl_ms": summarize(gap for r in done for gap in r.itl_ms),
+        "errors": errors,
+    }

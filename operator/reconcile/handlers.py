@@ -1,0 +1,231 @@
+"""kopf handlers: make each InferenceService's children exist and report it truthfully.
+
+Thin glue, level-triggered: every create, resume and update renders all children from the spec
+(render.py) and applies them (kube.py); the status is recomputed from the Deployment whenever the
+Deployment changes. A spec that cannot be deployed (checks.py, or a schema the API server did not
+enforce) gets an InvalidSpec condition and a Warning event, and nothing is made or changed: no
+exception, so kopf does not retry it until the spec changes.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from stallfree.operator.api import checks
+from stallfree.operator.api import conditions as cond
+from stallfree.operator.reconcile import render
+from stallfree.operator.api import spec as s
+from stallfree.operator.reconcile.kube import Kube, contains, load_configuration
+
+FINALIZER = f"{s.GROUP}/finalizer"
+SERVICE_MONITOR_API = ("monitoring.coreos.com/v1", "ServiceMonitor")
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # Keep kopf's bookkeeping in annotations: the status schema is structural and would prune it.
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=s.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=s.GROUP, key="last-handled-configuration")
+    # Events are what the operator *does* (kopf.info/warn below), not every log line.
+    settings.posting.loggers = False
+    settings.posting.level = logging.INFO
+    if getattr(memo, "kube", None) is None:
+        memo.kube = Kube.from_environment()
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf's own watches use the very credentials the operator's client uses (kube.load_configuration)."""
+    config = load_configuration()
+    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    scheme, _, token = (header or "").rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=config.host, ca_path=config.ssl_ca_cert, insecure=not config.verify_ssl,
+        scheme=scheme or None, token=token or None, certificate_path=config.cert_file,
+        private_key_path=config.key_file, username=config.username or None, password=config.password or None)
+
+
+@kopf.on.cleanup()
+def close_client(memo: kopf.Memo, **_: Any) -> None:
+    kube = getattr(memo, "kube", None)
+    if kube is not None:
+        kube.close()
+
+
+# -- reconcile ------------------------------------------------------------------------------------------
+
+@dataclass
+class Applied:
+    created: list[str]
+    rolled: bool  # the pod template changed: the Deployment rolls
+    previous_hash: str | None
+    template_hash: str
+    deployment: dict[str, Any]
+
+
+def _parse(body: dict[str, Any]) -> tuple[s.InferenceServiceSpec | None, list[str]]:
+    try:
+        parsed = s.parse_spec(dict(body.get("spec") or {}))
+    except ValidationError as exc:
+        return None, [s.spec_errors(exc)]
+    return parsed, checks.problems(parsed)
+
+
+def _template_hash_of(deployment: dict[str, Any] | None) -> str | None:
+    return ((deployment or {}).get("metadata") or {}).get("annotations", {}).get(render.ANNOTATION_TEMPLATE_HASH)
+
+
+class ChildConflict(Exception):
+    """An object the service would own already exists and belongs to someone else."""
+
+
+def _check_owned(current: dict[str, Any] | None, owner: dict[str, Any]) -> None:
+    if current is None:
+        return
+    uid = owner["metadata"].get("uid")
+    refs = (current.get("metadata") or {}).get("ownerReferences") or []
+    if not any(ref.get("uid") == uid and ref.get("controller") for ref in refs):
+        raise ChildConflict(f"{current.get('kind', 'object')} {current['metadata']['name']} exists and is not "
+                            f"owned by this InferenceService; rename one of them or delete it")
+
+
+def apply_children(kube: Kube, owner: dict[str, Any], spec: s.InferenceServiceSpec,
+                   existing: dict[str, Any] | None) -> Applied:
+    """Apply every child; ChildConflict (before anything is written) where a name is taken."""
+    name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    created: list[str] = []
+    knobs = render.startup_knobs(spec, existing)
+    with_monitor = kube.has_api(*SERVICE_MONITOR_API)
+    children = render.children(name, namespace, spec, knobs, with_service_monitor=with_monitor)
+    currents = [existing if child["kind"] == "Deployment" else kube.get(
+        child["apiVersion"], child["kind"], namespace, child["metadata"]["name"]) for child in children]
+    secret = render.admin_secret(name, namespace, secrets.token_urlsafe(32))
+    for current in [kube.get("v1", "Secret", namespace, secret["metadata"]["name"]), *currents]:
+        _check_owned(current, owner)
+
+    kopf.adopt(secret, owner=owner)
+    if kube.create_if_absent(secret):  # made once: a reconcile never rotates the token
+        created.append(f"Secret/{secret['metadata']['name']}")
+
+    deployment = None
+    for child, current in zip(children, currents):
+        kopf.adopt(child, owner=owner)
+        result = current if current is not None and contains(current, child) else kube.apply(child)
+        if current is None:
+            created.append(f"{child['kind']}/{child['metadata']['name']}")
+        if child["kind"] == "Deployment":
+            deployment = result
+    assert deployment is not None
+    previous = _template_hash_of(existing)
+    new_hash = render.template_hash(spec)
+    return Applied(created, existing is not None and previous != new_hash, previous, new_hash, deployment)
+
+
+def refresh_status(kube: Kube, owner: dict[str, Any], spec: s.InferenceServiceSpec,
+                   deployment: dict[str, Any] | None, generation: int | None) -> None:
+    """Status from the Deployment: replica counts and the reconciler's conditions."""
+    name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    desired = spec.desired_replicas()
+    fields: dict[str, Any] = {**cond.rollout_status(deployment), "desiredReplicas": desired,
+                              "selector": render.selector_string(name),
+                              "templateHash": _template_hash_of(deployment)}
+    if generation is not None:
+        fields["observedGeneration"] = generation
+    updates = cond.rollout_conditions(deployment, desired, generation)
+    current = (owner.get("status") or {}).get("conditions")
+    # The control loop owns these; until it reports, say plainly that nothing was observed.
+    updates += [c for c in cond.awaiting_observation(generation) if cond.find(current, c["type"]) is None]
+    kube.update_status(namespace, name, fields, updates)
+
+
+def reconcile_service(kube: Kube, owner: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter) -> None:
+    name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    generation = owner["metadata"].get("generation")
+    existing = kube.get("apps/v1", "Deployment", namespace, name)
+    spec, problems = _parse(owner)
+    if problems:
+        message = "; ".join(problems)
+        logger.warning(f"invalid spec, nothing applied: {message}")
+        kopf.warn(owner, reason="InvalidSpec", message=message)
+        kube.update_status(namespace, name, {"observedGeneration": generation},
+                           cond.invalid_spec(message, generation, serving_previous=existing is not None))
+        return
+    assert spec is not None
+    try:
+        applied = apply_children(kube, owner, spec, existing)
+    except ChildConflict as exc:
+        logger.warning(f"not applied: {exc}")
+        kopf.warn(owner, reason="ChildConflict", message=str(exc))
+        kube.update_status(namespace, name, {"observedGeneration": generation}, [
+            cond.condition(cond.DEGRADED, "True", "ChildConflict", str(exc), generation),
+            cond.condition(cond.PROGRESSING, "False", "ChildConflict", "waiting for the name to be free", generation),
+            cond.condition(cond.READY, "False", "ChildConflict", str(exc), generation)])
+        return
+    if applied.created:
+        kopf.info(owner, reason="Created", message=f"made {', '.join(applied.created)}")
+    if applied.rolled:
+        kopf.info(owner, reason="RollingOut",
+                  message=f"pod template {applied.previous_hash} -> {applied.template_hash} (model, image, "
+                          "ceilings or placement changed): replicas restart one at a time")
+    refresh_status(kube, owner, spec, applied.deployment, generation)
+
+
+@kopf.on.resume(s.GROUP, s.VERSION, s.PLURAL)
+@kopf.on.create(s.GROUP, s.VERSION, s.PLURAL)
+@kopf.on.update(s.GROUP, s.VERSION, s.PLURAL)
+def reconcile(body: kopf.Body, memo: kopf.Memo, logger: logging.LoggerAdapter, **_: Any) -> None:
+    reconcile_service(memo.kube, dict(body), logger)
+
+
+# -- the Deployment reports back ------------------------------------------------------------------------
+
+@kopf.on.event("apps", "v1", "deployments", labels={render.LABEL_MANAGED_BY: render.MANAGED_BY})
+def deployment_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: logging.LoggerAdapter,
+                       **_: Any) -> None:
+    name = (body.get("metadata", {}).get("labels") or {}).get(render.LABEL_SERVICE)
+    namespace = body.get("metadata", {}).get("namespace")
+    if not name or not namespace:
+        return
+    kube: Kube = memo.kube
+    owner = kube.get_service(namespace, name)
+    if owner is None or owner["metadata"].get("deletionTimestamp"):
+        return  # being deleted: the children go with it
+    if type == "DELETED":
+        # Deleted by hand: level-triggered, so make it again.
+        reconcile_service(kube, owner, logger)
+        return
+    spec, problems = _parse(owner)
+    if spec is None or problems:
+        return  # the InvalidSpec conditions stand until the spec is fixed
+    generation = (owner.get("status") or {}).get("observedGeneration")
+    # Events queue up; read the Deployment as it is now so a stale event never writes old counts.
+    fresh = kube.get("apps/v1", "Deployment", namespace, body["metadata"]["name"])
+    if fresh is None:
+        return  # its DELETED event follows and re-creates it
+    refresh_status(kube, owner, spec, fresh, generation)
+
+
+# -- delete ---------------------------------------------------------------------------------------------
+
+@kopf.on.delete(s.GROUP, s.VERSION, s.PLURAL)
+def delete(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, logger: logging.LoggerAdapter,
+           **_: Any) -> None:
+    """Owner references let the garbage collector do this too; deleting explicitly drains the
+    daemons first (the Deployment goes first) and leaves nothing behind where no collector runs."""
+    kube: Kube = memo.kube
+    deleted = []
+    for api_version, kind, child in (("apps/v1", "Deployment", name), ("policy/v1", "PodDisruptionBudget", name),
+                                     ("v1", "Service", name), (*SERVICE_MONITOR_API, name),
+                                     ("v1", "Secret", render.admin_secret_name(name))):
+        if kind == "ServiceMonitor" and not kube.has_api(api_version, kind):
+            continue
+        if kube.delete(api_version, kind, namespace, child):
+            deleted.append(f"{kind}/{child}")
+    logger.info(f"deleted {', '.join(deleted) or 'nothing (children already gone)'}")

@@ -1,0 +1,323 @@
+"""Render an InferenceService's children: pure functions from the typed spec to Kubernetes objects.
+
+Nothing here talks to a cluster. The reconciler applies what these return; the local runtime reuses
+`daemon_args` to start the same daemons as processes.
+
+Live knobs (token budget, max_num_seqs and their bounds, SLOs, tuning, scaling, replicas) must never
+restart a pod: the control loop moves them over the daemons' admin API. Yet a daemon still needs
+start-up values for them. So the pod template carries the *start-up knobs* it was last rolled with
+(an annotation) and keeps them until something rollout-relevant changes: the template is a function
+of the rollout-relevant fields only, and its hash (`template_hash`) says so.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from stallfree.contracts import Tuning, min_budget_for
+from stallfree.operator.api import spec as s
+
+DAEMON_PORT = 8000
+SERVICE_PORT = 80
+ADMIN_TOKEN_DIR = "/etc/stallfree/admin"
+ADMIN_TOKEN_KEY = "token"
+API_KEY_DIR = "/etc/stallfree/api-key"
+API_KEY_KEY = "api-key"
+PRESTOP_SLEEP_S = 5  # lets the endpoints controller take the pod out of the Service before SIGTERM
+RUN_AS_USER = 1000
+RENDER_VERSION = 1  # bump when rendering changes in a way running pods must pick up
+
+LABEL_SERVICE = f"{s.GROUP}/inferenceservice"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "stallfree-operator"
+ANNOTATION_TEMPLATE_HASH = f"{s.GROUP}/template-hash"
+ANNOTATION_STARTUP_KNOBS = f"{s.GROUP}/startup-knobs"
+
+# Spec fields the daemons pick up live, over the admin API or from the operator's control loop.
+LIVE_ENGINE_FIELDS = ("token_budget", "max_num_seqs", "max_partial_prefills", "long_prefill_threshold")
+LIVE_SPEC_FIELDS = ("slos", "scaling", "tuning", "replicas")
+
+
+# -- names and labels -----------------------------------------------------------------------------------
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {LABEL_SERVICE: name, LABEL_COMPONENT: "daemon"}
+
+
+def labels(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "stallfree", "app.kubernetes.io/instance": name,
+            LABEL_MANAGED_BY: MANAGED_BY, **selector_labels(name)}
+
+
+def selector_string(name: str) -> str:
+    """The pods' label selector as /scale and kubectl want it."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def admin_secret_name(name: str) -> str:
+    return f"{name}-admin-token"
+
+
+# -- the start-up knobs and the rollout hash ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StartupKnobs:
+    """Live knobs as a daemon gets them on its command line; the control loop moves them afterwards."""
+
+    token_budget: int | str  # "auto": the daemon picks it from its profile and the TPOT SLO
+    max_num_seqs: int
+    max_partial_prefills: int
+    long_prefill_threshold: int
+    tpot_slo_ms: float
+    stats_window_s: float
+
+    @classmethod
+    def from_spec(cls, spec: s.InferenceServiceSpec) -> "StartupKnobs":
+        engine = spec.engine
+        return cls(token_budget=engine.token_budget.initial, max_num_seqs=startup_max_num_seqs(spec),
+                   max_partial_prefills=engine.max_partial_prefills,
+                   long_prefill_threshold=engine.long_prefill_threshold,
+                   tpot_slo_ms=spec.slos.tpot_p99_ms, stats_window_s=spec.slos.window_seconds)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "StartupKnobs":
+        return cls(**json.loads(text))
+
+
+def startup_max_num_seqs(spec: s.InferenceServiceSpec) -> int:
+    """max_num_seqs "auto": the engine's default, inside the live bounds, leaving an initial budget room."""
+    bounds = spec.engine.max_num_seqs
+    if bounds.initial != s.AUTO:
+        return int(bounds.initial)
+    seqs = max(bounds.min, min(Tuning().max_num_seqs, bounds.upper(spec.engine.ceilings)))
+    budget = spec.engine.token_budget.initial
+    while budget != s.AUTO and seqs > bounds.min and min_budget_for(seqs) > int(budget):
+        seqs -= 1
+    return seqs
+
+
+def rollout_view(spec: s.InferenceServiceSpec) -> dict[str, Any]:
+    """The spec without its live knobs: what the pod template depends on."""
+    data = spec.model_dump(mode="json")
+    for key in LIVE_SPEC_FIELDS:
+        data.pop(key, None)
+    for key in LIVE_ENGINE_FIELDS:
+        data["engine"].pop(key, None)
+    data["render_version"] = RENDER_VERSION
+    return data
+
+
+def template_hash(spec: s.InferenceServiceSpec) -> str:
+    payload = json.dumps(rollout_view(spec), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def startup_knobs(spec: s.InferenceServiceSpec, existing: dict[str, Any] | None) -> StartupKnobs:
+    """Keep the running pods' start-up knobs unless the template rolls anyway (then take the spec's)."""
+    annotations = ((((existing or {}).get("spec") or {}).get("template") or {}).get("metadata") or {}).get(
+        "annotations") or {}
+    if annotations.get(ANNOTATION_TEMPLATE_HASH) == template_hash(spec) and ANNOTATION_STARTUP_KNOBS in annotations:
+        try:
+            return StartupKnobs.from_json(annotations[ANNOTATION_STARTUP_KNOBS])
+        except (TypeError, ValueError):
+            pass  # an annotation someone edited by hand: fall back to the spec's values
+    return StartupKnobs.from_spec(spec)
+
+
+# -- the daemon's command line --------------------------------------------------------------------------
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def daemon_args(spec: s.InferenceServiceSpec, knobs: StartupKnobs | None = None, *,
+                admin_token_file: str | None = None, api_key_file: str | None = None) -> list[str]:
+    """`stallfree serve` arguments for this spec, without --host/--port (the caller picks those)."""
+    knobs = knobs or StartupKnobs.from_spec(spec)
+    model, engine = spec.model, spec.engine
+    args = ["--model", model.daemon_model, "--served-model-name", model.served_name, "--backend", engine.backend]
+    if engine.hardware:
+        args += ["--hardware", engine.hardware]
+    args += ["--device", engine.device, "--dtype", engine.dtype, "--attention-backend", engine.attention_backend]
+    if model.max_model_len is not None:
+        args += ["--max-model-len", str(model.max_model_len)]
+    args += ["--block-size", str(engine.block_size), "--kv-memory-fraction", _num(engine.kv_memory_fraction)]
+    if engine.num_kv_blocks:
+        args += ["--num-kv-blocks", str(engine.num_kv_blocks)]
+    if not engine.prefix_caching:
+        args.append("--no-prefix-caching")
+    args += ["--max-token-budget", str(engine.ceilings.max_token_budget),
+             "--max-num-seqs-ceiling", str(engine.ceilings.max_num_seqs),
+             "--token-budget", str(knobs.token_budget), "--max-num-seqs", str(knobs.max_num_seqs),
+             "--max-partial-prefills", str(knobs.max_partial_prefills),
+             "--long-prefill-threshold", str(knobs.long_prefill_threshold),
+             "--tpot-slo-ms", _num(knobs.tpot_slo_ms), "--stats-window-s", _num(knobs.stats_window_s)]
+    if engine.max_queue_requests is not None:
+        args += ["--max-queue-requests", str(engine.max_queue_requests)]
+    if engine.max_queue_tokens is not None:
+        args += ["--max-queue-tokens", str(engine.max_queue_tokens)]
+    args += ["--drain-timeout-s", _num(engine.drain_timeout_seconds)]
+    if admin_token_file:
+        args += ["--admin-token-file", admin_token_file]
+    if api_key_file:
+        args += ["--api-key-file", api_key_file]
+    return args
+
+
+# -- children -------------------------------------------------------------------------------------------
+
+def _meta(name: str, namespace: str, service: str) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace, "labels": labels(service)}
+
+
+def admin_secret(name: str, namespace: str, token: str) -> dict[str, Any]:
+    """The admin token the operator presents to the daemons' /admin API. Made once, never rotated here."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(admin_secret_name(name), namespace, name),
+            "stringData": {ADMIN_TOKEN_KEY: token}}
+
+
+def _affinity(spec: s.InferenceServiceSpec, name: str) -> dict[str, Any]:
+    """The user's affinity plus one daemon per node (each daemon owns its node's accelerator)."""
+    affinity = json.loads(json.dumps(spec.affinity or {}))  # deep copy of plain JSON
+    anti = affinity.setdefault("podAntiAffinity", {})
+    terms = anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", [])
+    terms.append({"labelSelector": {"matchLabels": selector_labels(name)},
+                  "topologyKey": "kubernetes.io/hostname"})
+    return affinity
+
+
+def _volumes(spec: s.InferenceServiceSpec, name: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "admin-token", "secret": {"secretName": admin_secret_name(name), "defaultMode": 0o440}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    if spec.engine.api_key_secret:
+        volumes.append({"name": "api-key", "secret": {
+            "secretName": spec.engine.api_key_secret, "defaultMode": 0o440,
+            "items": [{"key": API_KEY_KEY, "path": API_KEY_KEY}]}})
+        mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
+    if spec.model.volume is not None:
+        volumes.append({"name": "model", **spec.model.volume})
+        mounts.append({"name": "model", "mountPath": spec.model.mount_path, "readOnly": True})
+    return volumes, mounts
+
+
+def _probe(path: str, period_s: int, failures: int, timeout_s: int = 3) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period_s,
+            "timeoutSeconds": timeout_s, "failureThreshold": failures}
+
+
+def pod_template(name: str, spec: s.InferenceServiceSpec, knobs: StartupKnobs) -> dict[str, Any]:
+    volumes, mounts = _volumes(spec, name)
+    api_key_file = f"{API_KEY_DIR}/{API_KEY_KEY}" if spec.engine.api_key_secret else None
+    args = ["serve", *daemon_args(spec, knobs, admin_token_file=f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}",
+                                  api_key_file=api_key_file),
+            "--host", "0.0.0.0", "--port", str(DAEMON_PORT)]
+    resources = {k: dict(v) for k, v in (("limits", spec.resources.limits), ("requests", spec.resources.requests))
+                 if v}
+    container = {
+        "name": "daemon",
+        "image": spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["stallfree"],
+        "args": args,
+        "ports": [{"name": "http", "containerPort": DAEMON_PORT, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
+                {"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "resources": resources,
+        "volumeMounts": mounts,
+        # Loading the model and profiling the device take minutes on a cold node: a startup probe
+        # holds liveness off until /health first answers.
+        "startupProbe": _probe("/health", 5, 180),
+        "livenessProbe": _probe("/health", 10, 3, timeout_s=5),
+        "readinessProbe": _probe("/ready", 5, 2),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "affinity": _affinity(spec, name),
+        "automountServiceAccountToken": False,  # the daemon never talks to the API server
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "fsGroup": RUN_AS_USER,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        # SIGTERM starts the daemon's drain; give it the drain timeout plus the preStop pause.
+        "terminationGracePeriodSeconds": math.ceil(spec.engine.drain_timeout_seconds) + PRESTOP_SLEEP_S + 10,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    return {
+        "metadata": {
+            "labels": labels(name),
+            "annotations": {ANNOTATION_TEMPLATE_HASH: template_hash(spec),
+                            ANNOTATION_STARTUP_KNOBS: knobs.to_json(),
+                            "prometheus.io/scrape": "true", "prometheus.io/port": str(DAEMON_PORT),
+                            "prometheus.io/path": "/metrics"},
+        },
+        "spec": pod_spec,
+    }
+
+
+def deployment(name: str, namespace: str, spec: s.InferenceServiceSpec, knobs: StartupKnobs) -> dict[str, Any]:
+    meta = _meta(name, namespace, name)
+    meta["annotations"] = {ANNOTATION_TEMPLATE_HASH: template_hash(spec)}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+        "spec": {
+            "replicas": spec.desired_replicas(),
+            "selector": {"matchLabels": selector_labels(name)},
+            # No surge: one daemon per node and scarce accelerators leave no room for an extra pod.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": 1200,
+            "template": pod_template(name, spec, knobs),
+        },
+    }
+
+
+def service(name: str, namespace: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, namespace, name),
+            "spec": {"type": "ClusterIP", "selector": selector_labels(name),
+                     "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def pod_disruption_budget(name: str, namespace: str) -> dict[str, Any]:
+    # One daemon at a time: a node drain never takes more than one replica's capacity away.
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(name, namespace, name),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}}}
+
+
+def service_monitor(name: str, namespace: str, interval_s: int = 15) -> dict[str, Any]:
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+            "metadata": _meta(name, namespace, name),
+            "spec": {"selector": {"matchLabels": selector_labels(name)},
+                     "endpoints": [{"port": "http", "path": "/metrics", "interval": f"{interval_s}s"}]}}
+
+
+def children(name: str, namespace: str, spec: s.InferenceServiceSpec, knobs: StartupKnobs,
+             with_service_monitor: bool) -> list[dict[str, Any]]:
+    """Every child but the Secret (made once, separately), in the order they are applied."""
+    out = [service(name, namespace), pod_disruption_budget(name, namespace),
+           deployment(name, namespace, spec, knobs)]
+    if with_service_monitor:
+        out.append(service_monitor(name, namespace))
+    return out

@@ -1,0 +1,262 @@
+"""Closed-loop runs in virtual time: the real control loop driving VirtualReplicas.
+
+A `VirtualCluster` stands where a Deployment would: replicas are VirtualReplicas (the real scheduler and
+KV manager on the cost model), a new one becomes ready `startup_s` after it was asked for, a removed one
+stops receiving requests and drains before it goes. Load arrives as Poisson phases, each request sent to
+the ready replica with the fewest outstanding requests. Every control interval the real `ControlLoop` (tuner,
+scaler) observes through `VirtualObserver` and acts through `VirtualActuator`, the same Observer and
+Actuator seams that Kubernetes and the local runtime plug into.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from stallfree.contracts import Ceilings, Profile, Tuning
+from stallfree.simulator.virtual_replica import VirtualReplica
+from stallfree.simulator.workload import LengthDist
+from stallfree.operator.control.loop import ControlLoop, StepResult
+from stallfree.operator.control.policy import ControlPolicy
+from stallfree.operator.control.observe import NOT_READY, ReplicaObservation, ReplicaTarget, classify
+
+
+@dataclass(frozen=True)
+class LoadPhase:
+    """From `start_s` on: Poisson arrivals at `rate` requests/s with these prompt and output lengths."""
+
+    start_s: float
+    rate: float
+    prompt_len: LengthDist
+    output_len: LengthDist
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model: str
+    hardware: str
+    dtype: str = "bfloat16"
+    ceilings: Ceilings = field(default_factory=Ceilings)
+    start_tuning: Tuning = field(default_factory=Tuning)  # the daemons' start-up flags
+    max_model_len: int = 8192
+    startup_s: float = 20.0  # asked for -> ready
+
+
+@dataclass
+class _Slot:
+    replica: VirtualReplica
+    ready_at: float
+    draining: bool = False
+
+
+class VirtualCluster:
+    def __init__(self, spec: ClusterSpec, window_s: float, replicas: int, now: float = 0.0) -> None:
+        self.spec = spec
+        self.window_s = window_s
+        self.slots: dict[str, _Slot] = {}
+        self.desired = 0
+        self._next_index = 0
+        self._profiles: dict[str, Profile] = {}
+        self.scale_to(replicas, now, ready_now=True)
+
+    # -- the Deployment's verbs --------------------------------------------------------------------------
+    def scale_to(self, replicas: int, now: float, ready_now: bool = False) -> None:
+        """New replicas start (ready after startup_s); surplus ones, newest first, drain and then go."""
+        serving = [name for name, slot in self.slots.items() if not slot.draining]
+        for _ in range(replicas - len(serving)):
+            name = f"r{self._next_index}"
+            self._next_index += 1
+            self.slots[name] = _Slot(self._new_replica(name, now), now if ready_now else now + self.spec.startup_s)
+        for name in serving[replicas:] if replicas < len(serving) else ():
+            self.slots[name].draining = True
+        self.desired = replicas
+
+    def restart(self, name: str, now: float) -> None:
+        """The replica's process dies and comes back with its start-up flags (queued work is lost)."""
+        slot = self.slots[name]
+        slot.replica = self._new_replica(name, now)
+        slot.ready_at = now
+        self._profiles.pop(name, None)
+
+    def _new_replica(self, name: str, now: float) -> VirtualReplica:
+        spec = self.spec
+        return VirtualReplica.for_model(spec.model, spec.hardware, tuning=spec.start_tuning, ceilings=spec.ceilings,
+                                        max_model_len=spec.max_model_len, dtype=spec.dtype, name=name,
+                                        stats_window_s=self.window_s, start_time=now)
+
+    def reap(self) -> list[str]:
+        """Remove drained replicas (nothing waiting, running or yet to arrive)."""
+        gone = [name for name, slot in self.slots.items() if slot.draining and _idle(slot.replica)]
+        for name in gone:
+            del self.slots[name]
+        return gone
+
+    # -- traffic --------------------------------------------------------------------------------------------
+    def routable(self, now: float) -> list[str]:
+        return [name for name, slot in self.slots.items() if not slot.draining and slot.ready_at <= now]
+
+    def submit(self, arrivals: Sequence[tuple[float, int, int]], now: float) -> int:
+        """Route each (arrival time, prompt_len, max_tokens) to the ready replica with the fewest requests
+        outstanding at that moment (a least-request balancer, as LLM gateways use)."""
+        names = self.routable(now)
+        if not names:
+            return 0
+        replicas = [self.slots[name].replica for name in names]
+        for arrival, prompt_len, max_tokens in arrivals:
+            for replica in replicas:
+                replica.advance_to(arrival)
+            target = min(replicas, key=_outstanding)
+            target.submit(prompt_len, max_tokens, arrival)
+        return len(arrivals)
+
+    def advance_to(self, t: float) -> None:
+        for slot in self.slots.values():
+            slot.replica.advance_to(t)
+
+    # -- what the control loop sees -----------------------------------------------------------------------
+    def targets(self, now: float) -> list[ReplicaTarget]:
+        """Replicas that are not terminating (like pods without a deletionTimestamp)."""
+        return [ReplicaTarget(name, ready=slot.ready_at <= now, instance=name)
+                for name, slot in self.slots.items() if not slot.draining]
+
+    def profile(self, name: str) -> Profile:
+        if name not in self._profiles:
+            self._profiles[name] = self.slots[name].replica.profile()
+        return self._profiles[name]
+
+
+def _outstanding(replica: VirtualReplica) -> int:
+    return replica.num_waiting + replica.num_running + replica.num_pending
+
+
+def _idle(replica: VirtualReplica) -> bool:
+    return _outstanding(replica) == 0
+
+
+class VirtualObserver:
+    """/admin/stats and /admin/profile of each virtual replica; `unreadable` ones fail like a dead admin API."""
+
+    def __init__(self, cluster: VirtualCluster, min_samples: int, unreadable: Sequence[str] = ()) -> None:
+        self.cluster = cluster
+        self.min_samples = min_samples
+        self.unreadable = set(unreadable)
+
+    async def observe(self, targets: Sequence[ReplicaTarget], now: float) -> list[ReplicaObservation]:
+        observations = []
+        for target in targets:
+            if not target.ready:
+                observations.append(classify(target, None, None, self.min_samples, NOT_READY))
+            elif target.name in self.unreadable:
+                observations.append(classify(target, None, None, self.min_samples,
+                                             "stats scrape failed: ConnectError: connection refused"))
+            else:
+                replica = self.cluster.slots[target.name].replica
+                stats = replica.window_stats(now)
+                observations.append(classify(target, stats, self.cluster.profile(target.name), self.min_samples))
+        return observations
+
+
+class VirtualActuator:
+    """PUTs tuning into virtual replicas, scales the virtual cluster, keeps events."""
+
+    def __init__(self, cluster: VirtualCluster) -> None:
+        self.cluster = cluster
+        self.now = 0.0
+        self.events: list[dict[str, Any]] = []
+        self.puts: list[tuple[float, str, Tuning]] = []
+
+    async def put_tuning(self, replica: str, tuning: Tuning) -> None:
+        self.cluster.slots[replica].replica.set_tuning(tuning)  # raises TuningError like a 422
+        self.puts.append((self.now, replica, tuning))
+
+    async def set_replicas(self, replicas: int) -> None:
+        self.cluster.scale_to(replicas, self.now)
+
+    async def record_event(self, reason: str, message: str, warning: bool = False) -> None:
+        self.events.append({"t": self.now, "reason": reason, "message": message, "warning": warning})
+
+
+@dataclass
+class ClosedLoopRun:
+    """Everything a run produced: one StepResult per control interval, the events, the load served."""
+
+    steps: list[StepResult]
+    events: list[dict[str, Any]]
+    submitted: int
+    policy: ControlPolicy
+
+
+def poisson_arrivals(phase: LoadPhase, start: float, end: float, rng: random.Random) -> list[tuple[float, int, int]]:
+    arrivals = []
+    if phase.rate <= 0:
+        return arrivals
+    t = start
+    while True:
+        t += rng.expovariate(phase.rate)
+        if t >= end:
+            return arrivals
+        arrivals.append((t, phase.prompt_len.sample(rng), phase.output_len.sample(rng)))
+
+
+def active_phase(phases: Sequence[LoadPhase], t: float) -> LoadPhase | None:
+    current = None
+    for phase in sorted(phases, key=lambda p: p.start_s):
+        if phase.start_s <= t:
+            current = phase
+    return current
+
+
+class ClosedLoopDriver:
+    """Steps load, virtual time and the control loop together, one control interval per `step()`.
+
+    Its parts stay reachable so tests can inject faults between steps: restart a replica, make one
+    unreadable, wrap the actuator, or resume the loop from its serialised state.
+    """
+
+    def __init__(self, cluster_spec: ClusterSpec, policy: ControlPolicy, phases: Sequence[LoadPhase],
+                 replicas: int = 1, unreadable: Sequence[str] = (), seed: int = 0) -> None:
+        self.policy = policy
+        self.phases = list(phases)
+        self.cluster = VirtualCluster(cluster_spec, policy.window_s, replicas)
+        self.observer = VirtualObserver(self.cluster, policy.min_samples, unreadable)
+        self.actuator = VirtualActuator(self.cluster)
+        self.loop = ControlLoop(policy, self.observer, self.actuator)
+        self.rng = random.Random(seed)
+        self.t = 0.0
+        self.submitted = 0
+        self.steps: list[StepResult] = []
+
+    async def step(self) -> StepResult:
+        t, end = self.t, self.t + self.policy.interval_s
+        # Arrivals of this interval, cut at phase boundaries so a load step lands when it says.
+        cuts = sorted({t, end, *(p.start_s for p in self.phases if t < p.start_s < end)})
+        for lo, hi in zip(cuts, cuts[1:]):
+            phase = active_phase(self.phases, lo)
+            if phase is not None:
+                self.submitted += self.cluster.submit(poisson_arrivals(phase, lo, hi, self.rng), t)
+        self.cluster.advance_to(end)
+        self.cluster.reap()
+        self.t = end
+        self.actuator.now = end
+        result = await self.loop.step(self.cluster.targets(end), self.cluster.desired, end)
+        self.steps.append(result)
+        return result
+
+    async def run(self, duration_s: float) -> ClosedLoopRun:
+        while self.t < duration_s - 1e-9:
+            await self.step()
+        return ClosedLoopRun(self.steps, self.actuator.events, self.submitted, self.policy)
+
+
+async def run_closed_loop(cluster_spec: ClusterSpec, policy: ControlPolicy, phases: Sequence[LoadPhase],
+                          duration_s: float, replicas: int = 1, unreadable: Sequence[str] = (),
+                          seed: int = 0) -> ClosedLoopRun:
+    """Drive the real control loop over the virtual cluster for `duration_s` virtual seconds."""
+    driver = ClosedLoopDriver(cluster_spec, policy, phases, replicas, unreadable, seed)
+    return await driver.run(duration_s)
+
+
+def run_closed_loop_sync(*args: Any, **kwargs: Any) -> ClosedLoopRun:
+    return asyncio.run(run_closed_loop(*args, **kwargs))
