@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# What `pip install stallfree` (the control plane) leaves out and `stallfree[daemon]` brings.
+DAEMON_EXTRA = frozenset({"torch", "triton", "numpy", "tokenizers", "safetensors", "gguf", "jinja2", "matplotlib"})
+
+
 def _usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: stallfree <command> [options]", "", "commands:"]
@@ -38,12 +42,17 @@ def run_module_main(table: dict[str, tuple[str, str]], name: str, argv: list[str
     module_name = table[name][0]
     try:
         module = importlib.import_module(module_name)
+        return int(module.main(argv) or 0)
     except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing in DAEMON_EXTRA:
+            print(f"stallfree {name}: needs the serving stack ({missing} is not installed): "
+                  "pip install 'stallfree[daemon]'", file=sys.stderr)
+            return 2
         if exc.name and module_name.startswith(exc.name):
             print(f"stallfree: command {name!r} is not available in this build ({module_name} missing)", file=sys.stderr)
             return 2
         raise
-    return int(module.main(argv) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
