@@ -164,12 +164,32 @@ async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, o
                 pass
     finally:
         stop.set()
-        view.say("draining: in-flight requests finish, then the daemons stop")
-        if load_task is not None:
-            await asyncio.gather(load_task, return_exceptions=True)
-        await runtime.close()
+        await drain(runtime, load, load_task, view, float(spec.engine.drain_timeout_seconds))
         view.close()
     return report(name, spec, runtime, load, phases, out)
+
+
+async def drain(runtime: LocalRuntime, load: LoadDriver | None, load_task: asyncio.Future | None, view: LiveView,
+                timeout_s: float) -> None:
+    """Stop sending, let in-flight requests finish for at most the spec's drainTimeoutSeconds, then stop the
+    daemons; a progress line every few seconds, so a drain is never silent."""
+    runtime.daemons.begin_drain_all()  # new requests get 503; the daemons finish what they hold
+    started = time.monotonic()
+    view.say(f"draining: {load.in_flight if load else 0} request(s) in flight, up to {timeout_s:.0f}s "
+             "(the spec's drainTimeoutSeconds)")
+    if load_task is not None:
+        while not load_task.done() and time.monotonic() - started < timeout_s:
+            await asyncio.wait([load_task], timeout=min(5.0, max(0.1, timeout_s - (time.monotonic() - started))))
+            if not load_task.done():
+                view.say(f"draining: {load.in_flight if load else 0} request(s) still in flight "
+                         f"({time.monotonic() - started:.0f}s of {timeout_s:.0f}s)")
+        if not load_task.done():
+            load_task.cancel()
+            view.say(f"drain timeout: {load.in_flight if load else 0} request(s) cancelled")
+        await asyncio.gather(load_task, return_exceptions=True)
+    view.say("stopping the daemons")
+    await runtime.close()
+    view.say(f"stopped after a {time.monotonic() - started:.0f}s drain")
 
 
 def report(name: str, spec: InferenceServiceSpec, runtime: LocalRuntime, load: LoadDriver | None,

@@ -133,13 +133,19 @@ class LocalDaemonSet:
                 replica.process.kill()
                 replica.process.wait()
 
-    def shutdown(self) -> None:
-        """Drain every replica at once and wait for all of them (killing any that overstay)."""
+    def begin_drain_all(self) -> None:
+        """SIGTERM every replica at once (they refuse new work and finish in-flight requests); shutdown() waits."""
         for replica in self.replicas:
-            self.begin_drain(replica)
+            if not replica.draining:
+                self.begin_drain(replica)
+
+    def shutdown(self) -> None:
+        """Drain every replica at once and wait for all of them (killing any that overstay their grace)."""
+        self.begin_drain_all()
         self.draining.extend(self.replicas)
         self.replicas.clear()
-        deadline = time.monotonic() + self.drain_timeout_s + 5
+        started = min((r.drain_started for r in self.draining), default=time.monotonic())
+        deadline = started + self.drain_timeout_s + 5
         for replica in self.draining:
             try:
                 replica.process.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -53,6 +53,12 @@ class LoadDriver:
         self.phase_starts: list[tuple[float, LoadPhase]] = []
         self._counter = itertools.count()
         self._round_robin = itertools.count()
+        self._in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not yet ended (what a drain waits for)."""
+        return self._in_flight
 
     async def run(self, phases: list[LoadPhase], started: float, on_phase: Callable[[LoadPhase], None] | None = None,
                   stop: asyncio.Event | None = None) -> None:
@@ -85,6 +91,17 @@ class LoadDriver:
         self.results.append(record)
         prompt = self.prompts.text(phase.prompt_tokens, seed=index, lead=f"{index}:")
         body = streaming_body("completions", self.model, prompt, phase.max_tokens)
+        self._in_flight += 1
+        try:
+            await self._send(client, body, result, record, started)
+        except asyncio.CancelledError:
+            result.error = "cancelled: still running when the drain timeout ran out"
+            raise
+        finally:
+            self._in_flight -= 1
+
+    async def _send(self, client: httpx.AsyncClient, body: dict[str, Any], result: RequestResult,
+                    record: PhasedResult, started: float) -> None:
         for _attempt in range(2):
             urls = self.urls()
             if not urls:
