@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import signal
 import sys
@@ -22,10 +23,13 @@ import yaml
 
 from stallfree.contracts import Profile
 from stallfree.bench.serve import PromptBuilder
+from stallfree.operator.local.demo import DemoPlan, plan_demo
 from stallfree.operator.local.load import LoadDriver, LoadPhase
 from stallfree.operator.local.runtime import LocalRuntime
 from stallfree.operator.local.view import LiveView
 from stallfree.operator.api.spec import InferenceServiceSpec, parse_spec, spec_errors
+from stallfree.operator.control.policy import SLOTargets
+from stallfree.operator.local.verdict import Phase, judge, verdict_text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,31 +73,6 @@ def load_manifest(path: str) -> tuple[str, InferenceServiceSpec]:
     return name, spec
 
 
-def demo_load(profile: Profile, tpot_slo_ms: float, long_prompt: int, scale: float = 1.0
-              ) -> tuple[LoadPhase, list[LoadPhase]]:
-    """Chat traffic throughout, and long-prompt phases sized from the replica's own measured profile,
-    so the demo means the same on any machine.
-
-    One replica's prefill capacity is what its TPOT-limited budget pushes through per second. The
-    long-prompt phase stays under it (only the budget is wrong); the next phase asks for well over it,
-    which no budget can serve: a second replica is needed.
-    """
-    budget = profile.budget_for(tpot_slo_ms * 0.8)
-    prefill_tokens_per_s = budget / (profile.iteration_ms_at(budget) / 1000.0)
-    long_rate = prefill_tokens_per_s / long_prompt  # long prompts per second one replica can prefill
-    phases = [
-        LoadPhase("chat only", 20 * scale, 0.0, long_prompt, 24),
-        LoadPhase("long prompts", 100 * scale, 0.45 * long_rate, long_prompt, 24),
-        LoadPhase("beyond one replica", 120 * scale, 1.2 * long_rate, long_prompt, 24),
-        LoadPhase("cool-down", 20 * scale, 0.0, long_prompt, 24),
-    ]
-    # Enough short requests that every stats window holds TPOT samples (the loop refuses to decide on
-    # fewer), at a small share of the prefill capacity.
-    chat_rate = max(0.6, min(0.1 * prefill_tokens_per_s / 64, 20.0))
-    chat = LoadPhase("chat", sum(p.duration_s for p in phases), chat_rate, 64, 24)
-    return chat, phases
-
-
 def prompt_builder(spec: InferenceServiceSpec) -> PromptBuilder:
     """Prompts of exact token lengths, counted by the tokenizer the daemons use."""
     from stallfree.node_daemon.text.tokenizer import load_tokenizer
@@ -106,6 +85,15 @@ def prompt_builder(spec: InferenceServiceSpec) -> PromptBuilder:
     if model.source == "random":
         return PromptBuilder(load_tokenizer(model.name))  # the byte-level tokenizer of that shape
     return PromptBuilder(load_tokenizer(model.path))
+
+
+def use_demo_slos(runtime: LocalRuntime, view: LiveView, plan: DemoPlan) -> None:
+    """The demo's SLOs replace the manifest's: sized from this replica's profile, they mean the same anywhere."""
+    slo = SLOTargets(ttft_p99_ms=round(plan.ttft_slo_ms), tpot_p99_ms=round(plan.tpot_slo_ms),
+                     queue_wait_p99_ms=round(plan.queue_wait_slo_ms))
+    runtime.policy = dataclasses.replace(runtime.policy, slo=slo)
+    runtime.loop.policy = runtime.policy
+    view.policy = runtime.policy
 
 
 async def fetch_profile(runtime: LocalRuntime) -> Profile:
@@ -141,12 +129,13 @@ async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, o
         await runtime.wait_ready(args.start_timeout, on_wait=view.waiting)
         view.say(f"ready after {runtime.elapsed():.0f}s (model loaded, profile measured)")
         if args.demo:
-            profile = await fetch_profile(runtime)
-            # Long enough that the starting budget takes each one in a single stalling iteration.
-            long_prompt = min(spec.engine.ceilings.max_token_budget - 64, (spec.model.max_model_len or 2048) - 64)
-            chat, phases = demo_load(profile, spec.slos.tpot_p99_ms, long_prompt, scale=args.phase_scale)
+            plan = plan_demo(await fetch_profile(runtime), spec.engine.ceilings.max_token_budget,
+                             spec.model.max_model_len or 2048, scale=args.phase_scale)
+            use_demo_slos(runtime, view, plan)
+            view.say(plan.describe())
+            phases = plan.phases
             load = LoadDriver(runtime.ready_urls, spec.model.served_name, prompt_builder(spec))
-            load_task = asyncio.gather(load.run([chat], runtime.started, stop=stop),
+            load_task = asyncio.gather(load.run([plan.chat], runtime.started, stop=stop),
                                        load.run(phases, runtime.started, on_phase=view.phase, stop=stop))
         if args.duration:
             run_for = args.duration
@@ -202,6 +191,7 @@ def report(name: str, spec: InferenceServiceSpec, runtime: LocalRuntime, load: L
         row["t"] = round(step.time - runtime.started, 1)
         rows.append(row)
     starts = load.phase_starts if load else []
+    slo = runtime.policy.slo
     result = {
         "scenario": "up --demo" if load else "up",
         "title": f"stallfree up -f {name}" + (" --demo" if load else ""),
@@ -209,14 +199,16 @@ def report(name: str, spec: InferenceServiceSpec, runtime: LocalRuntime, load: L
         "service": name,
         "model": spec.model.daemon_model,
         "hardware": spec.engine.device,
-        "slo": {"ttft_p99_ms": spec.slos.ttft_p99_ms, "tpot_p99_ms": spec.slos.tpot_p99_ms,
-                "queue_wait_p99_ms": spec.slos.queue_wait_p99_ms},
+        "slo": {"ttft_p99_ms": slo.ttft_p99_ms, "tpot_p99_ms": slo.tpot_p99_ms,
+                "queue_wait_p99_ms": slo.queue_wait_p99_ms},
         "load": [dict(p.to_dict(), start_s=round(t, 1)) for t, p in starts],
         "timeline": rows,
         "events": [e.__dict__ for e in runtime.events],
         "client": load.summary() if load else {},
         "restarts": runtime.daemons.total_restarts,
     }
+    if load and phases:
+        result["verdict"] = demo_verdict(rows, starts, phases, runtime)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(result, indent=1, default=str))
     if rows:
@@ -224,6 +216,31 @@ def report(name: str, spec: InferenceServiceSpec, runtime: LocalRuntime, load: L
 
         plot_timeline(result, str(out / "timeline.png"))
     return result
+
+
+def demo_verdict(rows: list[dict[str, Any]], starts: list[tuple[float, LoadPhase]], phases: list[LoadPhase],
+                 runtime: LocalRuntime) -> dict[str, Any]:
+    """Per phase: which SLO breached and how many control intervals until it was back under."""
+    timed = [(t, p) for t, p in starts if p in phases]
+    windows = [Phase(p.label, t, timed[i + 1][0] if i + 1 < len(timed) else float("inf"))
+               for i, (t, p) in enumerate(timed)]
+    slo = runtime.policy.slo
+    verdict = judge(rows, windows, {"tpot": slo.tpot_p99_ms, "ttft": slo.ttft_p99_ms,
+                                    "queue_wait": slo.queue_wait_p99_ms},
+                    infeasible=infeasible_slos(runtime))
+    return {"ok": verdict.ok, "failed": len(verdict.failed), "met_at_end": verdict.met_at_end,
+            "lines": verdict_text(verdict, runtime.policy.interval_s),
+            "phases": [dataclasses.asdict(p) for p in verdict.phases]}
+
+
+def infeasible_slos(runtime: LocalRuntime) -> dict[str, str]:
+    """SLOs the control loop judged infeasible from the profile (its SLOFeasible=False events)."""
+    found: dict[str, str] = {}
+    for event in runtime.events:
+        if event.reason == "SLOInfeasible":
+            slo = event.message.split(":", 1)[0].strip().lower().replace(" ", "_")
+            found[slo] = event.message
+    return found
 
 
 def summary_text(result: dict[str, Any], out: Path) -> str:
@@ -251,6 +268,8 @@ def summary_text(result: dict[str, Any], out: Path) -> str:
         total = result["client"]["all"]
         lines.append(f"requests: {total['requests']} sent, {total['completed']} completed, {total['failed']} failed"
                      + (f" ({total['errors']})" if total["errors"] else ""))
+    if "verdict" in result:
+        lines += result["verdict"]["lines"]
     lines.append(f"report: {out / 'report.json'}   plots: {out / 'timeline.png'}")
     return "\n".join(lines)
 
@@ -274,4 +293,5 @@ def main(argv: list[str]) -> int:
         print(f"stallfree up: {exc}", file=sys.stderr)
         return 1
     print(summary_text(result, out))
-    return 0
+    # The demo fails when the loop left an SLO it judged feasible unrestored.
+    return 0 if result.get("verdict", {}).get("ok", True) else 1

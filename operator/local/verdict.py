@@ -1,0 +1,145 @@
+"""The verdict of a `stallfree up --demo` run: for each load phase, which SLO breached, how many control
+intervals until it was back under, the budget path and the replica count; and whether every SLO was met at
+the end. Pure: timeline rows (operator/control/timeline.step_row) in, a verdict out.
+
+A window p99 that is unknown (no replica had enough samples) neither breaches nor restores an SLO.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+# SLO name -> the timeline row's key, in the order the tuner protects them (TPOT first).
+SLO_KEYS = {"tpot": "p99_tpot_ms", "queue_wait": "p99_queue_wait_ms", "ttft": "p99_ttft_ms"}
+
+
+@dataclass(frozen=True)
+class Phase:
+    label: str
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class Breach:
+    slo: str
+    target_ms: float
+    at_s: float
+    worst_ms: float
+    restored_at_s: float | None = None
+    intervals_to_restore: int | None = None
+    feasible: bool = True
+
+    @property
+    def restored(self) -> bool:
+        return self.restored_at_s is not None
+
+
+@dataclass
+class PhaseVerdict:
+    phase: Phase
+    breaches: list[Breach] = field(default_factory=list)
+    budget_path: list[int] = field(default_factory=list)
+    replicas_start: int | None = None
+    replicas_end: int | None = None
+    replicas_max: int | None = None
+
+
+@dataclass
+class Verdict:
+    phases: list[PhaseVerdict]
+    met_at_end: dict[str, bool | None]  # per SLO over the last windows; None where nothing was known
+    infeasible: dict[str, str]  # SLO -> the controller's own message, where it judged the SLO infeasible
+
+    @property
+    def failed(self) -> list[Breach]:
+        """Breaches of feasible SLOs that the loop never restored: what makes `up --demo` exit non-zero."""
+        return [b for p in self.phases for b in p.breaches if b.feasible and not b.restored]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and all(v is not False for s, v in self.met_at_end.items() if s not in self.infeasible)
+
+
+def judge(rows: Sequence[dict[str, Any]], phases: Sequence[Phase], slos_ms: dict[str, float],
+          infeasible: dict[str, str] | None = None, end_windows: int = 3) -> Verdict:
+    """Each SLO's first breach in a phase, followed to its restore (which may come in a later phase)."""
+    infeasible = dict(infeasible or {})
+    verdicts = []
+    for phase in phases:
+        in_phase = [r for r in rows if phase.start_s <= r["t"] < phase.end_s]
+        verdict = PhaseVerdict(phase)
+        if in_phase:
+            verdict.replicas_start = in_phase[0]["replicas"]
+            verdict.replicas_end = in_phase[-1]["desired_replicas"]
+            verdict.replicas_max = max(r["desired_replicas"] for r in in_phase)
+            verdict.budget_path = _budget_path(in_phase)
+        for slo, key in SLO_KEYS.items():
+            target = slos_ms[slo]
+            first = next((r for r in in_phase if _above(r.get(key), target)), None)
+            if first is None:
+                continue
+            breach = Breach(slo, target, first["t"], first[key], feasible=slo not in infeasible)
+            after = [r for r in rows if r["t"] > first["t"]]
+            for count, row in enumerate(after, start=1):
+                value = row.get(key)
+                if value is not None and value > target:
+                    breach.worst_ms = max(breach.worst_ms, value)
+                elif value is not None:
+                    breach.restored_at_s, breach.intervals_to_restore = row["t"], count
+                    break
+            verdict.breaches.append(breach)
+        verdicts.append(verdict)
+    last = rows[-end_windows:]
+    met_at_end: dict[str, bool | None] = {}
+    for slo, key in SLO_KEYS.items():
+        known = [r[key] for r in last if r.get(key) is not None]
+        met_at_end[slo] = None if not known else all(v <= slos_ms[slo] for v in known)
+    return Verdict(verdicts, met_at_end, infeasible)
+
+
+def verdict_text(verdict: Verdict, interval_s: float) -> list[str]:
+    names = {"tpot": "TPOT", "queue_wait": "queue wait", "ttft": "TTFT"}
+    lines = ["verdict:"]
+    for p in verdict.phases:
+        budgets = "->".join(map(str, p.budget_path)) or "-"
+        replicas = "-" if p.replicas_start is None else (
+            f"{p.replicas_start}" if p.replicas_start == p.replicas_end == p.replicas_max
+            else f"{p.replicas_start}->{p.replicas_end} (max {p.replicas_max})")
+        head = f"  {p.phase.label:<20} budget {budgets:<22} replicas {replicas}"
+        if not p.breaches:
+            lines.append(head + "   every SLO held")
+            continue
+        lines.append(head)
+        for b in p.breaches:
+            what = f"    {names[b.slo]} breached at {b.at_s:.0f}s (p99 {b.worst_ms:.0f} ms > {b.target_ms:.0f} ms)"
+            if b.restored:
+                what += f", back under after {b.intervals_to_restore} interval(s) ({b.restored_at_s - b.at_s:.0f}s)"
+            elif not b.feasible:
+                what += ", not restored: judged infeasible (SLOFeasible=False)"
+            else:
+                what += ", NOT restored"
+            lines.append(what)
+    for slo, message in verdict.infeasible.items():
+        lines.append(f"  SLOFeasible=False for {names.get(slo, slo)}: {message}")
+    end = ", ".join(f"{names[s]} {'met' if v else 'unknown' if v is None else 'MISSED'}"
+                    for s, v in verdict.met_at_end.items())
+    lines.append(f"  at the end (last windows, {interval_s:.0f}s apart): {end}")
+    lines.append("  result: " + ("every feasible SLO was restored" if verdict.ok else
+                                 f"FAILED: {len(verdict.failed)} breach(es) of a feasible SLO not restored"
+                                 if verdict.failed else "FAILED: an SLO was missed at the end"))
+    return lines
+
+
+def _above(value: float | None, target: float) -> bool:
+    return value is not None and value > target
+
+
+def _budget_path(rows: Sequence[dict[str, Any]]) -> list[int]:
+    """The first replica's budget each time it changed (unknown windows skipped)."""
+    path: list[int] = []
+    for row in rows:
+        budgets = [d.get("token_budget") for d in row["replica_detail"] if d.get("token_budget")]
+        if budgets and (not path or path[-1] != budgets[0]):
+            path.append(budgets[0])
+    return path
