@@ -1,0 +1,66 @@
+"""The `up --demo` plan (sized from a profile) and its verdict (pure functions over timeline rows)."""
+from __future__ import annotations
+
+from stallfree.contracts import Profile, ProfilePoint
+from stallfree.operator.local.demo import plan_demo
+from stallfree.operator.local.verdict import Phase, judge, verdict_text
+
+
+def _profile(scale: float) -> Profile:
+    """Iteration time 10 ms + 2 ms/token on the mixed curve, decode 8 ms + 1 ms/seq; `scale` x slower."""
+    mixed = [ProfilePoint(t, 0, scale * (10 + 2 * t)) for t in (16, 64, 128, 256, 512)]
+    decode = [ProfilePoint(n, n, scale * (8 + n)) for n in (1, 4, 16, 32)]
+    return Profile("cpu", decode_only=decode, mixed=mixed)
+
+
+def test_the_plan_scales_with_the_machine():
+    fast, slow = plan_demo(_profile(1.0), 512, 2048), plan_demo(_profile(3.0), 512, 2048)
+    assert slow.tpot_slo_ms == 3.0 * fast.tpot_slo_ms
+    assert slow.allowed_budget == fast.allowed_budget
+    assert abs(slow.chat.rate_per_s * 3.0 - fast.chat.rate_per_s) < 1e-9
+    for f, s in zip(fast.phases, slow.phases):
+        assert abs(s.rate_per_s * 3.0 - f.rate_per_s) < 1e-9
+
+
+def test_the_plan_makes_the_ceiling_budget_breach_and_leaves_room_below():
+    plan = plan_demo(_profile(1.0), 512, 2048)
+    profile = _profile(1.0)
+    assert profile.iteration_ms_at(512) > 1.5 * plan.tpot_slo_ms  # the starting budget breaks TPOT
+    assert profile.iteration_ms_at(plan.allowed_budget) <= 0.8 * plan.tpot_slo_ms
+    assert 64 <= plan.allowed_budget < 512
+    long_rates = {p.label: p.rate_per_s for p in plan.phases}
+    capacity = plan.prefill_tokens_per_s / plan.long_prompt_tokens
+    assert long_rates["long prompts"] < capacity < long_rates["beyond one replica"]
+
+
+def _row(t, tpot, queue=100.0, ttft=200.0, budget=512, replicas=1):
+    return {"t": t, "replicas": replicas, "desired_replicas": replicas, "p99_tpot_ms": tpot,
+            "p99_queue_wait_ms": queue, "p99_ttft_ms": ttft,
+            "replica_detail": [{"name": "r0", "known": tpot is not None, "token_budget": budget}]}
+
+
+SLOS = {"tpot": 100.0, "queue_wait": 1000.0, "ttft": 2000.0}
+
+
+def test_a_breach_restored_counts_intervals_and_the_budget_path():
+    rows = [_row(0, 50), _row(5, 300), _row(10, None, budget=256), _row(15, 150, budget=128), _row(20, 80, budget=128),
+            _row(25, 70, budget=128), _row(30, 60, budget=128)]
+    verdict = judge(rows, [Phase("chat", 0, 5), Phase("long", 5, 40)], SLOS)
+    chat, long = verdict.phases
+    assert chat.breaches == []
+    (breach,) = long.breaches
+    assert (breach.slo, breach.at_s, breach.restored_at_s, breach.intervals_to_restore) == ("tpot", 5, 20, 3)
+    assert breach.worst_ms == 300
+    assert long.budget_path == [512, 256, 128]
+    assert verdict.ok and verdict.met_at_end["tpot"] is True
+    assert any("back under after 3 interval(s)" in line for line in verdict_text(verdict, 5))
+
+
+def test_an_unrestored_feasible_breach_fails_and_an_infeasible_one_does_not():
+    rows = [_row(0, 50), _row(5, 300), _row(10, 320), _row(15, 310)]
+    verdict = judge(rows, [Phase("long", 0, 20)], SLOS)
+    assert not verdict.ok and len(verdict.failed) == 1
+    assert verdict.met_at_end["tpot"] is False
+    excused = judge(rows, [Phase("long", 0, 20)], SLOS, infeasible={"tpot": "decode step 400 ms > SLO"})
+    assert excused.ok and excused.failed == []
+    assert any("SLOFeasible=False" in line for line in verdict_text(excused, 5))
