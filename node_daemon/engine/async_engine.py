@@ -54,6 +54,9 @@ class AsyncEngine:
     def encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
 
+    def decode(self, token_ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(token_ids)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
