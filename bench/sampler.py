@@ -3,7 +3,7 @@
 Logits are random rows of SmolLM2's vocabulary (49,152), scaled so the distribution is peaked like a real
 model's (a top-p of 0.9 keeps tens to hundreds of tokens). Each mix is timed for batches of 1, 16 and 64
 rows; the first steps are warm-up, the figure is the median of the timed steps (and the p90).
-Mixes: all greedy; greedy with one top-p row; all top-p; all top-k; greedy with penalties (repetition,
+Mixes are interleaved step by step (noise from a busy machine falls on all alike). Mixes: all greedy; greedy with one top-p row; all top-p; all top-k; greedy with penalties (repetition,
 frequency and presence over 256 generated tokens); greedy with one row asking for 5 logprobs.
 A mix the sampler cannot run (an older build without penalties) prints "unsupported".
 """
@@ -39,6 +39,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=60, help="timed steps per (mix, batch size)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
+    p.add_argument("--decode-step-ms", type=float, default=0.0,
+                   help="the model's decode step at these batch sizes, to express the top-p row's cost in percent")
     p.add_argument("--json", default=None, help="write the figures to this file")
     return p.parse_args(argv)
 
@@ -64,31 +66,49 @@ def _params(fields: dict) -> SamplingParams | None:
         return None
 
 
-def _time_mix(sampler: Sampler, rows: list[dict], vocab: int, warmup: int, steps: int) -> dict | None:
-    params = [_params(f) for f in rows]
-    if any(p is None for p in params):
-        return None
-    ids = [f"r{i}" for i in range(len(rows))]
-    gen = torch.Generator().manual_seed(0)
-    histories = [_History(torch.randint(vocab, (64,), generator=gen).tolist(),
-                          torch.randint(vocab, (256,), generator=gen).tolist()) for _ in rows]
-    logits = [torch.randn(len(rows), vocab, generator=gen) * 4 for _ in range(4)]
-    uses_history = any(getattr(p, "needs_history", False) for p in params)
-    times = []
+class _Mix:
+    """One (mix, batch size) under test: its own sampler, params, growing histories and timings."""
+
+    def __init__(self, rows: list[dict], vocab: int, gen: torch.Generator) -> None:
+        self.params = [_params(f) for f in rows]
+        self.supported = all(p is not None for p in self.params)
+        self.ids = [f"r{i}" for i in range(len(rows))]
+        self.sampler = Sampler()
+        self.histories = [_History(torch.randint(vocab, (64,), generator=gen).tolist(),
+                                   torch.randint(vocab, (256,), generator=gen).tolist()) for _ in rows]
+        self.uses_history = self.supported and any(getattr(p, "needs_history", False) for p in self.params)
+        self.times: list[float] = []
+
+    def step(self, logits: torch.Tensor, record: bool, token: int) -> None:
+        start = time.perf_counter()
+        if self.uses_history:
+            self.sampler.sample(logits, self.params, self.ids, self.histories)
+        else:
+            self.sampler.sample(logits, self.params, self.ids)
+        elapsed = time.perf_counter() - start
+        if record:
+            self.times.append(elapsed * 1e6)
+        for h in self.histories:  # generation goes on: the penalised history grows by one token per step
+            h.output_token_ids.append(token)
+
+    def figures(self) -> dict | None:
+        if not self.supported:
+            return None
+        times = sorted(self.times)
+        return {"median_us": statistics.median(times), "p90_us": times[int(0.9 * (len(times) - 1))]}
+
+
+def _time_batch(batch: int, vocab: int, warmup: int, steps: int) -> dict[str, dict | None]:
+    """Every mix of one batch size, interleaved step by step so that machine noise falls on all alike."""
+    gen = torch.Generator().manual_seed(batch)
+    mixes = {name: _Mix(rows, vocab, gen) for name, rows in _mixes(batch).items()}
+    logits = [torch.randn(batch, vocab, generator=gen) * 4 for _ in range(4)]
     for step in range(warmup + steps):
         x = logits[step % len(logits)]
-        start = time.perf_counter()
-        if uses_history:
-            sampler.sample(x, params, ids, histories)
-        else:
-            sampler.sample(x, params, ids)
-        elapsed = time.perf_counter() - start
-        if step >= warmup:
-            times.append(elapsed * 1e6)
-        for h in histories:  # generation goes on: the penalised history grows by one token per step
-            h.output_token_ids.append(step % vocab)
-    times.sort()
-    return {"median_us": statistics.median(times), "p90_us": times[int(0.9 * (len(times) - 1))]}
+        for mix in mixes.values():
+            if mix.supported:
+                mix.step(x, step >= warmup, step % vocab)
+    return {name: mix.figures() for name, mix in mixes.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,11 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict] = []
     names = list(_mixes(1))
     header = f"{'mix':<20}" + "".join(f"{'batch ' + str(b):>22}" for b in args.batch_sizes)
+    by_batch = {}
+    for batch in args.batch_sizes:
+        print(f"timing batch {batch} ...", flush=True)
+        by_batch[batch] = _time_batch(batch, args.vocab, args.warmup, args.steps)
     print(header, flush=True)
     for name in names:
         cells = []
         for batch in args.batch_sizes:
-            figures = _time_mix(Sampler(), _mixes(batch)[name], args.vocab, args.warmup, args.steps)
+            figures = by_batch[batch][name]
             results.append({"mix": name, "batch": batch, **(figures or {"unsupported": True})})
             cells.append("unsupported" if figures is None
                          else f"{figures['median_us']:.0f} ({figures['p90_us']:.0f})")
@@ -113,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     mixed = {r["batch"]: r.get("median_us") for r in results if r["mix"] == "greedy+1 top-p"}
     for batch in args.batch_sizes:
         if mixed.get(batch) is not None and base.get(batch):
-            print(f"one top-p row in a greedy batch of {batch}: {mixed[batch] / base[batch]:.2f}x the greedy step "
-                  f"(+{mixed[batch] - base[batch]:.0f} us)", flush=True)
+            extra = mixed[batch] - base[batch]
+            line = f"one top-p row in a greedy batch of {batch}: +{extra:.0f} us over the all-greedy sampler step"
+            if args.decode_step_ms:
+                line += f" = {100 * extra / (args.decode_step_ms * 1000):.2f}% of a {args.decode_step_ms:g} ms decode step"
+            print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"vocab": args.vocab, "threads": torch.get_num_threads(), "results": results}, f, indent=2)
