@@ -113,11 +113,11 @@ class Sampler:
             raise ValueError(f"{num_rows} logit rows for {len(params)} sampling params")
         if not params:
             return SamplerOutput([])
+        if all(p.plain_greedy for p in params):
+            return SamplerOutput(logits.argmax(dim=-1).tolist())  # the common case: nothing else runs
         greedy = [p.greedy for p in params]
         processed = [i for i, p in enumerate(params) if p.processes_logits]
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not processed and not wants_logprobs and all(greedy):
-            return SamplerOutput(logits.argmax(dim=-1).tolist())  # the common case: nothing else runs
         proc = self._process(logits, params, request_ids, histories, processed) if processed else None
         rows = _RowSource(logits, proc, processed)
         tokens: list[int] = [0] * num_rows

@@ -14,8 +14,10 @@ MIN_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
+    """Frozen: `plain_greedy` is computed once, so the sampler's common case costs one attribute read a row."""
+
     max_tokens: int = 16
     temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE) means greedy
     top_k: int = 0  # 0 = off
@@ -30,6 +32,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the k most likely
+    plain_greedy: bool = field(init=False, repr=False, compare=False)  # greedy, no bias, penalty or logprobs
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plain_greedy", self.greedy and not self.processes_logits and self.logprobs is None)
 
     def check(self) -> None:
         """Raise ValueError naming the bad field."""
