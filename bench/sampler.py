@@ -38,6 +38,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=60, help="timed steps per (mix, batch size)")
+    p.add_argument("--device", default="cpu", help="where the logits live and the sampler runs (cpu, cuda)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
     p.add_argument("--decode-step-ms", type=float, default=0.0,
                    help="the model's decode step at these batch sizes, to express the top-p row's cost in percent")
@@ -69,11 +70,12 @@ def _params(fields: dict) -> SamplingParams | None:
 class _Mix:
     """One (mix, batch size) under test: its own sampler, params, growing histories and timings."""
 
-    def __init__(self, rows: list[dict], vocab: int, gen: torch.Generator) -> None:
+    def __init__(self, rows: list[dict], vocab: int, gen: torch.Generator, device: torch.device) -> None:
         self.params = [_params(f) for f in rows]
         self.supported = all(p is not None for p in self.params)
         self.ids = [f"r{i}" for i in range(len(rows))]
-        self.sampler = Sampler()
+        self.sampler = Sampler(device)
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.histories = [_History(torch.randint(vocab, (64,), generator=gen).tolist(),
                                    torch.randint(vocab, (256,), generator=gen).tolist()) for _ in rows]
         self.uses_history = self.supported and any(getattr(p, "needs_history", False) for p in self.params)
@@ -85,6 +87,7 @@ class _Mix:
             self.sampler.sample(logits, self.params, self.ids, self.histories)
         else:
             self.sampler.sample(logits, self.params, self.ids)
+        self.sync()  # .tolist() already waits for the device; this keeps the figure honest if that changes
         elapsed = time.perf_counter() - start
         if record:
             self.times.append(elapsed * 1e6)
@@ -98,11 +101,11 @@ class _Mix:
         return {"median_us": statistics.median(times), "p90_us": times[int(0.9 * (len(times) - 1))]}
 
 
-def _time_batch(batch: int, vocab: int, warmup: int, steps: int) -> dict[str, dict | None]:
+def _time_batch(batch: int, vocab: int, warmup: int, steps: int, device: torch.device) -> dict[str, dict | None]:
     """Every mix of one batch size, interleaved step by step so that machine noise falls on all alike."""
     gen = torch.Generator().manual_seed(batch)
-    mixes = {name: _Mix(rows, vocab, gen) for name, rows in _mixes(batch).items()}
-    logits = [torch.randn(batch, vocab, generator=gen) * 4 for _ in range(4)]
+    mixes = {name: _Mix(rows, vocab, gen, device) for name, rows in _mixes(batch).items()}
+    logits = [(torch.randn(batch, vocab, generator=gen) * 4).to(device) for _ in range(4)]
     for step in range(warmup + steps):
         x = logits[step % len(logits)]
         for mix in mixes.values():
@@ -115,15 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"sampler time per decode step (vocab {args.vocab}, {args.steps} steps after {args.warmup} warm-up, "
-          f"{torch.get_num_threads()} threads): median us (p90)", flush=True)
+    print(f"sampler time per decode step on {args.device} (vocab {args.vocab}, {args.steps} steps after {args.warmup} "
+          f"warm-up, {torch.get_num_threads()} threads): median us (p90)", flush=True)
     results: list[dict] = []
     names = list(_mixes(1))
     header = f"{'mix':<20}" + "".join(f"{'batch ' + str(b):>22}" for b in args.batch_sizes)
     by_batch = {}
     for batch in args.batch_sizes:
         print(f"timing batch {batch} ...", flush=True)
-        by_batch[batch] = _time_batch(batch, args.vocab, args.warmup, args.steps)
+        by_batch[batch] = _time_batch(batch, args.vocab, args.warmup, args.steps, torch.device(args.device))
     print(header, flush=True)
     for name in names:
         cells = []
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"vocab": args.vocab, "threads": torch.get_num_threads(), "results": results}, f, indent=2)
+            json.dump({"device": args.device, "vocab": args.vocab, "threads": torch.get_num_threads(), "results": results}, f, indent=2)
         print(f"wrote {args.json}", flush=True)
     return 0
 
