@@ -114,7 +114,7 @@ def _reference_probs(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     for rank, token in enumerate(order.tolist()):
         if kept_probs[token] == 0 and rank > 0:
             continue
-        if mass >= p.top_p and rank > 0:
+        if p.top_p < 1.0 and mass >= p.top_p and rank > 0:
             break
         keep[token] = True
         mass += float(kept_probs[token])
@@ -144,7 +144,9 @@ def test_restricted_support_equals_a_full_sort_reference(seed, top_k, top_p, min
     got = _support_probs(x, mixed, candidates)
     for row, params in enumerate(mixed):
         want = _reference_probs(x[row], params)
-        assert torch.equal(got[row] > 0, want > 0), (row, params)
+        # Same support, up to tokens whose probability underflows float32 (never drawn either way).
+        assert not bool(((got[row] > 0) & (want == 0)).any()), (row, params)
+        assert not bool(((want > 1e-30) & (got[row] == 0)).any()), (row, params)
         assert torch.allclose(got[row], want, atol=1e-5)
 
 

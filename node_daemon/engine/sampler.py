@@ -328,7 +328,9 @@ def restricted_support(x: torch.Tensor, params: Sequence[SamplingParams],
             norm = torch.where(closed.unsqueeze(1), norm, full.sum(dim=-1, keepdim=True))
         probs = kept / norm
         cum = probs.cumsum(dim=-1)
-        top_p = torch.tensor(top_ps, dtype=torch.float32, device=device).unsqueeze(1)
+        # Rows without top-p never cut (float32 rounding would make the mass "reach" 1.0 before the tail).
+        top_p = torch.tensor([t if t < 1.0 else math.inf for t in top_ps], dtype=torch.float32,
+                             device=device).unsqueeze(1)
         out |= (cum - probs) >= top_p
         closed = closed | (cum[:, -1] >= top_p.squeeze(1))
     if k < vocab and not bool(closed.all()):
