@@ -83,3 +83,30 @@ def test_repetition_penalty_changes_greedy_output_like_the_reference(engine: LLM
         for t in set(tokens[:j]):
             x[t] -= 0.5 * tokens[:j].count(t)
         assert token == int(x.argmax()), j
+
+
+@pytest.mark.slow
+def test_smollm2_logprobs_equal_the_log_softmax_of_its_logits() -> None:
+    """The real checkpoint: the engine's reported logprobs against a dense float64 forward of the same tokens."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = EngineConfig(
+            model=ModelConfig(model="smollm2-135m", max_model_len=512),
+            cache=CacheConfig(block_size=16, num_blocks=32),
+            scheduler=SchedulerConfig(ceilings=Ceilings(max_token_budget=256, max_num_seqs=4),
+                                      tuning=Tuning(token_budget=64, max_num_seqs=4)),
+        )
+        engine = LLMEngine(config)
+        prompt = engine.tokenizer.encode("The capital of France is")
+        outs = _run(engine, {"r": SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)}, prompt)
+        tokens = [t for o in outs["r"] for t in o.new_token_ids]
+        entries = [lp for o in outs["r"] for lp in o.logprobs]
+        assert "Paris" in entries[0].token
+        logits = dense_llama_logits(engine.executor.runner.model, prompt + tokens)
+        for j, entry in enumerate(entries):
+            want = torch.log_softmax(logits[len(prompt) - 1 + j], dim=-1)
+            assert abs(entry.logprob - float(want[entry.token_id])) < 1e-2, j
+            assert [t for t, _, _ in entry.top] == want.topk(3).indices.tolist()
+    finally:
+        torch.set_num_threads(threads)
