@@ -141,8 +141,14 @@ def test_restricted_support_equals_a_full_sort_reference(seed, top_k, top_p, min
     if not (0 < top_k < 300 or top_p < 1 or min_p > 0):
         return
     mixed = [p, SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.8, top_k=3)]
-    got = _support_probs(x, mixed, candidates)
-    for row, params in enumerate(mixed):
+    # With and without a row that has no top-k (every row bounded by its top-k needs no extra candidates).
+    for group in (mixed, [p, mixed[2]]):
+        _check_support(x, group, candidates)
+
+
+def _check_support(x: torch.Tensor, group: list[SamplingParams], candidates: int) -> None:
+    got = _support_probs(x[:len(group)], group, candidates)
+    for row, params in enumerate(group):
         want = _reference_probs(x[row], params)
         # Same support, up to tokens whose probability underflows float32 (never drawn either way).
         assert not bool(((got[row] > 0) & (want == 0)).any()), (row, params)

@@ -295,13 +295,15 @@ def restricted_support(x: torch.Tensor, params: Sequence[SamplingParams],
                        candidates: int = CANDIDATES) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids [rows, K], unnormalised weights [rows, K]) of each row's min_p / top-k / top-p support.
 
-    `x` holds temperature-scaled logits. K = max(candidates, the largest top_k); a row whose support does not
+    `x` holds temperature-scaled logits. K = the largest top_k (at least `candidates` unless every row has a
+    top_k); a row whose support does not
     close within K is recomputed over the whole vocabulary (K = vocab), so the result is always exact.
     """
     rows, vocab = x.shape
     device = x.device
     top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    k = min(vocab, max(candidates, max(top_ks)))
+    # Rows bounded by their own top-k need no more candidates than that; the others take `candidates`.
+    k = min(vocab, max(top_ks) if all(top_ks) else max(candidates, max(top_ks)))
     vals, ids = x.topk(k, dim=-1) if k < vocab else x.sort(dim=-1, descending=True)
     vmax = vals[:, :1]
     ranks = torch.arange(k, device=device).unsqueeze(0)
