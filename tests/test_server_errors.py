@@ -101,12 +101,13 @@ def test_body_over_the_size_limit_is_413(http: httpx.Client) -> None:
 
 
 def test_unsupported_parameters_are_refused_clearly(http: httpx.Client) -> None:
-    error = _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2}), 400, "n")
-    assert "n=1" in error["message"]
-    _assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "n": 3,
+    error = _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 2}), 400,
+                          "best_of")
+    assert "best_of" in error["message"]
+    _assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "n": 0,
                                                           "messages": [{"role": "user", "content": "x"}]}), 400, "n")
     _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]}), 400, "prompt")
-    _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": 2}), 400, "logprobs")
+    _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": 9}), 400, "logprobs")
     _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [10_000_000]}), 400, "prompt")
     _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": ""}), 400, "prompt")
     _still_serving(http)

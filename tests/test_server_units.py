@@ -26,8 +26,11 @@ def test_chat_request_prefers_max_completion_tokens_and_flattens_content_parts()
 
 
 def test_unsupported_fields_are_named() -> None:
-    assert CompletionRequest(model="m", prompt="x", n=2).unsupported()[0] == "n"
-    assert CompletionRequest(model="m", prompt="x", echo=True).unsupported()[0] == "echo"
+    assert CompletionRequest(model="m", prompt="x", best_of=2).unsupported()[0] == "best_of"
+    assert CompletionRequest(model="m", prompt="x", echo=True).unsupported() is None
+    assert CompletionRequest(model="m", prompt="x", echo=True, logprobs=1).unsupported()[0] == "logprobs"
+    assert CompletionRequest(model="m", prompt="x", n=2).unsupported() is None
+    assert CompletionRequest(model="m", prompt="x", n=200).invalid(None)[0] == "n"
     assert CompletionRequest(model="m", prompt=[[1, 2], [3]]).unsupported()[0] == "prompt"
     assert CompletionRequest(model="m", prompt=[[1, 2]]).single_prompt() == [1, 2]
     assert CompletionRequest(model="m", prompt="x", stream_options={"include_usage": True}).unsupported()[0] \

@@ -54,6 +54,9 @@ class AsyncEngine:
     def encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
 
+    def decode(self, token_ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(token_ids)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
@@ -243,4 +246,5 @@ def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Two queued updates of one request as one (a slow reader gets fewer, larger updates)."""
     return RequestOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.text + b.text, b.finished,
-                         b.finish_reason, b.num_prompt_tokens, b.num_output_tokens, b.num_cached_tokens, b.error)
+                         b.finish_reason, b.num_prompt_tokens, b.num_output_tokens, b.num_cached_tokens, b.error,
+                         a.logprobs + b.logprobs if a.logprobs and b.logprobs else a.logprobs or b.logprobs)

@@ -19,7 +19,8 @@ from typing import Callable, Sequence
 from stallfree.contracts import Ceilings, Tuning
 from stallfree.node_daemon.engine.config import EngineConfig
 from stallfree.node_daemon.text.detokenizer import IncrementalDetokenizer
-from stallfree.node_daemon.engine.engine_protocol import EngineObserver, Executor, IterationRecord, RequestOutput
+from stallfree.node_daemon.engine.engine_protocol import (EngineObserver, Executor, IterationRecord, RequestOutput,
+                                                          TokenLogprob)
 from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
 from stallfree.node_daemon.engine.request import Request, RequestStatus
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
@@ -73,6 +74,7 @@ class LLMEngine:
         self.clock = clock
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._free_executor_state = getattr(executor, "free", None)
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
         self.num_iterations = 0
 
     # ---- requests ------------------------------------------------------------------------------------
@@ -170,6 +172,7 @@ class LLMEngine:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = start
         sampled = self.executor.execute(output)
+        logprobs = getattr(self.executor, "logprobs", None)  # rows that asked for logprobs (model executor)
         scheduler.update_from_output(output, sampled)  # appends tokens, finishes on EOS and length
         now = self.clock()
         observer = self.observer
@@ -193,9 +196,12 @@ class LLMEngine:
                 continue  # aborted since schedule()
             token = request.output_token_ids[-1]
             done = request.status.finished
+            token_logprobs = None
             if done and request.status is _STOPPED and _is_stop_token(request, token):
-                text = ""  # EOS and stop tokens are not part of the text
+                text = ""  # EOS and stop tokens are not part of the text (nor of the logprobs)
             else:
+                if logprobs and request.request_id in logprobs:
+                    token_logprobs = [self._token_logprob(logprobs[request.request_id])]
                 text = detok.add_tokens((token,))
                 if detok.stopped_by is not None:
                     if not done:
@@ -213,10 +219,24 @@ class LLMEngine:
             outputs.append(RequestOutput(
                 request.request_id, [token], text, done, request.status.value if done else None,
                 request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
+                logprobs=token_logprobs,
             ))
             if done:
                 self._release(request, now)
         return outputs
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    def _token_logprob(self, sampled) -> TokenLogprob:
+        """The sampler's TokenLogprobs with each token's text (decoded once per token id, then cached)."""
+        text = self._token_text
+        return TokenLogprob(sampled.token_id, text(sampled.token_id), sampled.logprob,
+                            [(t, text(t), lp) for t, lp in sampled.top])
 
     def _release(self, request: Request, now: float) -> None:
         request.finished_time = now

@@ -21,6 +21,17 @@ class Executor(Protocol):
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """One output token's logprob and the most likely alternatives, as text for the API (see sampling_params.py
+    for which distribution). `token` is the token decoded alone (a partial UTF-8 character shows as U+FFFD)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]]  # (token id, text, logprob), most likely first
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """One update of one request, streamed from the engine to its caller."""
 
@@ -33,6 +44,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int = 0
     error: str | None = None  # set with finish_reason "error" (e.g. the engine died mid-stream)
+    logprobs: list[TokenLogprob] | None = None  # one per new token that is part of the text, when asked
 
 
 @dataclass(slots=True)
@@ -69,6 +81,8 @@ class EngineClient(Protocol):
     max_model_len: int
 
     def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
 

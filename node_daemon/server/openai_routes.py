@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse
 
 from stallfree.node_daemon.engine.async_engine import EngineDeadError
 from stallfree.node_daemon.engine.engine_protocol import RequestOutput
-from stallfree.node_daemon.server import protocol
+from stallfree.node_daemon.server import choices, protocol
 from stallfree.node_daemon.server.app import Daemon, get_daemon
 from stallfree.node_daemon.server.errors import APIError
 from stallfree.node_daemon.server.generation import Generation, admit
@@ -45,7 +45,10 @@ async def create_completion(body: protocol.CompletionRequest, request: Request):
         prompt_ids = _encode(daemon, prompt)
     else:
         prompt_ids = _check_token_ids(daemon, prompt)
-    return await _serve(daemon, request, body, prompt_ids, chat=False)
+    echo = None
+    if body.echo:  # the prompt's text leads the completion's text
+        echo = prompt if isinstance(prompt, str) else daemon.require_engine().decode(prompt_ids)
+    return await _serve(daemon, request, body, prompt_ids, chat=False, echo=echo)
 
 
 @router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
@@ -71,6 +74,10 @@ def _check_request(daemon: Daemon, body: protocol.SamplingFields) -> None:
     if problem is not None:
         param, message = problem
         raise APIError(400, message, param=param, code="unsupported_parameter")
+    problem = body.invalid(daemon.vocab_size)
+    if problem is not None:
+        param, message = problem
+        raise APIError(400, message, param=param, code="invalid_value")
 
 
 def _encode(daemon: Daemon, text: str) -> list[int]:
@@ -126,7 +133,7 @@ def _max_tokens_in_context(daemon: Daemon, body: protocol.SamplingFields, num_pr
 
 
 async def _serve(daemon: Daemon, request: Request, body: protocol.SamplingFields, prompt_ids: list[int],
-                 chat: bool):
+                 chat: bool, echo: str | None = None):
     sampling = body.to_sampling_params(_max_tokens(daemon, body, len(prompt_ids), chat))
     try:
         sampling.check()
@@ -134,15 +141,18 @@ async def _serve(daemon: Daemon, request: Request, body: protocol.SamplingFields
         raise APIError(400, str(exc)) from None
     rid = protocol.new_id("chatcmpl" if chat else "cmpl")
     ticket = admit(daemon, len(prompt_ids))
+    if body.n > 1:
+        return await _serve_choices(daemon, request, body, rid, prompt_ids, sampling, ticket, chat, echo)
     generation = Generation(daemon, rid, prompt_ids, sampling, ticket)
     if body.stream:
         render = ChunkRenderer(rid, protocol.now_s(), daemon.served_model_name, chat, body.include_usage,
-                               body.continuous_usage)
+                               body.continuous_usage, logprobs=sampling.logprobs is not None, echo=echo)
         return SSEResponse(stream_events(daemon, generation, render), on_close=generation.close)
-    return await _complete(daemon, request, generation, chat)
+    return await _complete(daemon, request, generation, chat, echo)
 
 
-async def _complete(daemon: Daemon, request: Request, generation: Generation, chat: bool) -> JSONResponse:
+async def _complete(daemon: Daemon, request: Request, generation: Generation, chat: bool,
+                    echo: str | None = None) -> JSONResponse:
     collect = asyncio.ensure_future(_collect(generation))
     gone = asyncio.ensure_future(_client_gone(request))
     try:
@@ -151,7 +161,7 @@ async def _complete(daemon: Daemon, request: Request, generation: Generation, ch
             collect.cancel()
             # Nobody is listening; the abort (generation.close) frees the KV blocks.
             return JSONResponse({}, status_code=499)
-        text, last = collect.result()
+        text, last, logprob_entries = collect.result()
     finally:
         gone.cancel()
         generation.close()
@@ -164,23 +174,77 @@ async def _complete(daemon: Daemon, request: Request, generation: Generation, ch
                        reason="draining", headers={"Retry-After": "1"})
     usage = protocol.usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
     build = protocol.chat_response if chat else protocol.completion_response
-    return JSONResponse(build(generation.request_id, protocol.now_s(), daemon.served_model_name, text,
-                              last.finish_reason, usage))
+    logprobs = _render_logprobs(logprob_entries, chat, echo) if generation.sampling.logprobs is not None else None
+    return JSONResponse(build(generation.request_id, protocol.now_s(), daemon.served_model_name,
+                              (echo or "") + text, last.finish_reason, usage, logprobs))
 
 
-async def _collect(generation: Generation) -> tuple[str, RequestOutput | None]:
+def _render_logprobs(entries: list, chat: bool, echo: str | None) -> dict:
+    return protocol.chat_logprobs(entries) if chat else protocol.completion_logprobs(entries, len(echo or ""))
+
+
+async def _serve_choices(daemon: Daemon, request: Request, body: protocol.SamplingFields, rid: str,
+                         prompt_ids: list[int], sampling, ticket, chat: bool, echo: str | None):
+    """n > 1 (choices.py): one engine request per choice, the prompt's KV shared through the prefix cache."""
+    group = choices.Choices(daemon, rid, prompt_ids, sampling, body.n, ticket)
+    if body.stream:
+        render = ChunkRenderer(rid, protocol.now_s(), daemon.served_model_name, chat, body.include_usage,
+                               body.continuous_usage, logprobs=sampling.logprobs is not None, echo=echo)
+        return SSEResponse(choices.stream_events(daemon, group, render), on_close=group.close)
+    collect = asyncio.ensure_future(_collect_choices(group))
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():
+            collect.cancel()
+            return JSONResponse({}, status_code=499)
+        results = collect.result()
+    finally:
+        gone.cancel()
+        group.close()
+    bad = choices.failure(results)
+    if bad is not None and bad.finish_reason == "abort":
+        raise APIError(503, "the request was aborted: the server is shutting down", code="aborted",
+                       reason="draining", headers={"Retry-After": "1"})
+    if bad is not None:
+        daemon.metrics.record_error("engine")
+        raise APIError(500, f"generation failed: {bad.error or 'the engine stopped without an answer'}",
+                       code="engine_error", reason="engine")
+    choice = protocol.chat_choice if chat else protocol.completion_choice
+    wants_logprobs = sampling.logprobs is not None
+    rendered = [choice(i, (echo or "") + r.text, r.last.finish_reason,
+                       _render_logprobs(r.logprobs, chat, echo) if wants_logprobs else None)
+                for i, r in enumerate(results)]
+    build = protocol.chat_response if chat else protocol.completion_response
+    return JSONResponse(build(rid, protocol.now_s(), daemon.served_model_name, "", None,
+                              protocol.usage(*choices.usage_of(results)), choices=rendered))
+
+
+async def _collect_choices(group: "choices.Choices") -> list:
+    try:
+        return await choices.collect(group)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_dead", reason="engine", headers={"Retry-After": "5"}) from None
+
+
+async def _collect(generation: Generation) -> tuple[str, RequestOutput | None, list]:
     parts: list[str] = []
+    logprobs: list = []
     last = None
     try:
         async for out in generation.outputs():
             if out.text:
                 parts.append(out.text)
+            if out.logprobs:
+                logprobs.extend(out.logprobs)
             last = out
     except ValueError as exc:  # the engine refused the request at admission
         raise APIError(400, str(exc)) from None
     except EngineDeadError as exc:
         raise APIError(503, str(exc), code="engine_dead", reason="engine", headers={"Retry-After": "5"}) from None
-    return "".join(parts), last
+    return "".join(parts), last, logprobs
 
 
 async def _client_gone(request: Request) -> None:

@@ -2,7 +2,8 @@
 
 Requests are validated here once (pydantic, at the edge); the engine only sees plain SamplingParams.
 Unknown fields are ignored the way OpenAI-compatible servers do; fields we understand but cannot honour
-(n > 1, logprobs, tools, ...) are refused with a clear 400 by `unsupported()` instead of being dropped.
+(tools, best_of, ...) are refused with a clear 400 by `unsupported()` instead of being dropped, and values
+out of OpenAI's ranges by `invalid()` (400 invalid_request_error).
 """
 from __future__ import annotations
 
@@ -13,6 +14,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
+
+
+MAX_N = 128  # OpenAI's bound on choices per request
+MAX_TOP_LOGPROBS = 20  # chat
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions endpoint
+
+
+def _token_id(key: str) -> int | None:
+    """A logit_bias key as a token id ("50256" -> 50256), None if it is not a plain non-negative integer."""
+    return int(key) if isinstance(key, str) and key.isdecimal() and key.isascii() and len(key) < 12 else None
 
 
 class StreamOptions(BaseModel):
@@ -32,29 +43,49 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
-    n: int = Field(default=1, ge=1)
+    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension, like min_p
+    min_p: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first field we understand but cannot honour, else None."""
-        if self.n != 1:
-            return "n", f"n={self.n} is not supported: this server returns exactly one choice (n=1)"
-        if self.presence_penalty or self.frequency_penalty:
-            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            return param, f"{param} is not supported (leave it unset or 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
+        return None
+
+    def invalid(self, vocab_size: int | None) -> tuple[str, str] | None:
+        """(param, message) for the first value outside OpenAI's range, else None (NaN is never in range)."""
+        if not 1 <= self.n <= MAX_N:
+            return "n", f"n must be between 1 and {MAX_N}, got {self.n}"
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and not -2.0 <= value <= 2.0:
+                return name, f"{name} must be between -2 and 2, got {value}"
+        if self.repetition_penalty is not None and not 0.0 < self.repetition_penalty <= 10.0:
+            return "repetition_penalty", f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            return "min_p", f"min_p must be between 0 and 1, got {self.min_p}"
+        for key, bias in (self.logit_bias or {}).items():
+            token = _token_id(key)
+            if token is None or (vocab_size is not None and token >= vocab_size):
+                bound = f" in [0, {vocab_size})" if vocab_size is not None else ""
+                return "logit_bias", f"logit_bias keys must be token ids{bound}, got {key!r}"
+            if not -100.0 <= bias <= 100.0:
+                return "logit_bias", f"logit_bias values must be between -100 and 100, got {bias} for token {key}"
+        return None
+
+    def logprobs_wanted(self) -> int | None:
+        """How many top logprobs per token (0: only the sampled token's), or None for no logprobs."""
         return None
 
     @property
@@ -85,6 +116,12 @@ class SamplingFields(BaseModel):
             stop=self.stop_strings,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            logprobs=self.logprobs_wanted(),
         )
 
 
@@ -100,15 +137,21 @@ class CompletionRequest(SamplingFields):
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
             if len(self.prompt) != 1:
                 return "prompt", "a batch of prompts is not supported: send one prompt per request"
-        if self.echo:
-            return "echo", "echo is not supported"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported"
+        if self.echo and self.logprobs is not None:
+            return "logprobs", "logprobs of the prompt (echo with logprobs) are not supported"
         if self.best_of not in (None, 1):
             return "best_of", "best_of > 1 is not supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
         return super().unsupported()
+
+    def invalid(self, vocab_size: int | None) -> tuple[str, str] | None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            return "logprobs", f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {self.logprobs}"
+        return super().invalid(vocab_size)
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt, as text or token ids (call after unsupported() returned None)."""
@@ -148,13 +191,22 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs", "logprobs are not supported"
         if self.tools:
             return "tools", "tool calling is not supported"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format", "only response_format {\"type\": \"text\"} is supported"
         return super().unsupported()
+
+    def invalid(self, vocab_size: int | None) -> tuple[str, str] | None:
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                return "top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}"
+            if not self.logprobs:
+                return "top_logprobs", "top_logprobs needs logprobs set to true"
+        return super().invalid(vocab_size)
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are sent.
@@ -186,20 +238,31 @@ def now_s() -> int:
     return int(time.time())
 
 
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
 def completion_response(rid: str, created: int, model: str, text: str, finish_reason: str | None,
-                        usage_: dict[str, Any]) -> dict[str, Any]:
+                        usage_: dict[str, Any], logprobs: dict | None = None,
+                        choices: list[dict] | None = None) -> dict[str, Any]:
+    """One choice from text/finish_reason/logprobs, or `choices` (n > 1) built with completion_choice."""
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": choices if choices is not None else [completion_choice(0, text, finish_reason, logprobs)],
         "usage": usage_,
     }
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None,
-                     with_usage_field: bool) -> dict[str, Any]:
+                     with_usage_field: bool, index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [completion_choice(index, text, finish_reason, logprobs)],
     }
     if with_usage_field:
         chunk["usage"] = None
@@ -207,28 +270,51 @@ def completion_chunk(rid: str, created: int, model: str, text: str, finish_reaso
 
 
 def chat_response(rid: str, created: int, model: str, text: str, finish_reason: str | None,
-                  usage_: dict[str, Any]) -> dict[str, Any]:
+                  usage_: dict[str, Any], logprobs: dict | None = None,
+                  choices: list[dict] | None = None) -> dict[str, Any]:
+    """One choice from text/finish_reason/logprobs, or `choices` (n > 1) built with chat_choice."""
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }],
+        "choices": choices if choices is not None else [chat_choice(0, text, finish_reason, logprobs)],
         "usage": usage_,
     }
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None,
-               with_usage_field: bool) -> dict[str, Any]:
+               with_usage_field: bool, index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if with_usage_field:
         chunk["usage"] = None
     return chunk
+
+
+# --- logprobs, as each endpoint spells them ---
+
+
+def chat_logprobs(entries: list) -> dict[str, Any]:
+    """choices[].logprobs of a chat completion (or of one stream chunk) from the engine's TokenLogprob entries."""
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+                         "top_logprobs": [{"token": text, "logprob": lp, "bytes": list(text.encode())}
+                                          for _, text, lp in e.top]}
+                        for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: list, text_offset: int) -> dict[str, Any]:
+    """choices[].logprobs of a legacy completion; `text_offset` is where the first token starts in the text.
+
+    As vLLM: each top_logprobs dict holds the k most likely tokens and the sampled one.
+    """
+    offsets = []
+    for e in entries:
+        offsets.append(text_offset)
+        text_offset += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{**{text: lp for _, text, lp in e.top}, e.token: e.logprob} for e in entries],
+            "text_offset": offsets}
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, usage_: dict[str, Any]) -> dict[str, Any]:

@@ -24,46 +24,85 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 class ChunkRenderer:
-    """SSE events of one stream; the per-token event is a prebuilt template around json.dumps(text)."""
+    """SSE events of one stream; the per-token event is a prebuilt template around json.dumps(text).
+
+    With `logprobs` each text event carries the logprobs of the tokens it holds (tokens that produced no
+    text yet, a split UTF-8 character, wait for the next event); `echo` is the prompt text a completion
+    stream starts with. `index` names the choice when n > 1.
+    """
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool,
-                 continuous_usage: bool = False) -> None:
+                 continuous_usage: bool = False, logprobs: bool = False, echo: str | None = None) -> None:
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
         # With include_usage every chunk carries "usage": null and one last chunk carries the counts.
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
+        self.logprobs = logprobs
+        self.echo = echo
+        self._pending: dict[int, list] = {}  # choice index -> logprob entries not sent yet
+        self._offsets: dict[int, int] = {}  # completions: text offset of the next token, per choice
         head = json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                            "created": created, "model": model}, separators=(",", ":"))[:-1]
-        if chat:
-            self._text_head = 'data: ' + head + ',"choices":[{"index":0,"delta":{"content":'
-            self._text_tail = '},"logprobs":null,"finish_reason":null}]'
-        else:
-            self._text_head = 'data: ' + head + ',"choices":[{"index":0,"text":'
-            self._text_tail = ',"logprobs":null,"finish_reason":null}]'
+        self._index_head = 'data: ' + head + ',"choices":[{"index":'
+        self._content_head = ',"delta":{"content":' if chat else ',"text":'
+        self._text_head = self._index_head + '0' + self._content_head
+        self._logprobs_head = '},"logprobs":' if chat else ',"logprobs":'
+        self._text_tail = self._logprobs_head + 'null,"finish_reason":null}]'
         self._text_end = (',"usage":null}\n\n' if include_usage else '}\n\n')
 
-    def text(self, text: str, out: RequestOutput) -> str:
+    def text(self, text: str, out: RequestOutput, index: int = 0) -> str:
         if self.continuous_usage:
             p, c = out.num_prompt_tokens, out.num_output_tokens
             end = f',"usage":{{"prompt_tokens":{p},"completion_tokens":{c},"total_tokens":{p + c}}}}}\n\n'
         else:
             end = self._text_end
-        return self._text_head + json.dumps(text, ensure_ascii=False) + self._text_tail + end
+        head = self._text_head if index == 0 else self._index_head + str(index) + self._content_head
+        tail = self._text_tail
+        if self.logprobs:
+            self.hold(out, index)
+            tail = (self._logprobs_head + json.dumps(self._take(index), separators=(",", ":"), ensure_ascii=False)
+                    + ',"finish_reason":null}]')
+        return head + json.dumps(text, ensure_ascii=False) + tail + end
 
-    def role(self) -> str:
-        return _event(protocol.chat_chunk(self.rid, self.created, self.model, {"role": "assistant", "content": ""},
-                                          None, self.include_usage))
+    def hold(self, out: RequestOutput, index: int = 0) -> None:
+        """Keep the logprobs of an output that brought no text, for the next event of that choice."""
+        if out.logprobs:
+            self._pending.setdefault(index, []).extend(out.logprobs)
 
-    def finish(self, reason: str) -> str:
+    def _take(self, index: int) -> dict | None:
+        entries = self._pending.pop(index, [])
         if self.chat:
-            chunk = protocol.chat_chunk(self.rid, self.created, self.model, {}, reason, self.include_usage)
+            return protocol.chat_logprobs(entries)
+        offset = self._offsets.get(index, len(self.echo or ""))
+        rendered = protocol.completion_logprobs(entries, offset)
+        self._offsets[index] = offset + sum(len(e.token) for e in entries)
+        return rendered
+
+    def role(self, index: int = 0) -> str:
+        return _event(protocol.chat_chunk(self.rid, self.created, self.model, {"role": "assistant", "content": ""},
+                                          None, self.include_usage, index=index))
+
+    def echo_event(self, index: int = 0) -> str:
+        """The first event of an echoing completion: the prompt's text."""
+        return _event(protocol.completion_chunk(self.rid, self.created, self.model, self.echo or "", None,
+                                                self.include_usage, index=index))
+
+    def finish(self, reason: str, index: int = 0) -> str:
+        logprobs = self._take(index) if self.logprobs and self._pending.get(index) else None
+        if self.chat:
+            chunk = protocol.chat_chunk(self.rid, self.created, self.model, {}, reason, self.include_usage,
+                                        index=index, logprobs=logprobs)
         else:
-            chunk = protocol.completion_chunk(self.rid, self.created, self.model, "", reason, self.include_usage)
+            chunk = protocol.completion_chunk(self.rid, self.created, self.model, "", reason, self.include_usage,
+                                              index=index, logprobs=logprobs)
         return _event(chunk)
 
     def usage(self, out: RequestOutput) -> str:
+        return self.usage_counts(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+
+    def usage_counts(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        usage = protocol.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+        usage = protocol.usage(prompt_tokens, completion_tokens, cached_tokens)
         return _event(protocol.usage_chunk(self.rid, self.created, self.model, obj, usage))
 
 
@@ -74,12 +113,16 @@ def _event(data: dict) -> str:
 async def stream_events(daemon: Daemon, generation: Generation, render: ChunkRenderer) -> AsyncIterator[str]:
     if render.chat:
         yield render.role()
+    elif render.echo is not None:
+        yield render.echo_event()
     last = None
     try:
         async for out in generation.outputs():
             last = out
             if out.text:
                 yield render.text(out.text, out)
+            elif out.logprobs:
+                render.hold(out)
     except (ValueError, EngineDeadError) as exc:
         # The 200 and maybe some text went out already: the error becomes the stream's last event.
         daemon.metrics.record_error("invalid_request" if isinstance(exc, ValueError) else "engine")
