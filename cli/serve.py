@@ -32,17 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--backend", choices=["model", "sim"], default="model",
                    help="model: run the model; sim: the cost model's time passes instead (same scheduler and API)")
     m.add_argument("--hardware", default="h100", help="sim backend: hardware preset (a100, h100, h200, ...)")
-    m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    m.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    m.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default="auto")
+    m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when present")
+    m.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="auto: the checkpoint's, or what the device runs best")
+    m.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default="auto",
+                   help="attention kernels (auto: the best the device has)")
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="random weights and unseeded sampling")
 
     c = p.add_argument_group("KV cache")
-    c.add_argument("--block-size", type=int, default=16)
+    c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     c.add_argument("--num-kv-blocks", type=int, default=0, help="0: size from --kv-memory-fraction")
-    c.add_argument("--kv-memory-fraction", type=float, default=0.9)
-    c.add_argument("--no-prefix-caching", action="store_true")
+    c.add_argument("--kv-memory-fraction", type=float, default=0.9,
+                   help="share of free device memory for the KV cache")
+    c.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
 
     s = p.add_argument_group("scheduling (ceilings fixed at start; live knobs move below them)")
     s.add_argument("--max-token-budget", type=int, default=2048, help="ceiling of the token budget")
@@ -50,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-budget", default="auto",
                    help="tokens per iteration, or auto: from the profile and --tpot-slo-ms "
                         f"(else {DEFAULT_TOKEN_BUDGET})")
-    s.add_argument("--max-num-seqs", type=int, default=64)
-    s.add_argument("--max-partial-prefills", type=int, default=1)
+    s.add_argument("--max-num-seqs", type=int, default=64, help="live cap on running requests")
+    s.add_argument("--max-partial-prefills", type=int, default=1, help="live cap on concurrent partial prefills")
     s.add_argument("--long-prefill-threshold", type=int, default=0, help="0: no per-request prefill cap")
     s.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT target: picks the starting budget")
     s.add_argument("--policy", choices=["stall_free", "prefill_priority", "decode_priority"], default="stall_free",
@@ -62,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1",
                    help="address to bind; loopback unless told (containers pass 0.0.0.0)")
-    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--port", type=int, default=8000, help="HTTP port")
     h.add_argument("--admin-token-file", default=None, help="file holding the admin bearer token "
                    "(else env STALLFREE_ADMIN_TOKEN; without one the admin API is closed)")
     h.add_argument("--api-key-file", default=None, help="file holding the API key (else env STALLFREE_API_KEY; "
@@ -80,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads that template and tokenize large prompts off the event loop")
     h.add_argument("--drain-timeout-s", type=float, default=30.0, help="grace period for in-flight requests")
     h.add_argument("--stats-window-s", type=float, default=30.0, help="sliding window of /admin/stats")
-    h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     return p
 
 

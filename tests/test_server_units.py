@@ -117,3 +117,24 @@ def test_start_up_failure_exits_1(capsys) -> None:
     assert main(["--model", "no-such-model", "--host", "127.0.0.1", "--port", str(free_port()),
                  "--log-level", "error"]) == 1
     assert "no-such-model" in capsys.readouterr().err
+
+
+def test_serve_binds_loopback_unless_told_and_help_shows_defaults(capsys) -> None:
+    from stallfree.cli.serve import build_parser, parse_options
+
+    assert parse_options(["--backend", "sim"]).args.host == "127.0.0.1"
+    assert parse_options(["--backend", "sim", "--host", "0.0.0.0"]).args.host == "0.0.0.0"
+    help_text = " ".join(build_parser().format_help().split())
+    for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: 10.0)", "(default: 30.0)",
+                  "(default: 4096)", "(default: smollm2-135m)"):
+        assert shown in help_text, shown
+
+
+def test_rendered_daemons_listen_on_every_interface() -> None:
+    """Pods are reached through a Service: the rendered Deployment passes --host 0.0.0.0 itself."""
+    from stallfree.operator.api.spec import parse_spec
+    from stallfree.operator.reconcile.render import pod_template, startup_knobs
+
+    spec = parse_spec({"model": {"source": "embedded", "name": "smollm2-135m"}, "slos": {"tpotP99Ms": 200}})
+    args = pod_template("svc", spec, startup_knobs(spec, None))["spec"]["containers"][0]["args"]
+    assert args[args.index("--host") + 1] == "0.0.0.0"
