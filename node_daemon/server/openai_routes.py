@@ -25,6 +25,8 @@ router = APIRouter()
 
 # OpenAI's default for the legacy completions endpoint; chat defaults to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Texts longer than this are counted in pieces of this size before they are tokenized whole.
+PIECE_CHARS = 1 << 16
 
 
 def require_api_key(request: Request) -> None:
@@ -99,11 +101,23 @@ def _check_text_length(daemon: Daemon, num_chars: int, param: str) -> None:
                        param=param, code="context_length_exceeded")
 
 
-def _encode(daemon: Daemon, text: str) -> list[int]:
+def _encode(daemon: Daemon, text: str, param: str = "prompt") -> list[int]:
+    """The prompt's token ids. A long text is first counted piece by piece, stopping once it is surely past the
+    context: the ids of millions of tokens are never built (building and freeing them holds the GIL)."""
+    engine = daemon.require_engine()
     try:
-        return daemon.require_engine().encode(text)
+        if len(text) > PIECE_CHARS:
+            context, counted = engine.max_model_len, 0
+            for n, start in enumerate(range(0, len(text), PIECE_CHARS)):
+                counted += len(engine.encode(text[start:start + PIECE_CHARS]))
+                # Each piece may add a BOS and one token at its cut: never refuse a prompt that fits.
+                if counted - 2 * (n + 1) >= context:
+                    raise APIError(400, f"This model's maximum context length is {context} tokens, but the prompt "
+                                   f"has more than {counted - 2 * (n + 1)} tokens. Shorten the prompt.",
+                                   param=param, code="context_length_exceeded")
+        return engine.encode(text)
     except (ValueError, TypeError) as exc:
-        raise APIError(400, f"cannot tokenize the prompt: {exc}", param="prompt") from None
+        raise APIError(400, f"cannot tokenize the prompt: {exc}", param=param) from None
 
 
 def _template_and_encode(daemon: Daemon, messages: list[dict[str, str]]) -> list[int]:
@@ -111,7 +125,7 @@ def _template_and_encode(daemon: Daemon, messages: list[dict[str, str]]) -> list
         text = daemon.require_engine().apply_chat_template(messages, add_generation_prompt=True)
     except ValueError as exc:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
-    return _encode(daemon, text)
+    return _encode(daemon, text, "messages")
 
 
 def _check_token_ids(daemon: Daemon, ids: list[int]) -> list[int]:
