@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from stallfree.node_daemon.server.errors import error_body
-
-log = logging.getLogger("stallfree.server")
-
 
 def _raw_response(status: int, phrase: str, message: str, code: str, extra: str = "") -> bytes:
     body = json.dumps(error_body(status, message, code=code)).encode()
