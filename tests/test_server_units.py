@@ -138,3 +138,20 @@ def test_rendered_daemons_listen_on_every_interface() -> None:
     spec = parse_spec({"model": {"source": "embedded", "name": "smollm2-135m"}, "slos": {"tpotP99Ms": 200}})
     args = pod_template("svc", spec, startup_knobs(spec, None))["spec"]["containers"][0]["args"]
     assert args[args.index("--host") + 1] == "0.0.0.0"
+
+
+def test_long_prompts_are_counted_in_pieces_and_never_refused_when_they_fit() -> None:
+    from types import SimpleNamespace
+
+    from stallfree.node_daemon.server.errors import APIError
+    from stallfree.node_daemon.server.openai_routes import PIECE_CHARS, _encode
+    from stallfree.node_daemon.text.tokenizer import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer(512)  # one token per byte: the count is exact
+    engine = SimpleNamespace(max_model_len=3 * PIECE_CHARS, encode=tokenizer.encode)
+    daemon = SimpleNamespace(require_engine=lambda: engine)
+    fits = "ab c" * (3 * PIECE_CHARS // 4 - 1)  # just under the context, over two pieces
+    assert _encode(daemon, fits) == tokenizer.encode(fits)
+    with pytest.raises(APIError) as caught:
+        _encode(daemon, "x" * (4 * PIECE_CHARS))
+    assert caught.value.status == 400 and caught.value.code == "context_length_exceeded"
