@@ -23,7 +23,8 @@ DEFAULT_TOKEN_BUDGET = 512
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="stallfree serve", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="stallfree serve", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model and device")
     m.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (embedded GGUF), a shape name (random weights), a HF folder or a .gguf file")
@@ -31,17 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--backend", choices=["model", "sim"], default="model",
                    help="model: run the model; sim: the cost model's time passes instead (same scheduler and API)")
     m.add_argument("--hardware", default="h100", help="sim backend: hardware preset (a100, h100, h200, ...)")
-    m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    m.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    m.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default="auto")
+    m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when present")
+    m.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="auto: the checkpoint's, or what the device runs best")
+    m.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default="auto",
+                   help="attention kernels (auto: the best the device has)")
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="random weights and unseeded sampling")
 
     c = p.add_argument_group("KV cache")
-    c.add_argument("--block-size", type=int, default=16)
+    c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     c.add_argument("--num-kv-blocks", type=int, default=0, help="0: size from --kv-memory-fraction")
-    c.add_argument("--kv-memory-fraction", type=float, default=0.9)
-    c.add_argument("--no-prefix-caching", action="store_true")
+    c.add_argument("--kv-memory-fraction", type=float, default=0.9,
+                   help="share of free device memory for the KV cache")
+    c.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
 
     s = p.add_argument_group("scheduling (ceilings fixed at start; live knobs move below them)")
     s.add_argument("--max-token-budget", type=int, default=2048, help="ceiling of the token budget")
@@ -49,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-budget", default="auto",
                    help="tokens per iteration, or auto: from the profile and --tpot-slo-ms "
                         f"(else {DEFAULT_TOKEN_BUDGET})")
-    s.add_argument("--max-num-seqs", type=int, default=64)
-    s.add_argument("--max-partial-prefills", type=int, default=1)
+    s.add_argument("--max-num-seqs", type=int, default=64, help="live cap on running requests")
+    s.add_argument("--max-partial-prefills", type=int, default=1, help="live cap on concurrent partial prefills")
     s.add_argument("--long-prefill-threshold", type=int, default=0, help="0: no per-request prefill cap")
     s.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT target: picks the starting budget")
     s.add_argument("--policy", choices=["stall_free", "prefill_priority", "decode_priority"], default="stall_free",
@@ -59,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--profile-max-seconds", type=float, default=60.0, help="time cap on the start-up profile")
 
     h = p.add_argument_group("HTTP")
-    h.add_argument("--host", default="0.0.0.0")
-    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; loopback unless told (containers pass 0.0.0.0)")
+    h.add_argument("--port", type=int, default=8000, help="HTTP port")
     h.add_argument("--admin-token-file", default=None, help="file holding the admin bearer token "
                    "(else env STALLFREE_ADMIN_TOKEN; without one the admin API is closed)")
     h.add_argument("--api-key-file", default=None, help="file holding the API key (else env STALLFREE_API_KEY; "
@@ -68,9 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--max-queue-requests", type=int, default=1024, help="queued requests before 429 (0: no bound)")
     h.add_argument("--max-queue-tokens", type=int, default=0, help="queued prompt tokens before 429 (0: no bound)")
     h.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request bodies above this get 413")
+    h.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="a request's headers must arrive within this, else 408 and the connection closes")
+    h.add_argument("--body-timeout-s", type=float, default=30.0,
+                   help="a request's body must arrive within this after its headers, else 408")
+    h.add_argument("--max-connections", type=int, default=4096,
+                   help="open connections before new ones get 503 and are closed")
+    h.add_argument("--text-workers", type=int, default=2,
+                   help="threads that template and tokenize large prompts off the event loop")
     h.add_argument("--drain-timeout-s", type=float, default=30.0, help="grace period for in-flight requests")
     h.add_argument("--stats-window-s", type=float, default=30.0, help="sliding window of /admin/stats")
-    h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     return p
 
 
@@ -93,13 +106,13 @@ def parse_options(argv: list[str]) -> ServeOptions:
 
     args = build_parser().parse_args(argv)
     for flag in ("block_size", "max_token_budget", "max_num_seqs_ceiling", "max_num_seqs", "max_partial_prefills",
-                 "max_body_bytes"):
+                 "max_body_bytes", "max_connections", "text_workers"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     for flag in ("num_kv_blocks", "long_prefill_threshold", "max_queue_requests", "max_queue_tokens"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
-    for flag in ("drain_timeout_s", "stats_window_s", "profile_max_seconds"):
+    for flag in ("drain_timeout_s", "stats_window_s", "profile_max_seconds", "header_timeout_s", "body_timeout_s"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
@@ -203,8 +216,19 @@ def start_engine(opts: ServeOptions, daemon) -> None:
     scheduler, kv_cache = engine.scheduler, engine.kv_cache
     daemon.vocab_size = engine.vocab_size
     daemon.kv_capacity_tokens = kv_cache.num_blocks * kv_cache.block_size
-    daemon.live_counts = lambda: LiveCounts(scheduler.num_waiting, scheduler.num_running, kv_cache.usage)
+    daemon.max_chars_per_token = max_chars_per_token(engine.tokenizer)
+    num_blocks = kv_cache.num_blocks
+    # Blocks in use plus those admitted requests may still take (the scheduler's growth reserve).
+    daemon.live_counts = lambda: LiveCounts(
+        scheduler.num_waiting, scheduler.num_running, kv_cache.usage, scheduler.num_partial_prefills,
+        min(1.0, (num_blocks - kv_cache.num_free_blocks + scheduler._growth_blocks) / num_blocks))
     daemon.metrics.set_tuning(engine.get_tuning())
+    ceilings, a = engine.ceilings, opts.args
+    daemon.metrics.set_engine_config({
+        "backend": a.backend, "device": device, "dtype": _engine_dtype(engine, a.dtype),
+        "attention_backend": a.attention_backend, "block_size": kv_cache.block_size, "num_kv_blocks": num_blocks,
+        "max_model_len": engine.max_model_len, "max_token_budget": ceilings.max_token_budget,
+        "max_num_seqs": ceilings.max_num_seqs, "policy": a.policy, "prefix_caching": not a.no_prefix_caching})
     async_engine = AsyncEngine(engine, opts.served_model_name)
     daemon.engine_error = lambda: None if async_engine.is_running else "the engine loop is not running"
     daemon.engine = async_engine
@@ -213,9 +237,30 @@ def start_engine(opts: ServeOptions, daemon) -> None:
              engine.max_model_len, kv_cache.num_blocks, kv_cache.block_size)
 
 
+def _engine_dtype(engine, requested: str) -> str:
+    """The dtype the model runs in (the loaded model's when there is one)."""
+    runner = getattr(engine.executor, "runner", None)
+    dtype = getattr(getattr(runner, "loaded", None), "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else requested
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """The longest text one token stands for, so a prompt's length bounds its token count from below."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None:
+        return None
+    longest = max((len(token) for token in backend.get_vocab(with_added_tokens=True)), default=0)
+    if longest < 1:
+        return None
+    # A normalizer may shrink text (NFC composes characters): a wide margin, never a refused prompt that fits.
+    return longest * (4 if backend.normalizer is not None else 1)
+
+
 def build_daemon(opts: ServeOptions):
     """The Daemon (not started) and its FastAPI app."""
     from stallfree.node_daemon.server.metrics import EngineMetrics
+    from concurrent.futures import ThreadPoolExecutor
+
     from stallfree.node_daemon.server.app import Daemon, create_app
     from stallfree.node_daemon.server.auth import Auth
     from stallfree.node_daemon.server.backpressure import AdmissionControl
@@ -233,8 +278,21 @@ def build_daemon(opts: ServeOptions):
         served_model_name=opts.served_model_name,
         tpot_slo_ms=a.tpot_slo_ms,
         starting="loading model",
+        text_workers=ThreadPoolExecutor(a.text_workers, thread_name_prefix="stallfree-text"),
     )
-    return daemon, create_app(daemon, max_body_bytes=a.max_body_bytes)
+    return daemon, create_app(daemon, max_body_bytes=a.max_body_bytes, body_timeout_s=a.body_timeout_s)
+
+
+def uvicorn_config(opts: ServeOptions, daemon, app):
+    """uvicorn over the daemon's app with the connection limits (header deadline, connection cap)."""
+    import uvicorn
+
+    from stallfree.node_daemon.server.connections import limited_h11_protocol
+
+    a = opts.args
+    protocol = limited_h11_protocol(a.header_timeout_s, a.max_connections, daemon.metrics.record_error)
+    return uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False, http=protocol,
+                          timeout_graceful_shutdown=5, lifespan="off")
 
 
 async def abort_in_flight(daemon, request_id: str) -> None:
@@ -249,7 +307,6 @@ def main(argv: list[str]) -> int:
         print(f"stallfree serve: error: {exc}", file=sys.stderr)
         return 2
     import prometheus_client
-    import uvicorn
 
     from stallfree.node_daemon.server.drain import DrainingServer
 
@@ -257,9 +314,7 @@ def main(argv: list[str]) -> int:
 
     logging.basicConfig(level=opts.args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     daemon, app = build_daemon(opts)
-    config = uvicorn.Config(app, host=opts.args.host, port=opts.args.port, log_level=opts.args.log_level,
-                            access_log=False, timeout_graceful_shutdown=5, lifespan="off")
-    server = DrainingServer(config, daemon.drain, lambda rid: abort_in_flight(daemon, rid))
+    server = DrainingServer(uvicorn_config(opts, daemon, app), daemon.drain, lambda rid: abort_in_flight(daemon, rid))
     failure: list[BaseException] = []
 
     def start_up() -> None:

@@ -12,7 +12,7 @@ import uvicorn
 
 from stallfree.node_daemon.server.app import Daemon
 from stallfree.operator.local.daemons import free_port
-from stallfree.cli.serve import build_daemon, parse_options, start_engine
+from stallfree.cli.serve import build_daemon, parse_options, start_engine, uvicorn_config
 
 ADMIN_TOKEN = "test-admin-token"
 # Small ceilings keep the tiny model's start-up profile to a second or two.
@@ -53,13 +53,13 @@ def running_daemon(extra_args: list[str] = (), admin_token: str | None = ADMIN_T
     port = free_port()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_env("STALLFREE_ADMIN_TOKEN", admin_token))
-        opts = parse_options([*base_args, *extra_args, "--host", "127.0.0.1", "--port", str(port)])
+        opts = parse_options([*base_args, "--log-level", "warning", *extra_args, "--host", "127.0.0.1",
+                              "--port", str(port)])
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the test machine is shared: one intra-op thread keeps iterations steady
         daemon, app = build_daemon(opts)
         start_engine(opts, daemon)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                               access_log=False, lifespan="off"))
+        server = uvicorn.Server(uvicorn_config(opts, daemon, app))  # the daemon's own connection limits
         thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
         thread.start()
         try:

@@ -15,12 +15,12 @@ MODEL = "tiny-test"
 
 
 def value(metrics: EngineMetrics, name: str, **labels: str) -> float:
-    got = metrics.registry.get_sample_value(name, {"model": MODEL, **labels})
+    got = metrics.registry.get_sample_value(name, {"model_name": MODEL, **labels})
     assert got is not None, f"no sample {name} {labels}"
     return got
 
 
-def test_required_series_exist_with_model_label() -> None:
+def test_required_series_exist_with_model_name_label() -> None:
     metrics = EngineMetrics(MODEL)
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
     required = [
@@ -39,7 +39,7 @@ def test_required_series_exist_with_model_label() -> None:
     for family in families.values():
         assert family.name.startswith("stallfree_")
         for sample in family.samples:
-            assert sample.labels.get("model") == MODEL, sample
+            assert sample.labels.get("model_name") == MODEL, sample
 
 
 def test_token_latency_buckets_resolve_milliseconds() -> None:
@@ -115,4 +115,4 @@ def test_errors_by_reason_and_tuning_gauges() -> None:
 def test_two_daemons_in_one_process_do_not_collide() -> None:
     a, b = EngineMetrics("a"), EngineMetrics("b")
     a.record_error("internal")
-    assert b.registry.get_sample_value("stallfree_request_errors_total", {"model": "b", "reason": "internal"}) == 0
+    assert b.registry.get_sample_value("stallfree_request_errors_total", {"model_name": "b", "reason": "internal"}) == 0

@@ -27,7 +27,7 @@ def test_health_ready_and_metrics(live: LiveDaemon) -> None:
     metrics = httpx.get(live.url + "/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
     budget = live.daemon.engine.get_tuning().token_budget
-    assert f'stallfree_token_budget{{model="{MODEL}"}} {float(budget)}' in metrics.text
+    assert f'stallfree_token_budget{{model_name="{MODEL}"}} {float(budget)}' in metrics.text
 
 
 def test_starting_budget_comes_from_the_profile_and_the_tpot_slo(live: LiveDaemon) -> None:
@@ -67,8 +67,8 @@ def test_put_tuning_is_partial_live_and_shown_in_metrics(live: LiveDaemon) -> No
         assert put.json() == {**before, "max_partial_prefills": 2, "long_prefill_threshold": 64}
         assert httpx.get(live.url + "/admin/tuning", headers=headers).json() == put.json()
         text = httpx.get(live.url + "/metrics").text
-        assert f'stallfree_max_partial_prefills{{model="{MODEL}"}} 2.0' in text
-        assert f'stallfree_long_prefill_threshold{{model="{MODEL}"}} 64.0' in text
+        assert f'stallfree_max_partial_prefills{{model_name="{MODEL}"}} 2.0' in text
+        assert f'stallfree_long_prefill_threshold{{model_name="{MODEL}"}} 64.0' in text
         r = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": list(range(20, 220)),
                                                            "max_tokens": 4, "ignore_eos": True}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

@@ -52,16 +52,126 @@ def test_malformed_json_is_400(http: httpx.Client) -> None:
     _still_serving(http)
 
 
-def test_wrong_types_are_422_and_name_the_field(http: httpx.Client) -> None:
+def test_wrong_types_and_invalid_values_are_400_and_name_the_field(http: httpx.Client) -> None:
+    """OpenAI answers 400 invalid_request_error (the openai client's BadRequestError), never 422."""
     error = _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": "many"}),
-                          422)
-    assert "max_tokens" in error["message"]
-    _assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": "hello"}), 422)
+                          400, "max_tokens")
+    assert "max_tokens" in error["message"] and error["type"] == "invalid_request_error"
+    assert error["code"] == "invalid_type"
+    _assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": "hello"}), 400)
     _assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard",
-                                                                                          "content": "hi"}]}), 422)
-    _assert_error(http.post("/v1/completions", json={"model": MODEL}), 422)  # prompt missing
-    _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "temperature": -1}), 422)
+                                                                                          "content": "hi"}]}), 400)
+    _assert_error(http.post("/v1/completions", json={"model": MODEL}), 400)  # prompt missing
+    error = _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "temperature": -1}),
+                          400, "temperature")
+    assert error["code"] == "invalid_value"
     _still_serving(http)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", True), ("max_tokens", 2.0), ("stream", "yes"), ("stream", 1), ("n", True), ("seed", "7"),
+    ("temperature", "0.5"), ("temperature", True), ("ignore_eos", "false"), ("stop_token_ids", [True]),
+    ("model", ["tiny"]), ("prompt", 12), ("top_k", 1.5),
+])
+def test_no_silent_type_coercion(http: httpx.Client, field: str, value) -> None:
+    """`"max_tokens": true` is not 1 and `"stream": "yes"` is not true: a wrong type is a 400, not a guess."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, field: value}
+    error = _assert_error(http.post("/v1/completions", json=body), 400)
+    assert error["param"].split(".")[0] == field and error["code"] == "invalid_type"
+
+
+def test_an_int_is_still_a_valid_float(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "temperature": 0,
+                                           "top_p": 1})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("seed", [1 << 64, -(1 << 63) - 1, 10 ** 30])
+def test_a_seed_beyond_64_bits_is_400_and_the_server_keeps_serving(http: httpx.Client, seed: int) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "temperature": 1.0, "seed": seed}
+    error = _assert_error(http.post("/v1/completions", json=body), 400)
+    assert "64" in error["message"]
+    for good in (0, (1 << 64) - 1, -(1 << 63)):
+        ok = http.post("/v1/completions", json=body | {"seed": good})
+        assert ok.status_code == 200, ok.text
+    _still_serving(http)
+
+
+def test_tool_choice_without_tools_is_400(http: httpx.Client) -> None:
+    for choice in ("auto", "none", {"type": "function", "function": {"name": "f"}}):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tool_choice": choice}
+        _assert_error(http.post("/v1/chat/completions", json=body), 400, "tool_choice")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f"}}]}
+    _assert_error(http.post("/v1/chat/completions", json=body), 400, "tools")
+    _assert_error(http.post("/v1/chat/completions", json=body | {"tools": None, "response_format": {
+        "type": "json_object"}}), 400, "response_format")
+
+
+SURROGATE_BODIES = [
+    ("/v1/completions", '{"model": "tiny", "prompt": "\\ud800", "max_tokens": 2}'),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "stop": ["a\\udc00"], "max_tokens": 2}'),
+    ("/v1/completions", '{"model": "tiny\\ud83d", "prompt": "x"}'),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "user": "\\udfff"}'),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "hi \\ud800 there"}]}'),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+                             '"text": "\\ud800"}]}]}'),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "x", "name": "\\ud800"}]}'),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "\\ud800": 1}'),
+]
+
+
+@pytest.mark.parametrize("path, raw", SURROGATE_BODIES)
+def test_lone_surrogates_in_any_text_field_are_400(http: httpx.Client, path: str, raw: str) -> None:
+    error = _assert_error(http.post(path, content=raw.encode(), headers={"content-type": "application/json"}), 400)
+    assert error["code"] == "invalid_unicode"
+    _still_serving(http)
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                                          ("PUT", "/admin/tuning"), ("POST", "/admin/tuning")])
+@pytest.mark.parametrize("depth", [40, 20_000])  # 20k: past the parser's recursion limit
+def test_deep_json_nesting_is_400_on_every_route(http: httpx.Client, live: LiveDaemon, method: str, path: str,
+                                                 depth: int) -> None:
+    raw = '{"model": "tiny", "prompt": ' + "[" * depth + "]" * depth + "}"
+    response = http.request(method, path, content=raw.encode(), headers={"content-type": "application/json",
+                                                                         **live.admin_headers})
+    error = _assert_error(response, 400)
+    assert "nested" in error["message"]
+    _still_serving(http)
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                                          ("PUT", "/admin/tuning")])
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400", "-1e999", "1" * 30, "18446744073709551616"])
+def test_non_finite_and_absurd_numbers_are_400_on_every_route(http: httpx.Client, live: LiveDaemon, method: str,
+                                                              path: str, number: str) -> None:
+    raw = '{"model": "tiny", "prompt": "x", "messages": [], "temperature": %s, "token_budget": %s}' % (number, number)
+    response = http.request(method, path, content=raw.encode(), headers={"content-type": "application/json",
+                                                                         **live.admin_headers})
+    assert _assert_error(response, 400)["code"] == "invalid_number"
+
+
+@pytest.mark.parametrize("query", ["inf", "-inf", "nan", "1e400", "0", "-5", "1e300", "abc"])
+def test_absurd_admin_query_parameters_are_400(http: httpx.Client, live: LiveDaemon, query: str) -> None:
+    response = http.get(f"/admin/profile?tpot_slo_ms={query}", headers=live.admin_headers)
+    _assert_error(response, 400, "tpot_slo_ms" if query != "abc" else None)
+    assert http.get("/admin/profile?tpot_slo_ms=50", headers=live.admin_headers).status_code == 200
+
+
+def test_a_refused_request_logs_one_line_at_most(http: httpx.Client, caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.DEBUG):
+        for path, raw in SURROGATE_BODIES[:3]:
+            http.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+        http.post("/v1/completions", content=b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                  headers={"content-type": "application/json"})
+        http.get("/admin/profile?tpot_slo_ms=inf")
+    server = [r for r in caplog.records if r.name.startswith(("stallfree", "uvicorn", "fastapi"))]
+    assert len(server) <= 5, [r.getMessage() for r in server]
+    assert not any(r.exc_info for r in server)
+    assert "Traceback" not in "".join(r.getMessage() for r in server)
 
 
 def test_unknown_model_is_404(http: httpx.Client) -> None:

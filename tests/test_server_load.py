@@ -75,14 +75,14 @@ def test_64_streams_with_random_disconnects_free_every_kv_block(live: LiveDaemon
     assert live.llm_engine.scheduler.num_running == 0 and live.llm_engine.scheduler.num_waiting == 0
     assert live.daemon.admission.queued_requests == 0 and not live.daemon.drain.in_flight
     aborted = live.daemon.metrics.registry.get_sample_value(
-        "stallfree_request_success_total", {"model": MODEL, "finished_reason": "abort"})
+        "stallfree_request_success_total", {"model_name": MODEL, "finished_reason": "abort"})
     assert 1 <= aborted <= 16
 
 
 def test_non_streaming_client_that_gives_up_is_aborted(live: LiveDaemon) -> None:
     def aborted() -> float:
         return live.daemon.metrics.registry.get_sample_value(
-            "stallfree_request_success_total", {"model": MODEL, "finished_reason": "abort"})
+            "stallfree_request_success_total", {"model_name": MODEL, "finished_reason": "abort"})
 
     before = aborted()
     body = {"model": MODEL, "prompt": "a long answer", "max_tokens": 1900, "ignore_eos": True}

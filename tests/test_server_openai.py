@@ -34,6 +34,26 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in models.data] == [MODEL]
 
 
+def test_models_retrieve_gives_the_served_model_or_not_found(client: openai.OpenAI, live: LiveDaemon) -> None:
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model" and model.owned_by == "stallfree"
+    assert model.model_extra["max_model_len"] == live.daemon.engine.max_model_len
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-9")
+    assert caught.value.body["code"] == "model_not_found"
+
+
+def test_invalid_values_raise_bad_request_as_openai_does(client: openai.OpenAI) -> None:
+    """400 invalid_request_error (BadRequestError), not 422 (which the client raises as UnprocessableEntityError)."""
+    for kwargs in ({"temperature": -1}, {"max_tokens": 0}, {"top_p": 3}, {"seed": 1 << 64},
+                   {"extra_body": {"max_tokens": True}}, {"extra_body": {"stream": "yes"}}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=MODEL, prompt="x", **({"max_tokens": 2} | kwargs))
+        assert caught.value.body["type"] == "invalid_request_error", kwargs
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tool_choice="auto")
+
+
 def test_completion_usage_and_length(client: openai.OpenAI, live: LiveDaemon) -> None:
     prompt = "The paged KV cache holds blocks"
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,

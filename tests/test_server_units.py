@@ -120,3 +120,41 @@ def test_start_up_failure_exits_1(capsys) -> None:
     assert main(["--model", "no-such-model", "--host", "127.0.0.1", "--port", str(free_port()),
                  "--log-level", "error"]) == 1
     assert "no-such-model" in capsys.readouterr().err
+
+
+def test_serve_binds_loopback_unless_told_and_help_shows_defaults(capsys) -> None:
+    from stallfree.cli.serve import build_parser, parse_options
+
+    assert parse_options(["--backend", "sim"]).args.host == "127.0.0.1"
+    assert parse_options(["--backend", "sim", "--host", "0.0.0.0"]).args.host == "0.0.0.0"
+    help_text = " ".join(build_parser().format_help().split())
+    for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: 10.0)", "(default: 30.0)",
+                  "(default: 4096)", "(default: smollm2-135m)"):
+        assert shown in help_text, shown
+
+
+def test_rendered_daemons_listen_on_every_interface() -> None:
+    """Pods are reached through a Service: the rendered Deployment passes --host 0.0.0.0 itself."""
+    from stallfree.operator.api.spec import parse_spec
+    from stallfree.operator.reconcile.render import pod_template, startup_knobs
+
+    spec = parse_spec({"model": {"source": "embedded", "name": "smollm2-135m"}, "slos": {"tpotP99Ms": 200}})
+    args = pod_template("svc", spec, startup_knobs(spec, None))["spec"]["containers"][0]["args"]
+    assert args[args.index("--host") + 1] == "0.0.0.0"
+
+
+def test_long_prompts_are_counted_in_pieces_and_never_refused_when_they_fit() -> None:
+    from types import SimpleNamespace
+
+    from stallfree.node_daemon.server.errors import APIError
+    from stallfree.node_daemon.server.openai_routes import PIECE_CHARS, _encode
+    from stallfree.node_daemon.text.tokenizer import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer(512)  # one token per byte: the count is exact
+    engine = SimpleNamespace(max_model_len=3 * PIECE_CHARS, encode=tokenizer.encode)
+    daemon = SimpleNamespace(require_engine=lambda: engine)
+    fits = "ab c" * (3 * PIECE_CHARS // 4 - 1)  # just under the context, over two pieces
+    assert _encode(daemon, fits) == tokenizer.encode(fits)
+    with pytest.raises(APIError) as caught:
+        _encode(daemon, "x" * (4 * PIECE_CHARS))
+    assert caught.value.status == 400 and caught.value.code == "context_length_exceeded"

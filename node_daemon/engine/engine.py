@@ -6,6 +6,10 @@
 The scheduler never reads a clock; this file stamps every request time (first scheduled, first and last
 token, finished) and tells the observer about each iteration, token and finish.
 
+One request's fault is its own: when the batch fails to execute, each chunk runs alone once to find the
+request(s) at fault, and an error detokenizing one request fails only that one. A failed request finishes
+with finish_reason "error" and the message; the iteration goes on for the others.
+
 Length policy (as vLLM): a prompt must leave room for at least one output token, so it may have at
 most max_model_len - 1 tokens; a larger max_tokens is accepted and generation stops at the context with
 finish_reason "length".
@@ -13,6 +17,7 @@ finish_reason "length".
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Callable, Sequence
 
@@ -25,7 +30,10 @@ from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
 from stallfree.node_daemon.engine.request import Request, RequestStatus
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.node_daemon.engine.scheduler import IterationCostModel, Scheduler
+from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
 from stallfree.node_daemon.text.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 _STOPPED = RequestStatus.FINISHED_STOPPED
 
@@ -171,8 +179,12 @@ class LLMEngine:
             request = chunk.request
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = start
-        sampled = self.executor.execute(output)
-        logprobs = getattr(self.executor, "logprobs", None)  # rows that asked for logprobs (model executor)
+        failed: list[RequestOutput] = []
+        try:
+            sampled = self.executor.execute(output)
+            logprobs = getattr(self.executor, "logprobs", None)  # rows that asked for logprobs (model executor)
+        except Exception as exc:  # noqa: BLE001 - find the request at fault; the others go on
+            sampled, logprobs = self._execute_one_by_one(output, exc, failed)
         scheduler.update_from_output(output, sampled)  # appends tokens, finishes on EOS and length
         now = self.clock()
         observer = self.observer
@@ -185,7 +197,7 @@ class LLMEngine:
                 kv_usage=self.kv_cache.usage, num_preempted=len(output.preempted),
             ))
         self.num_iterations += 1
-        outputs: list[RequestOutput] = []
+        outputs = failed
         detokenizers = self._detokenizers
         for chunk in output.chunks:
             if not chunk.samples:
@@ -194,36 +206,45 @@ class LLMEngine:
             detok = detokenizers.get(request.request_id)
             if detok is None or request.request_id not in sampled:
                 continue  # aborted since schedule()
-            token = request.output_token_ids[-1]
-            done = request.status.finished
-            token_logprobs = None
-            if done and request.status is _STOPPED and _is_stop_token(request, token):
-                text = ""  # EOS and stop tokens are not part of the text (nor of the logprobs)
-            else:
-                if logprobs and request.request_id in logprobs:
-                    token_logprobs = [self._token_logprob(logprobs[request.request_id])]
-                text = detok.add_tokens((token,))
-                if detok.stopped_by is not None:
-                    if not done:
-                        scheduler.finish_request(request.request_id, _STOPPED)
-                    request.status = _STOPPED  # a stop string wins over a simultaneous length limit
-                    done = True
-            if done:
-                text += detok.finish()
-            first = request.first_token_time is None
-            if observer is not None:
-                observer.on_token(request, now, first)
-            if first:
-                request.first_token_time = now
-            request.last_token_time = now
-            outputs.append(RequestOutput(
-                request.request_id, [token], text, done, request.status.value if done else None,
-                request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
-                logprobs=token_logprobs,
-            ))
-            if done:
-                self._release(request, now)
+            try:  # zero-cost unless it raises
+                token_logprobs = logprobs.get(request.request_id) if logprobs else None
+                outputs.append(self._process_token(request, detok, now, token_logprobs))
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                outputs.append(self._fail_request(request, f"detokenizing failed: {type(exc).__name__}: {exc}"))
         return outputs
+
+    def _process_token(self, request: Request, detok: IncrementalDetokenizer, now: float,
+                       sampled_logprobs=None) -> RequestOutput:
+        """The new text of the request's newest token; stop strings, observer, release when done."""
+        token = request.output_token_ids[-1]
+        done = request.status.finished
+        token_logprobs = None
+        if done and request.status is _STOPPED and _is_stop_token(request, token):
+            text = ""  # EOS and stop tokens are not part of the text (nor of the logprobs)
+        else:
+            if sampled_logprobs is not None:
+                token_logprobs = [self._token_logprob(sampled_logprobs)]
+            text = detok.add_tokens((token,))
+            if detok.stopped_by is not None:
+                if not done:
+                    self.scheduler.finish_request(request.request_id, _STOPPED)
+                request.status = _STOPPED  # a stop string wins over a simultaneous length limit
+                done = True
+        if done:
+            text += detok.finish()
+        first = request.first_token_time is None
+        if self.observer is not None:
+            self.observer.on_token(request, now, first)
+        if first:
+            request.first_token_time = now
+        request.last_token_time = now
+        if done:
+            self._release(request, now)
+        return RequestOutput(
+            request.request_id, [token], text, done, request.status.value if done else None,
+            request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
+            logprobs=token_logprobs,
+        )
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
@@ -238,6 +259,42 @@ class LLMEngine:
         return TokenLogprob(sampled.token_id, text(sampled.token_id), sampled.logprob,
                             [(t, text(t), lp) for t, lp in sampled.top])
 
+    def _execute_one_by_one(self, output: SchedulerOutput, batch_error: Exception,
+                            failed: list[RequestOutput]) -> tuple[dict[str, int], dict]:
+        """The batch raised: run each chunk alone so only the requests at fault fail (rare, so no hurry).
+
+        Rewriting a chunk's KV slots with the same values is harmless; the scheduler skips the failed
+        requests in update_from_output (they are finished), and advances the others as usual.
+        """
+        if len(output.chunks) == 1:
+            failed.append(self._fail_request(output.chunks[0].request, _describe(batch_error)))
+            return {}, {}
+        sampled: dict[str, int] = {}
+        logprobs: dict = {}
+        for chunk in output.chunks:
+            alone = SchedulerOutput(chunks=[chunk], token_budget=output.token_budget,
+                                    num_prefill_tokens=chunk.num_tokens if chunk.is_prefill else 0,
+                                    num_decode_tokens=0 if chunk.is_prefill else chunk.num_tokens)
+            try:
+                sampled.update(self.executor.execute(alone))
+                logprobs.update(getattr(self.executor, "logprobs", None) or {})
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                failed.append(self._fail_request(chunk.request, _describe(exc)))
+        if failed:
+            log.warning("%d of %d requests failed alone in an iteration: %s", len(failed), len(output.chunks),
+                        failed[0].error)
+        else:  # nothing failed alone: a fault of the batch, not of one request; the iteration is done anyway
+            log.warning("an iteration failed as a batch but each request ran alone: %s", _describe(batch_error))
+        return sampled, logprobs
+
+    def _fail_request(self, request: Request, message: str) -> RequestOutput:
+        """Finish one request with finish_reason "error" (KV freed at once); the others are untouched."""
+        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+        request.status = RequestStatus.FINISHED_ERROR
+        self._release(request, self.clock())
+        return RequestOutput(request.request_id, [], "", True, "error", request.num_prompt_tokens,
+                             len(request.output_token_ids), request.num_cached_tokens, error=message)
+
     def _release(self, request: Request, now: float) -> None:
         request.finished_time = now
         self._detokenizers.pop(request.request_id, None)
@@ -247,21 +304,19 @@ class LLMEngine:
             self.observer.on_finished(request, now)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
-        """Abort every unfinished request after an engine error; their outputs carry finish_reason "error"."""
+        """Fail every unfinished request after an engine error; their outputs carry finish_reason "error"."""
         outputs = []
         for request_id in list(self._detokenizers):
-            request = self.scheduler.abort_request(request_id)
-            self._detokenizers.pop(request_id, None)
+            request = self.scheduler.get_request(request_id)
             if request is None:
+                self._detokenizers.pop(request_id, None)
                 continue
-            request.finished_time = self.clock()
-            if self._free_executor_state is not None:
-                self._free_executor_state(request_id)
-            if self.observer is not None:
-                self.observer.on_finished(request, request.finished_time)
-            outputs.append(RequestOutput(request_id, [], "", True, "error", request.num_prompt_tokens,
-                                         len(request.output_token_ids), request.num_cached_tokens, error=message))
+            outputs.append(self._fail_request(request, message))
         return outputs
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _is_stop_token(request: Request, token: int) -> bool:

@@ -14,13 +14,15 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
     FINISHED_LENGTH = "length"  # max_tokens or the model's context
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # failed alone (preparing, sampling or detokenizing it raised)
 
     @property
     def finished(self) -> bool:
         return self in _FINISHED
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+             RequestStatus.FINISHED_ERROR}
 
 
 class Request:

@@ -41,6 +41,8 @@ class SamplingParams:
         """Raise ValueError naming the bad field."""
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")  # what torch.Generator takes
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

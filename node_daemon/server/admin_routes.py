@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 from fastapi import APIRouter, Depends
 from starlette.requests import Request
@@ -69,8 +70,9 @@ async def get_profile(request: Request, tpot_slo_ms: float | None = None) -> JSO
     if daemon.profile is None:
         raise APIError(404, "this daemon has no profile (started with --no-profile)", code="no_profile",
                        reason="not_found")
-    if tpot_slo_ms is not None and not tpot_slo_ms > 0:
-        raise APIError(400, "tpot_slo_ms must be positive", param="tpot_slo_ms")
+    if tpot_slo_ms is not None and not (math.isfinite(tpot_slo_ms) and 0 < tpot_slo_ms <= 1e6):
+        raise APIError(400, f"tpot_slo_ms must be a positive number of milliseconds (at most 1e6), got {tpot_slo_ms}",
+                       param="tpot_slo_ms")
     target = tpot_slo_ms if tpot_slo_ms is not None else daemon.tpot_slo_ms
     body = daemon.profile.to_dict()
     body["tpot_slo_ms"] = target

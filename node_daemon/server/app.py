@@ -1,13 +1,17 @@
 """The FastAPI app factory: one daemon's state, its routes, the error handlers and the body limit.
 
 The engine runs its loop in its own thread (AsyncEngine); this app only validates, admits, streams and
-reports, on the HTTP event loop. Everything a route needs hangs off one `Daemon` object on app.state.
+reports, on the HTTP event loop. Tokenizing and chat templating of large prompts run on a small bounded
+pool of worker threads (the tokenizer releases the GIL), so one huge prompt delays only itself.
+Everything a route needs hangs off one `Daemon` object on app.state.
 """
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from fastapi import FastAPI
 from starlette.requests import Request
@@ -19,12 +23,17 @@ from stallfree.node_daemon.engine.engine_protocol import EngineClient
 from stallfree.node_daemon.server.metrics import EngineMetrics
 from stallfree.node_daemon.server.auth import Auth
 from stallfree.node_daemon.server.backpressure import AdmissionControl
+from stallfree.node_daemon.server.body_guard import BodyGuardMiddleware
 from stallfree.node_daemon.server.body_limit import BodyLimitMiddleware
 from stallfree.node_daemon.server.drain import DrainState
 from stallfree.node_daemon.server.errors import APIError, install_error_handlers
 from stallfree.node_daemon.engine.stats_window import StatsWindow
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_TEXT_WORKERS = 2
+# Texts shorter than this are tokenized inline: a thread hop costs more than encoding them.
+INLINE_TEXT_CHARS = 8192
 
 
 @dataclass
@@ -34,6 +43,8 @@ class LiveCounts:
     num_waiting: int
     num_running: int
     kv_usage: float
+    num_partial_prefills: int = 0
+    kv_reserved: float = 0.0  # fraction of KV blocks in use or reserved for admitted requests' growth
 
 
 @dataclass
@@ -55,9 +66,18 @@ class Daemon:
     live_counts: Callable[[], LiveCounts | None] = lambda: None
     vocab_size: int | None = None
     kv_capacity_tokens: int | None = None  # the whole KV cache: no request may need more
+    # The longest text one token can stand for: a prompt longer than this times the context is refused
+    # before it is tokenized. None: unknown (always tokenize).
+    max_chars_per_token: int | None = None
+    text_workers: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(DEFAULT_TEXT_WORKERS, thread_name_prefix="stallfree-text"))
     created: int = field(default_factory=lambda: int(time.time()))
     # Aborts that run after a client left; kept so the tasks are not garbage-collected mid-flight.
     background: set = field(default_factory=set)
+
+    def live_counts_now(self) -> LiveCounts | None:
+        """What the engine holds now (read by the gauges at scrape); live_counts is replaced at start-up."""
+        return self.live_counts()
 
     def not_ready_reason(self) -> str | None:
         if self.drain.draining:
@@ -67,6 +87,12 @@ class Daemon:
         if self.engine is None:
             return "no engine"
         return self.engine_error()
+
+    async def text_work(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) inline for small texts, else on the bounded text worker pool (off the event loop)."""
+        if size < INLINE_TEXT_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.text_workers, fn, *args)
 
     def require_engine(self) -> EngineClient:
         """The engine, or 503 while the daemon starts (a client retries; a probe waits)."""
@@ -81,7 +107,8 @@ def get_daemon(request: Request) -> Daemon:
     return request.app.state.daemon
 
 
-def create_app(daemon: Daemon, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_app(daemon: Daemon, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     from stallfree.node_daemon.server.admin_routes import router as admin_router
     from stallfree.node_daemon.server.openai_routes import router as openai_router
 
@@ -89,6 +116,9 @@ def create_app(daemon: Daemon, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> 
     app = FastAPI(title="stallfree daemon", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.daemon = daemon
     install_error_handlers(app, daemon.metrics.record_error)
+    daemon.metrics.bind_live(daemon.live_counts_now)
+    # The last added runs first: the size cap, then the body deadline and JSON checks.
+    app.add_middleware(BodyGuardMiddleware, body_timeout_s=body_timeout_s, on_refused=daemon.metrics.record_error)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes,
                        on_refused=lambda: daemon.metrics.record_error("too_large"))
     app.include_router(openai_router)

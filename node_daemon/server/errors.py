@@ -1,7 +1,8 @@
 """OpenAI-style error JSON for every failure, and the handlers that guarantee no stack trace leaves the process.
 
-{"error": {"message", "type", "param", "code"}} with the status that fits: 400 bad request, 401 auth,
-404 unknown model or route, 413 body too large, 422 wrong types, 429 queue full, 503 draining, 500 bug.
+{"error": {"message", "type", "param", "code"}} with the status that fits, as OpenAI's API gives them:
+400 bad request (malformed JSON, wrong types and invalid values alike: `invalid_request_error`), 401 auth,
+404 unknown model or route, 408 body too slow, 413 body too large, 429 queue full, 503 draining, 500 bug.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ _TYPE_BY_STATUS = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -62,15 +64,25 @@ def sse_error(message: str, code: str) -> str:
     return f"data: {json.dumps(error_body(500, message, code=code))}\n\n"
 
 
+# pydantic names the member of a union that failed in the error's location ("prompt.list[int].0"): not a field.
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "TextContentPart", "StreamOptions"}
+
+
+def _is_union_tag(part) -> bool:
+    return isinstance(part, str) and ("[" in part or part in _UNION_TAGS)
+
+
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, bool]:
     """(message, param, malformed_json) from pydantic's first error."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None, False
     first = errors[0]
+    if first.get("type") == "recursion_loop":
+        return "the JSON body is nested too deeply", None, True
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('msg', 'cannot parse')}", None, True
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     if first.get("type") == "missing" and not loc:
         return "request body is empty: expected a JSON object", None, True
     param = ".".join(loc) or None
@@ -96,7 +108,9 @@ def install_error_handlers(app: FastAPI, record_error) -> None:
             record_error("invalid_request")
             return JSONResponse(error_body(400, message, param=param, code="invalid_json"), status_code=400)
         record_error("validation")
-        return JSONResponse(error_body(422, message, param=param, code="invalid_type"), status_code=422)
+        kind = exc.errors()[0].get("type", "") if exc.errors() else ""
+        code = "invalid_type" if kind.endswith("_type") else "invalid_value"
+        return JSONResponse(error_body(400, message, param=param, code=code), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,13 +1,20 @@
 """Prometheus metrics of one daemon, fed by the engine loop as an EngineObserver.
 
-Every series is named `stallfree_*` and carries a `model` label. Latency histograms have buckets below
-10 ms because TPOT SLOs are set in milliseconds; control decisions still use the exact percentiles of
-stats_window.py, never these buckets. Label children are resolved once here so the per-token path is
-a single observe() with no label lookup.
+Every series is named `stallfree_*` and carries a `model_name` label (vLLM's name, so its dashboards port).
+Latency histograms have buckets below 10 ms because TPOT SLOs are set in milliseconds; control decisions
+still use the exact percentiles of stats_window.py, never these buckets. Label children are resolved once
+here so the per-token path is a single observe() with no label lookup.
+
+The occupancy gauges (running, waiting, partial prefills, KV usage and reservation) are read from the
+engine when Prometheus scrapes (`bind_live`), so they are true at once when requests end between iterations
+(abort, error, drain), not only at the next iteration. A request that failed is not a success: it is
+counted once, as an error, by the server that answered it.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from stallfree.contracts import Tuning
 from stallfree.node_daemon.engine.engine_protocol import IterationRecord
@@ -25,12 +32,15 @@ REQUEST_LATENCY_BUCKETS = (
 )
 # Tokens per iteration: powers of two, so a budget that is one shows as a bucket edge.
 ITERATION_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(0, 17))
+# Tokens per request (prompt, generation): 1, 2, 5 per decade up to a million, as vLLM's.
+REQUEST_TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(0, 6) for m in (1, 2, 5)) + (1e6,)
 
 FINISH_REASONS = ("stop", "length", "abort")
 ERROR_REASONS = (
     "invalid_request", "validation", "not_found", "too_large", "unauthorized", "queue_full", "draining",
-    "starting", "engine", "internal",
+    "starting", "engine", "internal", "timeout",
 )
+LABEL = "model_name"
 
 
 class EngineMetrics:
@@ -41,13 +51,13 @@ class EngineMetrics:
         reg, m = self.registry, [model_name]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, ["model"], buckets=buckets, registry=reg)
+            return Histogram(name, doc, [LABEL], buckets=buckets, registry=reg)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, ["model"], registry=reg)
+            return Gauge(name, doc, [LABEL], registry=reg)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, ["model"], registry=reg)
+            return Counter(name, doc, [LABEL], registry=reg)
 
         self.ttft = hist("stallfree_time_to_first_token_seconds", "Arrival to first output token.",
                          REQUEST_LATENCY_BUCKETS).labels(*m)
@@ -74,12 +84,18 @@ class EngineMetrics:
         self.iteration_decode_tokens = hist("stallfree_iteration_decode_tokens",
                                             "Decode tokens scheduled per iteration.",
                                             ITERATION_TOKEN_BUCKETS).labels(*m)
+        self.request_prompt_tokens = hist("stallfree_request_prompt_tokens", "Prompt tokens per finished request.",
+                                          REQUEST_TOKEN_BUCKETS).labels(*m)
+        self.request_generation_tokens = hist("stallfree_request_generation_tokens",
+                                              "Output tokens per finished request.", REQUEST_TOKEN_BUCKETS).labels(*m)
 
         self.num_running = gauge("stallfree_num_requests_running", "Requests in the running batch.").labels(*m)
         self.num_waiting = gauge("stallfree_num_requests_waiting", "Requests waiting to be scheduled.").labels(*m)
         self.num_partial_prefills = gauge("stallfree_num_partial_prefills",
                                           "Requests whose prompt is partly prefilled.").labels(*m)
         self.kv_usage = gauge("stallfree_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).").labels(*m)
+        self.kv_reserved = gauge("stallfree_kv_cache_reserved_ratio",
+                                 "Fraction of KV blocks in use or reserved for admitted requests (0..1).").labels(*m)
         self.token_budget = gauge("stallfree_token_budget", "Live token budget per iteration.").labels(*m)
         self.max_num_seqs = gauge("stallfree_max_num_seqs", "Live cap on running requests.").labels(*m)
         self.max_partial_prefills = gauge("stallfree_max_partial_prefills",
@@ -98,12 +114,34 @@ class EngineMetrics:
         self.prefix_cache_hits = counter("stallfree_prefix_cache_hits",
                                          "Prompt tokens served from the prefix cache.").labels(*m)
         success = Counter("stallfree_request_success", "Finished requests by finish reason.",
-                          ["model", "finished_reason"], registry=reg)
+                          [LABEL, "finished_reason"], registry=reg)
         self._success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
         errors = Counter("stallfree_request_errors", "Refused or failed requests by reason.",
-                         ["model", "reason"], registry=reg)
+                         [LABEL, "reason"], registry=reg)
         self._errors_family, self._model = errors, model_name
         self._errors = {reason: errors.labels(model_name, reason) for reason in ERROR_REASONS}
+        self.engine_config = Info("stallfree_engine_config", "The engine's configuration: ceilings, KV cache, "
+                                  "dtype, backend (set once the engine runs).", [LABEL], registry=reg).labels(*m)
+        self._live = False
+
+    def bind_live(self, counts: Callable[[], object | None]) -> None:
+        """Read the occupancy gauges from `counts()` (a LiveCounts, or None before the engine runs) at scrape."""
+
+        def read(name: str) -> Callable[[], float]:
+            def value() -> float:
+                live = counts()
+                return 0.0 if live is None else float(getattr(live, name))
+            return value
+
+        self.num_running.set_function(read("num_running"))
+        self.num_waiting.set_function(read("num_waiting"))
+        self.num_partial_prefills.set_function(read("num_partial_prefills"))
+        self.kv_usage.set_function(read("kv_usage"))
+        self.kv_reserved.set_function(read("kv_reserved"))
+        self._live = True
+
+    def set_engine_config(self, config: dict[str, object]) -> None:
+        self.engine_config.info({key: str(value) for key, value in config.items()})
 
     # --- EngineObserver (engine thread) ---
 
@@ -117,10 +155,11 @@ class EngineMetrics:
             self.prefill_tokens.inc(record.num_prefill_tokens)
         if record.num_preempted:
             self.preemptions.inc(record.num_preempted)
-        self.num_running.set(record.num_running)
-        self.num_waiting.set(record.num_waiting)
-        self.num_partial_prefills.set(record.num_partial_prefills)
-        self.kv_usage.set(record.kv_usage)
+        if not self._live:
+            self.num_running.set(record.num_running)
+            self.num_waiting.set(record.num_waiting)
+            self.num_partial_prefills.set(record.num_partial_prefills)
+            self.kv_usage.set(record.kv_usage)
         self.token_budget.set(record.token_budget)
         self.max_num_seqs.set(record.max_num_seqs)
 
@@ -140,10 +179,12 @@ class EngineMetrics:
             self.itl.observe(now - request.last_token_time)
 
     def on_finished(self, request: Request, now: float) -> None:
-        reason = request.status.value
-        counter = self._success.get(reason)
-        if counter is not None:
-            counter.inc()
+        counter = self._success.get(request.status.value)
+        if counter is None:
+            return  # failed ("error"): the server counts it once in stallfree_request_errors
+        counter.inc()
+        self.request_prompt_tokens.observe(request.num_prompt_tokens)
+        self.request_generation_tokens.observe(len(request.output_token_ids))
         self.e2e.observe(now - request.arrival_time)
         if request.first_token_time is not None:
             self.decode_time.observe(now - request.first_token_time)

@@ -1,7 +1,9 @@
-"""/v1/completions, /v1/chat/completions and /v1/models, as OpenAI serves them.
+"""/v1/completions, /v1/chat/completions, /v1/models and /v1/models/{id}, as OpenAI serves them.
 
 The path of one request: validate (model, unsupported fields, prompt and max_tokens against the context)
 -> admit (drain, queue bounds) -> engine.generate -> SSE chunks (streaming.py) or one JSON body.
+A prompt too long for the context by its length alone is refused before it is tokenized; large prompts
+are templated and tokenized on the daemon's text workers, off the event loop.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ router = APIRouter()
 
 # OpenAI's default for the legacy completions endpoint; chat defaults to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Texts longer than this are counted in pieces of this size before they are tokenized whole.
+PIECE_CHARS = 1 << 16
 
 
 def require_api_key(request: Request) -> None:
@@ -36,13 +40,23 @@ async def list_models(request: Request) -> JSONResponse:
                                             daemon.require_engine().max_model_len))
 
 
+@router.get("/v1/models/{model_id:path}", dependencies=[Depends(require_api_key)])
+async def retrieve_model(model_id: str, request: Request) -> JSONResponse:
+    daemon = get_daemon(request)
+    listing = protocol.model_list(daemon.served_model_name, daemon.created, daemon.require_engine().max_model_len)
+    if model_id != daemon.served_model_name:
+        raise _unknown_model(daemon, model_id)
+    return JSONResponse(listing["data"][0])
+
+
 @router.post("/v1/completions", dependencies=[Depends(require_api_key)])
 async def create_completion(body: protocol.CompletionRequest, request: Request):
     daemon = get_daemon(request)
     _check_request(daemon, body)
     prompt = body.single_prompt()
     if isinstance(prompt, str):
-        prompt_ids = _encode(daemon, prompt)
+        _check_text_length(daemon, len(prompt), "prompt")
+        prompt_ids = await daemon.text_work(len(prompt), _encode, daemon, prompt)
     else:
         prompt_ids = _check_token_ids(daemon, prompt)
     echo = None
@@ -55,21 +69,25 @@ async def create_completion(body: protocol.CompletionRequest, request: Request):
 async def create_chat_completion(body: protocol.ChatCompletionRequest, request: Request):
     daemon = get_daemon(request)
     _check_request(daemon, body)
-    try:
-        text = daemon.require_engine().apply_chat_template(body.chat_messages(), add_generation_prompt=True)
-    except ValueError as exc:
-        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
-    return await _serve(daemon, request, body, _encode(daemon, text), chat=True)
+    messages = body.chat_messages()
+    size = sum(len(m["content"]) for m in messages)
+    _check_text_length(daemon, size, "messages")
+    prompt_ids = await daemon.text_work(size, _template_and_encode, daemon, messages)
+    return await _serve(daemon, request, body, prompt_ids, chat=True)
 
 
 # --- validation -----------------------------------------------------------------------------------
 
 
+def _unknown_model(daemon: Daemon, model: str) -> APIError:
+    return APIError(404, f"The model `{model[:200]}` does not exist; this server serves "
+                    f"`{daemon.served_model_name}`.", param="model", code="model_not_found", reason="not_found")
+
+
 def _check_request(daemon: Daemon, body: protocol.SamplingFields) -> None:
     daemon.require_engine()
     if body.model != daemon.served_model_name:
-        raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
-                       f"`{daemon.served_model_name}`.", param="model", code="model_not_found", reason="not_found")
+        raise _unknown_model(daemon, body.model)
     problem = body.unsupported()
     if problem is not None:
         param, message = problem
@@ -80,11 +98,41 @@ def _check_request(daemon: Daemon, body: protocol.SamplingFields) -> None:
         raise APIError(400, message, param=param, code="invalid_value")
 
 
-def _encode(daemon: Daemon, text: str) -> list[int]:
+def _check_text_length(daemon: Daemon, num_chars: int, param: str) -> None:
+    """Refuse, before tokenizing it, a text that has more tokens than the context by its length alone."""
+    per_token = daemon.max_chars_per_token
+    context = daemon.require_engine().max_model_len
+    if per_token is not None and num_chars > per_token * (context - 1):
+        raise APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
+                       f"{num_chars} characters: at least {-(-num_chars // per_token)} tokens. Shorten the prompt.",
+                       param=param, code="context_length_exceeded")
+
+
+def _encode(daemon: Daemon, text: str, param: str = "prompt") -> list[int]:
+    """The prompt's token ids. A long text is first counted piece by piece, stopping once it is surely past the
+    context: the ids of millions of tokens are never built (building and freeing them holds the GIL)."""
+    engine = daemon.require_engine()
     try:
-        return daemon.require_engine().encode(text)
+        if len(text) > PIECE_CHARS:
+            context, counted = engine.max_model_len, 0
+            for n, start in enumerate(range(0, len(text), PIECE_CHARS)):
+                counted += len(engine.encode(text[start:start + PIECE_CHARS]))
+                # Each piece may add a BOS and one token at its cut: never refuse a prompt that fits.
+                if counted - 2 * (n + 1) >= context:
+                    raise APIError(400, f"This model's maximum context length is {context} tokens, but the prompt "
+                                   f"has more than {counted - 2 * (n + 1)} tokens. Shorten the prompt.",
+                                   param=param, code="context_length_exceeded")
+        return engine.encode(text)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, f"cannot tokenize the prompt: {exc}", param=param) from None
+
+
+def _template_and_encode(daemon: Daemon, messages: list[dict[str, str]]) -> list[int]:
+    try:
+        text = daemon.require_engine().apply_chat_template(messages, add_generation_prompt=True)
     except ValueError as exc:
-        raise APIError(400, f"cannot tokenize the prompt: {exc}", param="prompt") from None
+        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+    return _encode(daemon, text, "messages")
 
 
 def _check_token_ids(daemon: Daemon, ids: list[int]) -> list[int]:
@@ -166,7 +214,7 @@ async def _complete(daemon: Daemon, request: Request, generation: Generation, ch
         gone.cancel()
         generation.close()
     if last is None or last.finish_reason == "error":
-        daemon.metrics.record_error("engine")
+        # Counted once, by the APIError handler.
         detail = last.error if last is not None and last.error else "the engine stopped without an answer"
         raise APIError(500, f"generation failed: {detail}", code="engine_error", reason="engine")
     if last.finish_reason == "abort":

@@ -3,7 +3,9 @@
 Requests are validated here once (pydantic, at the edge); the engine only sees plain SamplingParams.
 Unknown fields are ignored the way OpenAI-compatible servers do; fields we understand but cannot honour
 (tools, best_of, ...) are refused with a clear 400 by `unsupported()` instead of being dropped, and values
-out of OpenAI's ranges by `invalid()` (400 invalid_request_error).
+out of OpenAI's ranges by `invalid()` (400 invalid_request_error). Every request model is strict: a JSON value
+of the wrong type is refused, never coerced (`"max_tokens": true` is not 1, `"stream": "yes"` is not true); an
+int is still a valid float.
 """
 from __future__ import annotations
 
@@ -14,6 +16,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
+
+# Request models: unknown fields ignored, known ones strictly typed.
+STRICT = ConfigDict(extra="ignore", strict=True)
+# A seed is a 64-bit integer (signed or unsigned), what a torch.Generator takes.
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 
 
 MAX_N = 128  # OpenAI's bound on choices per request
@@ -27,7 +34,7 @@ def _token_id(key: str) -> int | None:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     include_usage: bool = False
     # vLLM's extension: every chunk carries the running usage (clients can count tokens per event).
     continuous_usage_stats: bool = False
@@ -36,7 +43,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields both endpoints share; `top_k`, `ignore_eos`, `stop_token_ids` are the usual extensions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -48,7 +55,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -162,13 +169,13 @@ class CompletionRequest(SamplingFields):
 
 
 class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -193,6 +200,8 @@ class ChatCompletionRequest(SamplingFields):
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
             return "tools", "tool calling is not supported"
+        if self.tool_choice is not None:
+            return "tool_choice", "tool_choice is only allowed when tools are given (and tools are not supported)"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format", "only response_format {\"type\": \"text\"} is supported"
         return super().unsupported()

@@ -67,7 +67,9 @@ class Tokenizer:
 
         Rendered chat templates often start with the BOS text already, so it is never doubled.
         """
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode holds it): a huge prompt tokenizing on a worker thread
+        # does not stall the event loop or the engine thread.
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and not (ids and ids[0] == self.bos_token_id)):
             ids.insert(0, self.bos_token_id)
