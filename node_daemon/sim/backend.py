@@ -5,6 +5,7 @@ VirtualReplica agree on what "mistral-7b on an a100" means.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from pathlib import Path
 
@@ -67,9 +68,17 @@ def build_sim_executor(cost_model: RooflineCostModel, virtual: bool = False, eos
                        eos_after=eos_after)
 
 
-def sim_tokenizer(model: str | ModelShape):
-    """A byte-level tokenizer sized to the shape's vocab: placeholder tokens are bytes, so the API returns text."""
+def sim_tokenizer(model: str | ModelShape | int):
+    """A byte-level tokenizer sized to the shape's vocab (or a vocab size): placeholder tokens are bytes,
+    so the API returns text. One per vocab size per process: the simulator builds many replicas."""
+    if isinstance(model, int):
+        return _byte_level_tokenizer(model)
+    shape = model if isinstance(model, ModelShape) else resolve_shape(model)
+    return _byte_level_tokenizer(shape.vocab_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_level_tokenizer(vocab_size: int):
     from stallfree.node_daemon.text.tokenizer import byte_level_tokenizer
 
-    shape = model if isinstance(model, ModelShape) else resolve_shape(model)
-    return byte_level_tokenizer(shape.vocab_size)
+    return byte_level_tokenizer(vocab_size)
