@@ -4,7 +4,7 @@ Examples:
   stallfree simulate --model llama-3-8b --hardware h100 --rate 2 --policies stall-free,prefill-priority
   stallfree simulate --scenario long-prompt --decoders 64 --prompt-len 8192 --budget 576 --json
   stallfree simulate --capacity --model mistral-7b --hardware a100 --sharegpt --tbt-slo-ms 100 \\
-      --policies stall-free,prefill-priority --budget 512
+      --policies stall-free,prefill-priority,decode-priority --budget 512 --num-requests 1000
   stallfree simulate --sweep-budgets 128,256,512,1024,2048 --tpot-slo-ms 50 --rate 3 --plot frontier.png
 """
 from __future__ import annotations
