@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--backend", choices=["model", "sim"], default="model",
                    help="model: run the model; sim: the cost model's time passes instead (same scheduler and API)")
     m.add_argument("--hardware", default="h100", help="sim backend: hardware preset (a100, h100, h200, ...)")
+    m.add_argument("--tflops", type=float, default=None, help="sim backend: achieved matrix TFLOP/s (overrides the preset)")
+    m.add_argument("--hbm-tbps", type=float, default=None, help="sim backend: achieved HBM TB/s (overrides the preset)")
+    m.add_argument("--overhead-ms", type=float, default=None, help="sim backend: fixed cost of every iteration (ms)")
     m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when present")
     m.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="auto: the checkpoint's, or what the device runs best")
@@ -115,6 +118,13 @@ def parse_options(argv: list[str]) -> ServeOptions:
     for flag in ("drain_timeout_s", "stats_window_s", "profile_max_seconds", "header_timeout_s", "body_timeout_s"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    for flag in ("tflops", "hbm_tbps", "overhead_ms"):
+        value = getattr(args, flag)
+        if value is not None and args.backend != "sim":
+            raise ValueError(f"--{flag.replace('_', '-')} sets a figure of the sim backend: add --backend sim")
+        if value is not None and (value < 0 or (value == 0 and flag != "overhead_ms")):
+            raise ValueError(f"--{flag.replace('_', '-')} must be {'>= 0' if flag == 'overhead_ms' else 'positive'}, "
+                             f"got {value}")
     if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
         raise ValueError(f"--tpot-slo-ms must be positive, got {args.tpot_slo_ms}")
     if args.max_model_len is not None and args.max_model_len < 2:
@@ -176,7 +186,8 @@ def build_llm_engine(opts: ServeOptions, observer: Any):
                                                        sim_num_kv_blocks, sim_tokenizer)
 
         dtype = "bfloat16" if a.dtype == "auto" else a.dtype
-        cost_model = build_cost_model(a.model, a.hardware, dtype)
+        cost_model = build_cost_model(a.model, a.hardware, dtype, tflops=a.tflops, hbm_tbps=a.hbm_tbps,
+                                      overhead_ms=a.overhead_ms)
         if not config.cache.num_blocks:
             config.cache.num_blocks = sim_num_kv_blocks(cost_model, a.block_size, a.kv_memory_fraction)
         shape = resolve_shape(a.model)

@@ -4,7 +4,7 @@ Examples:
   stallfree simulate --model llama-3-8b --hardware h100 --rate 2 --policies stall-free,prefill-priority
   stallfree simulate --scenario long-prompt --decoders 64 --prompt-len 8192 --budget 576 --json
   stallfree simulate --capacity --model mistral-7b --hardware a100 --sharegpt --tbt-slo-ms 100 \\
-      --policies stall-free,prefill-priority --budget 512
+      --policies stall-free,prefill-priority,decode-priority --budget 512 --num-requests 1000
   stallfree simulate --sweep-budgets 128,256,512,1024,2048 --tpot-slo-ms 50 --rate 3 --plot frontier.png
 """
 from __future__ import annotations
@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import asdict
 from typing import Any
 
+from stallfree.node_daemon.sim.backend import build_cost_model
 from stallfree.simulator.latency_summary import SLOs
 from stallfree.simulator.simulate import POLICIES, SimSetup, simulate
-from stallfree.simulator.workload import generate
+from stallfree.simulator.workload import describe_workload, generate, workload_label
 from stallfree.simulator.workload_args import add_workload_args, workload_from_args
 
 
@@ -164,19 +165,30 @@ def run_capacity(args: argparse.Namespace) -> int:
     workload = workload_from_args(args, max_total_len=args.max_model_len)
     criteria = CapacityCriteria(args.tbt_slo_ms, args.tbt_quantile, args.max_median_queue_wait_ms)
     budget = _ints(args.budget or "512", "--budget")[0]
+    hardware = build_cost_model(args.model, args.hardware, args.dtype, tflops=args.tflops, hbm_tbps=args.hbm_tbps,
+                                overhead_ms=args.overhead_ms).hardware
     results = []
     for policy in _policies(args):
-        result = find_capacity(workload, _setup(args, policy, budget), criteria, args.start_rate, args.rel_tol)
+        def progress(p, policy=policy) -> None:  # a search takes minutes: say what each probe found
+            print(f"  {policy} at {p.rate:.3f} req/s: {criteria.tbt_quantile} TBT {_fmt(p.tbt_ms)} ms, median queue "
+                  f"wait {_fmt(p.median_queue_wait_ms)} ms: {'pass' if p.ok else 'fail'}", file=sys.stderr, flush=True)
+
+        result = find_capacity(workload, _setup(args, policy, budget), criteria, args.start_rate, args.rel_tol,
+                               on_probe=progress)
         results.append(result.to_dict())
-    lines = [f"capacity of {args.model} on {args.hardware}: {criteria.tbt_quantile} TBT <= {criteria.tbt_slo_ms:g} ms, "
-             f"median queue wait <= {criteria.max_median_queue_wait_ms:g} ms, {workload.num_requests} requests "
+    lines = [f"capacity of {args.model} on {hardware.name} ({hardware.tflops:.4g} TFLOP/s, {hardware.hbm_tbps:.4g} TB/s "
+             f"achieved, budget {budget}): {criteria.tbt_quantile} TBT <= {criteria.tbt_slo_ms:g} ms, median queue wait "
+             f"<= {criteria.max_median_queue_wait_ms:g} ms, {workload.num_requests} requests "
              f"(prompt {workload.prompt.describe()}, output {workload.output.describe()})"]
     for r in results:
         lines.append(f"  {r['policy']:<18} {r['capacity_rps']:.3f} req/s ({len(r['probes'])} probes)")
-    payload: dict[str, Any] = {"results": results}
-    if len(results) >= 2 and results[1]["capacity_rps"] > 0:
-        payload["ratio"] = results[0]["capacity_rps"] / results[1]["capacity_rps"]
-        lines.append(f"  ratio {results[0]['policy']} / {results[1]['policy']}: {payload['ratio']:.2f}x")
+    payload: dict[str, Any] = {"results": results, "hardware": asdict(hardware), "token_budget": budget}
+    first = results[0]
+    ratios = {r["policy"]: first["capacity_rps"] / r["capacity_rps"] for r in results[1:] if r["capacity_rps"] > 0}
+    for policy, ratio in ratios.items():
+        lines.append(f"  ratio {first['policy']} / {policy}: {ratio:.2f}x")
+    if ratios:
+        payload["ratios"] = {f"{first['policy']}/{policy}": ratio for policy, ratio in ratios.items()}
     if args.plot:
         from stallfree.simulator.plots import capacity_probes
 
@@ -193,7 +205,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     budgets = _ints(args.sweep_budgets, "--sweep-budgets")
     setup = _setup(args, "stall-free", budgets[0])
     result = budget_sweep(workload, setup, budgets, slos, args.target_fraction).to_dict()
-    lines = [f"budget sweep at {workload.rate:g} req/s, TPOT SLO {slos.tpot_ms:g} ms ({args.model} on {args.hardware})",
+    described = describe_workload(workload, generate(workload))
+    lines = [f"budget sweep, TPOT SLO {slos.tpot_ms:g} ms ({args.model} on {args.hardware}; {workload_label(described)})",
              f"{'budget':>8}{'p99 TTFT ms':>14}{'p99 TPOT ms':>14}{'p99 ITL ms':>13}{'p50 queue ms':>14}{'goodput':>10}"]
     for p in result["points"]:
         lines.append(f"{p['token_budget']:>8}{_fmt(p['ttft_p99_ms']):>14}{_fmt(p['tpot_p99_ms']):>14}"
@@ -218,8 +231,8 @@ def run_workload(args: argparse.Namespace) -> int:
         results[policy] = simulate(requests, _setup(args, policy, budget), slos, keep_timeline=bool(args.plot))
     header = (f"{'policy':<18}{'done':>6}{'req/s':>8}{'out tok/s':>10}{'TTFT p50/p99/max ms':>28}"
               f"{'TPOT p50/p99/max ms':>22}{'ITL p50/p99/max ms':>22}{'queue p50/p99 ms':>22}{'goodput':>9}")
-    lines = [f"{len(requests)} requests on {args.model} @ {args.hardware} (prompt {workload.prompt.describe()}, "
-             f"output {workload.output.describe()}, {workload.arrival} {workload.rate:g} req/s)", header]
+    described = describe_workload(workload, requests)
+    lines = [f"{len(requests)} requests on {args.model} @ {args.hardware} ({workload_label(described)})", header]
     for policy, result in results.items():
         s = result.summary
 
@@ -237,12 +250,9 @@ def run_workload(args: argparse.Namespace) -> int:
                            "tpot_ms": [r["tpot_ms"] for r in res.requests],
                            "itl_ms": res.itl_ms, "e2e_ms": [r["e2e_ms"] for r in res.requests]}
                   for policy, res in results.items()}
-        latency_cdfs(series, args.plot, f"{args.model} on {args.hardware}, {workload.rate:g} req/s",
+        latency_cdfs(series, args.plot, f"{args.model} on {args.hardware}, {workload_label(described)}",
                      {"ttft_ms": slos.ttft_ms, "tpot_ms": slos.tpot_ms, "itl_ms": slos.tpot_ms, "e2e_ms": slos.e2e_ms})
-    payload = {"workload": {"arrival": workload.arrival, "rate": workload.rate, "burstiness": workload.burstiness,
-                            "prompt": workload.prompt.describe(), "output": workload.output.describe(),
-                            "num_requests": len(requests), "seed": workload.seed,
-                            "shared_prefix_fraction": workload.shared_prefix_fraction},
+    payload = {"workload": described,
                "results": {p: r.to_dict(per_request=args.per_request) for p, r in results.items()}}
     emit(args, payload, "\n".join(lines))
     return 0

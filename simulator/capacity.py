@@ -8,7 +8,7 @@ numbers keep the search from chasing noise).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from stallfree.simulator.latency_summary import SLOs
 from stallfree.simulator.simulate import SimSetup, simulate
@@ -56,8 +56,11 @@ def probe(workload: WorkloadSpec, setup: SimSetup, rate: float, criteria: Capaci
 
 
 def find_capacity(workload: WorkloadSpec, setup: SimSetup, criteria: CapacityCriteria = CapacityCriteria(),
-                  start_rate: float = 1.0, rel_tol: float = 0.02, max_probes: int = 30) -> CapacityResult:
-    """Double the rate until a probe fails, then bisect between the last pass and the first failure."""
+                  start_rate: float = 1.0, rel_tol: float = 0.02, max_probes: int = 30,
+                  on_probe: Callable[[Probe], None] | None = None) -> CapacityResult:
+    """Double the rate until a probe fails, then bisect between the last pass and the first failure.
+
+    `on_probe` hears every probe as it finishes (a search over a large workload takes minutes)."""
     if start_rate <= 0 or not 0 < rel_tol < 1:
         raise ValueError("start_rate must be positive and rel_tol within (0, 1)")
     probes: list[Probe] = []
@@ -65,6 +68,8 @@ def find_capacity(workload: WorkloadSpec, setup: SimSetup, criteria: CapacityCri
     def run(rate: float) -> bool:
         result = probe(workload, setup, rate, criteria)
         probes.append(result)
+        if on_probe is not None:
+            on_probe(result)
         return result.ok
 
     lo, hi = 0.0, start_rate

@@ -8,7 +8,7 @@ whole timeline and a summary of the figures its claim rests on; `check` says whe
   budget; back under the SLO within 3 intervals, at most one reversal of direction.
 - small-budget: a replica started with a budget far too small under prompt-heavy load; the tuner raises
   it, p99 TTFT improves at least 2x while p99 TPOT stays under its SLO.
-- scale-out: demand of about 3.4 replicas' prefill capacity for 13 minutes, then about 1.2; scale-out
+- scale-out: demand of about 3 replicas' prefill capacity for 13 minutes, then about 1.1; scale-out
   reaches demand / capacity (within one replica) within two scaling windows, scale-in waits out the
   stabilization window, no flapping over 30 minutes.
 - unknown-replica: one of two replicas cannot be read; no scaling decision rests on it and the status
@@ -138,7 +138,7 @@ def small_budget() -> Scenario:
         ControlPolicy(slo=SLOTargets(ttft_p99_ms=2000, tpot_p99_ms=40, queue_wait_p99_ms=1000),
                       scaling=ScalingPolicy(min_replicas=1, max_replicas=1), interval_s=10, window_s=10,
                       initial_token_budget=64),
-        [LoadPhase(0, 5.0, parse_length("uniform:1024:3072"), parse_length("uniform:32:128"),
+        [LoadPhase(0, 4.0, parse_length("uniform:1024:3072"), parse_length("uniform:32:128"),
                    "prompt-heavy: 2k-token prompts, short answers")],
         duration_s=180,
     )
@@ -191,9 +191,9 @@ def scale_out() -> Scenario:
                       scaling=ScalingPolicy(min_replicas=1, max_replicas=8, scale_up_stabilization_s=30,
                                             scale_down_stabilization_s=300),
                       interval_s=10, window_s=30),
-        [LoadPhase(0, 1.0, prompt, output, "light"),
-         LoadPhase(120, 7.0, prompt, output, "beyond one replica's prefill capacity"),
-         LoadPhase(900, 2.5, prompt, output, "load drops")],
+        [LoadPhase(0, 0.6, prompt, output, "light"),
+         LoadPhase(120, 4.1, prompt, output, "beyond one replica's prefill capacity"),
+         LoadPhase(900, 1.45, prompt, output, "load drops")],
         duration_s=1800,
     )
 

@@ -1,12 +1,16 @@
-"""One serving replica in virtual time: the real Scheduler and KVCacheManager, time from the cost model.
+"""One serving replica in virtual time: the daemon's own engine loop (LLMEngine) on the sim executor.
 
 What a closed-loop control run, `stallfree simulate` and capacity searches drive instead of a daemon.
-Arrivals are submitted with their (virtual) arrival time; `advance_to(t)` runs iterations back to back
-while there is work and jumps idle gaps; `window_stats` answers exactly what a daemon's /admin/stats
-would (the daemon's own StatsWindow, fed on the virtual clock); `set_tuning` is the live PUT.
+The iteration is `LLMEngine.step()` itself (scheduler, KV cache manager, time stamps, observers, stats
+window), with the SimExecutor advancing a virtual clock by the cost model's time instead of sleeping:
+`stallfree serve --backend sim` runs the same step in real time. This file only adds what the HTTP
+side of a daemon would: arrivals at their (virtual) time, and the loop that runs iterations back to
+back while there is work and jumps idle gaps.
 
-Timestamps follow the engine's conventions: a token is produced at the end of its iteration, queue wait
-runs from arrival to the first iteration that schedules the request, TPOT is per finished request.
+`window_stats` answers exactly what a daemon's /admin/stats would (the daemon's own StatsWindow, fed
+on the virtual clock); `set_tuning` is the live PUT. Timestamps are the engine's: a token is produced
+at the end of its iteration, queue wait runs from arrival to the first iteration that schedules the
+request, TPOT is per finished request.
 """
 from __future__ import annotations
 
@@ -15,16 +19,21 @@ import itertools
 from dataclasses import dataclass, field
 
 from stallfree.contracts import Ceilings, Profile, Tuning, WindowStats, validate_tuning
-from stallfree.node_daemon.engine.config import CacheConfig, SchedulerConfig
-from stallfree.node_daemon.engine.engine_protocol import EngineObserver, IterationRecord
-from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
-from stallfree.node_daemon.engine.request import Request
+from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stallfree.node_daemon.engine.engine import LLMEngine
+from stallfree.node_daemon.engine.engine_protocol import EngineObserver
+from stallfree.node_daemon.engine.observers import FanoutObserver
+from stallfree.node_daemon.engine.request import Request, RequestStatus
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
-from stallfree.node_daemon.engine.scheduler import Scheduler
-from stallfree.node_daemon.sim.backend import build_cost_model, sim_num_kv_blocks
+from stallfree.node_daemon.engine.stats_window import StatsWindow
+from stallfree.node_daemon.sim.backend import build_cost_model, sim_num_kv_blocks, sim_tokenizer
 from stallfree.node_daemon.sim.cost_model import IterationCostModel, ProfileCostModel, RooflineCostModel
 from stallfree.node_daemon.sim.sim_executor import SimExecutor, VirtualClock
-from stallfree.node_daemon.engine.stats_window import StatsWindow
+
+# Vocabulary of a replica whose cost model names no model shape (a measured profile): the byte-level
+# tokenizer's bytes and specials fit, and so do the simulator's prompt tokens.
+_PROFILE_VOCAB = 512
+_BYTES = list(range(256))
 
 
 @dataclass(slots=True)
@@ -58,6 +67,42 @@ class RequestRecord:
         return (self.finished_s - self.first_token_s) / (self.num_output_tokens - 1)
 
 
+class _RecordKeeper:
+    """EngineObserver that writes each request's timeline into a RequestRecord (aborted ones are dropped)."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, RequestRecord] = {}
+        self.finished: list[RequestRecord] = []
+
+    def on_iteration(self, record) -> None:
+        pass
+
+    def on_token(self, request: Request, now: float, first: bool) -> None:
+        record = self.live.get(request.request_id)
+        if record is None:
+            return
+        if first:
+            record.first_scheduled_s = request.first_scheduled_time
+            record.first_token_s = now
+        else:
+            record.itl_s.append(now - request.last_token_time)  # the engine updates it after the observers
+
+    def on_finished(self, request: Request, now: float) -> None:
+        record = self.live.pop(request.request_id, None)
+        if record is None or request.status is RequestStatus.FINISHED_ABORTED:
+            return
+        record.finished_s = now
+        record.num_output_tokens = len(request.output_token_ids)
+        record.num_cached_tokens = request.num_cached_tokens
+        record.num_preemptions = request.num_preemptions
+        self.finished.append(record)
+
+
+def observer_of(observers: list[EngineObserver]) -> EngineObserver:
+    """The engine's one observer slot: a lone observer is called directly (one call fewer per token)."""
+    return observers[0] if len(observers) == 1 else FanoutObserver(*observers)
+
+
 class VirtualReplica:
     def __init__(
         self,
@@ -74,27 +119,36 @@ class VirtualReplica:
     ) -> None:
         self.name = name
         self.cost_model = cost_model
-        self.config = scheduler_config or SchedulerConfig()
-        validate_tuning(self.config.tuning, self.config.ceilings)
+        config = scheduler_config or SchedulerConfig()
+        validate_tuning(config.tuning, config.ceilings)
         self.clock = VirtualClock(start_time)
-        self.kv_cache = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.kv_cache, cost_model=cost_model)
-        self.executor = SimExecutor(cost_model, clock=self.clock, vocab_size=256)
-        self.keep_records = keep_records
-        self.records: dict[str, RequestRecord] = {}
-        self.finished: list[RequestRecord] = []
-        self._observer = observer
+        shape = getattr(cost_model, "shape", None)
+        vocab_size = shape.vocab_size if shape is not None else _PROFILE_VOCAB
+        self.executor = SimExecutor(cost_model, clock=self.clock, vocab_size=vocab_size)
         # One daemon StatsWindow per window length asked for at construction (definitions as /admin/stats).
         lengths = (stats_window_s,) if isinstance(stats_window_s, (int, float)) else tuple(stats_window_s)
         self.stats_window_s = float(lengths[0])
         self._windows: dict[float, StatsWindow] = {float(w): StatsWindow(w, clock=self.clock) for w in lengths}
-        self._arrivals: list[tuple[float, int, Request]] = []  # heap: not yet arrived
+        self.keep_records = keep_records
+        self._records = _RecordKeeper() if keep_records else None
+        observers: list[EngineObserver] = list(self._windows.values())
+        if self._records is not None:
+            observers.append(self._records)
+        if observer is not None:
+            observers.append(observer)
+        engine_config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                                                       enable_prefix_caching=enable_prefix_caching),
+                                     scheduler=config, backend="sim")
+        # No text: the placeholder tokens' detokenization would be the costliest part of a simulated token.
+        self.engine = LLMEngine(engine_config, self.executor, sim_tokenizer(vocab_size), observer_of(observers),
+                                cost_model=cost_model, clock=self.clock, detokenize=False)
+        self.config = self.engine.scheduler.config
+        self.scheduler = self.engine.scheduler
+        self.kv_cache = self.engine.kv_cache
+        self._arrivals: list[tuple[float, int, str, list[int], int]] = []  # heap: not yet arrived
         self._seq = itertools.count()
-        self._live: dict[str, Request] = {}
         self.num_submitted = 0
-        self.num_finished = 0
-        self.num_iterations = 0
-        self.busy_s = 0.0
+        self._num_aborted = 0
 
     @classmethod
     def for_model(
@@ -136,33 +190,33 @@ class VirtualReplica:
                 raise ValueError(f"prompt_len must be at least 1, got {prompt_len}")
             # Distinct leading tokens per request: no accidental prefix-cache hits between requests.
             n = self.num_submitted
-            prompt_token_ids = [n % 251, (n // 251) % 251, (n // 63001) % 251] + [
-                (n + k) % 256 for k in range(max(0, prompt_len - 3))]
+            start = n % 256
+            rest = (_BYTES[start:] + _BYTES[:start]) * (prompt_len // 256 + 1)  # (n + k) % 256 for k = 0, 1, ...
+            prompt_token_ids = ([n % 251, (n // 251) % 251, (n // 63001) % 251] + rest[:max(0, prompt_len - 3)])
             prompt_token_ids = prompt_token_ids[:prompt_len]
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        if len(prompt_token_ids) + max_tokens > self.config.max_model_len:
+        max_model_len = self.engine.max_model_len
+        if len(prompt_token_ids) + max_tokens > max_model_len:
             raise ValueError(f"prompt ({len(prompt_token_ids)}) plus max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len {self.config.max_model_len}")
+                             f"max_model_len {max_model_len}")
         arrival = self.clock.now if arrival_time is None else arrival_time
         request_id = request_id or f"{self.name}-{self.num_submitted}"
-        request = Request(request_id, prompt_token_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                          arrival_time=arrival, max_model_len=self.config.max_model_len)
-        heapq.heappush(self._arrivals, (arrival, next(self._seq), request))
+        heapq.heappush(self._arrivals, (arrival, next(self._seq), request_id, prompt_token_ids, max_tokens))
         self.num_submitted += 1
         return request_id
 
     def abort(self, request_id: str) -> bool:
         """Abort a request that arrived (a not yet arrived one is dropped from the queue)."""
-        for i, (_, _, request) in enumerate(self._arrivals):
-            if request.request_id == request_id:
+        for i, arrival in enumerate(self._arrivals):
+            if arrival[2] == request_id:
                 self._arrivals.pop(i)
                 heapq.heapify(self._arrivals)
+                self._num_aborted += 1
                 return True
-        if self._live.pop(request_id, None) is None:
+        if self.engine.abort_request(request_id) is None:
             return False
-        self.scheduler.abort_request(request_id)
-        self.records.pop(request_id, None)
+        self._num_aborted += 1
         return True
 
     def advance_to(self, t: float) -> None:
@@ -170,14 +224,16 @@ class VirtualReplica:
 
         An iteration that starts before `t` finishes after it, as on a real device; the clock may overshoot.
         """
-        clock = self.clock
-        scheduler = self.scheduler
+        clock, engine, arrivals = self.clock, self.engine, self._arrivals
         while True:
-            self._admit_arrivals()
-            if scheduler.num_waiting + scheduler.num_running > 0 and clock.now < t:
-                if self._step():
+            if arrivals and arrivals[0][0] <= clock.now:
+                self._admit_arrivals()
+            if clock.now < t and engine.has_unfinished():
+                before = engine.num_iterations
+                engine.step()
+                if engine.num_iterations != before:
                     continue
-            next_arrival = self._arrivals[0][0] if self._arrivals else None
+            next_arrival = arrivals[0][0] if arrivals else None
             if next_arrival is None or next_arrival > t:
                 if clock.now < t:
                     clock.now = t
@@ -187,25 +243,24 @@ class VirtualReplica:
 
     def run_until_idle(self, limit_s: float = float("inf")) -> None:
         """Advance until every submitted request finished (or `limit_s` of virtual time)."""
-        while (self._arrivals or self.scheduler.num_waiting + self.scheduler.num_running) and self.clock.now < limit_s:
+        while (self._arrivals or self.engine.has_unfinished()) and self.clock.now < limit_s:
             horizon = self._arrivals[-1][0] if self._arrivals else self.clock.now
             self.advance_to(min(limit_s, max(horizon, self.clock.now) + 60.0))
 
     def set_tuning(self, tuning: Tuning) -> None:
         """The live PUT /admin/tuning: validated against the ceilings, applied from the next iteration."""
         validate_tuning(tuning, self.config.ceilings)
-        self.scheduler.set_tuning(tuning)
-        self.config.tuning = tuning
+        self.engine.set_tuning(tuning)
 
     # ---- observing -------------------------------------------------------------------------
 
     @property
     def tuning(self) -> Tuning:
-        return self.config.tuning
+        return self.engine.get_tuning()
 
     @property
     def ceilings(self) -> Ceilings:
-        return self.config.ceilings
+        return self.engine.ceilings
 
     @property
     def num_waiting(self) -> int:
@@ -221,8 +276,32 @@ class VirtualReplica:
         return len(self._arrivals)
 
     @property
+    def num_iterations(self) -> int:
+        return self.engine.num_iterations
+
+    @property
+    def busy_s(self) -> float:
+        """Virtual seconds spent in iterations."""
+        return self.executor.busy_s
+
+    @property
+    def num_finished(self) -> int:
+        """Requests that ran to their end (aborted ones are not counted)."""
+        return self.num_submitted - len(self._arrivals) - self.engine.num_unfinished - self._num_aborted
+
+    @property
     def kv_usage(self) -> float:
         return self.kv_cache.usage
+
+    @property
+    def records(self) -> dict[str, RequestRecord]:
+        """Records of requests that arrived and have not finished (keep_records only)."""
+        return self._records.live if self._records is not None else {}
+
+    @property
+    def finished(self) -> list[RequestRecord]:
+        """Records of finished requests in finishing order (keep_records only; aborted ones are left out)."""
+        return self._records.finished if self._records is not None else []
 
     def window_stats(self, now: float | None = None, window_s: float | None = None) -> WindowStats:
         """/admin/stats of this replica over the last `window_s` virtual seconds (exact percentiles).
@@ -234,7 +313,7 @@ class VirtualReplica:
             raise ValueError(f"replica {self.name!r} keeps stats windows of {sorted(self._windows)} s, not {window_s}: "
                              f"pass the length as stats_window_s")
         return window.snapshot(
-            self.config.tuning, self.config.ceilings, now=self.clock.now if now is None else now,
+            self.tuning, self.ceilings, now=self.clock.now if now is None else now,
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
             kv_usage=self.kv_cache.usage)
 
@@ -250,75 +329,14 @@ class VirtualReplica:
     # ---- internals -------------------------------------------------------------------------
 
     def _admit_arrivals(self) -> None:
-        arrivals, now = self._arrivals, self.clock.now
+        """Hand every request whose arrival time has come to the engine, as a daemon's HTTP side would."""
+        arrivals, now, engine = self._arrivals, self.clock.now, self.engine
+        records = self._records.live if self._records is not None else None
         while arrivals and arrivals[0][0] <= now:
-            arrival, _, request = heapq.heappop(arrivals)
-            self.scheduler.add_request(request)
-            self._live[request.request_id] = request
+            arrival, _, request_id, token_ids, max_tokens = heapq.heappop(arrivals)
             for window in self._windows.values():
-                window.on_arrival(request.num_prompt_tokens, arrival)
-            if self.keep_records:
-                self.records[request.request_id] = RequestRecord(request.request_id, arrival,
-                                                                 request.num_prompt_tokens, request.sampling.max_tokens)
-
-    def _step(self) -> bool:
-        """One iteration; False when the scheduler had nothing it could run."""
-        output = self.scheduler.schedule()
-        if output.is_empty:
-            return False
-        start = self.clock.now
-        records = self.records if self.keep_records else None
-        for chunk in output.chunks:
-            request = chunk.request
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = start
-                if records is not None:
-                    records[request.request_id].first_scheduled_s = start
-        sampled = self.executor.execute(output)
-        now = self.clock.now
-        finished = self.scheduler.update_from_output(output, sampled)
-        self.num_iterations += 1
-        self.busy_s += now - start
-        observers = list(self._windows.values())
-        if self._observer is not None:
-            observers.append(self._observer)
-        live = self._live
-        for request_id in sampled:
-            request = live.get(request_id)
-            if request is None:
-                continue
-            first = request.first_token_time is None
-            for observer in observers:
-                observer.on_token(request, now, first)
+                window.on_arrival(len(token_ids), arrival)
+            engine.add_request(request_id, prompt_token_ids=token_ids,
+                               sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=arrival)
             if records is not None:
-                record = records[request_id]
-                if first:
-                    record.first_token_s = now
-                else:
-                    record.itl_s.append(now - request.last_token_time)
-            if first:
-                request.first_token_time = now
-            request.last_token_time = now
-        for request in finished:
-            request.finished_time = now
-            live.pop(request.request_id, None)
-            self.num_finished += 1
-            for observer in observers:
-                observer.on_finished(request, now)
-            if records is not None:
-                record = records.pop(request.request_id)
-                record.finished_s = now
-                record.num_output_tokens = len(request.output_token_ids)
-                record.num_cached_tokens = request.num_cached_tokens
-                record.num_preemptions = request.num_preemptions
-                self.finished.append(record)
-        record_it = IterationRecord(
-            start=start, duration_s=now - start, num_prefill_tokens=output.num_prefill_tokens,
-            num_decode_tokens=output.num_decode_tokens, token_budget=output.token_budget,
-            max_num_seqs=self.config.tuning.max_num_seqs, num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            num_partial_prefills=sum(1 for c in output.chunks if c.is_prefill and not c.samples),
-            kv_usage=self.kv_cache.usage, num_preempted=len(output.preempted))
-        for observer in observers:
-            observer.on_iteration(record_it)
-        return True
+                records[request_id] = RequestRecord(request_id, arrival, len(token_ids), max_tokens)

@@ -17,7 +17,7 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class LengthDist(Protocol):
@@ -251,6 +251,41 @@ def load_trace(path: str | Path) -> list[RequestSpec]:
         requests.append(request)
     requests.sort(key=lambda r: r.arrival_s)
     return requests
+
+
+def describe_workload(spec: WorkloadSpec, requests: list[RequestSpec]) -> dict[str, Any]:
+    """What a run was served: the spec's distributions and rate, or a trace's own figures.
+
+    A trace has no length distribution or rate of its own beyond its records: its lengths are given as
+    their median and 90th percentile, its rate as arrivals over the span they cover.
+    """
+    if spec.arrival != "trace":
+        return {"arrival": spec.arrival, "rate": spec.rate, "burstiness": spec.burstiness,
+                "prompt": spec.prompt.describe(), "output": spec.output.describe(), "num_requests": len(requests),
+                "seed": spec.seed, "shared_prefix_fraction": spec.shared_prefix_fraction}
+    span = requests[-1].arrival_s - requests[0].arrival_s if requests else 0.0
+    rate = (len(requests) - 1) / span if span > 0 else math.inf
+    return {"arrival": "trace", "trace": spec.trace_path, "rate": rate, "duration_s": span,
+            "prompt": _observed([r.prompt_len for r in requests]), "output": _observed([r.output_len for r in requests]),
+            "num_requests": len(requests),
+            "shared_prefix_fraction": (sum(r.shared_prefix_len for r in requests)
+                                       / max(1, sum(r.prompt_len for r in requests)))}
+
+
+def workload_label(description: dict[str, Any]) -> str:
+    """One line for a report header: lengths, arrival process and rate."""
+    rate = description["rate"]
+    rate_text = "all at once" if math.isinf(rate) else f"{rate:.3g} req/s"
+    arrival = f"trace {description['trace']}" if description["arrival"] == "trace" else description["arrival"]
+    return f"prompt {description['prompt']}, output {description['output']}, {arrival} {rate_text}"
+
+
+def _observed(lengths: list[int]) -> str:
+    if not lengths:
+        return "none"
+    ordered = sorted(lengths)
+    rank = lambda q: ordered[max(0, math.ceil(q * len(ordered)) - 1)]  # noqa: E731 - nearest rank
+    return f"median {rank(0.5)} / p90 {rank(0.9)} (trace)"
 
 
 def prompt_token_ids(request: RequestSpec, index: int, vocab_lo: int, vocab_hi: int) -> list[int]:

@@ -67,6 +67,25 @@ def test_breakdown_matches_prediction(model):
     assert parts.weight_read_ms == pytest.approx(WEIGHT_BYTES / BW * 1000)
 
 
+def test_the_knee_softens_the_linear_roofline_where_compute_meets_memory():
+    shape = get_shape("llama-3-8b")
+    soft = RooflineCostModel(shape, get_hardware("a100"))
+    hard = RooflineCostModel(shape, get_hardware("a100", tflops=soft.hardware.tflops, hbm_tbps=soft.hardware.hbm_tbps))
+    p = soft.hardware.knee
+    for tokens in (1, 64, 300, 1000, 8192):
+        parts = soft.breakdown([], [(0, tokens)])
+        expected = (parts.linear_compute_ms ** p + parts.weight_read_ms ** p) ** (1 / p)
+        assert parts.linear_ms == pytest.approx(expected, rel=1e-12)
+        assert soft.predict_ms([], [(0, tokens)]) == pytest.approx(parts.total_ms, rel=1e-12)
+        hard_parts = hard.breakdown([], [(0, tokens)])
+        assert hard_parts.linear_ms == max(hard_parts.linear_compute_ms, hard_parts.weight_read_ms)
+        assert parts.linear_ms > hard_parts.linear_ms  # never faster than either bound
+    # Far from the ridge the two agree (within 2%): weight-bound decode, compute-bound long prefill.
+    assert soft.breakdown([1000], []).linear_ms == pytest.approx(hard.breakdown([1000], []).linear_ms, rel=0.02)
+    assert soft.breakdown([], [(0, 8192)]).linear_ms == pytest.approx(
+        hard.breakdown([], [(0, 8192)]).linear_ms, rel=0.02)
+
+
 def test_empty_batch_costs_nothing(model):
     assert model.predict_ms([], []) == 0.0
 
@@ -78,11 +97,11 @@ def test_tied_embeddings_are_read_once_as_the_lm_head():
 
 
 def test_presets_carry_datasheet_figures_and_overrides():
-    assert (HARDWARE["a100"].tflops, HARDWARE["a100"].hbm_tbps) == (312.0, 2.039)
-    assert (HARDWARE["h100"].tflops, HARDWARE["h100"].hbm_tbps) == (989.0, 3.35)
-    assert (HARDWARE["h200"].hbm_tbps, HARDWARE["h200"].memory_gib) == (4.8, 141.0)
+    assert (HARDWARE["a100"].peak_tflops, HARDWARE["a100"].peak_hbm_tbps) == (312.0, 2.039)
+    assert (HARDWARE["h100"].peak_tflops, HARDWARE["h100"].peak_hbm_tbps) == (989.0, 3.35)
+    assert (HARDWARE["h200"].peak_hbm_tbps, HARDWARE["h200"].memory_gib) == (4.8, 141.0)
     hw = get_hardware("H100", tflops=500, overhead_ms=0)
-    assert (hw.tflops, hw.hbm_tbps, hw.overhead_ms) == (500, 3.35, 0)
+    assert (hw.tflops, hw.hbm_tbps, hw.overhead_ms) == (500, HARDWARE["h100"].hbm_tbps, 0)
     with pytest.raises(ValueError, match="unknown hardware preset 'tpu'"):
         get_hardware("tpu")
     with pytest.raises(ValueError, match="hbm_tbps must be positive"):

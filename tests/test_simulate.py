@@ -301,3 +301,29 @@ def test_a_shared_prefix_is_served_from_the_prefix_cache():
     # Every request after the first finds the 1,536-token prefix (96 full blocks) in the cache.
     assert all(r["cached_tokens"] == 1536 for r in shared[1:])
     assert sum(r["ttft_ms"] for r in shared) < 0.6 * sum(r["ttft_ms"] for r in unique)
+
+
+def test_cli_over_a_trace_reports_the_traces_own_lengths_and_rate(tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    rows = [(0.5 * i, 100 + 10 * i, 5 + i) for i in range(9)]  # 2 req/s, prompts 100..180, outputs 5..13
+    trace.write_text("arrival_s,prompt_len,output_len\n" + "".join(f"{a},{p},{o}\n" for a, p, o in rows))
+    code = simulate_cli.main(["--model", "qwen2-0.5b", "--arrival", "trace", "--trace", str(trace),
+                              "--num-kv-blocks", "2048", "--json", str(tmp_path / "w.json")])
+    assert code == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("9 requests on qwen2-0.5b")
+    assert "prompt median 140 / p90 180 (trace)" in header and "output median 9 / p90 13 (trace)" in header
+    assert f"trace {trace} 2 req/s" in header
+    assert "sharegpt" not in header and "lognormal" not in header and "1 req/s" not in header
+    workload = __import__("json").loads((tmp_path / "w.json").read_text())["workload"]
+    assert workload["rate"] == pytest.approx(2.0) and workload["num_requests"] == 9
+
+
+def test_textbook_case_is_unchanged_by_the_calibration():
+    """The README's hand-checkable stall: figures given by hand are achieved figures on the plain roofline."""
+    setup = SimSetup(model="llama-3-8b", tflops=400, hbm_tbps=3, overhead_ms=0, max_model_len=8193, max_num_seqs=65)
+    stalled = long_prompt_scenario(setup, 64, 8192, 1024, 2048, no_chunking=True)
+    assert (round(stalled["max_decode_gap_ms"], 1), round(stalled["ttft_ms"], 1)) == (337.8, 329.9)
+    chunked = long_prompt_scenario(SimSetup(**{**setup.__dict__, "token_budget": 576}), 64, 8192, 1024, 2048)
+    assert (round(chunked["max_decode_gap_ms"], 1), round(chunked["ttft_ms"], 1)) == (28.7, 417.5)
+    assert chunked["decode_tokens_during_prefill"] == 1024 and chunked["prefill_iterations"] == 16

@@ -36,6 +36,7 @@ from stallfree.node_daemon.text.tokenizer import Tokenizer, load_tokenizer
 log = logging.getLogger(__name__)
 
 _STOPPED = RequestStatus.FINISHED_STOPPED
+_GONE = object()  # a request's detokenizer slot after it finished or was aborted
 
 
 class LLMEngine:
@@ -48,11 +49,14 @@ class LLMEngine:
         *,
         cost_model: IterationCostModel | None = None,
         clock: Callable[[], float] = time.monotonic,
+        detokenize: bool = True,
     ) -> None:
         """Without an executor, load the model named by config.model and size the KV cache from it.
 
         Another executor (the sim backend) brings its own `tokenizer`; its KV cache size and context come
         from the executor's num_blocks / max_model_len when it has them, else from the config.
+        `detokenize=False` (the simulator: nobody reads the text) leaves the outputs' text empty unless a
+        request has stop strings, which need it.
         """
         if executor is None:
             from stallfree.node_daemon.engine.model_executor import ModelExecutor
@@ -80,7 +84,8 @@ class LLMEngine:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(model_eos + tuple(tokenizer.eos_token_ids)))
         self.observer = observer
         self.clock = clock
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}  # every unfinished request
+        self._detokenize = detokenize
         self._free_executor_state = getattr(executor, "free", None)
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
         self.num_iterations = 0
@@ -105,7 +110,8 @@ class LLMEngine:
                           arrival_time=self.clock() if arrival_time is None else arrival_time,
                           max_model_len=self.max_model_len)
         self.scheduler.add_request(request)
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop)
+        self._detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop)
+                                          if self._detokenize or sampling.stop else None)
 
     def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: Sequence[int] | None) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):
@@ -119,9 +125,12 @@ class LLMEngine:
         else:
             token_ids = list(prompt_token_ids)  # type: ignore[arg-type]
             vocab = self.vocab_size
-            for token in token_ids:
-                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                    raise ValueError(f"prompt token id {token!r} is outside the vocabulary [0, {vocab})")
+            # Plain ints within range, checked in C (a per-token Python loop costs more than a sim iteration);
+            # anything else takes the loop that names the bad token.
+            if not token_ids or set(map(type, token_ids)) != {int} or min(token_ids) < 0 or max(token_ids) >= vocab:
+                for token in token_ids:
+                    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                        raise ValueError(f"prompt token id {token!r} is outside the vocabulary [0, {vocab})")
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
@@ -203,8 +212,8 @@ class LLMEngine:
             if not chunk.samples:
                 continue
             request = chunk.request
-            detok = detokenizers.get(request.request_id)
-            if detok is None or request.request_id not in sampled:
+            detok = detokenizers.get(request.request_id, _GONE)
+            if detok is _GONE or request.request_id not in sampled:
                 continue  # aborted since schedule()
             try:  # zero-cost unless it raises
                 token_logprobs = logprobs.get(request.request_id) if logprobs else None
@@ -213,14 +222,14 @@ class LLMEngine:
                 outputs.append(self._fail_request(request, f"detokenizing failed: {type(exc).__name__}: {exc}"))
         return outputs
 
-    def _process_token(self, request: Request, detok: IncrementalDetokenizer, now: float,
+    def _process_token(self, request: Request, detok: IncrementalDetokenizer | None, now: float,
                        sampled_logprobs=None) -> RequestOutput:
         """The new text of the request's newest token; stop strings, observer, release when done."""
         token = request.output_token_ids[-1]
         done = request.status.finished
         token_logprobs = None
-        if done and request.status is _STOPPED and _is_stop_token(request, token):
-            text = ""  # EOS and stop tokens are not part of the text (nor of the logprobs)
+        if detok is None or (done and request.status is _STOPPED and _is_stop_token(request, token)):
+            text = ""  # no text asked for; EOS and stop tokens are not part of the text (nor of the logprobs)
         else:
             if sampled_logprobs is not None:
                 token_logprobs = [self._token_logprob(sampled_logprobs)]
@@ -230,7 +239,7 @@ class LLMEngine:
                     self.scheduler.finish_request(request.request_id, _STOPPED)
                 request.status = _STOPPED  # a stop string wins over a simultaneous length limit
                 done = True
-        if done:
+        if done and detok is not None:
             text += detok.finish()
         first = request.first_token_time is None
         if self.observer is not None:

@@ -5,12 +5,12 @@ VirtualReplica agree on what "mistral-7b on an a100" means.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import functools
 from pathlib import Path
 
 from stallfree.shapes import ModelShape, get_shape
 from stallfree.node_daemon.sim.cost_model import RooflineCostModel, dtype_bytes
-from stallfree.node_daemon.sim.hardware import Hardware, get_hardware
+from stallfree.node_daemon.sim.hardware import Hardware, get_hardware, with_figures
 from stallfree.node_daemon.sim.sim_executor import SimExecutor, VirtualClock
 
 # Below this many KV blocks a simulated replica is mis-sized, whatever the memory figures say.
@@ -30,12 +30,11 @@ def resolve_shape(model: str) -> ModelShape:
 def build_cost_model(model: str | ModelShape, hardware: str | Hardware = "h100", dtype: str = "bfloat16",
                      tflops: float | None = None, hbm_tbps: float | None = None,
                      overhead_ms: float | None = None) -> RooflineCostModel:
-    """The roofline for a model on a hardware preset (or a Hardware), any datasheet figure overridden."""
+    """The roofline for a model on a hardware preset (or a Hardware), any figure overridden by hand
+    (a FLOP rate or bandwidth given is the achieved figure: hardware.with_figures)."""
     shape = model if isinstance(model, ModelShape) else resolve_shape(model)
     if isinstance(hardware, Hardware):
-        overrides = {k: v for k, v in (("tflops", tflops), ("hbm_tbps", hbm_tbps), ("overhead_ms", overhead_ms))
-                     if v is not None}
-        hw = replace(hardware, **overrides)
+        hw = with_figures(hardware, tflops=tflops, hbm_tbps=hbm_tbps, overhead_ms=overhead_ms)
     else:
         hw = get_hardware(hardware, tflops=tflops, hbm_tbps=hbm_tbps, overhead_ms=overhead_ms)
     return RooflineCostModel(shape, hw, weight_dtype_bytes=dtype_bytes(dtype))
@@ -67,9 +66,17 @@ def build_sim_executor(cost_model: RooflineCostModel, virtual: bool = False, eos
                        eos_after=eos_after)
 
 
-def sim_tokenizer(model: str | ModelShape):
-    """A byte-level tokenizer sized to the shape's vocab: placeholder tokens are bytes, so the API returns text."""
+def sim_tokenizer(model: str | ModelShape | int):
+    """A byte-level tokenizer sized to the shape's vocab (or a vocab size): placeholder tokens are bytes,
+    so the API returns text. One per vocab size per process: the simulator builds many replicas."""
+    if isinstance(model, int):
+        return _byte_level_tokenizer(model)
+    shape = model if isinstance(model, ModelShape) else resolve_shape(model)
+    return _byte_level_tokenizer(shape.vocab_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_level_tokenizer(vocab_size: int):
     from stallfree.node_daemon.text.tokenizer import byte_level_tokenizer
 
-    shape = model if isinstance(model, ModelShape) else resolve_shape(model)
-    return byte_level_tokenizer(shape.vocab_size)
+    return byte_level_tokenizer(vocab_size)

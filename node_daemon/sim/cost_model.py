@@ -1,11 +1,17 @@
 """Iteration time of one batch: a roofline over a model shape and a device, or a measured profile.
 
 A batch is its decodes (each one new token, given by its context length including that token) and its
-prefill chunks (prefix_len tokens already in the KV cache, num_tokens computed now). The roofline:
+prefill chunks (prefix_len tokens already in the KV cache, num_tokens computed now). The roofline, at the
+hardware's achieved FLOP rate and bandwidth:
 
-  linear   = max(2 x matmul params x tokens + LM head on sampled rows) / FLOP rate,  weight bytes / bandwidth)
+  compute   = (2 x matmul params x tokens + 2 x LM head params x sampled rows) / FLOP rate
+  memory    = weight bytes / bandwidth
+  linear    = (compute^p + memory^p)^(1/p), p the hardware's knee (inf: max(compute, memory))
   attention = per sequence, max(attention FLOPs / FLOP rate, KV bytes / bandwidth), summed
-  total    = linear + attention + fixed overhead
+  total     = linear + attention + fixed overhead
+
+The knee is fitted with the efficiencies to measured linear-layer times (hardware.py): near the ridge
+point a GEMM is slower than both its compute and its memory bound.
 
 Attention FLOPs per layer are 4 x heads x head_dim x (query, key) pairs; a chunk's queries see its whole
 prefix plus the causal part of the chunk (n x p + n(n+1)/2 pairs). KV bytes are the prefix re-read plus
@@ -16,6 +22,7 @@ Pure Python and lean: the scheduler may call predict_ms several times per iterat
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -38,12 +45,9 @@ class IterationCost:
 
     linear_compute_ms: float
     weight_read_ms: float
+    linear_ms: float  # the two above through the knee
     attention_ms: float
     overhead_ms: float
-
-    @property
-    def linear_ms(self) -> float:
-        return max(self.linear_compute_ms, self.weight_read_ms)
 
     @property
     def total_ms(self) -> float:
@@ -70,6 +74,7 @@ class RooflineCostModel:
         per_layer = (h * shape.num_heads * d + 2 * h * shape.num_kv_heads * d + shape.num_heads * d * h
                      + 3 * h * shape.intermediate_size)
         self.matmul_params_per_token = shape.num_layers * per_layer
+        self.layer_weight_bytes = (per_layer + 2 * h) * weight_dtype_bytes  # its matrices and its two norms
         self.lm_head_params = shape.vocab_size * h
         # Read every step: all weights but an untied embedding table (only the batch's rows are looked up).
         self.weight_read_params = shape.num_parameters - (0 if shape.tie_word_embeddings else self.lm_head_params)
@@ -85,6 +90,13 @@ class RooflineCostModel:
         # A decode attends to c keys with c KV entries moved: its time is linear in c.
         self._decode_ctx_s = max(self._pair_s, self._kv_token_s)
         self._overhead_s = hardware.overhead_ms / 1000.0
+        knee = hardware.knee
+        self._knee = None if math.isinf(knee) else knee  # None: the plain max
+        if self._knee is not None:
+            if knee < 1:
+                raise ValueError(f"the knee must be at least 1 (1 adds compute and memory), got {knee}")
+            self._inv_knee = 1.0 / knee
+            self._weight_read_pow = self._weight_read_s ** knee
 
     @property
     def weight_bytes(self) -> int:
@@ -107,10 +119,25 @@ class RooflineCostModel:
             memory_s = (prefix_len + num_tokens) * kv_token_s
             attention_s += compute_s if compute_s > memory_s else memory_s
         # Logits are computed for the last position of each sequence only.
-        linear_s = self.linear_flops(tokens, num_decodes + len(prefill_chunks)) * self._s_per_flop
-        if linear_s < self._weight_read_s:
-            linear_s = self._weight_read_s
+        compute_s = self.linear_flops(tokens, num_decodes + len(prefill_chunks)) * self._s_per_flop
+        knee = self._knee
+        if knee is None:
+            linear_s = compute_s if compute_s > self._weight_read_s else self._weight_read_s
+        else:
+            linear_s = (compute_s ** knee + self._weight_read_pow) ** self._inv_knee
         return (linear_s + attention_s + self._overhead_s) * 1000.0
+
+    def linear_ms(self, compute_ms: float, memory_ms: float) -> float:
+        """Compute and memory time of linear layers through the hardware's knee."""
+        if self._knee is None:
+            return max(compute_ms, memory_ms)
+        return (compute_ms ** self._knee + memory_ms ** self._knee) ** self._inv_knee
+
+    def layer_linear_ms(self, num_tokens: int) -> float:
+        """One decoder layer's non-attention time for `num_tokens` tokens (what calibration data measures)."""
+        per_layer = self.matmul_params_per_token // self.shape.num_layers
+        return self.linear_ms(2 * per_layer * num_tokens * self._s_per_flop * 1000.0,
+                              self.layer_weight_bytes / self.hardware.bytes_per_s * 1000.0)
 
     def breakdown(self, decode_context_lens: Sequence[int], prefill_chunks: Sequence[tuple[int, int]]) -> IterationCost:
         """The same prediction split into its terms."""
@@ -120,9 +147,12 @@ class RooflineCostModel:
         for prefix_len, num_tokens in prefill_chunks:
             pairs = num_tokens * prefix_len + num_tokens * (num_tokens + 1) // 2
             attention_s += max(pairs * self._pair_s, (prefix_len + num_tokens) * self._kv_token_s)
+        compute_ms = self.linear_flops(tokens, sampled) * self._s_per_flop * 1000.0
+        weight_read_ms = self._weight_read_s * 1000.0
         return IterationCost(
-            linear_compute_ms=self.linear_flops(tokens, sampled) * self._s_per_flop * 1000.0,
-            weight_read_ms=self._weight_read_s * 1000.0,
+            linear_compute_ms=compute_ms,
+            weight_read_ms=weight_read_ms,
+            linear_ms=self.linear_ms(compute_ms, weight_read_ms),
             attention_ms=attention_s * 1000.0,
             overhead_ms=self.hardware.overhead_ms,
         )

@@ -57,11 +57,14 @@ class SimExecutor:
         self.last_iteration_ms = 0.0
         self.num_iterations = 0
         self.busy_s = 0.0
+        self._offsets: dict[str, int] = {}  # request -> its placeholder text offset (crc32 once per request)
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         decode_context_lens: list[int] = []
         prefill_chunks: list[tuple[int, int]] = []
         sampled: dict[str, int] = {}
+        offsets, text, vocab = self._offsets, PLACEHOLDER_TEXT, self.vocab_size
+        eos_after = self.eos_after
         for chunk in output.chunks:
             if chunk.is_prefill:
                 prefill_chunks.append((chunk.start, chunk.num_tokens))
@@ -69,8 +72,15 @@ class SimExecutor:
                 decode_context_lens.append(chunk.start + chunk.num_tokens)
             if chunk.samples:
                 request = chunk.request
-                sampled[request.request_id] = self.placeholder_token(request.request_id,
-                                                                     len(request.output_token_ids))
+                request_id = request.request_id
+                position = len(request.output_token_ids)
+                if eos_after is not None:
+                    sampled[request_id] = self.placeholder_token(request_id, position)
+                    continue
+                offset = offsets.get(request_id)
+                if offset is None:
+                    offset = offsets[request_id] = _text_offset(request_id)
+                sampled[request_id] = text[(offset + position) % len(text)] % vocab
         iteration_ms = self.cost_model.predict_ms(decode_context_lens, prefill_chunks)
         self.last_iteration_ms = iteration_ms
         self.num_iterations += 1
@@ -81,9 +91,17 @@ class SimExecutor:
             self.clock.advance(iteration_ms / 1000.0)
         return sampled
 
+    def free(self, request_id: str) -> None:
+        """The engine is done with a request (finished or aborted)."""
+        self._offsets.pop(request_id, None)
+
     def placeholder_token(self, request_id: str, position: int) -> int:
         """The token a request samples at output `position`: deterministic, and EOS only when asked."""
         if self.eos_after is not None and position + 1 >= self.eos_after:
             return self.eos_token_id  # type: ignore[return-value]
-        offset = zlib.crc32(request_id.encode()) % len(PLACEHOLDER_TEXT)
-        return PLACEHOLDER_TEXT[(offset + position) % len(PLACEHOLDER_TEXT)] % self.vocab_size
+        return PLACEHOLDER_TEXT[(_text_offset(request_id) + position) % len(PLACEHOLDER_TEXT)] % self.vocab_size
+
+
+def _text_offset(request_id: str) -> int:
+    """Where in the placeholder text a request's output starts (so requests' texts differ)."""
+    return zlib.crc32(request_id.encode()) % len(PLACEHOLDER_TEXT)
