@@ -105,7 +105,6 @@ class Router:
         healthy = [r for r in self.pool.healthy() if r.name not in exclude]
         if not healthy:
             return None
-        self.counter += 1
         hashes: list[int] = []
         if self.config.policy == "slo-aware":
             hashes = prefix_hashes(info.prompt_text, self.block_chars)
@@ -125,6 +124,7 @@ class Router:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS]
         url_path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         tried: set[str] = set()
+        self.counter += 1  # once per request: a retry must not shift round-robin's order
         last_refusal: RetryElsewhere | None = None
         for attempt in range(2):
             picked = self.choose(info, tried)
