@@ -421,6 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--itl-streams", type=int, default=64)
     p.add_argument("--itl-tokens", type=int, default=128)
     p.add_argument("--itl-rounds", type=int, default=2)
+    p.add_argument("--faults", action="store_true",
+                   help="instead: 3 replica kills and one SIGSTOP freeze through the router (bench/router_faults.py)")
+    p.add_argument("--freeze-s", type=float, default=20.0, help="--faults: how long the frozen replica stays stopped")
+    p.add_argument("--rate", type=float, default=20.0, help="--faults: requests per second")
     p.add_argument("--quick", action="store_true", help="smoke test: a few seconds per policy, two policies")
     p.add_argument("--json", default="bench-router.json")
     p.add_argument("--plot", default="bench-router.png")
@@ -436,14 +440,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stallfree bench router: error: unknown policies {bad} or bad --load/--duration-s", file=sys.stderr)
         return 2
     if args.quick:
-        args.duration_s, args.profile_seconds = min(args.duration_s, 6.0), min(args.profile_seconds, 3.0)
+        args.duration_s = min(args.duration_s, 12.0 if args.faults else 6.0)
+        args.profile_seconds = min(args.profile_seconds, 3.0)
         args.itl_streams, args.itl_tokens, args.itl_rounds = min(args.itl_streams, 8), min(args.itl_tokens, 16), 1
         policies = tuple(p for p in policies if p in ("slo-aware", "round-robin")) or policies[:1]
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="stallfree-bench-router-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     payload: dict[str, Any] = {"model": MODEL, "fleet": [{"hardware": hw, "replicas": n} for hw, n in FLEET],
                                "token_budget": args.token_budget, "load": args.load, "duration_s": args.duration_s}
-    if args.itl:
+    if args.faults:
+        from stallfree.bench.router_faults import FaultConfig, FaultRun, table as fault_table
+
+        config = FaultConfig(duration_s=args.duration_s, rate=args.rate, freeze_s=args.freeze_s, seed=args.seed)
+        if args.quick:
+            config.freeze_s, config.rate = min(config.freeze_s, 3.0), min(config.rate, 10.0)
+        say(f"[faults] 4 sim daemons, {config.rate:g} req/s for {config.duration_s:g}s through the router; "
+            f"kills at {', '.join(f'{f:.0%}' for f in config.kill_at)}, a {config.freeze_s:g}s freeze at "
+            f"{config.freeze_at:.0%}")
+        payload["faults"] = asyncio.run(FaultRun(config, log_dir).run())
+        for line in fault_table(payload["faults"]):
+            say(line)
+    elif args.itl:
         payload["itl"] = run_itl(args, log_dir)
         itl = payload["itl"]
         say(f"router adds {itl['router_adds_p99_ms']:+.2f} ms to p99 ITL at {itl['streams']} streams "

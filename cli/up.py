@@ -145,7 +145,13 @@ async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, o
             # Long enough that the starting budget takes each one in a single stalling iteration.
             long_prompt = min(spec.engine.ceilings.max_token_budget - 64, (spec.model.max_model_len or 2048) - 64)
             chat, phases = demo_load(profile, spec.slos.tpot_p99_ms, long_prompt, scale=args.phase_scale)
-            load = LoadDriver(runtime.ready_urls, spec.model.served_name, prompt_builder(spec))
+            if spec.routing.mode == "slo-aware":
+                router_url = await runtime.start_router(spec.routing.policy)
+                view.say(f"router on {router_url} ({spec.routing.policy}): the load goes through it")
+                load = LoadDriver(lambda: [router_url] if runtime.router.has_ready_replica() else [],
+                                  spec.model.served_name, prompt_builder(spec))
+            else:
+                load = LoadDriver(runtime.ready_urls, spec.model.served_name, prompt_builder(spec))
             load_task = asyncio.gather(load.run([chat], runtime.started, stop=stop),
                                        load.run(phases, runtime.started, on_phase=view.phase, stop=stop))
         if args.duration:
