@@ -38,11 +38,17 @@ FLEET = (("a100", 2), ("h100", 2))
 POLICIES = ("slo-aware", "least-outstanding", "round-robin", "random")
 
 
+# The affinity workload asks about caches, not speeds: four equal replicas, so that where a prefix lives is
+# the only difference between policies (the load workload's mixed fleet is where speed matters).
+AFFINITY_FLEET = (("h100", 4),)
+
+
 @dataclass(frozen=True)
 class Setup:
     name: str
     num_kv_blocks: int  # of 16 tokens
     policies: tuple[str, ...]
+    fleet: tuple[tuple[str, int], ...] = FLEET
 
 
 def daemon_args(hardware: str, num_kv_blocks: int, budget: int, profile_s: float) -> list[str]:
@@ -260,10 +266,11 @@ def run_setup(setup: Setup, args: argparse.Namespace, log_dir: Path) -> dict[str
     chars_per_token = None
     requests: list = []
     prompts: list[str] = []
-    out: dict[str, Any] = {"workload": setup.name, "policies": {}}
+    out: dict[str, Any] = {"workload": setup.name, "policies": {},
+                           "fleet": [{"hardware": hw, "replicas": n} for hw, n in setup.fleet]}
     for policy in setup.policies:
-        fleet = Fleet(log_dir, setup.num_kv_blocks, args.token_budget, args.profile_seconds)
-        say(f"[{setup.name}] {policy}: starting 4 sim daemons ({', '.join(f'{n}x {hw}' for hw, n in FLEET)})")
+        fleet = Fleet(log_dir, setup.num_kv_blocks, args.token_budget, args.profile_seconds, fleet=setup.fleet)
+        say(f"[{setup.name}] {policy}: starting 4 sim daemons ({', '.join(f'{n}x {hw}' for hw, n in setup.fleet)})")
         try:
             fleet.start()
             if not requests:
@@ -446,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         policies = tuple(p for p in policies if p in ("slo-aware", "round-robin")) or policies[:1]
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="stallfree-bench-router-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    payload: dict[str, Any] = {"model": MODEL, "fleet": [{"hardware": hw, "replicas": n} for hw, n in FLEET],
+    payload: dict[str, Any] = {"model": MODEL,
                                "token_budget": args.token_budget, "load": args.load, "duration_s": args.duration_s}
     if args.faults:
         from stallfree.bench.router_faults import FaultConfig, FaultRun, table as fault_table
@@ -471,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.workload in ("load", "both"):
             setups.append(Setup("load", 8192, policies))
         if args.workload in ("affinity", "both"):
-            setups.append(Setup("affinity", 2048, policies))  # 2048 blocks of 16 = 32k tokens per replica
+            # 2048 blocks of 16 = 32k tokens per replica
+            setups.append(Setup("affinity", 2048, policies, fleet=AFFINITY_FLEET))
         for setup in setups:
             results.append(run_setup(setup, args, log_dir))
             payload[setup.name] = {k: v for k, v in results[-1].items()}

@@ -93,8 +93,8 @@ class Router:
             await self.client.aclose()
 
     def _replica_changed(self, replica: Replica) -> None:
-        if not replica.healthy:
-            self.prefixes.forget(replica.name) if replica.removed or replica.reason == "loading model" else None
+        if replica.removed or replica.reason == "loading model":
+            self.prefixes.forget(replica.name)  # a new process: its prefix cache starts empty
         healthy = self.pool.healthy()
         self.metrics.replicas_healthy.set(len(healthy))
         self.metrics.replicas_known.set(len(self.pool.replicas))
@@ -109,6 +109,9 @@ class Router:
         if self.config.policy == "slo-aware":
             hashes = prefix_hashes(info.prompt_text, self.block_chars)
             home = rendezvous_home(hashes[0], [r.name for r in healthy]) if hashes else None
+            for r in healthy:  # the table forgets what each replica's own KV cache cannot hold
+                if r.stats is not None:
+                    self.prefixes.set_capacity(r.name, r.stats.kv_capacity_tokens)
             views = [r.view(self.prefixes.cached_tokens(r.name, hashes), r.name == home) for r in healthy]
         else:
             views = [r.view() for r in healthy]
