@@ -454,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="stallfree-bench-router-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     payload: dict[str, Any] = {"model": MODEL,
-                               "token_budget": args.token_budget, "load": args.load, "duration_s": args.duration_s}
+                               "token_budget": args.token_budget, "offered_load": args.load, "duration_s": args.duration_s}
     if args.faults:
         from stallfree.bench.router_faults import FaultConfig, FaultRun, table as fault_table
 
