@@ -118,6 +118,7 @@ class LocalRuntime:
         self.router = InProcessRouter(self.admin_token, RouterConfig(policy=policy))
         url = await self.router.start()
         await self.targets()
+        await self.router.wait_ready()
         return url
 
     async def close(self) -> None:

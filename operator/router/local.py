@@ -45,6 +45,15 @@ class InProcessRouter:
         """name -> URL of every replica that may serve (not draining); health is the router's own poll."""
         self.router.pool.set_replicas(replicas)
 
+    async def wait_ready(self, timeout_s: float = 10.0) -> bool:
+        """Until the router's own poll found a replica ready (its first poll follows `follow` closely)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self.has_ready_replica():
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     def has_ready_replica(self) -> bool:
         return bool(self.router.pool.healthy())
 
