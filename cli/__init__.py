@@ -12,6 +12,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("stallfree.cli.serve", "run the serving daemon (OpenAI API, metrics, admin)"),
     "generate": ("stallfree.cli.generate", "run one prompt through the engine and print the text"),
+    "router": ("stallfree.cli.router", "route requests to the replica with the lowest predicted TTFT"),
     "operator": ("stallfree.cli.operator", "run the kopf operator against the cluster KUBECONFIG names"),
     "up": ("stallfree.cli.up", "run the closed loop locally: daemons + control loop + load"),
     "bench": ("stallfree.cli.bench", "benchmarks: scheduler, stall, itl, serve, ..."),

@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "itl": ("stallfree.bench.itl", "client-seen vs engine-side inter-token latency (API overhead)"),
     "serve": ("stallfree.bench.serve", "load against any OpenAI-compatible endpoint"),
     "sampler": ("stallfree.bench.sampler", "sampler time per decode step: batches 1/16/64, greedy, top-p, penalties"),
+    "router": ("stallfree.bench.router", "routing policies through `stallfree router` on 4 sim daemons"),
     "soak": ("stallfree.bench.soak", "thousands of requests, cancellations and a kill across local replicas"),
 }
 

@@ -134,7 +134,13 @@ async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, o
             use_demo_slos(runtime, view, plan)
             view.say(plan.describe())
             phases = plan.phases
-            load = LoadDriver(runtime.ready_urls, spec.model.served_name, prompt_builder(spec))
+            if spec.routing.mode == "slo-aware":
+                router_url = await runtime.start_router(spec.routing.policy)
+                view.say(f"router on {router_url} ({spec.routing.policy}): the load goes through it")
+                load = LoadDriver(lambda: [router_url] if runtime.router.has_ready_replica() else [],
+                                  spec.model.served_name, prompt_builder(spec))
+            else:
+                load = LoadDriver(runtime.ready_urls, spec.model.served_name, prompt_builder(spec))
             load_task = asyncio.gather(load.run([plan.chat], runtime.started, stop=stop),
                                        load.run(phases, runtime.started, on_phase=view.phase, stop=stop))
         if args.duration:

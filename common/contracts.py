@@ -111,6 +111,9 @@ class WindowStats:
     ceilings: Ceilings
     iterations: int = 0
     mean_iteration_ms: float | None = None
+    # Live, for the router: accepted prompt tokens without a first token yet, and the whole KV cache's size.
+    queued_prompt_tokens: int = 0
+    kv_capacity_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -206,11 +206,14 @@ async def test_create_makes_owned_children_with_the_right_fields(kmock: BridgedE
         assert pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0][
             "topologyKey"] == "kubernetes.io/hostname"
         assert deployment["spec"]["replicas"] == 1
-        assert obj(kmock, "v1/services", "chat")["spec"]["selector"] == render.selector_labels("chat")
+        # slo-aware routing (the default): clients reach the router; the daemons sit behind a headless Service.
+        assert obj(kmock, "v1/services", "chat")["spec"]["selector"] == render.router_selector_labels("chat")
+        assert obj(kmock, "v1/services", "chat-daemons")["spec"]["selector"] == render.selector_labels("chat")
         assert not exists(kmock, "monitoring.coreos.com/v1/servicemonitors", "chat")  # no such API here
 
         status = obj(kmock, IS_RESOURCE, "chat")["status"]
         assert status["selector"] == render.selector_string("chat")
+        assert status["endpoint"] == f"http://chat.{NS}.svc:80"
         assert status["observedGeneration"] == 1
         assert condition(kmock, "chat", "SLOMet")["status"] == "Unknown"
         await eventually(lambda: events(kmock, "Created"))
@@ -284,6 +287,41 @@ async def test_invalid_spec_sets_a_condition_and_makes_nothing(kmock: BridgedEmu
         await eventually(lambda: condition(kmock, "bad", "Degraded")["status"] == "False")
 
 
+ROUTER_CHILDREN = ((DEPLOYMENTS, "chat-router"), ("v1/services", "chat-daemons"), ("v1/serviceaccounts", "chat-router"),
+                   ("rbac.authorization.k8s.io/v1/roles", "chat-router"),
+                   ("rbac.authorization.k8s.io/v1/rolebindings", "chat-router"))
+
+
+async def test_routing_modes_make_and_remove_the_router(kmock: BridgedEmulator) -> None:
+    async with Operator():
+        await create(kmock, manifest())
+        await eventually(lambda: all(exists(kmock, r, n) for r, n in ROUTER_CHILDREN))
+        owner_uid = obj(kmock, IS_RESOURCE, "chat")["metadata"]["uid"]
+        for resource, name in ROUTER_CHILDREN:
+            assert [r["uid"] for r in obj(kmock, resource, name)["metadata"]["ownerReferences"]] == [owner_uid]
+        router = obj(kmock, DEPLOYMENTS, "chat-router")["spec"]["template"]["spec"]
+        assert router["serviceAccountName"] == "chat-router"
+        assert router["containers"][0]["args"][:3] == ["router", "--service", "chat-daemons"]
+        role = obj(kmock, "rbac.authorization.k8s.io/v1/roles", "chat-router")
+        assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                                  "verbs": ["list"]}]
+        daemons_before = template(kmock)
+        # The router's Deployment reporting ready replicas does not count as daemons.
+        response = await kmock.patch(f"/apis/apps/v1/namespaces/{NS}/deployments/chat-router/status", json={
+            "status": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1, "availableReplicas": 1}},
+            headers={"Content-Type": "application/merge-patch+json"})
+        assert response.status == 200
+        await asyncio.sleep(0.5)
+        assert condition(kmock, "chat", "Ready")["reason"] == "NoReplicaReady"
+
+        await patch_spec(kmock, "chat", {"routing": {"mode": "service"}})
+        await eventually(lambda: obj(kmock, "v1/services", "chat")["spec"]["selector"]
+                         == render.selector_labels("chat"))
+        await eventually(lambda: not any(exists(kmock, r, n) for r, n in ROUTER_CHILDREN))
+        assert template(kmock) == daemons_before  # switching routing never restarts a daemon
+        assert obj(kmock, IS_RESOURCE, "chat")["status"]["endpoint"] == f"http://chat.{NS}.svc:80"
+
+
 async def test_delete_removes_children_and_releases_the_object(kmock: BridgedEmulator) -> None:
     async with Operator():
         await create(kmock, manifest())
@@ -292,7 +330,7 @@ async def test_delete_removes_children_and_releases_the_object(kmock: BridgedEmu
         assert response.status == 200
         await eventually(lambda: not exists(kmock, IS_RESOURCE, "chat"))  # finalizer removed, object gone
         for resource, name in ((DEPLOYMENTS, "chat"), ("v1/services", "chat"), ("v1/secrets", "chat-admin-token"),
-                               ("policy/v1/poddisruptionbudgets", "chat")):
+                               ("policy/v1/poddisruptionbudgets", "chat"), *ROUTER_CHILDREN):
             assert not exists(kmock, resource, name), resource
 
 

@@ -218,7 +218,8 @@ def test_service_pdb_monitor_and_secret_select_the_daemons() -> None:
     secret = render.admin_secret("chat", "ns", "t0ken")
     assert secret["stringData"] == {render.ADMIN_TOKEN_KEY: "t0ken"}
     assert secret["metadata"]["name"] == render.admin_secret_name("chat")
-    kinds = [c["kind"] for c in render.children("chat", "ns", spec_with(), render.StartupKnobs.from_spec(spec_with()),
+    plain = spec_with(routing__mode="service")
+    kinds = [c["kind"] for c in render.children("chat", "ns", plain, render.StartupKnobs.from_spec(plain),
                                                  with_service_monitor=False)]
     assert kinds == ["Service", "PodDisruptionBudget", "Deployment"]
     for child in render.children("chat", "ns", spec_with(), render.StartupKnobs.from_spec(spec_with()), True):
@@ -229,3 +230,43 @@ def test_service_pdb_monitor_and_secret_select_the_daemons() -> None:
 def test_selector_string_matches_the_labels() -> None:
     selector = render.selector_string("chat")
     assert dict(part.split("=") for part in selector.split(",")) == render.selector_labels("chat")
+
+
+# -- slo-aware routing -------------------------------------------------------------------------------
+
+def test_slo_aware_routing_puts_the_router_in_front_and_the_daemons_behind_a_headless_service() -> None:
+    spec = spec_with()  # slo-aware is the default
+    children = render.children("chat", "ns", spec, render.StartupKnobs.from_spec(spec), with_service_monitor=True)
+    by_name = {(c["kind"], c["metadata"]["name"]): c for c in children}
+    client = by_name["Service", "chat"]
+    assert client["spec"]["selector"] == render.router_selector_labels("chat")
+    daemons = by_name["Service", "chat-daemons"]
+    assert daemons["spec"]["clusterIP"] == "None" and daemons["spec"]["selector"] == render.selector_labels("chat")
+    router = by_name["Deployment", "chat-router"]
+    pod = router["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[:3] == ["router", "--service", "chat-daemons"]
+    assert args[args.index("--policy") + 1] == "slo-aware"
+    assert args[args.index("--admin-token-file") + 1] == f"{render.ADMIN_TOKEN_DIR}/{render.ADMIN_TOKEN_KEY}"
+    assert pod["serviceAccountName"] == "chat-router" and pod["automountServiceAccountToken"] is True
+    assert router["spec"]["selector"]["matchLabels"] == render.router_selector_labels("chat")
+    assert router["spec"]["template"]["metadata"]["labels"].items() >= render.router_selector_labels("chat").items()
+    # The router's pods never match the daemons' selector (PDB, anti-affinity, status counts).
+    assert not render.selector_labels("chat").items() <= router["spec"]["template"]["metadata"]["labels"].items()
+    # Least privilege: list EndpointSlices in its namespace, nothing else.
+    role = by_name["Role", "chat-router"]
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}]
+    binding = by_name["RoleBinding", "chat-router"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "chat-router", "namespace": "ns"}]
+    # The ServiceMonitor scrapes the daemons' Service, not the router's.
+    monitor = by_name["ServiceMonitor", "chat"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= daemons["metadata"]["labels"].items()
+    assert not monitor["spec"]["selector"]["matchLabels"].items() <= client["metadata"]["labels"].items()
+    assert {(api, kind, name) for api, kind, name in render.router_children_refs("chat")} == {
+        (c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in children
+        if c["metadata"]["name"] in ("chat-router", "chat-daemons")}
+
+
+def test_routing_mode_never_rolls_the_daemons() -> None:
+    assert render.template_hash(spec_with(routing__mode="service")) == render.template_hash(spec_with())
+    assert render.template_hash(spec_with(routing__policy="round-robin")) == render.template_hash(spec_with())

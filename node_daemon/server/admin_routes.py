@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from dataclasses import replace
 
 from fastapi import APIRouter, Depends
 from starlette.requests import Request
@@ -59,6 +60,8 @@ async def get_stats(request: Request) -> JSONResponse:
     tuning, ceilings = engine.get_tuning(), engine.ceilings
     # Sorting a busy window's samples takes milliseconds; numpy's sort releases the GIL in a worker thread.
     stats = await asyncio.to_thread(daemon.stats.snapshot, tuning, ceilings, **kwargs)
+    stats = replace(stats, queued_prompt_tokens=daemon.admission.queued_tokens,
+                    kv_capacity_tokens=daemon.kv_capacity_tokens or 0)
     return JSONResponse(stats.to_dict())
 
 

@@ -288,6 +288,17 @@ class TuningSpec(_Model):
     interval_seconds: float = Field(10.0, ge=1, le=3600, description="the control interval")
 
 
+class RoutingSpec(_Model):
+    """How clients reach the replicas: through the SLO-aware router, or a plain Service."""
+
+    mode: Literal["slo-aware", "service"] = Field(
+        "slo-aware", description="slo-aware: `stallfree router` picks the replica with the lowest predicted TTFT "
+        "(with prefix affinity); service: a plain Kubernetes Service spreads requests")
+    policy: Literal["slo-aware", "least-outstanding", "round-robin", "random"] = Field(
+        "slo-aware", description="the router's policy (the others are baselines)")
+    replicas: int = Field(1, ge=1, le=16, description="router pods (each polls every daemon)")
+
+
 class ResourcesSpec(_Model):
     """Container resources, as in a Pod (quantities as integers or strings)."""
 
@@ -301,6 +312,7 @@ class InferenceServiceSpec(_Model):
     slos: SLOSpec = Field(default_factory=SLOSpec)
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
     tuning: TuningSpec = Field(default_factory=TuningSpec)
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list, json_schema_extra={"items": _FREE_FORM})
@@ -340,6 +352,7 @@ class InferenceServiceStatus(_Model):
     p99_ttft_ms: float | None = None
     p99_tpot_ms: float | None = None
     p99_queue_wait_ms: float | None = None
+    endpoint: str | None = Field(None, description="where clients send requests (the router's or the daemons' Service)")
     conditions: list[Condition] = Field(default_factory=list)
     control: dict[str, Any] | None = Field(
         None, json_schema_extra=_FREE_FORM, description="what the control loop observed and decided last")

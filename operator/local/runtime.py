@@ -81,6 +81,7 @@ class LocalRuntime:
         self.state_file = state_file or workdir / "control-state.json"
         self.events: list[Event] = []
         self._ready_now: set[str] = set()  # names that answered /ready at the last look
+        self.router = None  # an InProcessRouter once start_router() ran: the demo's load goes through it
         self.steps: list[StepResult] = []
         self.started = time.time()
         self.client = httpx.AsyncClient()
@@ -109,7 +110,20 @@ class LocalRuntime:
             await asyncio.sleep(1.0)
         raise TimeoutError(f"replicas not ready after {timeout_s:.0f}s; logs in {self.daemons.log_dir}")
 
+    async def start_router(self, policy: str = "slo-aware") -> str:
+        """`stallfree router` in this event loop, following the daemon set; returns its URL."""
+        from stallfree.operator.router.local import InProcessRouter
+        from stallfree.operator.router.proxy import RouterConfig
+
+        self.router = InProcessRouter(self.admin_token, RouterConfig(policy=policy))
+        url = await self.router.start()
+        await self.targets()
+        await self.router.wait_ready()
+        return url
+
     async def close(self) -> None:
+        if self.router is not None:
+            await self.router.close()
         await asyncio.to_thread(self.daemons.shutdown)
         await self.client.aclose()
 
@@ -129,6 +143,8 @@ class LocalRuntime:
         replicas = list(self.daemons.replicas)
         ready = await asyncio.gather(*(self._ready(r) for r in replicas))
         self._ready_now = {r.name for r, ok in zip(replicas, ready) if ok}
+        if self.router is not None:
+            self.router.follow({r.name: r.url for r in replicas if r.alive and not r.draining})
         return [ReplicaTarget(r.name, r.url, ok, instance=str(r.process.pid)) for r, ok in zip(replicas, ready)]
 
     def ready_urls(self) -> list[str]:

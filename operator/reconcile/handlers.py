@@ -96,6 +96,10 @@ def _check_owned(current: dict[str, Any] | None, owner: dict[str, Any]) -> None:
                             f"owned by this InferenceService; rename one of them or delete it")
 
 
+def _is_daemons(child: dict[str, Any], name: str) -> bool:
+    return child["kind"] == "Deployment" and child["metadata"]["name"] == name
+
+
 def apply_children(kube: Kube, owner: dict[str, Any], spec: s.InferenceServiceSpec,
                    existing: dict[str, Any] | None) -> Applied:
     """Apply every child; ChildConflict (before anything is written) where a name is taken."""
@@ -104,7 +108,7 @@ def apply_children(kube: Kube, owner: dict[str, Any], spec: s.InferenceServiceSp
     knobs = render.startup_knobs(spec, existing)
     with_monitor = kube.has_api(*SERVICE_MONITOR_API)
     children = render.children(name, namespace, spec, knobs, with_service_monitor=with_monitor)
-    currents = [existing if child["kind"] == "Deployment" else kube.get(
+    currents = [existing if _is_daemons(child, name) else kube.get(
         child["apiVersion"], child["kind"], namespace, child["metadata"]["name"]) for child in children]
     secret = render.admin_secret(name, namespace, secrets.token_urlsafe(32))
     for current in [kube.get("v1", "Secret", namespace, secret["metadata"]["name"]), *currents]:
@@ -120,9 +124,16 @@ def apply_children(kube: Kube, owner: dict[str, Any], spec: s.InferenceServiceSp
         result = current if current is not None and contains(current, child) else kube.apply(child)
         if current is None:
             created.append(f"{child['kind']}/{child['metadata']['name']}")
-        if child["kind"] == "Deployment":
+        if _is_daemons(child, name):
             deployment = result
     assert deployment is not None
+    if spec.routing.mode != "slo-aware":
+        # Routing switched to a plain Service: what the router needed goes (only if it is ours).
+        for api_version, kind, child_name in render.router_children_refs(name):
+            current = kube.get(api_version, kind, namespace, child_name)
+            if current is not None:
+                _check_owned(current, owner)
+                kube.delete(api_version, kind, namespace, child_name)
     previous = _template_hash_of(existing)
     new_hash = render.template_hash(spec)
     return Applied(created, existing is not None and previous != new_hash, previous, new_hash, deployment)
@@ -135,7 +146,8 @@ def refresh_status(kube: Kube, owner: dict[str, Any], spec: s.InferenceServiceSp
     desired = spec.desired_replicas()
     fields: dict[str, Any] = {**cond.rollout_status(deployment), "desiredReplicas": desired,
                               "selector": render.selector_string(name),
-                              "templateHash": _template_hash_of(deployment)}
+                              "templateHash": _template_hash_of(deployment),
+                              "endpoint": render.endpoint(name, namespace)}
     if generation is not None:
         fields["observedGeneration"] = generation
     updates = cond.rollout_conditions(deployment, desired, generation)
@@ -189,7 +201,8 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, logger: logging.LoggerAdapter, *
 @kopf.on.event("apps", "v1", "deployments", labels={render.LABEL_MANAGED_BY: render.MANAGED_BY})
 def deployment_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: logging.LoggerAdapter,
                        **_: Any) -> None:
-    name = (body.get("metadata", {}).get("labels") or {}).get(render.LABEL_SERVICE)
+    child_labels = body.get("metadata", {}).get("labels") or {}
+    name = child_labels.get(render.LABEL_SERVICE)
     namespace = body.get("metadata", {}).get("namespace")
     if not name or not namespace:
         return
@@ -201,6 +214,8 @@ def deployment_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logge
         # Deleted by hand: level-triggered, so make it again.
         reconcile_service(kube, owner, logger)
         return
+    if child_labels.get(render.LABEL_COMPONENT, "daemon") != "daemon":
+        return  # the router's Deployment: the status counts the daemons
     spec, problems = _parse(owner)
     if spec is None or problems:
         return  # the InvalidSpec conditions stand until the spec is fixed
@@ -223,6 +238,7 @@ def delete(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, logger: 
     deleted = []
     for api_version, kind, child in (("apps/v1", "Deployment", name), ("policy/v1", "PodDisruptionBudget", name),
                                      ("v1", "Service", name), (*SERVICE_MONITOR_API, name),
+                                     *render.router_children_refs(name),
                                      ("v1", "Secret", render.admin_secret_name(name))):
         if kind == "ServiceMonitor" and not kube.has_api(api_version, kind):
             continue

@@ -21,6 +21,7 @@ from stallfree.contracts import Tuning, min_budget_for
 from stallfree.operator.api import spec as s
 
 DAEMON_PORT = 8000
+ROUTER_PORT = 8080
 SERVICE_PORT = 80
 ADMIN_TOKEN_DIR = "/etc/stallfree/admin"
 ADMIN_TOKEN_KEY = "token"
@@ -56,6 +57,28 @@ def labels(name: str) -> dict[str, str]:
 def selector_string(name: str) -> str:
     """The pods' label selector as /scale and kubectl want it."""
     return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def router_labels(name: str) -> dict[str, str]:
+    return {**labels(name), LABEL_COMPONENT: "router"}
+
+
+def router_selector_labels(name: str) -> dict[str, str]:
+    return {LABEL_SERVICE: name, LABEL_COMPONENT: "router"}
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def daemons_service_name(name: str) -> str:
+    """The daemons' own (headless) Service when the router fronts them: its EndpointSlices list them."""
+    return f"{name}-daemons"
+
+
+def endpoint(name: str, namespace: str) -> str:
+    """Where clients send requests, either way: the Service named after the InferenceService."""
+    return f"http://{name}.{namespace}.svc:{SERVICE_PORT}"
 
 
 def admin_secret_name(name: str) -> str:
@@ -110,6 +133,7 @@ def rollout_view(spec: s.InferenceServiceSpec) -> dict[str, Any]:
         data.pop(key, None)
     for key in LIVE_ENGINE_FIELDS:
         data["engine"].pop(key, None)
+    data.pop("routing", None)  # the router is its own Deployment: switching it never restarts a daemon
     data["render_version"] = RENDER_VERSION
     return data
 
@@ -313,11 +337,105 @@ def service_monitor(name: str, namespace: str, interval_s: int = 15) -> dict[str
                      "endpoints": [{"port": "http", "path": "/metrics", "interval": f"{interval_s}s"}]}}
 
 
+# -- the router (spec.routing.mode slo-aware) ----------------------------------------------------------
+
+def router_args(name: str, spec: s.InferenceServiceSpec) -> list[str]:
+    return ["router", "--service", daemons_service_name(name), "--policy", spec.routing.policy,
+            "--admin-token-file", f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}", "--host", "0.0.0.0",
+            "--port", str(ROUTER_PORT)]
+
+
+def router_deployment(name: str, namespace: str, spec: s.InferenceServiceSpec) -> dict[str, Any]:
+    container = {
+        "name": "router",
+        "image": spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["stallfree"],
+        "args": router_args(name, spec),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "volumeMounts": [{"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True}],
+        "livenessProbe": _probe("/health", 10, 3),
+        "readinessProbe": _probe("/ready", 2, 2, timeout_s=2),
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": router_name(name),
+        "automountServiceAccountToken": True,  # it lists its daemons' EndpointSlices, nothing else
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": [{"name": "admin-token", "secret": {"secretName": admin_secret_name(name), "defaultMode": 0o440}}],
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "fsGroup": RUN_AS_USER,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+    }
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    meta = {"name": router_name(name), "namespace": namespace, "labels": router_labels(name)}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+        "spec": {
+            "replicas": spec.routing.replicas,
+            "selector": {"matchLabels": router_selector_labels(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            "template": {"metadata": {"labels": router_labels(name),
+                                      "annotations": {"prometheus.io/scrape": "true",
+                                                      "prometheus.io/port": str(ROUTER_PORT),
+                                                      "prometheus.io/path": "/metrics"}},
+                         "spec": pod_spec},
+        },
+    }
+
+
+def router_rbac(name: str, namespace: str) -> list[dict[str, Any]]:
+    """A ServiceAccount that may list EndpointSlices in its own namespace: all the router reads of the API."""
+    meta = {"name": router_name(name), "namespace": namespace, "labels": router_labels(name)}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": dict(meta),
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": dict(meta),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": router_name(name)},
+         "subjects": [{"kind": "ServiceAccount", "name": router_name(name), "namespace": namespace}]},
+    ]
+
+
+def router_service(name: str, namespace: str) -> dict[str, Any]:
+    """The Service clients use, in front of the router pods."""
+    meta = {"name": name, "namespace": namespace, "labels": router_labels(name)}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta,
+            "spec": {"type": "ClusterIP", "selector": router_selector_labels(name),
+                     "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def daemons_service(name: str, namespace: str) -> dict[str, Any]:
+    """Headless: no virtual IP to spread requests, only EndpointSlices for the router to read."""
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(daemons_service_name(name), namespace, name),
+            "spec": {"clusterIP": "None", "selector": selector_labels(name), "publishNotReadyAddresses": False,
+                     "ports": [{"name": "http", "port": DAEMON_PORT, "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def router_children_refs(name: str) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of what slo-aware routing adds: removed again when the mode is service."""
+    return [("apps/v1", "Deployment", router_name(name)), ("v1", "Service", daemons_service_name(name)),
+            ("rbac.authorization.k8s.io/v1", "RoleBinding", router_name(name)),
+            ("rbac.authorization.k8s.io/v1", "Role", router_name(name)),
+            ("v1", "ServiceAccount", router_name(name))]
+
+
 def children(name: str, namespace: str, spec: s.InferenceServiceSpec, knobs: StartupKnobs,
              with_service_monitor: bool) -> list[dict[str, Any]]:
     """Every child but the Secret (made once, separately), in the order they are applied."""
-    out = [service(name, namespace), pod_disruption_budget(name, namespace),
-           deployment(name, namespace, spec, knobs)]
+    routed = spec.routing.mode == "slo-aware"
+    out = [router_service(name, namespace) if routed else service(name, namespace)]
+    if routed:
+        out += [daemons_service(name, namespace), *router_rbac(name, namespace)]
+    out += [pod_disruption_budget(name, namespace), deployment(name, namespace, spec, knobs)]
+    if routed:
+        out.append(router_deployment(name, namespace, spec))
     if with_service_monitor:
         out.append(service_monitor(name, namespace))
     return out

@@ -1,0 +1,119 @@
+"""`stallfree router`: an OpenAI-compatible proxy that sends each request to the replica that will serve it soonest.
+
+Replicas come from --replicas (outside a cluster) or from a Service's EndpointSlices (--service, in a
+cluster). The admin token that reads their /admin/stats and /admin/profile comes from
+--admin-token-file or STALLFREE_ADMIN_TOKEN, as for the daemons.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from stallfree.operator.router.pick import POLICIES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stallfree router", description=__doc__.splitlines()[0])
+    src = p.add_argument_group("replicas")
+    src.add_argument("--replicas", help="comma-separated base URLs, e.g. http://127.0.0.1:8001,http://127.0.0.1:8002")
+    src.add_argument("--service", help="in a cluster: the daemons' Service, whose EndpointSlices list the replicas")
+    src.add_argument("--namespace", help="the Service's namespace (default: the pod's own)")
+    src.add_argument("--port-name", default="http", help="EndpointSlice port name of the daemons' HTTP port")
+    src.add_argument("--admin-token-file", help="file holding the daemons' admin token (else env STALLFREE_ADMIN_TOKEN)")
+    pol = p.add_argument_group("routing")
+    pol.add_argument("--policy", choices=POLICIES, default="slo-aware")
+    pol.add_argument("--chars-per-token", type=float, default=4.0,
+                     help="prompt characters per token, to estimate prompt length (4 for English BPE, 1 for sim)")
+    pol.add_argument("--affinity-block-tokens", type=int, default=64, help="prefix affinity hashes blocks of this size")
+    pol.add_argument("--affinity-margin-ms", type=float, default=50.0,
+                     help="a cache-warm replica wins while its predicted TTFT is within this (or 25%%) of the best")
+    pol.add_argument("--seed", type=int, default=0, help="seed of the random policy")
+    hl = p.add_argument_group("health")
+    hl.add_argument("--poll-interval-s", type=float, default=0.25, help="how often each replica's /ready and stats are read")
+    hl.add_argument("--health-timeout-s", type=float, default=0.5, help="a replica slower than this is unhealthy")
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default="0.0.0.0")
+    h.add_argument("--port", type=int, default=8080)
+    h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def replica_urls(spec: str) -> dict[str, str]:
+    urls = [u.strip().rstrip("/") for u in spec.split(",") if u.strip()]
+    if not urls:
+        raise ValueError("--replicas lists no URL")
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--replicas: {url!r} is not an http(s) URL")
+    if len(set(urls)) != len(urls):
+        raise ValueError("--replicas lists a URL twice")
+    return {url.split("://", 1)[1]: url for url in urls}
+
+
+async def serve(args: argparse.Namespace, admin_token: str | None) -> None:
+    import uvicorn
+
+    from stallfree.operator.router.discovery import EndpointSliceDiscovery
+    from stallfree.operator.router.pick import AffinityMargin
+    from stallfree.operator.router.proxy import Router, RouterConfig, create_app
+    from stallfree.operator.router.replicas import ReplicaPool
+
+    pool = ReplicaPool(admin_token, poll_interval_s=args.poll_interval_s, timeout_s=args.health_timeout_s)
+    config = RouterConfig(policy=args.policy, chars_per_token=args.chars_per_token,
+                          block_tokens=args.affinity_block_tokens,
+                          margin=AffinityMargin(absolute_ms=args.affinity_margin_ms), seed=args.seed)
+    router = Router(pool, config)
+    await router.start()
+    tasks = []
+    if args.replicas:
+        pool.set_replicas(replica_urls(args.replicas))
+    else:
+        discovery = EndpointSliceDiscovery(args.service, args.namespace, pool.set_replicas, port_name=args.port_name)
+        tasks.append(asyncio.create_task(discovery.run()))
+    server = uvicorn.Server(uvicorn.Config(create_app(router), host=args.host, port=args.port,
+                                           log_level=args.log_level, access_log=False, lifespan="off",
+                                           timeout_graceful_shutdown=5))
+    try:
+        await server.serve()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await router.close()
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from stallfree.node_daemon.server.auth import ADMIN_TOKEN_ENV, load_secret
+
+    try:
+        if bool(args.replicas) == bool(args.service):
+            raise ValueError("pass exactly one of --replicas (URLs) or --service (EndpointSlices in a cluster)")
+        if args.replicas:
+            replica_urls(args.replicas)
+        for flag in ("chars_per_token", "poll_interval_s", "health_timeout_s"):
+            if not getattr(args, flag) > 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+        if args.affinity_block_tokens < 1 or args.affinity_margin_ms < 0:
+            raise ValueError("--affinity-block-tokens must be positive and --affinity-margin-ms >= 0")
+        if not 0 < args.port < 65536:
+            raise ValueError(f"--port must be 1..65535, got {args.port}")
+        admin_token = load_secret(args.admin_token_file, ADMIN_TOKEN_ENV)
+    except ValueError as exc:
+        print(f"stallfree router: error: {exc}", file=sys.stderr)
+        return 2
+    import prometheus_client
+
+    prometheus_client.disable_created_metrics()
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll would drown the log
+    try:
+        asyncio.run(serve(args, admin_token))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,65 @@
+"""The router inside another program's event loop (the local runtime behind `stallfree up`).
+
+Its replica set is handed in (`follow`) whenever the caller's set changes, instead of being read from
+EndpointSlices; everything else is the same router: its own health polls, picks, metrics, HTTP edge.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import uvicorn
+
+from stallfree.operator.router.proxy import Router, RouterConfig, create_app
+from stallfree.operator.router.replicas import ReplicaPool
+
+
+class InProcessRouter:
+    def __init__(self, admin_token: str | None, config: RouterConfig | None = None, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        self.router = Router(ReplicaPool(admin_token), config or RouterConfig())
+        self.host, self.port = host, port
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> str:
+        if not self.port:
+            from stallfree.operator.local.daemons import free_port
+
+            self.port = free_port()
+        await self.router.start()
+        self._server = uvicorn.Server(uvicorn.Config(create_app(self.router), host=self.host, port=self.port,
+                                                     log_level="warning", access_log=False, lifespan="off"))
+        self._server.install_signal_handlers = lambda: None  # the caller owns the signals
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the start-up failure
+            await asyncio.sleep(0.02)
+        return self.url
+
+    def follow(self, replicas: dict[str, str]) -> None:
+        """name -> URL of every replica that may serve (not draining); health is the router's own poll."""
+        self.router.pool.set_replicas(replicas)
+
+    async def wait_ready(self, timeout_s: float = 10.0) -> bool:
+        """Until the router's own poll found a replica ready (its first poll follows `follow` closely)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self.has_ready_replica():
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def has_ready_replica(self) -> bool:
+        return bool(self.router.pool.healthy())
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.router.close()

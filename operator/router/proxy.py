@@ -1,0 +1,321 @@
+"""The router's HTTP edge: every /v1/* request to the replica the policy picks, passed through unchanged.
+
+A request is held until its replica's first body byte arrives; until then nothing has reached the
+client, so a replica that refuses (503: draining, starting), cannot be reached (killed) or goes unhealthy
+(hung) is left and the request is sent once more to another one. After the first byte the stream is the
+client's: bytes pass through as they arrive, a client that leaves closes the upstream connection (the
+replica aborts the request), and an upstream that fails mid-stream ends the stream with an error event.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import anyio
+import httpx
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from stallfree.operator.router.affinity import DEFAULT_BLOCK_TOKENS, PrefixTable, prefix_hashes
+from stallfree.operator.router.metrics import RouterMetrics
+from stallfree.operator.router.pick import AffinityMargin, Choice, pick, rendezvous_home
+from stallfree.operator.router.replicas import Replica, ReplicaPool
+from stallfree.operator.router.requests import RequestInfo, read_request
+
+log = logging.getLogger("stallfree.router")
+
+# Statuses that mean "this replica, not this request": worth one more try elsewhere.
+RETRY_STATUSES = frozenset({502, 503, 504})
+# Hop-by-hop and length headers are the router's own business on each leg.
+_DROP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
+                           "te", "trailer", "proxy-authorization", "accept-encoding"})
+_DROP_RESPONSE_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive",
+                                    "content-encoding", "date", "server"})
+
+
+def error_json(status: int, message: str, code: str, kind: str = "service_unavailable_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                        status_code=status, headers={"Retry-After": "1"} if status in (429, 503) else None)
+
+
+def sse_error(message: str, code: str) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+class RetryElsewhere(Exception):
+    """This replica failed before the first byte; the request may go to another."""
+
+    def __init__(self, reason: str, response: httpx.Response | None = None, body: bytes = b"") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.response = response  # a refusal to pass on if no other replica is left
+        self.body = body
+
+
+@dataclass
+class RouterConfig:
+    policy: str = "slo-aware"
+    chars_per_token: float = 4.0
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    margin: AffinityMargin = AffinityMargin()
+    connect_timeout_s: float = 1.0
+    seed: int = 0
+
+
+class Router:
+    def __init__(self, pool: ReplicaPool, config: RouterConfig, metrics: RouterMetrics | None = None) -> None:
+        self.pool = pool
+        self.config = config
+        self.metrics = metrics or RouterMetrics()
+        self.prefixes = PrefixTable(config.block_tokens)
+        self.block_chars = max(1, round(config.block_tokens * config.chars_per_token))
+        self.counter = 0
+        self.rng = random.Random(config.seed)
+        self.client: httpx.AsyncClient | None = None
+        pool._on_change = self._replica_changed
+
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=self.config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        await self.pool.start()
+
+    async def close(self) -> None:
+        await self.pool.close()
+        if self.client is not None:
+            await self.client.aclose()
+
+    def _replica_changed(self, replica: Replica) -> None:
+        if replica.removed or replica.reason == "loading model":
+            self.prefixes.forget(replica.name)  # a new process: its prefix cache starts empty
+        healthy = self.pool.healthy()
+        self.metrics.replicas_healthy.set(len(healthy))
+        self.metrics.replicas_known.set(len(self.pool.replicas))
+        self.metrics.replica_healthy.labels(replica.name).set(1 if replica.healthy and not replica.removed else 0)
+
+    # -- the pick ---------------------------------------------------------------------------------
+    def choose(self, info: RequestInfo, exclude: set[str]) -> tuple[Replica, Choice, list[int]] | None:
+        healthy = [r for r in self.pool.healthy() if r.name not in exclude]
+        if not healthy:
+            return None
+        hashes: list[int] = []
+        if self.config.policy == "slo-aware":
+            hashes = prefix_hashes(info.prompt_text, self.block_chars)
+            home = rendezvous_home(hashes[0], [r.name for r in healthy]) if hashes else None
+            for r in healthy:  # the table forgets what each replica's own KV cache cannot hold
+                if r.stats is not None:
+                    self.prefixes.set_capacity(r.name, r.stats.kv_capacity_tokens)
+            views = [r.view(self.prefixes.cached_tokens(r.name, hashes), r.name == home) for r in healthy]
+        else:
+            views = [r.view() for r in healthy]
+        choice = pick(self.config.policy, views, info.prompt_tokens, self.counter, self.rng, self.config.margin)
+        replica = self.pool.replicas[choice.name]
+        return replica, choice, hashes
+
+    # -- one request ------------------------------------------------------------------------------
+    async def handle(self, request: Request, path: str) -> Response:
+        received = time.perf_counter()
+        body = await request.body()
+        info = read_request(body, self.config.chars_per_token) if request.method == "POST" else RequestInfo(False, "", 0)
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS]
+        url_path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        tried: set[str] = set()
+        self.counter += 1  # once per request: a retry must not shift round-robin's order
+        last_refusal: RetryElsewhere | None = None
+        for attempt in range(2):
+            picked = self.choose(info, tried)
+            if picked is None:
+                break
+            replica, choice, hashes = picked
+            tried.add(replica.name)
+            if attempt:
+                self.metrics.retries.labels(last_refusal.reason if last_refusal else "unknown").inc()
+            self.metrics.picks.labels(replica.name, self.config.policy, choice.reason).inc()
+            if choice.predicted_ttft_ms is not None:
+                self.metrics.predicted_ttft.labels(self.config.policy).observe(choice.predicted_ttft_ms / 1000)
+            if hashes:
+                self.prefixes.record(replica.name, hashes, info.prompt_tokens)
+            try:
+                return await self._send(replica, choice, request.method, url_path, headers, body, info, received)
+            except RetryElsewhere as exc:
+                last_refusal = exc
+                log.info("retrying %s elsewhere: %s on %s", url_path, exc.reason, replica.name)
+        if last_refusal is not None and last_refusal.response is not None:
+            return _passthrough(last_refusal.response, last_refusal.body)
+        self.metrics.unroutable.inc()
+        if last_refusal is not None:
+            return error_json(503, f"no replica could take the request (last: {last_refusal.reason})",
+                              "no_ready_replica")
+        return error_json(503, "no replica is ready to take requests; retry shortly", "no_ready_replica")
+
+    async def _send(self, replica: Replica, choice: Choice, method: str, path: str, headers, body: bytes,
+                    info: RequestInfo, received: float) -> Response:
+        assert self.client is not None
+        tokens = info.prompt_tokens
+        replica.outstanding += 1
+        replica.pending_prefill += tokens
+        replica.sent_since_stats += tokens
+        self.metrics.in_flight.inc()
+        state = {"open": True, "prefilled": False}
+
+        def prefilled() -> None:
+            if not state["prefilled"]:
+                state["prefilled"] = True
+                replica.pending_prefill -= tokens
+
+        def release() -> None:
+            if state["open"]:
+                state["open"] = False
+                prefilled()
+                replica.outstanding -= 1
+                self.metrics.in_flight.dec()
+
+        response: httpx.Response | None = None
+        try:
+            upstream = self.client.build_request(method, replica.url + path, headers=headers, content=body)
+            response, first = await self._first_byte(replica, upstream)
+        except BaseException:
+            if response is not None:
+                await _close(response)
+            release()
+            raise
+        prefilled()
+        elapsed = time.perf_counter() - received
+        self.metrics.observed_ttft.labels(self.config.policy).observe(elapsed)
+        if choice.predicted_ttft_ms is not None:
+            self.metrics.ttft_error.labels(self.config.policy).observe(abs(elapsed - choice.predicted_ttft_ms / 1000))
+        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS}
+        out_headers["x-stallfree-replica"] = replica.name
+        if not info.stream or response.status_code != 200 or \
+                not response.headers.get("content-type", "").startswith("text/event-stream"):
+            iterator = response.extensions.get("router_iterator")
+            try:
+                rest = [chunk async for chunk in iterator] if iterator is not None else []
+            except httpx.HTTPError as exc:
+                release()
+                await _close(response)
+                raise RetryElsewhere(f"{type(exc).__name__} reading the body") from None
+            release()
+            await _close(response)
+            content = b"".join([first or b"", *rest])
+            return Response(content, status_code=response.status_code, headers=out_headers)
+        return StreamingResponse(self._relay(replica, response, first, release), status_code=response.status_code,
+                                 headers=out_headers)
+
+    async def _first_byte(self, replica: Replica, upstream: httpx.Request) -> tuple[httpx.Response, bytes | None]:
+        """Send and wait for the first body chunk, or give up as soon as the replica turns unhealthy."""
+        assert self.client is not None
+        down = replica.down_event
+        if down.is_set():
+            raise RetryElsewhere("replica went unhealthy")
+        holder: dict[str, httpx.Response] = {}
+
+        async def first() -> bytes | None:
+            response = await self.client.send(upstream, stream=True)
+            holder["response"] = response
+            if response.status_code in RETRY_STATUSES:
+                body = await response.aread()
+                raise RetryElsewhere(f"HTTP {response.status_code}", response, body)
+            holder["iterator"] = response.aiter_raw()
+            try:
+                return await holder["iterator"].__anext__()
+            except StopAsyncIteration:
+                return None
+
+        task = asyncio.ensure_future(first())
+        waiter = asyncio.ensure_future(down.wait())
+        try:
+            await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            if "response" in holder:
+                await _close(holder["response"])
+            raise RetryElsewhere("replica went unhealthy")
+        try:
+            chunk = task.result()
+        except RetryElsewhere:
+            raise
+        except (httpx.HTTPError, OSError) as exc:
+            if "response" in holder:
+                await _close(holder["response"])
+            raise RetryElsewhere(type(exc).__name__) from None
+        response = holder["response"]
+        response.extensions["router_iterator"] = holder.get("iterator")
+        return response, chunk
+
+    async def _relay(self, replica: Replica, response: httpx.Response, first: bytes | None, release):
+        iterator = response.extensions.get("router_iterator")
+        try:
+            if first:
+                yield first
+            if iterator is not None:
+                async for chunk in iterator:
+                    yield chunk
+        except (httpx.HTTPError, OSError) as exc:
+            self.metrics.stream_errors.labels(replica.name).inc()
+            yield sse_error(f"the replica serving this stream failed mid-stream ({type(exc).__name__}); "
+                            "the request did not complete", "upstream_failed")
+            yield b"data: [DONE]\n\n"
+        finally:
+            release()
+            await _close(response)
+
+
+async def _close(response: httpx.Response) -> None:
+    # Shielded: on a client disconnect this runs inside a cancelled scope, and the upstream must still close.
+    with anyio.CancelScope(shield=True):
+        await response.aclose()
+
+
+def _passthrough(response: httpx.Response, body: bytes) -> Response:
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS}
+    return Response(body, status_code=response.status_code, headers=headers)
+
+
+def create_app(router: Router) -> FastAPI:
+    app = FastAPI(title="stallfree router", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = router
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        healthy = router.pool.healthy()
+        if not healthy:
+            return JSONResponse({"ready": False, "reason": "no ready replica",
+                                 "replicas": {r.name: r.reason for r in router.pool.replicas.values()}},
+                                status_code=503)
+        return JSONResponse({"ready": True, "replicas_healthy": len(healthy)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/router/replicas")
+    async def replicas() -> JSONResponse:
+        """What the router sees of each replica (for people and benchmarks)."""
+        out = {}
+        for r in router.pool.replicas.values():
+            view = r.view()
+            out[r.name] = {"url": r.url, "healthy": r.healthy, "reason": r.reason, "outstanding": r.outstanding,
+                           "queued_prefill_tokens": view.queued_prefill_tokens,
+                           "prefill_tokens_per_ms": view.prefill_tokens_per_ms, "step_ms": view.step_ms}
+        return JSONResponse(out)
+
+    @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def v1(request: Request, path: str) -> Response:
+        return await router.handle(request, path)
+
+    return app

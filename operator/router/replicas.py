@@ -1,0 +1,146 @@
+"""The replicas behind the router and what it last saw of each: health, stats, profile, its own sends.
+
+A poller per replica asks /ready and /admin/stats every `poll_interval_s` with a short timeout. A replica
+that is not ready, draining, or does not answer in time (a hung process: SIGSTOP, a wedged event loop,
+not only a dead one) stops taking requests at that poll and takes them again at the first poll it
+answers. The profile is read once per process start (after a replica was down it is read again).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from stallfree.contracts import Profile, WindowStats
+from stallfree.operator.router.pick import ReplicaView
+from stallfree.operator.router.rates import decode_step_ms, prefill_tokens_per_ms
+
+log = logging.getLogger("stallfree.router")
+
+
+@dataclass
+class Replica:
+    name: str
+    url: str
+    healthy: bool = False
+    reason: str = "not polled yet"
+    stats: WindowStats | None = None
+    profile: Profile | None = None
+    # Prompt tokens sent since the stats request that produced `stats` went out (the stats cannot know them).
+    sent_since_stats: int = 0
+    # Prompt tokens of requests the router sent that have not had their first byte back: a lower bound
+    # on the replica's queue that is never stale.
+    pending_prefill: int = 0
+    outstanding: int = 0
+    down_event: asyncio.Event = field(default_factory=asyncio.Event)
+    removed: bool = False
+
+    def mark(self, healthy: bool, reason: str) -> None:
+        if healthy != self.healthy:
+            log.info("replica %s %s%s", self.name, "healthy" if healthy else "unhealthy",
+                     "" if healthy else f": {reason}")
+        if not healthy:
+            self.down_event.set()
+        elif not self.healthy:
+            self.down_event = asyncio.Event()
+        self.healthy, self.reason = healthy, reason
+
+    def view(self, cached_prefix_tokens: int = 0, home: bool = False) -> ReplicaView:
+        stats = self.stats
+        queued = self.sent_since_stats + (stats.queued_prompt_tokens if stats is not None else 0)
+        return ReplicaView(
+            name=self.name,
+            queued_prefill_tokens=max(queued, self.pending_prefill),
+            prefill_tokens_per_ms=prefill_tokens_per_ms(self.profile, stats),
+            step_ms=decode_step_ms(self.profile, stats),
+            outstanding=self.outstanding,
+            cached_prefix_tokens=cached_prefix_tokens,
+            home=home,
+        )
+
+
+class ReplicaPool:
+    def __init__(self, admin_token: str | None, poll_interval_s: float = 0.25, timeout_s: float = 0.5,
+                 on_change=None) -> None:
+        self.replicas: dict[str, Replica] = {}
+        self.poll_interval_s = poll_interval_s
+        self.timeout_s = timeout_s
+        self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self._client: httpx.AsyncClient | None = None
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._on_change = on_change  # called with (replica) when health flips or it leaves
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.healthy]
+
+    async def start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s), headers=self._headers,
+                                         limits=httpx.Limits(max_keepalive_connections=64))
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self._tasks.clear()
+        if self._client is not None:
+            await self._client.aclose()
+
+    def set_replicas(self, urls: dict[str, str]) -> None:
+        """name -> base URL; new ones start polling, missing ones leave (their in-flight requests finish)."""
+        for name in list(self.replicas):
+            if name not in urls or self.replicas[name].url != urls[name]:
+                replica = self.replicas.pop(name)
+                replica.removed = True
+                replica.mark(False, "removed")
+                task = self._tasks.pop(name, None)
+                if task is not None:
+                    task.cancel()
+                if self._on_change:
+                    self._on_change(replica)
+        for name, url in urls.items():
+            if name not in self.replicas:
+                replica = Replica(name, url.rstrip("/"))
+                self.replicas[name] = replica
+                self._tasks[name] = asyncio.get_running_loop().create_task(self._poll_forever(replica))
+
+    async def _poll_forever(self, replica: Replica) -> None:
+        while not replica.removed:
+            started = time.monotonic()
+            was_healthy = replica.healthy
+            try:
+                await self.poll(replica)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure to answer is unhealthy, never a crash
+                replica.mark(False, f"{type(exc).__name__}: {exc}"[:200])
+            if replica.healthy != was_healthy and self._on_change:
+                self._on_change(replica)
+            await asyncio.sleep(max(0.0, self.poll_interval_s - (time.monotonic() - started)))
+
+    async def poll(self, replica: Replica) -> None:
+        assert self._client is not None
+        ready = await self._client.get(f"{replica.url}/ready")
+        if ready.status_code != 200:
+            reason = "not ready"
+            try:
+                reason = ready.json().get("reason") or reason
+            except ValueError:
+                pass
+            replica.profile = None if reason == "loading model" else replica.profile
+            replica.mark(False, reason)
+            return
+        if replica.profile is None or not replica.healthy:
+            response = await self._client.get(f"{replica.url}/admin/profile")
+            replica.profile = Profile.from_dict(response.json()) if response.status_code == 200 else None
+        sent_before = replica.sent_since_stats
+        response = await self._client.get(f"{replica.url}/admin/stats")
+        if response.status_code != 200:
+            replica.mark(False, f"/admin/stats answered {response.status_code}")
+            return
+        replica.stats = WindowStats.from_dict(response.json())
+        # What was sent while the stats were in flight may or may not be in them; count it once more.
+        replica.sent_since_stats = max(0, replica.sent_since_stats - sent_before)
+        replica.mark(True, "ready")
