@@ -74,6 +74,7 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._free_executor_state = getattr(executor, "free", None)
         self.num_iterations = 0
+        self._num_evictions = 0  # the KV cache's eviction count at the last iteration record
 
     # ---- requests ------------------------------------------------------------------------------------
 
@@ -174,12 +175,15 @@ class LLMEngine:
         now = self.clock()
         observer = self.observer
         if observer is not None:
+            evictions = self.kv_cache.num_evictions
+            num_evicted, self._num_evictions = evictions - self._num_evictions, evictions
             observer.on_iteration(IterationRecord(
                 start=start, duration_s=now - start, num_prefill_tokens=output.num_prefill_tokens,
                 num_decode_tokens=output.num_decode_tokens, token_budget=output.token_budget,
                 max_num_seqs=scheduler.tuning.max_num_seqs, num_running=scheduler.num_running,
                 num_waiting=scheduler.num_waiting, num_partial_prefills=scheduler.num_partial_prefills,
                 kv_usage=self.kv_cache.usage, num_preempted=len(output.preempted),
+                kv_reserved=scheduler.kv_reserved, num_evicted_blocks=num_evicted,
             ))
         self.num_iterations += 1
         outputs: list[RequestOutput] = []
@@ -191,7 +195,7 @@ class LLMEngine:
             detok = detokenizers.get(request.request_id)
             if detok is None or request.request_id not in sampled:
                 continue  # aborted since schedule()
-            token = request.output_token_ids[-1]
+            token = request.token_ids[-1]
             done = request.status.finished
             if done and request.status is _STOPPED and _is_stop_token(request, token):
                 text = ""  # EOS and stop tokens are not part of the text
@@ -212,7 +216,7 @@ class LLMEngine:
             request.last_token_time = now
             outputs.append(RequestOutput(
                 request.request_id, [token], text, done, request.status.value if done else None,
-                request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
+                request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens,
             ))
             if done:
                 self._release(request, now)
@@ -240,7 +244,7 @@ class LLMEngine:
             if self.observer is not None:
                 self.observer.on_finished(request, request.finished_time)
             outputs.append(RequestOutput(request_id, [], "", True, "error", request.num_prompt_tokens,
-                                         len(request.output_token_ids), request.num_cached_tokens, error=message))
+                                         request.num_output_tokens, request.num_cached_tokens, error=message))
         return outputs
 
 
