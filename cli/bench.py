@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "itl": ("stallfree.bench.itl", "client-seen vs engine-side inter-token latency (API overhead)"),
     "serve": ("stallfree.bench.serve", "load against any OpenAI-compatible endpoint"),
     "soak": ("stallfree.bench.soak", "thousands of requests, cancellations and a kill across local replicas"),
+    "kv-estimate": ("stallfree.bench.kv_estimate", "chats without max_tokens run together; a 2-token request behind them"),
 }
 
 
