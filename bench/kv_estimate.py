@@ -31,18 +31,20 @@ import httpx
 
 QUESTIONS = (
     "What is the capital of France?", "Name a primary colour.", "What is two plus three?",
-    "Which planet is closest to the sun?", "What do bees make?", "What is the opposite of hot?",
-    "How many days are in a week?", "What colour is the sky on a clear day?", "What animal says moo?",
-    "What is frozen water called?", "Which is larger, a cat or an elephant?", "What do plants need to grow?",
-    "What is the boiling point of water in Celsius?", "Name a fruit that is yellow.", "What gas do we breathe in?",
+    "Which planet is closest to the sun?", "What is the color of grass?", "What is the opposite of hot?",
+    "How many days are in a week?", "What colour is the sky on a clear day?", "What do fish live in?",
+    "What is frozen water called?", "Which is larger, a cat or an elephant?", "How many wheels does a bicycle have?",
+    "What is the boiling point of water in Celsius?", "Name a fruit that is yellow.", "What is the capital of Italy?",
     "How many legs does a spider have?", "What is the largest ocean?", "What language is spoken in Spain?",
-    "What is the first month of the year?", "What shape has three sides?", "What do cows drink?",
+    "What is the first month of the year?", "What shape has three sides?", "What is the capital of Japan?",
     "Which season comes after winter?", "What is the chemical symbol for gold?", "How many hours are in a day?",
     "What is the tallest animal?", "Which metal is liquid at room temperature?", "What is the sun?",
     "What do you call a baby dog?", "Name a musical instrument with keys.", "What is H2O?",
     "What is the square root of nine?", "Which bird cannot fly but swims well?",
 )
 
+# Questions SmolLM2-135M-Instruct answers greedily and then stops by itself (8 to 155 tokens here); some
+# others ("What do bees make?") loop to the end of the context, which would bound the run by its timeout.
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 
 
@@ -200,7 +202,8 @@ async def run(url: str, args: argparse.Namespace) -> dict:
         "url": url, "model": model, "chats": args.chats, "completed": sum(r.ok for r in chats), "finish": finish,
         "errors": [r.error for r in chats if r.error][:5],
         "chat_output_tokens": sorted(r.output_tokens for r in chats),
-        "peak_running": peak["running"], "peak_waiting": peak["waiting"], "max_num_seqs": after.get("stallfree_max_num_seqs"),
+        "peak_running": peak["running"], "peak_waiting": peak["waiting"],
+        "max_num_seqs": after.get("stallfree_max_num_seqs"),
         "peak_kv_reserved": peak["kv_reserved"], "peak_kv_usage": peak["kv_usage"],
         "preemptions": delta("stallfree_preemptions_total"), "evictions": delta("stallfree_kv_cache_evictions_total"),
         "iterations": iterations,

@@ -76,7 +76,8 @@ def run_scenario(estimate: OutputLengthEstimate, max_num_seqs: int = 64, max_ste
             finished[request.request_id] = (step, request)
     else:
         raise AssertionError("the requests did not finish")
-    return {"scheduler": s, "peak_running": peak_running, "peak_chats": peak_chats, "admitted_at": admitted_at, "finished": finished}
+    return {"scheduler": s, "peak_running": peak_running, "peak_chats": peak_chats, "admitted_at": admitted_at,
+            "finished": finished}
 
 
 def test_chats_without_max_tokens_run_together_and_every_one_completes_exactly():
@@ -133,7 +134,8 @@ def test_admission_reserves_the_estimate_capped_by_the_requests_own_max_tokens()
 
 def test_a_prompt_is_admitted_only_when_its_whole_footprint_fits():
     s = make_scheduler(num_blocks=6, block_size=BLOCK_SIZE, token_budget=34, max_num_seqs=2, long_prefill_threshold=16,
-                       max_model_len=MAX_MODEL_LEN, max_partial_prefills=2, output_estimate=OutputLengthEstimate.fixed(0))
+                       max_model_len=MAX_MODEL_LEN, max_partial_prefills=2,
+                       output_estimate=OutputLengthEstimate.fixed(0))
     s.add_request(Request("big", list(range(10, 50)), SamplingParams(max_tokens=4), arrival_time=0.0))  # 5 blocks
     s.add_request(Request("next", list(range(10, 26)), SamplingParams(max_tokens=4), arrival_time=0.0))
     output, _ = checked_step(s)
@@ -194,3 +196,39 @@ def test_bad_estimate_parameters_are_refused():
         OutputLengthEstimate(quantile=0.0)
     with pytest.raises(ValueError):
         OutputLengthEstimate(margin=-1.0)
+
+
+def test_the_engine_reports_reserved_kv_and_evicted_blocks_each_iteration():
+    from stallfree.contracts import Ceilings, Tuning
+    from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from stallfree.node_daemon.engine.engine import LLMEngine
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.records = []
+
+        def on_iteration(self, record) -> None:
+            self.records.append(record)
+
+        def on_token(self, request, now, first) -> None:
+            pass
+
+        def on_finished(self, request, now) -> None:
+            pass
+
+    recorder = Recorder()
+    config = EngineConfig(model=ModelConfig(model="tiny", max_model_len=256),
+                          cache=CacheConfig(block_size=16, num_blocks=12),
+                          scheduler=SchedulerConfig(ceilings=Ceilings(max_token_budget=256, max_num_seqs=4),
+                                                    tuning=Tuning(token_budget=256, max_num_seqs=4)))
+    engine = LLMEngine(config, observer=recorder)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for request_id, first_token in (("a", 1), ("b", 200)):  # different prompts: b evicts a's cached blocks
+        engine.add_request(request_id, prompt_token_ids=[first_token + i for i in range(100)], sampling=greedy)
+        while engine.has_unfinished():
+            engine.step()
+    first = recorder.records[0]
+    # 100 prompt tokens held (7 blocks of 12); reserved: its bound, 100 + 40 - 1 tokens = 9 blocks.
+    assert first.kv_usage == pytest.approx(7 / 12) and first.kv_reserved == pytest.approx(9 / 12)
+    evicted = sum(r.num_evicted_blocks for r in recorder.records)
+    assert evicted == engine.kv_cache.num_evictions > 0
