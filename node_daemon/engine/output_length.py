@@ -13,6 +13,7 @@ about how long unbounded ones run, and an aborted one stopped for reasons outsid
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import deque
 
 
@@ -25,7 +26,9 @@ class OutputLengthEstimate:
         self.floor = floor
         self.margin = margin
         self.quantile = quantile
-        self._lengths: deque[int] = deque(maxlen=window)
+        self._window = window
+        self._lengths: deque[int] = deque()  # the last `window` lengths in arrival order ...
+        self._sorted: list[int] = []  # ... and the same sorted, for the quantile
         self._tokens = max(initial, floor)
         self.num_observed = 0
 
@@ -46,11 +49,13 @@ class OutputLengthEstimate:
 
     def observe(self, num_output_tokens: int, stopped: bool) -> None:
         """A request finished with this many output tokens; `stopped`: by itself rather than a length limit."""
-        lengths = self._lengths
-        if lengths.maxlen == 0 or not (stopped or num_output_tokens > self._tokens):
+        if self._window == 0 or not (stopped or num_output_tokens > self._tokens):
             return
+        lengths, ordered = self._lengths, self._sorted
         lengths.append(num_output_tokens)
+        insort(ordered, num_output_tokens)
+        if len(lengths) > self._window:
+            del ordered[bisect_left(ordered, lengths.popleft())]
         self.num_observed += 1
-        ordered = sorted(lengths)  # at most `window` ints, once per finished request
         high = ordered[max(0, math.ceil(self.quantile * len(ordered)) - 1)]
         self._tokens = max(self.floor, math.ceil(high * self.margin))

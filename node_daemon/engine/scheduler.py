@@ -429,11 +429,12 @@ class Scheduler:
             except KeyError:
                 raise KeyError(f"no sampled token for request {request.request_id!r}, whose chunk samples") from None
             request.append_output_token(token)
+            num_tokens = len(request.token_ids)
             sampling = request.sampling
             if (token in request.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
                 request.status = _STOPPED
-            elif (request.num_output_tokens >= sampling.max_tokens
-                  or request.num_tokens >= request.max_model_len):
+            elif (num_tokens - request.num_prompt_tokens >= sampling.max_tokens
+                  or num_tokens >= request.max_model_len):
                 request.status = _LENGTH
             else:
                 if chunk.is_prefill:
