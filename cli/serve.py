@@ -229,10 +229,10 @@ def start_engine(opts: ServeOptions, daemon) -> None:
     daemon.kv_capacity_tokens = kv_cache.num_blocks * kv_cache.block_size
     daemon.max_chars_per_token = max_chars_per_token(engine.tokenizer)
     num_blocks = kv_cache.num_blocks
-    # Blocks in use plus those admitted requests may still take (the scheduler's growth reserve).
+    # Blocks in use plus those admitted requests may still take (by the output-length estimate).
     daemon.live_counts = lambda: LiveCounts(
         scheduler.num_waiting, scheduler.num_running, kv_cache.usage, scheduler.num_partial_prefills,
-        min(1.0, (num_blocks - kv_cache.num_free_blocks + scheduler._growth_blocks) / num_blocks))
+        scheduler.kv_reserved)
     daemon.metrics.set_tuning(engine.get_tuning())
     ceilings, a = engine.ceilings, opts.args
     daemon.metrics.set_engine_config({

@@ -42,23 +42,6 @@ def latency_cdfs(series: dict[str, dict[str, Sequence[float]]], path: str, title
     plt.close(fig)
 
 
-def iteration_timeline(rows: Sequence[tuple[float, int, int, float]], path: str, title: str) -> None:
-    """Tokens per iteration (prefill and decode) and iteration time against virtual time."""
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
-    t = [r[0] for r in rows]
-    top.plot(t, [r[1] for r in rows], ",", label="prefill tokens")
-    top.plot(t, [r[2] for r in rows], ",", label="decode tokens")
-    top.set_ylabel("tokens per iteration")
-    top.legend(markerscale=30)
-    bottom.plot(t, [r[3] for r in rows], ",")
-    bottom.set_ylabel("iteration (ms)")
-    bottom.set_xlabel("virtual time (s)")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def scenario_bars(cases: list[dict[str, Any]], path: str) -> None:
     """Largest decode gap, TTFT and decode tokens during the prefill, one bar per case."""
     labels = ["no chunking" if c["no_chunking"] else f"budget {c['token_budget']}" for c in cases]

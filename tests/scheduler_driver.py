@@ -56,7 +56,7 @@ class ShadowKV:
     def check_and_write(self, output: SchedulerOutput) -> None:
         for chunk in output.chunks:
             request = chunk.request
-            tokens = request.all_token_ids
+            tokens = request.token_ids
             end = chunk.start + chunk.num_tokens
             assert end <= len(tokens), "a chunk runs past the request's tokens"
             assert len(request.block_ids) * self.block_size >= end, "block table too short for the chunk"
@@ -66,7 +66,7 @@ class ShadowKV:
                 )
         for chunk in output.chunks:  # the model writes after every read of the step is planned
             request = chunk.request
-            tokens = request.all_token_ids
+            tokens = request.token_ids
             for position in range(chunk.start, chunk.start + chunk.num_tokens):
                 self.slots[self.slot(request, position)] = tokens[position]
 
@@ -92,9 +92,10 @@ def check_blocks_conserved(scheduler: Scheduler) -> None:
         assert pool.is_free(block.block_id) == (block.ref_cnt == 0)
     assert kv.num_used_blocks == len(refs)
     # The prefix-cache index and the blocks agree both ways (eviction relies on it).
-    for block_hash, block_id in pool.cached.items():
-        assert pool.blocks[block_id].block_hash == block_hash
-    assert sum(1 for block in pool.blocks if block.block_hash is not None) == len(pool.cached)
+    hashed = [block for block in pool.blocks if block.block_hash is not None]
+    assert len(hashed) == pool.num_cached_blocks
+    for block in hashed:
+        assert pool.get_cached_block(block.block_hash) == block.block_id
 
 
 _SHADOWS: "weakref.WeakKeyDictionary[Scheduler, ShadowKV]" = weakref.WeakKeyDictionary()

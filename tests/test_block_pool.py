@@ -84,13 +84,24 @@ def test_duplicate_content_stays_unindexed():
     assert pool.get_cached_block(b"X") == a and pool.blocks[b].block_hash is None
 
 
-def test_reset_prefix_cache_only_when_nothing_is_referenced():
-    pool = BlockPool(2)
-    a, _ = pool.allocate(2)
+def test_cached_prefix_is_the_longest_leading_run_of_hits():
+    pool = BlockPool(4)
+    a, b, c, _ = pool.allocate(4)
     pool.cache_block(a, b"A")
-    assert not pool.reset_prefix_cache()
-    pool.release([0, 1])
-    assert pool.reset_prefix_cache() and pool.get_cached_block(b"A") is None
+    pool.cache_block(b, b"B")
+    pool.cache_block(c, b"D")
+    assert pool.get_cached_prefix([b"A", b"B", b"C", b"D"], 4) == [a, b]  # stops at the first miss
+    assert pool.get_cached_prefix([b"A", b"B"], 1) == [a]
+    assert pool.get_cached_prefix([b"X", b"A"], 2) == []
+
+
+def test_unreferenced_hits_are_counted_as_taken_from_the_free_pool():
+    pool = BlockPool(3)
+    a, b, _ = pool.allocate(3)
+    pool.cache_block(a, b"A")
+    pool.cache_block(b, b"B")
+    pool.release([a])
+    assert pool.num_unreferenced([a, b]) == 1 and pool.num_cached_blocks == 2
 
 
 def test_pool_needs_a_block():

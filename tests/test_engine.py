@@ -9,6 +9,7 @@ from stallfree.contracts import Ceilings, Tuning, TuningError
 from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from stallfree.node_daemon.engine.engine import LLMEngine
 from stallfree.node_daemon.engine.engine_protocol import IterationRecord, RequestOutput
+from stallfree.node_daemon.engine.output_length import OutputLengthEstimate
 from stallfree.node_daemon.engine.request import Request
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 
@@ -196,7 +197,7 @@ def test_generation_is_capped_at_the_context() -> None:
 def test_preemption_under_a_tiny_kv_cache_keeps_the_greedy_tokens(reference) -> None:
     # 10 blocks of 16 tokens; each request needs 2-5 blocks at the end, so four cannot all stay resident.
     engine = make_engine(num_blocks=10, budget=64)
-    engine.scheduler.output_reservation = 0.0  # admit on the prompt alone: decoding then runs out of KV
+    engine.scheduler.output_estimate = OutputLengthEstimate.fixed(0)  # admit on the prompt alone: KV runs out
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt=prompt, sampling=GREEDY)
     got = run_all(engine)

@@ -6,6 +6,7 @@ from scheduler_driver import (EOS, check_blocks_conserved, checked_step, make_re
                               run_to_completion, sample_tokens)
 
 from stallfree.contracts import Tuning, TuningError
+from stallfree.node_daemon.engine.output_length import OutputLengthEstimate
 from stallfree.node_daemon.engine.request import RequestStatus
 
 
@@ -236,7 +237,8 @@ def test_watermark_is_kept_unless_the_request_would_run_alone():
 
 def test_kv_shortfall_preempts_the_latest_admitted_which_resumes_first_and_finishes():
     # Reserving no output tokens admits all three prompts; decoding then runs out of blocks.
-    s = make_scheduler(num_blocks=10, block_size=4, token_budget=64, max_num_seqs=3, output_reservation=0.0)
+    s = make_scheduler(num_blocks=10, block_size=4, token_budget=64, max_num_seqs=3,
+                       output_estimate=OutputLengthEstimate.fixed(0))
     for i in range(3):
         s.add_request(make_request(f"r{i}", 6, max_tokens=10))
     s.add_request(make_request("later", 6, max_tokens=2))
@@ -260,7 +262,7 @@ def test_kv_shortfall_preempts_the_latest_admitted_which_resumes_first_and_finis
 
 
 def test_a_lone_request_that_fills_the_cache_progresses():
-    s = make_scheduler(num_blocks=4, block_size=4, token_budget=64, output_reservation=0.0)
+    s = make_scheduler(num_blocks=4, block_size=4, token_budget=64, output_estimate=OutputLengthEstimate.fixed(0))
     s.add_request(make_request("a", 3, max_tokens=13))  # 15 KV tokens in 16 slots
     (request,) = run_to_completion(s)
     assert len(request.output_token_ids) == 13 and s.num_preemptions == 0
@@ -279,7 +281,7 @@ def test_prefix_cache_hit_skips_prefill_but_computes_the_last_token():
     s.add_request(make_request("exact", exact, max_tokens=2))
     output, _ = step(s)
     assert ("exact", 4, 4, True) in layout(output)
-    assert s.kv_cache.prefix_cache_hits == 12
+    assert s.get_request("exact").num_cached_tokens == 4
 
 
 def test_decode_blocks_are_cached_as_they_fill():
@@ -287,7 +289,7 @@ def test_decode_blocks_are_cached_as_they_fill():
     s.add_request(make_request("a", 5, max_tokens=8))
     run_to_completion(s, token_of=lambda r: 11)
     # 5 prompt + 7 fed-back outputs = 12 computed tokens: three full blocks, outputs included.
-    assert s.kv_cache.num_cached_blocks == 3
+    assert s.kv_cache.pool.num_cached_blocks == 3
 
 
 # ---- the iteration-time target -----------------------------------------------------------------------

@@ -16,6 +16,7 @@ from scheduler_driver import EOS, check_blocks_conserved, is_decode, make_reques
 from stallfree.contracts import Ceilings, Tuning, min_budget_for
 from stallfree.node_daemon.engine.config import SchedulerConfig
 from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
+from stallfree.node_daemon.engine.output_length import OutputLengthEstimate
 from stallfree.node_daemon.engine.request import Request, RequestStatus
 from stallfree.node_daemon.engine.scheduler import Scheduler
 
@@ -130,7 +131,9 @@ def make(policy: str, data) -> Scheduler:
                              watermark_blocks=data.draw(st.integers(0, 3), label="watermark"),
                              max_model_len=MAX_MODEL_LEN, policy=policy)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=data.draw(st.booleans(), label="caching"))
-    return Scheduler(config, kv, output_reservation=data.draw(st.sampled_from([1.0, 0.5, 0.0]), label="reservation"))
+    estimates = [OutputLengthEstimate.worst_case(), OutputLengthEstimate(initial=4, floor=2),
+                 OutputLengthEstimate.fixed(0)]
+    return Scheduler(config, kv, output_estimate=data.draw(st.sampled_from(estimates), label="reservation"))
 
 
 def run_program(s: Scheduler, data, num_steps: int) -> Ledger:

@@ -46,6 +46,8 @@ class KVBlock:
 
 
 class BlockPool:
+    """Owns the blocks and the prefix-cache index: callers cache and look up through its verbs."""
+
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
@@ -53,8 +55,8 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # block_id -> None, in LRU order (front = next handed out). OrderedDict: O(1) removal on a hit.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[BlockHash, int] = {}  # content hash -> block_id
-        self.num_evictions = 0
+        self._cached: dict[BlockHash, int] = {}  # content hash -> block_id
+        self.num_evictions = 0  # cached blocks handed out again (their cached content lost)
 
     @property
     def num_free_blocks(self) -> int:
@@ -65,8 +67,29 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix-cache index, referenced or not."""
+        return len(self._cached)
+
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
-        return self.cached.get(block_hash)
+        return self._cached.get(block_hash)
+
+    def get_cached_prefix(self, block_hashes: list[BlockHash], max_blocks: int) -> list[int]:
+        """Block ids of the longest run of cached blocks at the start of `block_hashes[:max_blocks]`."""
+        cached = self._cached
+        hits: list[int] = []
+        for i in range(min(max_blocks, len(block_hashes))):
+            block_id = cached.get(block_hashes[i])
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def num_unreferenced(self, block_ids: list[int]) -> int:
+        """How many of these blocks are free (cached but unused): taking them shrinks the free pool."""
+        blocks = self.blocks
+        return sum(1 for block_id in block_ids if blocks[block_id].ref_cnt == 0)
 
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free
@@ -76,7 +99,7 @@ class BlockPool:
         free = self._free
         if n > len(free):
             raise RuntimeError(f"asked for {n} KV blocks, {len(free)} free")
-        popitem, blocks, cached = free.popitem, self.blocks, self.cached
+        popitem, blocks, cached = free.popitem, self.blocks, self._cached
         out = []
         evicted = 0
         for _ in range(n):
@@ -115,16 +138,8 @@ class BlockPool:
 
     def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
         """Index a full block by content. A duplicate of an already cached block stays unindexed."""
-        if block_hash in self.cached:
+        cached = self._cached
+        if block_hash in cached:
             return
         self.blocks[block_id].block_hash = block_hash
-        self.cached[block_hash] = block_id
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block; only allowed when no block is referenced (else False)."""
-        if len(self._free) != self.num_blocks:
-            return False
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached.clear()
-        return True
+        cached[block_hash] = block_id

@@ -89,6 +89,7 @@ class LLMEngine:
         self._free_executor_state = getattr(executor, "free", None)
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
         self.num_iterations = 0
+        self._num_evictions = 0  # the KV cache's eviction count at the last iteration record
 
     # ---- requests ------------------------------------------------------------------------------------
 
@@ -198,12 +199,15 @@ class LLMEngine:
         now = self.clock()
         observer = self.observer
         if observer is not None:
+            evictions = self.kv_cache.num_evictions
+            num_evicted, self._num_evictions = evictions - self._num_evictions, evictions
             observer.on_iteration(IterationRecord(
                 start=start, duration_s=now - start, num_prefill_tokens=output.num_prefill_tokens,
                 num_decode_tokens=output.num_decode_tokens, token_budget=output.token_budget,
                 max_num_seqs=scheduler.tuning.max_num_seqs, num_running=scheduler.num_running,
                 num_waiting=scheduler.num_waiting, num_partial_prefills=scheduler.num_partial_prefills,
                 kv_usage=self.kv_cache.usage, num_preempted=len(output.preempted),
+                kv_reserved=scheduler.kv_reserved, num_evicted_blocks=num_evicted,
             ))
         self.num_iterations += 1
         outputs = failed
@@ -225,7 +229,7 @@ class LLMEngine:
     def _process_token(self, request: Request, detok: IncrementalDetokenizer | None, now: float,
                        sampled_logprobs=None) -> RequestOutput:
         """The new text of the request's newest token; stop strings, observer, release when done."""
-        token = request.output_token_ids[-1]
+        token = request.token_ids[-1]
         done = request.status.finished
         token_logprobs = None
         if detok is None or (done and request.status is _STOPPED and _is_stop_token(request, token)):
@@ -251,7 +255,7 @@ class LLMEngine:
             self._release(request, now)
         return RequestOutput(
             request.request_id, [token], text, done, request.status.value if done else None,
-            request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
+            request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens,
             logprobs=token_logprobs,
         )
 

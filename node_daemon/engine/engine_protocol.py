@@ -62,6 +62,8 @@ class IterationRecord:
     num_partial_prefills: int
     kv_usage: float
     num_preempted: int
+    kv_reserved: float = 0.0  # share of KV blocks held or promised to running requests (scheduler.kv_reserved)
+    num_evicted_blocks: int = 0  # cached KV blocks evicted during this iteration
 
 
 class EngineObserver(Protocol):

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Iterable, Iterator, SupportsIndex, overload
 
+from stallfree.node_daemon.engine.block_pool import ROOT_HASH, BlockHash, hash_block_tokens
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 
 
@@ -28,30 +30,35 @@ _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, Requ
 class Request:
     """Token ids, progress and KV blocks of one request.
 
-    `num_computed_tokens` counts tokens whose KV is in the cache; `all_token_ids` is the prompt plus
-    what was generated. A request decodes once only its newest token lacks KV; before that it is
-    (partially) prefilling. Preemption by recompute resets num_computed_tokens to 0, so the prompt and
-    the outputs so far are prefilled again.
+    `token_ids` is the one token list: the prompt, then every generated token as it arrives. Once the
+    KV cache manager turns hashing on (prefix caching), `block_hashes` holds the chained content hash
+    of every full block of `token_ids`, extended as tokens arrive, so a lookup never rehashes.
+    `num_computed_tokens` counts tokens whose KV is in the cache. A request decodes once only its newest
+    token lacks KV; before that it is (partially) prefilling. Preemption by recompute resets
+    num_computed_tokens to 0, so the prompt and the outputs so far are prefilled again.
     """
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "output_token_ids", "sampling", "eos_token_ids", "status",
-        "num_computed_tokens", "num_cached_tokens", "block_ids", "arrival_time", "first_scheduled_time",
-        "first_token_time", "last_token_time", "finished_time", "num_preemptions", "max_model_len",
+        "request_id", "token_ids", "num_prompt_tokens", "block_hashes", "hash_block_size", "sampling",
+        "eos_token_ids", "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "arrival_time",
+        "first_scheduled_time", "first_token_time", "last_token_time", "finished_time", "num_preemptions",
+        "max_model_len",
     )
 
     def __init__(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Iterable[int],
         sampling: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
         max_model_len: int = 1 << 30,
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.block_hashes: list[BlockHash] = []
+        self.hash_block_size = 0  # 0: no hashing (no prefix caching)
         self.sampling = sampling
         self.eos_token_ids = tuple(eos_token_ids)
         self.status = RequestStatus.WAITING
@@ -66,30 +73,60 @@ class Request:
         self.num_preemptions = 0
         self.max_model_len = max_model_len
 
+    # ---- tokens ------------------------------------------------------------------------------------
+
+    def append_output_token(self, token: int) -> None:
+        """Add a generated token; hash the block it fills, if it fills one."""
+        tokens = self.token_ids
+        tokens.append(token)
+        size = self.hash_block_size
+        if size and len(tokens) % size == 0:
+            hashes = self.block_hashes
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else ROOT_HASH, tokens[-size:]))
+
+    def hash_blocks(self, block_size: int) -> None:
+        """Turn hashing on: the content hash of every full block so far (the prompt, on arrival)."""
+        self.hash_block_size = block_size
+        tokens, hashes = self.token_ids, self.block_hashes
+        del hashes[:]
+        parent = ROOT_HASH
+        for start in range(0, len(tokens) - block_size + 1, block_size):
+            parent = hash_block_tokens(parent, tokens[start:start + block_size])
+            hashes.append(parent)
+
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def prompt_token_ids(self) -> _TokenView:
+        return _TokenView(self, 0, self.num_prompt_tokens)
+
+    @property
+    def output_token_ids(self) -> _TokenView:
+        """The generated tokens, a view of `token_ids` (append goes through append_output_token)."""
+        return _TokenView(self, self.num_prompt_tokens, None)
+
+    @output_token_ids.setter
+    def output_token_ids(self, tokens: Iterable[int]) -> None:
+        new = list(tokens)  # first: `tokens` may be a view of this very list (`outputs += [...]`)
+        del self.token_ids[self.num_prompt_tokens:]
+        self.token_ids += new
+        if self.hash_block_size:
+            self.hash_blocks(self.hash_block_size)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_tokens_to_compute(self) -> int:
         """Tokens that still need a forward pass before the next token can be sampled."""
-        return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_tokens_to_compute > 1 or not self.output_token_ids
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def max_total_tokens(self) -> int:
-        """The final KV footprint: prompt plus every token it may still generate, capped by the context."""
+        """The final KV footprint's bound: prompt plus every token it may generate, capped by the context."""
         return min(self.num_prompt_tokens + self.sampling.max_tokens, self.max_model_len)
 
     @property
@@ -99,5 +136,66 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
-            f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
         )
+
+
+class _TokenView:
+    """A slice of a request's token list without a copy: the prompt, or the outputs so far."""
+
+    __slots__ = ("_request", "_start", "_end")
+
+    def __init__(self, request: Request, start: int, end: int | None) -> None:
+        self._request, self._start, self._end = request, start, end
+
+    def _bounds(self) -> tuple[list[int], int, int]:
+        tokens = self._request.token_ids
+        return tokens, self._start, len(tokens) if self._end is None else self._end
+
+    def __len__(self) -> int:
+        _, start, end = self._bounds()
+        return end - start
+
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index):
+        tokens, start, end = self._bounds()
+        if isinstance(index, slice):
+            lo, hi, step = index.indices(end - start)
+            return tokens[start + lo:start + hi:step]
+        i = index.__index__()
+        n = end - start
+        if not -n <= i < n:
+            raise IndexError("token index out of range")
+        return tokens[start + i if i >= 0 else end + i]
+
+    def __iter__(self) -> Iterator[int]:
+        tokens, start, end = self._bounds()
+        return iter(tokens[start:end])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _TokenView):
+            other = list(other)
+        return isinstance(other, list) and self[:] == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def append(self, token: int) -> None:
+        if self._end is not None:
+            raise TypeError("the prompt is fixed")
+        self._request.append_output_token(token)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            self.append(token)
+
+    def __iadd__(self, tokens: Iterable[int]) -> _TokenView:
+        self.extend(tokens)
+        return self
+
+    def __repr__(self) -> str:
+        return repr(self[:])

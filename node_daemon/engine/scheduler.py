@@ -11,12 +11,16 @@ prefills, long-prefill threshold) in this order:
 Every prefill chunk is cut at the leftover budget, at `long_prefill_threshold` when set, and, when an
 iteration time target and a cost model are given, at the largest size whose predicted time fits.
 
-KV admission reserves a request's final footprint (prompt plus every token it may generate, or the
-`output_reservation` share of them) against the free blocks, net of prefix-cache hits and of what
-running requests may still grow to; `watermark_blocks` stay free unless the request would run alone.
-With the full reservation (the default) decoding cannot run out of KV. If it does anyway (a smaller
-reservation), the latest admitted request not yet scheduled this iteration is preempted by recompute
-and resumes ahead of new requests; its cached full blocks usually make the recompute a cache hit.
+KV admission reserves a request's whole prompt (and outputs so far, after a preemption) plus an
+estimate of its output length (output_length.py: a running high quantile of this daemon's output
+lengths with a margin and a floor), never more than its own bound (prompt plus max_tokens, capped by the
+context), against the free blocks, net of prefix-cache hits and of what running requests may still
+grow to under their reservations; `watermark_blocks` stay free unless the request would run alone. A
+request resumed after it outran the estimate reserves as many outputs again as it already has. When
+decoding runs out of KV anyway (the estimate was short), the latest admitted request not yet scheduled
+this iteration is preempted by recompute and resumes ahead of new requests; its cached full blocks
+usually make the recompute a cache hit. `OutputLengthEstimate.worst_case()` reserves every request's
+full bound instead, so decoding can never run out of KV.
 
 Lowering max_num_seqs live below the running count preempts the latest admitted requests at the next
 step (so the decodes always fit the budget, which validate_tuning keeps above max_num_seqs); lowering
@@ -37,7 +41,6 @@ Baseline policies (SchedulerConfig.policy), for the simulator's comparisons:
 """
 from __future__ import annotations
 
-import math
 from bisect import insort
 from collections import deque
 from typing import Protocol, Sequence
@@ -45,6 +48,7 @@ from typing import Protocol, Sequence
 from stallfree.contracts import Ceilings, Tuning, validate_tuning
 from stallfree.node_daemon.engine.config import SchedulerConfig
 from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
+from stallfree.node_daemon.engine.output_length import OutputLengthEstimate
 from stallfree.node_daemon.engine.request import Request, RequestStatus
 from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
@@ -64,16 +68,15 @@ class IterationCostModel(Protocol):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, cost_model: IterationCostModel | None = None,
-                 *, output_reservation: float = 1.0) -> None:
+                 *, output_estimate: OutputLengthEstimate | None = None) -> None:
         if config.policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {config.policy!r}; choose one of {', '.join(POLICIES)}")
-        if not 0.0 <= output_reservation <= 1.0:
-            raise ValueError(f"output_reservation must be within [0, 1], got {output_reservation}")
         validate_tuning(config.tuning, config.ceilings)
         self.config = config
         self.kv_cache = kv_cache
         self.cost_model = cost_model
-        self.output_reservation = output_reservation
+        # Output tokens reserved at admission for requests whose own bound is larger (per daemon, learned).
+        self.output_estimate = output_estimate if output_estimate is not None else OutputLengthEstimate()
         self._tuning = config.tuning
         self._block_size = kv_cache.block_size
         self._time_target = config.iteration_time_target_ms if cost_model is not None else None
@@ -121,6 +124,16 @@ class Scheduler:
     def num_partial_prefills(self) -> int:
         """Running requests whose prefill stays incomplete after the last scheduled iteration."""
         return self._num_partial_prefills
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """KV blocks running requests hold plus those their reservations still promise them."""
+        return self.kv_cache.num_used_blocks + self._growth_blocks
+
+    @property
+    def kv_reserved(self) -> float:
+        """num_reserved_blocks as a share of the cache (above 1 once requests outgrew short estimates)."""
+        return self.num_reserved_blocks / self.kv_cache.num_blocks
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -174,6 +187,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv_cache.free(request)
+        if status is _STOPPED:  # a stop string seen by the engine: the request ended by itself
+            self.output_estimate.observe(request.num_output_tokens, True)
 
     # ---- one iteration -----------------------------------------------------------------------------
 
@@ -320,9 +335,10 @@ class Scheduler:
     def _admit(self, request: Request, hits: list[int], num_new_tokens: int) -> bool:
         """Move the queue head to running if its reserved footprint fits the free blocks; else False."""
         kv = self.kv_cache
-        final_kv_tokens = max(request.num_prompt_tokens, request.max_total_tokens - 1)
-        now = request.num_tokens
-        reserve_tokens = max(now, now + math.ceil((final_kv_tokens - now) * self.output_reservation))
+        num_prompt = request.num_prompt_tokens
+        final_kv_tokens = max(num_prompt, request.max_total_tokens - 1)  # the last token never needs KV
+        expected_outputs = max(self.output_estimate.tokens, 2 * request.num_output_tokens)
+        reserve_tokens = max(request.num_tokens, min(final_kv_tokens, num_prompt + expected_outputs - 1))
         need = kv.blocks_to_admit(hits, reserve_tokens)
         watermark = self.config.watermark_blocks if self.running else 0
         if need + self._growth_blocks + watermark > kv.num_free_blocks:
@@ -412,13 +428,13 @@ class Scheduler:
                 token = sampled[request.request_id]
             except KeyError:
                 raise KeyError(f"no sampled token for request {request.request_id!r}, whose chunk samples") from None
-            outputs = request.output_token_ids
-            outputs.append(token)
+            request.append_output_token(token)
+            num_tokens = len(request.token_ids)
             sampling = request.sampling
             if (token in request.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
                 request.status = _STOPPED
-            elif (len(outputs) >= sampling.max_tokens
-                  or len(request.prompt_token_ids) + len(outputs) >= request.max_model_len):
+            elif (num_tokens - request.num_prompt_tokens >= sampling.max_tokens
+                  or num_tokens >= request.max_model_len):
                 request.status = _LENGTH
             else:
                 if chunk.is_prefill:
@@ -433,8 +449,10 @@ class Scheduler:
                 insort(decoding, request, key=lambda r: admission[r.request_id])
         if finished:
             requests = self._requests
+            observe = self.output_estimate.observe
             for request in finished:
                 del requests[request.request_id]
                 self._remove_running(request)
                 kv.free(request)
+                observe(request.num_output_tokens, request.status is _STOPPED)
         return finished

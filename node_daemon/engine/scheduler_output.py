@@ -10,7 +10,7 @@ from stallfree.node_daemon.engine.request import Request
 class ScheduledChunk:
     """`num_tokens` tokens of `request`, starting at position `start` (= its num_computed_tokens before the step).
 
-    Token ids are request.all_token_ids[start:start + num_tokens]; their KV goes to the slots given by
+    Token ids are request.token_ids[start:start + num_tokens]; their KV goes to the slots given by
     request.block_ids. `samples` is True when the chunk reaches the request's newest token, so the
     runner must return a sampled token for it (a partial prefill chunk samples nothing).
     """

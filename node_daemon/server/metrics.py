@@ -95,7 +95,8 @@ class EngineMetrics:
                                           "Requests whose prompt is partly prefilled.").labels(*m)
         self.kv_usage = gauge("stallfree_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).").labels(*m)
         self.kv_reserved = gauge("stallfree_kv_cache_reserved_ratio",
-                                 "Fraction of KV blocks in use or reserved for admitted requests (0..1).").labels(*m)
+                                 "Fraction of KV blocks held or reserved by running requests (by output "
+                                 "estimate; above 1 when estimates ran short).").labels(*m)
         self.token_budget = gauge("stallfree_token_budget", "Live token budget per iteration.").labels(*m)
         self.max_num_seqs = gauge("stallfree_max_num_seqs", "Live cap on running requests.").labels(*m)
         self.max_partial_prefills = gauge("stallfree_max_partial_prefills",
@@ -107,6 +108,8 @@ class EngineMetrics:
         self.preemptions = counter("stallfree_preemptions", "Requests preempted (KV freed, recomputed later).").labels(*m)
         self.prompt_tokens = counter("stallfree_prompt_tokens", "Prompt tokens of requests that started.").labels(*m)
         self.generation_tokens = counter("stallfree_generation_tokens", "Output tokens generated.").labels(*m)
+        self.kv_evictions = counter("stallfree_kv_cache_evictions",
+                                    "Cached KV blocks evicted to make room (prefix-cache content lost).").labels(*m)
         self.prefill_tokens = counter("stallfree_prefill_tokens_computed",
                                       "Prefill tokens computed (chunks, recompute included).").labels(*m)
         self.prefix_cache_queries = counter("stallfree_prefix_cache_queries",
@@ -160,6 +163,9 @@ class EngineMetrics:
             self.num_waiting.set(record.num_waiting)
             self.num_partial_prefills.set(record.num_partial_prefills)
             self.kv_usage.set(record.kv_usage)
+            self.kv_reserved.set(record.kv_reserved)
+        if record.num_evicted_blocks:
+            self.kv_evictions.inc(record.num_evicted_blocks)
         self.token_budget.set(record.token_budget)
         self.max_num_seqs.set(record.max_num_seqs)
 
