@@ -74,6 +74,7 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._free_executor_state = getattr(executor, "free", None)
         self.num_iterations = 0
+        self.last_num_scheduled_tokens = 0  # of the last step (async_engine's stall watch weighs turns by it)
 
     # ---- requests ------------------------------------------------------------------------------------
 
@@ -163,6 +164,7 @@ class LLMEngine:
         scheduler = self.scheduler
         start = self.clock()
         output = scheduler.schedule()
+        self.last_num_scheduled_tokens = output.num_prefill_tokens + output.num_decode_tokens
         if output.is_empty:
             return []
         for chunk in output.chunks:
