@@ -131,7 +131,7 @@ def profile_key(engine, device: str, settings) -> dict[str, Any]:
         "ceilings": dataclasses.asdict(engine.ceilings),
         "max_model_len": engine.max_model_len,
         "loaded_dtype": str(getattr(loaded, "dtype", "")) if loaded is not None else None,
-        "sweep": {"repeats": settings.repeats, "decode_context": settings.decode_context,
+        "sweep": {"decode_context": settings.decode_context,
                   "mixed_decodes": settings.mixed_decodes, "max_tokens": settings.max_tokens,
                   "max_decodes": settings.max_decodes},
     }
