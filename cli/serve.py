@@ -214,9 +214,12 @@ def start_engine(opts: ServeOptions, daemon) -> None:
     if opts.auto_budget and opts.args.tpot_slo_ms is not None and daemon.profile is not None and daemon.profile.mixed:
         tuning = starting_tuning(daemon.profile, opts.args.tpot_slo_ms, engine.ceilings, engine.get_tuning())
         engine.set_tuning(tuning)
+        predicted = _predicted_ms(daemon.profile, tuning.token_budget)
         log.info("start-up: TPOT SLO %.1f ms: starting token budget %d, max_num_seqs %d (predicted iteration "
-                 "%.1f ms)", opts.args.tpot_slo_ms, tuning.token_budget, tuning.max_num_seqs,
-                 _predicted_ms(daemon.profile, tuning.token_budget))
+                 "%.1f ms)", opts.args.tpot_slo_ms, tuning.token_budget, tuning.max_num_seqs, predicted)
+        if predicted > opts.args.tpot_slo_ms:
+            log.warning("start-up: even the smallest budget's iteration (%.1f ms predicted) misses the TPOT SLO "
+                        "%.1f ms on this engine", predicted, opts.args.tpot_slo_ms)
     scheduler, kv_cache = engine.scheduler, engine.kv_cache
     daemon.vocab_size = engine.vocab_size
     daemon.kv_capacity_tokens = kv_cache.num_blocks * kv_cache.block_size
@@ -297,9 +300,13 @@ class _Remeasure:
     def __call__(self, daemon, engine, should_stop) -> float | None:
         """Runs on the engine thread; returns the delay before the next try, or None when done."""
         import dataclasses
+        import os
 
         from stallfree.node_daemon.engine.profiler import run_profile
 
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if os.getloadavg()[0] > cores:  # still busy: measuring now would only be wrong again, and slow
+            return self.delay_s
         self.tries -= 1
         settings = dataclasses.replace(self.settings, should_stop=should_stop, progress=None)
         run = run_profile(engine, self.device, settings)

@@ -213,3 +213,9 @@ def test_a_busy_curve_that_stays_wrong_is_not_trusted(one_thread) -> None:
     engine.executor = _SlowOnce(engine.executor, 256, 0.25, times=100)  # busy for the whole run
     run = run_profile(engine, device, ProfileSettings(repeats=2, max_seconds=60))
     assert not run.trusted and any("256 tokens" in w for w in run.warnings)
+
+
+def test_a_slow_engine_keeps_serving_several_streams_under_a_tight_slo() -> None:
+    slow = Profile(device="cpu", mixed=[ProfilePoint(64, 4, 200.0), ProfilePoint(128, 4, 350.0)])
+    tuning = starting_tuning(slow, 150.0, Ceilings(), Tuning(max_num_seqs=64))
+    assert tuning.max_num_seqs == 8 and tuning.token_budget == min_budget_for(8)

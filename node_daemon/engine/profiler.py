@@ -42,6 +42,8 @@ MONOTONE_TOLERANCE = 0.95
 JUMP_TOLERANCE = 1.5
 # On a CPU device the profile must get at least this share of its threads' time, else the machine is busy.
 MIN_CPU_SHARE = 0.6
+# The SLO never lowers max_num_seqs below this (a daemon that runs one request at a time is not serving).
+MIN_STARTING_SEQS = 8
 # The starting budget leaves this share of the TPOT target for what the profile does not see.
 SLO_MARGIN = 0.8
 
@@ -428,10 +430,12 @@ def starting_tuning(profile: Profile, tpot_slo_ms: float, ceilings: Ceilings, tu
     The iteration must fit `margin` of the target: the profile is the fastest of its runs, served
     iterations also carry longer contexts and noise, and the p99 gap (not the typical one) must hold.
     When even the floor for `tuning.max_num_seqs` would overrun it, max_num_seqs comes down so the
-    budget can (a budget must leave prefill room beside every decode)."""
+    budget can (a budget must leave prefill room beside every decode), but not below MIN_STARTING_SEQS:
+    past that the engine is too slow for the target, and the caller says so (predict_ms of the budget)."""
     budget = budget_within(profile, margin * tpot_slo_ms, lo=1, hi=ceilings.max_token_budget)
     max_num_seqs = min(tuning.max_num_seqs, ceilings.max_num_seqs)
-    while max_num_seqs > 1 and min_budget_for(max_num_seqs) > budget:
+    floor = min(max_num_seqs, MIN_STARTING_SEQS)
+    while max_num_seqs > floor and min_budget_for(max_num_seqs) > budget:
         max_num_seqs -= 1
     budget = max(budget, min_budget_for(max_num_seqs))
     return Tuning(token_budget=min(budget, ceilings.max_token_budget), max_num_seqs=max_num_seqs,
