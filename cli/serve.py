@@ -1,9 +1,10 @@
 """`stallfree serve`: the per-node serving daemon (OpenAI API, /metrics, admin API, drain on SIGTERM).
 
 Start-up: the HTTP server answers at once (/health 200, /ready 503 "loading model"); a start-up thread
-loads the model (or builds the sim backend), measures the profile on this device, picks the starting
-token budget from --tpot-slo-ms when --token-budget is auto, and starts the engine loop; /ready turns
-200 then. A start-up failure exits with status 1.
+loads the model (or builds the sim backend), reads this engine's profile from the profile cache or
+measures it within --profile-max-seconds (node_daemon/engine/profiler.py, profile_cache.py), picks the
+starting token budget from --tpot-slo-ms when --token-budget is auto, and starts the engine loop; /ready
+turns 200 then. Each step logs a "start-up:" line with its duration. A start-up failure exits with status 1.
 """
 from __future__ import annotations
 
