@@ -49,7 +49,7 @@ class AsyncEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._idle_task: tuple[float, Callable[..., float | None]] | None = None
-        self.stall_watch = StallWatch()
+        self.stall_watch = StallWatch(threads=_compute_threads())
         self._thread = threading.Thread(target=self._run, name="stallfree-engine", daemon=True)
         self._thread.start()
 
@@ -274,6 +274,15 @@ class AsyncEngine:
             outputs.append(RequestOutput(request_id, [], "", True, reason, prompt_len, out_len, error=error))
         if outputs:
             self._deliver(outputs)
+
+
+def _compute_threads() -> int:
+    try:
+        import torch
+
+        return torch.get_num_threads()
+    except ImportError:
+        return 1
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:

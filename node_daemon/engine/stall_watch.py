@@ -20,8 +20,9 @@ log = logging.getLogger("stallfree.engine.stall")
 
 
 class StallWatch:
-    def __init__(self, min_s: float = 0.5, factor: float = 4.0, history: int = 64) -> None:
+    def __init__(self, min_s: float = 0.5, factor: float = 4.0, history: int = 64, threads: int = 1) -> None:
         self.min_s = min_s
+        self.threads = max(1, threads)  # compute threads: an unimpeded process burns about this many CPU seconds a second
         self.factor = factor
         self.recent: deque[float] = deque(maxlen=history)
         self.gc_s = 0.0
@@ -65,7 +66,7 @@ class StallWatch:
         gc_s, gc_n = self.gc_s - gc0, self.gc_count - gcn0
         if gc_s > 0.5 * wall:
             cause = f"garbage collection (generation {self.gc_max_generation})"
-        elif thread_cpu < 0.5 * wall and process_cpu < 0.5 * wall:
+        elif thread_cpu < 0.5 * wall and process_cpu < 0.5 * wall * self.threads:
             cause = "the process was off the CPU: other processes took the cores"
         elif thread_cpu < 0.5 * wall:
             cause = "the engine thread waited while the process ran: another thread held the GIL"
