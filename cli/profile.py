@@ -1,8 +1,9 @@
 """`stallfree profile`: iteration time against tokens per iteration on this device, as a daemon measures it.
 
-The same engine build and the same sweep as `stallfree serve`'s start-up profile (node_daemon/engine/profiler.py):
-prints both curves, the budget Sarathi-Serve's recipe picks for each TPOT target, and writes JSON (the
-/admin/profile shape) and optionally a PNG.
+The same engine build and the same sweep as `stallfree serve`'s start-up profile (node_daemon/engine/profiler.py),
+with a larger time budget: prints both curves, the budget Sarathi-Serve's recipe picks for each TPOT target, and
+writes JSON (the /admin/profile shape) and optionally a PNG. --write-cache stores a trusted run in the profile
+cache, where `stallfree serve` started with the same flags finds it.
 """
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-memory-fraction", type=float, default=0.9)
     p.add_argument("--max-token-budget", type=int, default=2048, help="largest mixed point (the budget ceiling)")
     p.add_argument("--max-num-seqs-ceiling", type=int, default=256, help="largest decode-only batch")
-    p.add_argument("--repeats", type=int, default=3, help="measured iterations per point (median kept)")
-    p.add_argument("--decode-context", type=int, default=64, help="prompt tokens of each decoding request")
-    p.add_argument("--mixed-decodes", type=int, default=16, help="decodes beside the prefill on the mixed curve")
-    p.add_argument("--max-seconds", type=float, default=300.0, help="stop adding points after this long")
+    p.add_argument("--repeats", type=int, default=3, help="measured iterations per point (the fastest kept)")
+    p.add_argument("--decode-context", type=int, default=32, help="prompt tokens of each decoding request")
+    p.add_argument("--mixed-decodes", type=int, default=4, help="decodes beside the prefill on the mixed curve")
+    p.add_argument("--max-seconds", type=float, default=60.0, help="time budget (points past it are skipped)")
+    p.add_argument("--write-cache", action="store_true", help="store a trusted profile in the profile cache")
+    p.add_argument("--profile-cache-dir", default=None, help="the cache folder (default: as stallfree serve)")
     p.add_argument("--tpot-slo-ms", type=float, action="append", default=None,
                    help="TPOT target(s) to suggest a budget for (repeatable)")
     p.add_argument("--json", default="runs/profile.json", help="where to write the profile")
@@ -45,7 +48,8 @@ def main(argv: list[str]) -> int:
     if args.repeats < 1 or args.max_seconds <= 0:
         print("stallfree profile: error: --repeats and --max-seconds must be positive", file=sys.stderr)
         return 2
-    from stallfree.node_daemon.engine.profiler import ProfileSettings, measure_profile, suggest_token_budget
+    from stallfree.node_daemon.engine.profile_cache import ProfileCache, profile_key
+    from stallfree.node_daemon.engine.profiler import ProfileSettings, run_profile, suggest_token_budget
     from stallfree.cli.serve import build_llm_engine, parse_options
 
     serve_argv = [
@@ -64,10 +68,13 @@ def main(argv: list[str]) -> int:
         print(f"stallfree profile: error: {exc}", file=sys.stderr)
         return 2
     settings = ProfileSettings(repeats=args.repeats, decode_context=args.decode_context,
-                               mixed_decodes=args.mixed_decodes, max_seconds=args.max_seconds)
+                               mixed_decodes=args.mixed_decodes, max_seconds=args.max_seconds, progress=print)
     started = time.monotonic()
-    profile = measure_profile(engine, device, settings)
+    run = run_profile(engine, device, settings)
+    profile = run.profile
     took = time.monotonic() - started
+    for warning in run.warnings:
+        print(f"warning: {warning}")
 
     print(f"profile of {args.model} on {device} ({took:.1f}s)")
     print("decode-only: batch  iteration ms")
@@ -90,10 +97,17 @@ def main(argv: list[str]) -> int:
     out["suggested_token_budget_by_tpot_ms"] = suggestions
     out["model"] = args.model
     out["seconds"] = took
+    out["warnings"] = run.warnings
+    out["skipped"] = run.skipped
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")
+    if args.write_cache:
+        if run.trusted:
+            print(f"cached at {ProfileCache(args.profile_cache_dir).store(profile_key(engine, device, settings), profile)}")
+        else:
+            print("not cached: the run is not trusted (see the warnings); measure again on a quiet machine")
     if args.png:
         _plot(profile, args.png, args.model)
         print(f"wrote {args.png}")

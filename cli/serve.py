@@ -1,9 +1,10 @@
 """`stallfree serve`: the per-node serving daemon (OpenAI API, /metrics, admin API, drain on SIGTERM).
 
 Start-up: the HTTP server answers at once (/health 200, /ready 503 "loading model"); a start-up thread
-loads the model (or builds the sim backend), measures the profile on this device, picks the starting
-token budget from --tpot-slo-ms when --token-budget is auto, and starts the engine loop; /ready turns
-200 then. A start-up failure exits with status 1.
+loads the model (or builds the sim backend), reads this engine's profile from the profile cache or
+measures it within --profile-max-seconds (node_daemon/engine/profiler.py, profile_cache.py), picks the
+starting token budget from --tpot-slo-ms when --token-budget is auto, and starts the engine loop; /ready
+turns 200 then. Each step logs a "start-up:" line with its duration. A start-up failure exits with status 1.
 """
 from __future__ import annotations
 
@@ -63,7 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--policy", choices=["stall_free", "prefill_priority", "decode_priority"], default="stall_free",
                    help="scheduling policy (the two others are baselines)")
     s.add_argument("--no-profile", action="store_true", help="skip the start-up profile (needs --token-budget N)")
-    s.add_argument("--profile-max-seconds", type=float, default=60.0, help="time cap on the start-up profile")
+    s.add_argument("--profile-max-seconds", type=float, default=5.0,
+                   help="time budget of the start-up profile (fewer points past it)")
+    s.add_argument("--profile-cache-dir", default=None,
+                   help="where measured profiles are kept (else $STALLFREE_PROFILE_CACHE, else "
+                        "$XDG_CACHE_HOME/stallfree/profiles)")
+    s.add_argument("--no-profile-cache", action="store_true", help="always measure; never read or write the cache")
 
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1",
@@ -206,24 +212,39 @@ def build_llm_engine(opts: ServeOptions, observer: Any):
 
 
 def start_engine(opts: ServeOptions, daemon) -> None:
-    """Load, profile, tune, start the engine loop; then the daemon is ready. Runs in the start-up thread."""
+    """Load, profile, tune, start the engine loop; then the daemon is ready. Runs in the start-up thread.
+
+    Every step logs a progress line with its duration; /ready stays false until the last one."""
+    import gc
+    import time
+
     from stallfree.node_daemon.engine.async_engine import AsyncEngine
     from stallfree.node_daemon.engine.observers import FanoutObserver
-    from stallfree.node_daemon.engine.profiler import ProfileSettings, measure_profile, starting_tuning
+    from stallfree.node_daemon.engine.profiler import starting_tuning
     from stallfree.node_daemon.server.app import LiveCounts
 
+    started = time.monotonic()
     daemon.starting = "loading model"
+    log.info("start-up: loading %s (%s backend)", opts.args.model, opts.args.backend)
     engine, device = build_llm_engine(opts, FanoutObserver(daemon.metrics, daemon.stats))
+    log.info("start-up: model loaded on %s in %.1f s", device, time.monotonic() - started)
+    # What load made lives as long as the process: out of the collector's way, so no full collection
+    # walks it while serving (a pause of the engine thread that no log would explain).
+    gc.collect()
+    gc.freeze()
+    retry = None
     if not opts.args.no_profile:
         daemon.starting = "profiling"
-        daemon.profile = measure_profile(engine, device, ProfileSettings(max_seconds=opts.args.profile_max_seconds))
-        log.info("profile on %s: %s", device, ", ".join(f"{p.tokens} tok {p.iteration_ms:.2f} ms"
-                                                      for p in daemon.profile.mixed))
+        daemon.profile, retry = _startup_profile(opts, engine, device)
     if opts.auto_budget and opts.args.tpot_slo_ms is not None and daemon.profile is not None and daemon.profile.mixed:
         tuning = starting_tuning(daemon.profile, opts.args.tpot_slo_ms, engine.ceilings, engine.get_tuning())
         engine.set_tuning(tuning)
-        log.info("TPOT SLO %.1f ms: starting token budget %d, max_num_seqs %d", opts.args.tpot_slo_ms,
-                 tuning.token_budget, tuning.max_num_seqs)
+        predicted = _predicted_ms(daemon.profile, tuning.token_budget)
+        log.info("start-up: TPOT SLO %.1f ms: starting token budget %d, max_num_seqs %d (predicted iteration "
+                 "%.1f ms)", opts.args.tpot_slo_ms, tuning.token_budget, tuning.max_num_seqs, predicted)
+        if predicted > opts.args.tpot_slo_ms:
+            log.warning("start-up: even the smallest budget's iteration (%.1f ms predicted) misses the TPOT SLO "
+                        "%.1f ms on this engine", predicted, opts.args.tpot_slo_ms)
     scheduler, kv_cache = engine.scheduler, engine.kv_cache
     daemon.vocab_size = engine.vocab_size
     daemon.kv_capacity_tokens = kv_cache.num_blocks * kv_cache.block_size
@@ -240,11 +261,15 @@ def start_engine(opts: ServeOptions, daemon) -> None:
         "attention_backend": a.attention_backend, "block_size": kv_cache.block_size, "num_kv_blocks": num_blocks,
         "max_model_len": engine.max_model_len, "max_token_budget": ceilings.max_token_budget,
         "max_num_seqs": ceilings.max_num_seqs, "policy": a.policy, "prefix_caching": not a.no_prefix_caching})
+    gc.freeze()  # the profile's leftovers too
     async_engine = AsyncEngine(engine, opts.served_model_name)
+    if retry is not None:
+        async_engine.when_idle(retry.delay_s, lambda eng, stop: retry(daemon, eng, stop))
     daemon.engine_error = lambda: None if async_engine.is_running else "the engine loop is not running"
     daemon.engine = async_engine
     daemon.starting = None
-    log.info("serving %s on %s (max_model_len %d, %d KV blocks of %d)", opts.served_model_name, device,
+    log.info("start-up: ready in %.1f s (%.1f s since the process started): serving %s on %s (max_model_len %d, "
+             "%d KV blocks of %d)", time.monotonic() - started, _process_age_s(), opts.served_model_name, device,
              engine.max_model_len, kv_cache.num_blocks, kv_cache.block_size)
 
 
@@ -265,6 +290,94 @@ def max_chars_per_token(tokenizer) -> int | None:
         return None
     # A normalizer may shrink text (NFC composes characters): a wide margin, never a refused prompt that fits.
     return longest * (4 if backend.normalizer is not None else 1)
+def _predicted_ms(profile, budget: int) -> float:
+    from stallfree.node_daemon.engine.profiler import predict_ms
+
+    return predict_ms(profile.mixed, budget)
+
+
+def _process_age_s() -> float:
+    """Seconds since this process started (interpreter start and imports included), from /proc."""
+    import os
+    import time
+
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def _startup_profile(opts: ServeOptions, engine, device: str):
+    """The profile from the cache, else measured within the time budget; and a retry when it is not trusted."""
+    from stallfree.node_daemon.engine.profile_cache import ProfileCache, profile_key
+    from stallfree.node_daemon.engine.profiler import ProfileSettings, run_profile
+
+    a = opts.args
+    settings = ProfileSettings(max_seconds=a.profile_max_seconds, progress=lambda line: log.info("start-up: %s", line))
+    cache = None if a.no_profile_cache else ProfileCache(a.profile_cache_dir)
+    key = profile_key(engine, device, settings) if cache is not None else None
+    if cache is not None:
+        cached, why = cache.load(key)
+        if cached is not None:
+            log.info("start-up: %s (%d mixed points, %d decode-only)", why, len(cached.mixed), len(cached.decode_only))
+            return cached, None
+        log.info("start-up: %s: measuring (time budget %g s)", why, a.profile_max_seconds)
+    run = run_profile(engine, device, settings)
+    log.info("start-up: profile on %s in %.1f s: %s", device, run.seconds,
+             ", ".join(f"{p.tokens} tok {p.iteration_ms:.1f} ms" for p in run.profile.mixed) or "no mixed point")
+    if run.trusted:
+        if cache is not None:
+            path = cache.store(key, run.profile, {"seconds": run.seconds, "cpu_share": run.cpu_share})
+            if path is not None:
+                log.info("start-up: profile cached at %s", path)
+        return run.profile, None
+    log.warning("start-up: the profile is not trusted (%s): served with, not cached; measured again when idle",
+                "; ".join(run.warnings) or "stopped early")
+    return run.profile, _Remeasure(settings, cache, key, device)
+
+
+class _Remeasure:
+    """Measure the profile again on the idle engine thread until one run is trusted (then cache it).
+
+    A request arriving mid-run stops it at the next iteration (should_stop), so serving waits at most
+    one profile iteration; backs off (x2) between tries, gives up after `tries`."""
+
+    def __init__(self, settings, cache, key, device: str, delay_s: float = 30.0, tries: int = 5) -> None:
+        self.settings, self.cache, self.key, self.device = settings, cache, key, device
+        self.delay_s, self.tries = delay_s, tries
+
+    def __call__(self, daemon, engine, should_stop) -> float | None:
+        """Runs on the engine thread; returns the delay before the next try, or None when done."""
+        import dataclasses
+        import os
+
+        from stallfree.node_daemon.engine.profiler import run_profile
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if os.getloadavg()[0] > cores:  # still busy: measuring now would only be wrong again, and slow
+            return self.delay_s
+        self.tries -= 1
+        settings = dataclasses.replace(self.settings, should_stop=should_stop, progress=None)
+        run = run_profile(engine, self.device, settings)
+        if run.trusted:
+            daemon.profile = run.profile
+            where = self.cache.store(self.key, run.profile, {"seconds": run.seconds, "cpu_share": run.cpu_share}) \
+                if self.cache is not None else None
+            log.info("profile re-measured while idle in %.1f s: %s%s", run.seconds,
+                     ", ".join(f"{p.tokens} tok {p.iteration_ms:.1f} ms" for p in run.profile.mixed),
+                     f" (cached at {where})" if where else "")
+            return None
+        log.info("profile re-measure %s (%s)", "interrupted by a request" if run.stopped else "still not trusted",
+                 "; ".join(run.warnings) or "stopped")
+        if self.tries <= 0:
+            log.warning("profile: giving up re-measuring; the start-up profile stays (not cached)")
+            return None
+        self.delay_s *= 2
+        return self.delay_s
 
 
 def build_daemon(opts: ServeOptions):

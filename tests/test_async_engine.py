@@ -164,3 +164,60 @@ async def test_shutdown_aborts_streams_in_flight_and_refuses_new_ones() -> None:
     assert not client.is_running
     with pytest.raises(EngineDeadError):
         await collect(client, "late", PROMPTS["c"])
+
+
+async def test_an_idle_task_runs_when_idle_and_yields_to_a_request(client: AsyncEngine, reference) -> None:
+    seen: list[str] = []
+
+    def task(engine, should_stop):
+        seen.append("ran")
+        deadline = time.monotonic() + 5.0
+        while not should_stop() and time.monotonic() < deadline:  # a long idle job (the profile measured again)
+            time.sleep(0.005)
+        seen.append("stopped" if should_stop() else "timed out")
+        return 60.0 if len(seen) < 3 else None  # ask to run again later
+
+    client.when_idle(0.0, task)
+    for _ in range(200):
+        if seen:
+            break
+        await asyncio.sleep(0.01)
+    assert seen == ["ran"]
+    started = time.monotonic()
+    outs = await collect(client, "a", PROMPTS["a"])  # stops the task at its next check, then is served
+    assert tokens_of(outs) == reference["a"]
+    assert seen == ["ran", "stopped"] and time.monotonic() - started < 4.0
+    assert client._idle_task is not None and client._idle_task[0] > time.monotonic() + 30  # rescheduled later
+
+
+def test_a_slow_turn_is_logged_with_its_cause(caplog) -> None:
+    from stallfree.node_daemon.engine.stall_watch import StallWatch
+
+    watch = StallWatch(min_s=0.05, factor=4.0)
+    try:
+        for _ in range(10):  # typical turns: 1 ms for 16 tokens
+            began = watch.begin()
+            time.sleep(0.001)
+            assert not watch.end(began, 0.0, 0.001, 0.0, 16)
+        began = watch.begin()
+        time.sleep(0.2)  # off the CPU: what another process taking the cores looks like from here
+        with caplog.at_level("WARNING", logger="stallfree.engine.stall"):
+            assert watch.end(began, 0.0, 0.2, 0.0, 16)
+        message = caplog.records[-1].getMessage()
+        assert "engine stall" in message and "off the CPU" in message
+        # A long prefill is not a stall: per token it costs what a decode does.
+        began = watch.begin()
+        time.sleep(0.1)
+        assert not watch.end(began, 0.0, 0.1, 0.0, 2048)
+        # The collector pausing everything is named as such.
+        import gc
+
+        watch.min_s = 0.0
+        began = watch.begin()
+        gc.collect()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="stallfree.engine.stall"):
+            assert watch.end(began, 0.0, 0.0, 0.0, 1)
+        assert "garbage collection (generation 2)" in caplog.records[-1].getMessage()
+    finally:
+        watch.close()

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from stallfree.contracts import Ceilings, Profile, ProfilePoint, Tuning, min_budget_for
-from stallfree.node_daemon.engine.profiler import ProfileSettings, measure_profile, starting_tuning, suggest_token_budget
+from stallfree.node_daemon.engine.profiler import (SLO_MARGIN, ProfileSettings, budget_within, curve_problems,
+                                                  measure_profile, predict_ms, run_profile, starting_tuning,
+                                                  suggest_token_budget, suspect_points)
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.cli.serve import build_llm_engine, parse_options
 
@@ -44,12 +46,12 @@ def test_profile_of_the_tiny_model_through_the_engine(one_thread) -> None:
                                         "--max-num-seqs-ceiling", "32", "--max-num-seqs", "8", "--token-budget", "128",
                                         "--num-kv-blocks", "1024"])
     tuning = engine.get_tuning()
-    profile = measure_profile(engine, device, ProfileSettings(repeats=2, max_seconds=30))
+    profile = measure_profile(engine, device, ProfileSettings(repeats=2, max_seconds=60))
     assert profile.device == "cpu"
     assert [p.tokens for p in profile.decode_only] == [1, 2, 4, 8, 16, 32]
     assert all(p.num_decodes == p.tokens and p.iteration_ms > 0 for p in profile.decode_only)
     assert [p.tokens for p in profile.mixed] == [64, 128, 256, 512]
-    assert all(p.num_decodes == 16 and p.iteration_ms > 0 for p in profile.mixed)
+    assert all(p.num_decodes == 4 and p.iteration_ms > 0 for p in profile.mixed)
     # The engine serves afterwards exactly as before: empty, every block free, its tuning and observer back.
     assert not engine.has_unfinished()
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
@@ -92,7 +94,9 @@ PROFILE = Profile(device="test", mixed=[ProfilePoint(64, 16, 5.0), ProfilePoint(
 
 def test_suggested_budget_is_the_largest_that_fits() -> None:
     ceilings = Ceilings(max_token_budget=2048, max_num_seqs=256)
-    assert suggest_token_budget(PROFILE, 15.0, ceilings, max_num_seqs=16) == 256
+    # Interpolated between measured points, not only at them: 15 ms lies between 256 (14) and 512 (30).
+    assert suggest_token_budget(PROFILE, 15.0, ceilings, max_num_seqs=16) == 272
+    assert suggest_token_budget(PROFILE, 14.0, ceilings, max_num_seqs=16) == 256
     assert suggest_token_budget(PROFILE, 30.0, ceilings, max_num_seqs=16) == 512
     assert suggest_token_budget(PROFILE, 1000.0, Ceilings(max_token_budget=300), max_num_seqs=16) == 300
     # Nothing fits: never below the prefill floor of max_num_seqs.
@@ -101,19 +105,117 @@ def test_suggested_budget_is_the_largest_that_fits() -> None:
         suggest_token_budget(Profile(device="x"), 10.0, ceilings, 8)
 
 
-def test_starting_tuning_lowers_max_num_seqs_when_the_slo_is_tight() -> None:
+def test_budget_fits_its_target_on_the_predicted_curve() -> None:
+    ceilings = Ceilings(max_token_budget=2048, max_num_seqs=256)
+    for target in (4.0, 6.0, 9.0, 20.0, 45.0):
+        budget = budget_within(PROFILE, target, lo=1, hi=2048)
+        assert predict_ms(PROFILE.mixed, budget) <= target < predict_ms(PROFILE.mixed, budget + 1)
+    # Below the first point the curve is extrapolated (not clamped to 64 tokens' time).
+    assert predict_ms(PROFILE.mixed, 32) < 5.0
+    assert starting_tuning(PROFILE, 100.0, ceilings, Tuning()).token_budget == 512 + (80 - 30) * 16  # past the end
+    assert starting_tuning(PROFILE, 1000.0, ceilings, Tuning()).token_budget == ceilings.max_token_budget
+
+
+def test_starting_tuning_keeps_a_margin_and_lowers_max_num_seqs_when_tight() -> None:
     ceilings = Ceilings(max_token_budget=2048, max_num_seqs=256)
     roomy = starting_tuning(PROFILE, 15.0, ceilings, Tuning(max_num_seqs=64, max_partial_prefills=2))
-    assert (roomy.token_budget, roomy.max_num_seqs, roomy.max_partial_prefills) == (256, 64, 2)
+    # 0.8 x 15 ms = 12 ms: between 128 (8 ms) and 256 (14 ms).
+    assert predict_ms(PROFILE.mixed, roomy.token_budget) <= SLO_MARGIN * 15.0
+    assert (roomy.token_budget, roomy.max_num_seqs, roomy.max_partial_prefills) == (213, 64, 2)
     tight = starting_tuning(PROFILE, 6.0, ceilings, Tuning(max_num_seqs=64))
-    assert tight.token_budget == 64 and tight.max_num_seqs == 32  # 32 decodes + 32 tokens of prefill room
     assert min_budget_for(tight.max_num_seqs) <= tight.token_budget
+    assert predict_ms(PROFILE.mixed, tight.token_budget) <= SLO_MARGIN * 6.0 + 1e-9 or tight.max_num_seqs == 1
 
 
 def test_time_cap_stops_the_sweep_and_still_cleans_up(one_thread) -> None:
     engine, device, _ = _engine(["--model", "tiny", "--device", "cpu", "--max-token-budget", "512",
                                  "--max-num-seqs-ceiling", "32", "--max-num-seqs", "8", "--token-budget", "128",
                                  "--num-kv-blocks", "512"])
-    profile = measure_profile(engine, device, ProfileSettings(max_seconds=1e-6))
-    assert profile.mixed == [] and profile.decode_only == []
+    run = run_profile(engine, device, ProfileSettings(max_seconds=1e-6))
+    # One point is always measured (nothing to choose a budget from otherwise), then the budget stops it.
+    assert [p.tokens for p in run.profile.mixed] == [64] and run.profile.decode_only == []
+    assert "mixed 128 tokens (4 decodes)" in run.skipped
     assert not engine.has_unfinished() and engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_the_time_budget_bounds_the_sweep(one_thread) -> None:
+    engine, device, _ = _engine(["--model", "tiny", "--device", "cpu", "--max-token-budget", "2048",
+                                 "--max-num-seqs-ceiling", "256", "--max-num-seqs", "8", "--token-budget", "128",
+                                 "--num-kv-blocks", "4096"])
+    lines: list[str] = []
+    run = run_profile(engine, device, ProfileSettings(max_seconds=0.3, progress=lines.append))
+    # Past the budget by at most the point in flight (one point of the tiny model is milliseconds).
+    assert run.seconds < 0.3 + 1.0
+    assert run.profile.mixed and lines and all(line.startswith("profile") for line in lines)
+    planned = len(run.profile.mixed) + len(run.profile.decode_only) + len(run.skipped)
+    assert all(f"/{planned}" in line for line in lines if line.startswith("profile point"))
+
+
+def test_should_stop_abandons_the_run_and_leaves_the_engine_clean(one_thread) -> None:
+    engine, device, _ = _engine(["--model", "tiny", "--device", "cpu", "--max-token-budget", "512",
+                                 "--max-num-seqs-ceiling", "32", "--max-num-seqs", "8", "--token-budget", "128",
+                                 "--num-kv-blocks", "512"])
+    steps = []
+    run = run_profile(engine, device, ProfileSettings(max_seconds=30, should_stop=lambda: steps.append(1) or
+                                                      len(steps) > 3))
+    assert run.stopped and not run.trusted
+    assert not engine.has_unfinished() and engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def _curve(*ms: float) -> list[ProfilePoint]:
+    return [ProfilePoint(64 << i, 4, value) for i, value in enumerate(ms)]
+
+
+def test_a_curve_that_is_not_monotone_or_jumps_is_suspect() -> None:
+    assert curve_problems(_curve(10, 18, 34, 70)) == []
+    assert curve_problems(_curve(10, 9.8, 18)) == []  # within the noise tolerance
+    problems = curve_problems(_curve(10, 18, 16, 34))  # 256 faster than 128
+    assert len(problems) == 1 and problems[0].startswith("not monotone")
+    assert suspect_points(_curve(10, 18, 16, 34)) == [128, 256]
+    jump = curve_problems(_curve(10, 18, 600, 70))  # the issue's busy point: 8,408 ms against 427 quiet
+    assert any(p.startswith("jump") for p in jump) and any(p.startswith("not monotone") for p in jump)
+
+
+class _SlowOnce:
+    """Wraps an executor: the n-th mixed iteration of one size takes `extra_s` longer (another process ran)."""
+
+    def __init__(self, executor, tokens: int, extra_s: float, times: int) -> None:
+        self.executor, self.tokens, self.extra_s, self.times = executor, tokens, extra_s, times
+
+    def __getattr__(self, name):
+        return getattr(self.executor, name)
+
+    def execute(self, output):
+        import time
+
+        if output.num_prefill_tokens + output.num_decode_tokens == self.tokens and self.times > 0:
+            self.times -= 1
+            time.sleep(self.extra_s)
+        return self.executor.execute(output)
+
+
+def test_a_busy_point_is_measured_again_and_the_fastest_kept(one_thread) -> None:
+    engine, device, _ = _engine(["--model", "tiny", "--device", "cpu", "--max-token-budget", "512",
+                                 "--max-num-seqs-ceiling", "32", "--max-num-seqs", "8", "--token-budget", "128",
+                                 "--num-kv-blocks", "1024"])
+    # Both first runs at 256 tokens are slow: keeping the fastest of them is not enough, the repair is.
+    engine.executor = _SlowOnce(engine.executor, 256, 0.25, times=2)
+    lines: list[str] = []
+    run = run_profile(engine, device, ProfileSettings(repeats=2, max_seconds=60, progress=lines.append))
+    by_tokens = {p.tokens: p.iteration_ms for p in run.profile.mixed}
+    assert by_tokens[256] < 200.0 and any("re-measured mixed 256" in line for line in lines)
+
+
+def test_a_busy_curve_that_stays_wrong_is_not_trusted(one_thread) -> None:
+    engine, device, _ = _engine(["--model", "tiny", "--device", "cpu", "--max-token-budget", "512",
+                                 "--max-num-seqs-ceiling", "32", "--max-num-seqs", "8", "--token-budget", "128",
+                                 "--num-kv-blocks", "1024"])
+    engine.executor = _SlowOnce(engine.executor, 256, 0.25, times=100)  # busy for the whole run
+    run = run_profile(engine, device, ProfileSettings(repeats=2, max_seconds=60))
+    assert not run.trusted and any("256 tokens" in w for w in run.warnings)
+
+
+def test_a_slow_engine_keeps_serving_several_streams_under_a_tight_slo() -> None:
+    slow = Profile(device="cpu", mixed=[ProfilePoint(64, 4, 200.0), ProfilePoint(128, 4, 350.0)])
+    tuning = starting_tuning(slow, 150.0, Ceilings(), Tuning(max_num_seqs=64))
+    assert tuning.max_num_seqs == 8 and tuning.token_budget == min_budget_for(8)

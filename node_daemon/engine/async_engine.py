@@ -4,7 +4,8 @@ The HTTP event loop never runs an iteration, so serving requests cannot stretch 
 commands (add, abort, tuning) to the engine thread through a deque and wake it with an event; the
 thread applies them between iterations, runs `LLMEngine.step()`, and hands each iteration's outputs
 back in one `call_soon_threadsafe` per event loop. With nothing to do it sleeps on the event (no
-spinning). An exception in a step fails every in-flight request with finish_reason "error" and its
+spinning), or runs a task handed to `when_idle` (the start-up profile measured again), which stops at
+the next iteration when a command arrives. A slow turn is logged with its cause (stall_watch.py). An exception in a step fails every in-flight request with finish_reason "error" and its
 message, logs the traceback, and the loop carries on for new requests.
 """
 from __future__ import annotations
@@ -15,12 +16,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from stallfree.contracts import Ceilings, Tuning, validate_tuning
 from stallfree.node_daemon.engine.engine import LLMEngine
 from stallfree.node_daemon.engine.engine_protocol import RequestOutput
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.stall_watch import StallWatch
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ class AsyncEngine:
         self._pending_tuning: Tuning | None = None
         self._stopping = False
         self._dead: BaseException | None = None
+        self._idle_task: tuple[float, Callable[..., float | None]] | None = None
+        self.stall_watch = StallWatch(threads=_compute_threads())
         self._thread = threading.Thread(target=self._run, name="stallfree-engine", daemon=True)
         self._thread.start()
 
@@ -144,6 +148,14 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout)
 
+    def when_idle(self, delay_s: float, task: Callable[..., float | None]) -> None:
+        """Run task(engine, should_stop) on the engine thread once it has been idle and `delay_s` passed.
+
+        should_stop() turns true when a command (a request) arrives: the task must return at its next
+        iteration. It returns the delay before it runs again, or None when done."""
+        self._idle_task = (time.monotonic() + delay_s, task)
+        self._wake.set()
+
     # ---- the engine thread -------------------------------------------------------------------------
 
     def _submit(self, command: tuple[Any, ...]) -> None:
@@ -152,29 +164,58 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        watch = self.stall_watch
+        clock = time.perf_counter
         try:
             while True:
+                began = watch.begin()
                 self._apply_commands()
                 if self._stopping:
                     break
                 if not engine.has_unfinished():
-                    self._wake.wait()
-                    self._wake.clear()
+                    self._idle()
                     continue
+                commands_s = clock() - began[0]
                 try:
                     outputs = engine.step()
                 except Exception as exc:  # noqa: BLE001 - the requests must learn why they ended
                     log.exception("engine step failed; failing the requests in flight")
                     outputs = engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                stepped = clock()
                 if outputs:
                     self._deliver(outputs)
+                watch.end(began, commands_s, stepped - began[0] - commands_s, clock() - stepped,
+                          engine.last_num_scheduled_tokens)
         except BaseException as exc:  # noqa: BLE001 - a dead loop must not leave callers waiting
             log.exception("engine loop died")
             self._dead = exc
             self._deliver(engine.fail_all(f"engine loop died: {type(exc).__name__}: {exc}"))
             raise
         finally:
+            watch.close()
             self._fail_streams_on_exit()
+
+    def _idle(self) -> None:
+        """Nothing to run: sleep until woken, or run the idle task when it is due."""
+        task = self._idle_task
+        if task is None:
+            self._wake.wait()
+            self._wake.clear()
+            return
+        due, fn = task
+        wait = due - time.monotonic()
+        if wait > 0 or self._commands:
+            self._wake.wait(max(wait, 0.0))
+            self._wake.clear()
+            return
+        self._idle_task = None
+        try:
+            again = fn(self.engine, lambda: bool(self._commands) or self._stopping)
+        except Exception:  # noqa: BLE001 - an idle task must never take the loop down
+            log.exception("idle task failed")
+            again = None
+        if again is not None and self._idle_task is None:
+            self._idle_task = (time.monotonic() + again, fn)
 
     def _apply_commands(self) -> None:
         commands = self._commands
@@ -236,6 +277,15 @@ class AsyncEngine:
             outputs.append(RequestOutput(request_id, [], "", True, reason, prompt_len, out_len, error=error))
         if outputs:
             self._deliver(outputs)
+
+
+def _compute_threads() -> int:
+    try:
+        import torch
+
+        return torch.get_num_threads()
+    except ImportError:
+        return 1
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -90,6 +90,7 @@ class LLMEngine:
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
         self.num_iterations = 0
         self._num_evictions = 0  # the KV cache's eviction count at the last iteration record
+        self.last_num_scheduled_tokens = 0  # of the last step (async_engine's stall watch weighs turns by it)
 
     # ---- requests ------------------------------------------------------------------------------------
 
@@ -183,6 +184,7 @@ class LLMEngine:
         scheduler = self.scheduler
         start = self.clock()
         output = scheduler.schedule()
+        self.last_num_scheduled_tokens = output.num_prefill_tokens + output.num_decode_tokens
         if output.is_empty:
             return []
         for chunk in output.chunks:

@@ -1,0 +1,167 @@
+"""The profile cache: reused when its key matches, re-measured when any part of the key differs or the file is bad."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from stallfree.contracts import Profile, ProfilePoint
+from stallfree.node_daemon.engine import profiler
+from stallfree.node_daemon.engine.profile_cache import CACHE_ENV, ProfileCache, cache_key, default_cache_dir, \
+    file_identity, profile_key
+from stallfree.node_daemon.engine.profiler import ProfileSettings
+from stallfree.cli.serve import _startup_profile, build_llm_engine, parse_options
+
+PROFILE = Profile(device="cpu", decode_only=[ProfilePoint(1, 1, 3.0)],
+                  mixed=[ProfilePoint(64, 4, 5.0), ProfilePoint(128, 4, 8.5)])
+
+
+def _key(tmp_path, **changes):
+    model = tmp_path / "model.gguf"
+    if not model.exists():
+        model.write_bytes(b"weights")
+    parts = dict(device="cpu", model_config={"model": str(model), "dtype": "float32"},
+                 model_file=file_identity(str(model)), threads=2, extra={"block_size": 16})
+    parts.update(changes)
+    return cache_key(**parts)
+
+
+def test_a_matching_key_reads_back_the_profile(tmp_path) -> None:
+    cache = ProfileCache(tmp_path / "cache")
+    key = _key(tmp_path)
+    assert cache.load(key)[0] is None
+    path = cache.store(key, PROFILE)
+    assert path is not None and path.parent == tmp_path / "cache"
+    assert cache.load(_key(tmp_path))[0] == PROFILE
+
+
+@pytest.mark.parametrize("change", ["device", "dtype", "threads", "model_file", "engine_build", "extra"])
+def test_any_part_of_the_key_that_differs_misses(tmp_path, change) -> None:
+    cache = ProfileCache(tmp_path / "cache")
+    key = _key(tmp_path)
+    cache.store(key, PROFILE)
+    if change == "device":
+        other = _key(tmp_path, device="cuda:H100")
+    elif change == "dtype":
+        other = _key(tmp_path, model_config={"model": key["model"]["model"], "dtype": "bfloat16"})
+    elif change == "threads":
+        other = _key(tmp_path, threads=1)
+    elif change == "model_file":
+        (tmp_path / "model.gguf").write_bytes(b"other weights")  # a new file at the same path
+        other = _key(tmp_path, model_file=file_identity(str(tmp_path / "model.gguf")))
+    elif change == "engine_build":
+        other = dict(key, engine_build="0123456789abcdef")
+    else:
+        other = _key(tmp_path, extra={"block_size": 32})
+    assert other != key
+    assert cache.load(other)[0] is None
+
+
+def test_a_file_under_the_right_name_with_another_key_is_ignored(tmp_path) -> None:
+    cache = ProfileCache(tmp_path)
+    key, other = _key(tmp_path), _key(tmp_path, threads=7)
+    cache.store(other, PROFILE)
+    cache.path_for(other).rename(cache.path_for(key))  # e.g. a hash collision or a hand-copied file
+    profile, why = cache.load(key)
+    assert profile is None and "key differs" in why
+
+
+@pytest.mark.parametrize("body", ["{not json", '{"key": 1}', "", '{"profile": {"mixed": []}}'])
+def test_a_corrupt_file_is_ignored(tmp_path, body) -> None:
+    cache = ProfileCache(tmp_path)
+    key = _key(tmp_path)
+    cache.path_for(key).write_text(body)
+    profile, why = cache.load(key)
+    assert profile is None and why
+
+
+def test_a_stored_key_with_a_corrupt_profile_is_ignored(tmp_path) -> None:
+    cache = ProfileCache(tmp_path)
+    key = _key(tmp_path)
+    path = cache.store(key, PROFILE)
+    data = json.loads(path.read_text())
+    data["profile"]["mixed"][0] = {"tokens": 64}
+    path.write_text(json.dumps(data))
+    profile, why = cache.load(key)
+    assert profile is None and "unreadable" in why
+
+
+def test_the_cache_dir_follows_env_then_xdg(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "env"))
+    assert default_cache_dir() == tmp_path / "env"
+    monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "stallfree" / "profiles"
+
+
+@pytest.fixture()
+def quiet_rule(monkeypatch):
+    """The busy-machine rules off: a test machine shared with others must not decide what this test sees."""
+    monkeypatch.setattr(profiler, "MIN_CPU_SHARE", 0.0)
+    monkeypatch.setattr(profiler, "curve_problems", lambda points: [])
+    monkeypatch.setattr(profiler, "suspect_points", lambda points: [])
+
+
+def _serve_engine(tmp_path, *extra: str):
+    opts = parse_options(["--model", "tiny", "--device", "cpu", "--max-token-budget", "256", "--max-num-seqs-ceiling",
+                          "16", "--max-num-seqs", "8", "--token-budget", "128", "--num-kv-blocks", "512",
+                          "--profile-cache-dir", str(tmp_path), "--profile-max-seconds", "20", *extra])
+    engine, device = build_llm_engine(opts, None)
+    return opts, engine, device
+
+
+def test_serve_measures_once_then_reuses_and_remeasures_for_another_key(tmp_path, quiet_rule, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="stallfree.serve")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        opts, engine, device = _serve_engine(tmp_path)
+        first, retry = _startup_profile(opts, engine, device)
+        assert retry is None and first.mixed
+        assert len(list(tmp_path.glob("profile-*.json"))) == 1
+        # A second start of the same engine: the profile read back, bit for bit (a new measurement never is).
+        opts, engine, device = _serve_engine(tmp_path)
+        caplog.clear()
+        second, retry = _startup_profile(opts, engine, device)
+        assert second == first and retry is None
+        assert any("cached profile from" in r.getMessage() for r in caplog.records)
+        assert not any("profile point" in r.getMessage() for r in caplog.records)
+        # Another thread count is another engine: measured again, a second file beside the first.
+        torch.set_num_threads(2)
+        caplog.clear()
+        third, _ = _startup_profile(opts, engine, device)
+        assert any("profile point" in r.getMessage() for r in caplog.records)
+        assert len(list(tmp_path.glob("profile-*.json"))) == 2
+        # A corrupt file: measured again and rewritten.
+        key = profile_key(engine, device, ProfileSettings())
+        ProfileCache(tmp_path).path_for(key).write_text("garbage")
+        caplog.clear()
+        _startup_profile(opts, engine, device)
+        assert any("unreadable" in r.getMessage() for r in caplog.records)
+        assert ProfileCache(tmp_path).load(key)[0] is not None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_serve_does_not_cache_an_untrusted_profile(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(profiler, "MIN_CPU_SHARE", 10.0)  # no run can pass: every one counts as busy
+    opts, engine, device = _serve_engine(tmp_path)
+    profile, retry = _startup_profile(opts, engine, device)
+    assert profile.mixed and retry is not None
+    assert list(tmp_path.glob("profile-*.json")) == []
+    # While the node's load average says busy, the retry does not even measure (no try spent).
+    monkeypatch.setattr("os.getloadavg", lambda: (1e6, 1e6, 1e6))
+    tries = retry.tries
+    assert retry(type("D", (), {"profile": profile})(), engine, lambda: False) == retry.delay_s
+    assert retry.tries == tries
+    monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0))
+    # The retry runs on an idle engine later; still busy: it asks to run again later, caches nothing.
+    again = retry(type("D", (), {"profile": profile})(), engine, lambda: False)
+    assert again is not None and list(tmp_path.glob("profile-*.json")) == []
+    monkeypatch.setattr(profiler, "MIN_CPU_SHARE", 0.0)  # quiet now
+    monkeypatch.setattr(profiler, "curve_problems", lambda points: [])
+    daemon = type("D", (), {"profile": profile})()
+    assert retry(daemon, engine, lambda: False) is None
+    assert daemon.profile is not profile and len(list(tmp_path.glob("profile-*.json"))) == 1
