@@ -15,12 +15,13 @@ from typing import Any, Protocol, Sequence
 
 from stallfree.contracts import Tuning, WindowStats
 from stallfree.operator.control.capacity import prefill_capacity_tokens_per_s
+from stallfree.operator.control.feasibility import LABELS, Feasibility, assess
 from stallfree.operator.control.policy import ControlPolicy
 from stallfree.operator.control.observe import Observer, ReplicaObservation, ReplicaTarget
 from stallfree.operator.control.scaler import ReplicaLoad, ScaleDecision, ScalerState, decide_replicas
 from stallfree.operator.control.tuner import REAPPLY, ReplicaTunerState, TunerConfig, TuningDecision, decide_tuning
 
-SLO_MET, CAPACITY_EXHAUSTED = "SLOMet", "PrefillCapacityExhausted"
+SLO_MET, CAPACITY_EXHAUSTED, SLO_FEASIBLE = "SLOMet", "PrefillCapacityExhausted", "SLOFeasible"
 
 
 class Actuator(Protocol):
@@ -54,6 +55,7 @@ class ControlState:
     unknown: list[str] = field(default_factory=list)  # replicas unknown at the last step (for events)
     capacity_exhausted: bool = False
     last_step_at: float | None = None
+    feasible_reason: str | None = None  # SLOFeasible's reason at the last step (events on a change)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +65,7 @@ class ControlState:
             "unknown": list(self.unknown),
             "capacity_exhausted": self.capacity_exhausted,
             "last_step_at": self.last_step_at,
+            "feasible_reason": self.feasible_reason,
         }
 
     @classmethod
@@ -76,6 +79,7 @@ class ControlState:
             unknown=list(data.get("unknown") or []),
             capacity_exhausted=bool(data.get("capacity_exhausted", False)),
             last_step_at=data.get("last_step_at"),
+            feasible_reason=data.get("feasible_reason"),
         )
 
 
@@ -88,6 +92,13 @@ class StepResult:
     conditions: list[Condition]
     failures: list[str]
     state: ControlState
+    feasibility: Feasibility = Feasibility()
+
+    @property
+    def feasible_line(self) -> str:
+        """One line for a live view: SLOFeasible's status and message."""
+        cond = next((c for c in self.conditions if c.type == SLO_FEASIBLE), None)
+        return "" if cond is None else f"SLOFeasible={cond.status} ({cond.reason}): {cond.message}"
 
     @property
     def unknown(self) -> list[ReplicaObservation]:
@@ -122,6 +133,7 @@ class StepResult:
             "scaling": {"current": self.scale.current, "desired": self.scale.desired, "kind": self.scale.kind,
                         "reason": self.scale.reason, "message": self.scale.message},
             "failures": list(self.failures),
+            "feasibility": _feasibility_status(self.feasibility),
             "state": self.state.to_dict(),
         }
 
@@ -142,11 +154,13 @@ class ControlLoop:
         names = {o.name for o in observations}
         tuners = {name: s for name, s in state.tuners.items() if name in names}  # replicas gone: forgotten
         failures: list[str] = []
+        feasibility = assess(observations, policy)
 
         decisions: list[TuningDecision] = []
         for obs in observations:
             seed = _settled_tuning([s for name, s in tuners.items() if name != obs.name])
-            decision, new_state = decide_tuning(obs, tuners.get(obs.name), policy, now, seed, self.tuner_config)
+            decision, new_state = decide_tuning(obs, tuners.get(obs.name), policy, now, seed, self.tuner_config,
+                                                feasibility)
             if new_state is not None:
                 tuners[obs.name] = new_state
             decisions.append(decision)
@@ -181,12 +195,21 @@ class ControlLoop:
             if not obs.known and obs.name not in state.unknown:
                 await self._event("ReplicaUnknown", f"{obs.name}: {obs.unknown_reason}", warning=True)
 
+        feasible = feasibility_condition(feasibility, observations, decisions, scale, policy)
+        if feasible.status == "False" and feasible.reason != state.feasible_reason:
+            await self._event("SLOInfeasible" if feasible.reason != "SLOsConflict" else "SLOTradeoff",
+                              feasible.message, warning=True)
+        elif feasible.status == "True" and state.feasible_reason not in (None, "Feasible"):
+            await self._event("SLOFeasible", feasible.message)
+
         self.state = ControlState(tuners=tuners, scaler=scaler_state,
                                   desired_replicas=scale.desired,
                                   unknown=unknown, capacity_exhausted=bool(scale.capacity_exhausted),
-                                  last_step_at=now)
-        conditions = [slo_condition(observations, policy), capacity_condition(scale)]
-        return StepResult(now, observations, decisions, scale, conditions, failures, self.state)
+                                  last_step_at=now,
+                                  feasible_reason=feasible.reason if feasible.status != "Unknown"
+                                  else state.feasible_reason)
+        conditions = [slo_condition(observations, policy), capacity_condition(scale), feasible]
+        return StepResult(now, observations, decisions, scale, conditions, failures, self.state, feasibility)
 
     async def _event(self, reason: str, message: str, warning: bool = False) -> None:
         try:
@@ -211,6 +234,55 @@ def slo_condition(observations: Sequence[ReplicaObservation], policy: ControlPol
         return Condition(SLO_MET, "Unknown", "ReplicasUnknown",
                          f"{len(known)} replica(s) within SLO; unknown: " + _names_with_reasons(unknown))
     return Condition(SLO_MET, "True", "WithinSLO", f"all {len(known)} replica(s) within their p99 SLOs")
+
+
+def feasibility_condition(feasibility: Feasibility, observations: Sequence[ReplicaObservation],
+                          decisions: Sequence[TuningDecision], scale: ScaleDecision, policy: ControlPolicy) -> Condition:
+    """SLOFeasible: False when the profile says an SLO cannot be met (which, the numbers), or when holding
+    one SLO breaks another with no replica left to add (which SLO the loop holds, by priority, and why)."""
+    if not feasibility.known:
+        return Condition(SLO_FEASIBLE, "Unknown", "NoProfile", feasibility.message)
+    if not feasibility.feasible:
+        return Condition(SLO_FEASIBLE, "False", "SLOInfeasible", feasibility.message)
+    traded = _traded(observations, decisions, scale, policy)
+    if traded:
+        return Condition(SLO_FEASIBLE, "False", "SLOsConflict", traded)
+    return Condition(SLO_FEASIBLE, "True", "Feasible", feasibility.message)
+
+
+def _traded(observations: Sequence[ReplicaObservation], decisions: Sequence[TuningDecision], scale: ScaleDecision,
+            policy: ControlPolicy) -> str | None:
+    """The trade the loop makes now, if any: the tuner holds TPOT (at its ceiling because of it) while queue
+    wait or TTFT breach and the scaler cannot add a replica."""
+    if scale.reason != "at_max_replicas":
+        return None
+    slo, by_name = policy.slo, {d.replica: d for d in decisions}
+    for obs in observations:
+        d = by_name.get(obs.name)
+        if not obs.known or obs.stats is None or d is None or not d.at_ceiling:
+            continue
+        s = obs.stats
+        broken = [(LABELS[k], v, limit) for k, v, limit in (("queueWait", s.queue_wait_ms.p99, slo.queue_wait_p99_ms),
+                                                            ("ttft", s.ttft_ms.p99, slo.ttft_p99_ms))
+                  if v is not None and v > limit]
+        if broken:
+            order = " > ".join(LABELS[p] for p in policy.slo_priority)
+            what = ", ".join(f"p99 {label} {v:.0f} ms > {limit:g} ms" for label, v, limit in broken)
+            return (f"holding {LABELS[policy.slo_priority[0]]} first (priority {order}): {obs.name} keeps budget "
+                    f"{d.tuning.token_budget if d.tuning else '?'} for TPOT while {what}, and maxReplicas "
+                    f"{policy.scaling.max_replicas} is reached")
+    return None
+
+
+def _feasibility_status(f: Feasibility) -> dict[str, Any]:
+    return {"feasible": f.feasible if f.known else None, "infeasible": list(f.infeasible), "held": f.held,
+            "tpotFloorMs": _r(f.tpot_floor_ms), "tpotTargetMs": _r(f.tpot_target_ms), "tpotBudget": f.tpot_budget,
+            "capacityTokensPerS": _r(f.capacity_tokens_per_s), "demandTokensPerS": _r(f.demand_tokens_per_s),
+            "replicasNeeded": f.replicas_needed, "message": f.message}
+
+
+def _r(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
 
 
 def capacity_condition(scale: ScaleDecision) -> Condition:

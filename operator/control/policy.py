@@ -74,6 +74,8 @@ class ControlPolicy:
     interval_s: float = 10.0
     window_s: float = 10.0  # the daemons' stats window (the tuner waits this long after a change)
     min_samples: int = 5  # fewer latency samples in a window: that replica is unknown
+    # Which SLO to hold first when they conflict (spec.slos.priority).
+    slo_priority: tuple[str, ...] = ("tpot", "queueWait", "ttft")
 
     @classmethod
     def from_spec(cls, spec: "InferenceServiceSpec") -> "ControlPolicy":
@@ -100,4 +102,5 @@ class ControlPolicy:
             initial_token_budget=None if isinstance(budget.initial, str) else budget.initial,
             interval_s=spec.tuning.interval_seconds,
             window_s=spec.slos.window_seconds,
+            slo_priority=tuple(spec.slos.priority),
         )

@@ -34,7 +34,8 @@ from stallfree.operator.control.loop import ControlLoop, ControlState, StepResul
 from stallfree.operator.control.policy import ControlPolicy
 from stallfree.operator.control.k8s_actuator import KubernetesActuator, read_admin_token, replica_targets
 from stallfree.operator.reconcile.kube import Kube
-from stallfree.operator.control.observe import HttpObserver, Observer
+from stallfree.operator.control.observe import Observer
+from stallfree.operator.control.observe_http import HttpObserver
 from stallfree.operator.control.observe_prometheus import PrometheusObserver
 from stallfree.operator.control.operator_metrics import OperatorMetrics
 
