@@ -10,6 +10,7 @@ import asyncio
 import json
 import sys
 
+from stallfree.simulator.closed_loop_judge import format_table
 from stallfree.simulator.closed_loop_scenarios import SCENARIOS, run_scenario
 from stallfree.operator.control.timeline import format_row
 
@@ -44,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {key}: {value}", file=out)
         for check, ok in result["checks"].items():
             print(f"  [{'ok' if ok else 'FAIL'}] {check}", file=out)
+        for line in format_table(name, result["judged"], result["oracle"]):
+            print(line, file=out)
+        for goal, ok in result["judged"]["goals"].items():
+            print(f"  [{'met' if ok else 'missed'}] goal: {goal}", file=out)
         if args.plot:
             from stallfree.simulator.closed_loop_plot import plot_timeline
 

@@ -58,8 +58,14 @@ class Feasibility:
         return asdict(self)
 
 
-def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy) -> Feasibility:
-    """Feasibility of the service's SLOs from its known replicas (replicas share one profile)."""
+# Weight of this step's demand against the smoothed demand of earlier steps (one window is noisy).
+DEMAND_WEIGHT = 0.4
+
+
+def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy,
+           previous_demand: float | None = None) -> Feasibility:
+    """Feasibility of the service's SLOs from its known replicas (replicas share one profile).
+    `previous_demand`: the smoothed demand of earlier steps (prompt tokens/s), blended with this one's."""
     known = [o for o in observations if o.known and o.stats is not None]
     profiled = [o for o in known if o.profile is not None and o.profile.mixed]
     if not profiled:
@@ -73,7 +79,10 @@ def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy) ->
 
     floor = cal * decode_ms_at(profile, bounds.min_num_seqs)
     tpot_ok = floor <= slo.tpot_p99_ms
-    target = slo.tpot_p99_ms if floor <= AIM * slo.tpot_p99_ms else max(slo.tpot_p99_ms, floor / AIM)
+    # The TPOT to aim at: the SLO, or when it is out of reach, the closest the tuner can settle under: its
+    # smallest real iteration (the decodes with the smallest prefill chunk) over its aim.
+    reachable = max(floor, cal * min(p.iteration_ms for p in profile.mixed))
+    target = slo.tpot_p99_ms if reachable <= AIM * slo.tpot_p99_ms else max(slo.tpot_p99_ms, reachable / AIM)
 
     budget = _largest_budget(profile, cal, 0.8 * target, bounds.min_token_budget, bounds.max_token_budget)
     decodes = _decodes_per_iteration(stats)
@@ -85,6 +94,8 @@ def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy) ->
     serving = sum(1 for o in observations if o.ready)
     if known and serving > len(known):
         demand *= serving / len(known)  # unreadable replicas serve their share too
+    if previous_demand is not None:
+        demand = DEMAND_WEIGHT * demand + (1 - DEMAND_WEIGHT) * previous_demand
     needed = max(1, math.ceil(demand / capacity)) if capacity and demand > 0 else (1 if capacity else None)
     queue_ok = needed is None or needed <= scaling.max_replicas
     mean_prompt = _mean_prompt(stats)
