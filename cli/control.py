@@ -1,7 +1,11 @@
 """`stallfree control --scenario NAME [--json] [--plot PNG]`: closed-loop runs in virtual time.
 
 The real tuner, scaler and control loop drive VirtualReplicas (the real scheduler and KV manager on the
-cost model). Prints the run's timeline and the figures its claim rests on; exits 1 when a claim fails.
+cost model). Prints the run's timeline, the figures its claim rests on, and every SLO judged (windows
+within, restore times after the replicas were ready, reversals) beside an offline oracle's replica-minutes
+(the fewest replicas meeting every SLO, knowing the load). The JSON carries each scenario's
+`replica_minutes_over_oracle` and `slo_window_fraction` (the worst over its SLOs). Exits 1 when a claim fails;
+the goals are reported as met or missed.
 """
 from __future__ import annotations
 

@@ -327,7 +327,7 @@ def _p99s(stats: WindowStats, policy: ControlPolicy) -> list[tuple[str, float | 
 
 
 def _replica_load(obs: ReplicaObservation, decision: TuningDecision, policy: ControlPolicy) -> ReplicaLoad:
-    if not obs.known or obs.stats is None:
+    if (not obs.known and not _sparse(obs)) or obs.stats is None:
         return ReplicaLoad(obs.name, known=False, ready=obs.ready, unknown_reason=obs.unknown_reason)
     stats, slo = obs.stats, policy.slo
     breaching = (stats.queue_wait_ms.p99 or 0.0) > slo.queue_wait_p99_ms or (stats.ttft_ms.p99 or 0.0) > slo.ttft_p99_ms
@@ -337,6 +337,14 @@ def _replica_load(obs: ReplicaObservation, decision: TuningDecision, policy: Con
                        num_waiting=stats.num_waiting,
                        capacity_tokens_per_s=prefill_capacity_tokens_per_s(stats, obs.profile),
                        queued_prompt_tokens=stats.num_waiting * _mean_prompt(stats))
+
+
+def _sparse(obs: ReplicaObservation) -> bool:
+    """Readable, ready, nothing queued, too few requests for percentiles: lightly loaded, not unknown, to the
+    scaler (its demand and queue are measured; the few latencies it has still count). Without this a
+    nearly idle service could never scale in. The tuner still takes no decision on it."""
+    return (obs.ready and obs.stats is not None and obs.stats.num_waiting == 0
+            and (obs.unknown_reason or "").startswith("too few samples"))
 
 
 def _mean_prompt(stats: WindowStats) -> float:

@@ -1,7 +1,8 @@
 """The scaler: how many replicas one InferenceService needs. Pure.
 
 Prefill capacity has run out when every known replica's tuner is at its ceiling (a larger budget would
-break TPOT, or the knobs are at their bounds) and queue wait or TTFT still breach. Once that has held
+break TPOT, or the knobs are at their bounds) and queue wait or TTFT still breach, or the demand already
+exceeds the scale-up utilisation of the known capacity (so a ramp scales before it breaches). Once that has held
 for the scale-up stabilization window, desired = ceil(prompt-token demand / (per-replica prefill
 capacity at that budget x scale-up utilisation)): sized from demand, not one more at a time. After a
 scale-up, the next waits a scale-up window too, so replicas that are still starting are not counted twice.
@@ -123,7 +124,10 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
     capacities = [r.capacity_tokens_per_s for r in known if r.capacity_tokens_per_s]
     capacity = sum(capacities) / len(capacities) if capacities else None
     serving_unknown = [r for r in unknown if r.ready]  # they serve traffic we cannot see: kept as they are
-    exhausted = all(r.at_ceiling for r in known) and any(r.breaching for r in known)
+    # Exhausted: no replica can add prefill by tuning, and a queue SLO breaches or the demand already
+    # runs past the scale-up utilisation of the capacity (scale before the breach, not after it).
+    near_full = capacity is not None and demand > capacity * len(known) * policy.scale_up_utilisation
+    exhausted = all(r.at_ceiling for r in known) and (any(r.breaching for r in known) or near_full)
     waiting = sum(r.num_waiting for r in known)
     draining = state.last_waiting is not None and waiting < state.last_waiting
     if not exhausted:

@@ -191,7 +191,9 @@ def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerSt
     limit = state.tpot_limit_budget
     if limit is not None and state.tpot_limit_at is not None and now - state.tpot_limit_at > config.limit_memory_s:
         limit = None
+    # Cuts: only the budget's part of TPOT shrinks. Raises: all of TPOT scales (the cautious direction).
     predict = _tpot_predictor(stats, profile, budget, tpot, decode_ms, running)
+    predict_raise = _tpot_predictor(stats, profile, budget, tpot, None, running)
     queue_pressure = (stats.queue_wait_ms.p99 or 0.0) > config.pressure_fraction * slo.queue_wait_p99_ms
     ttft_pressure = (stats.ttft_ms.p99 or 0.0) > config.pressure_fraction * slo.ttft_p99_ms
     pressure = queue_pressure or ttft_pressure
@@ -237,7 +239,7 @@ def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerSt
         lo = int(budget * config.min_raise) + 1
         candidate = None
         if tpot < config.raise_below * tpot_target and hi >= lo:
-            candidate = _largest_within(predict, config.raise_target * tpot_target, lo, hi)
+            candidate = _largest_within(predict_raise, config.raise_target * tpot_target, lo, hi)
         if candidate is not None:
             new_budget = candidate
             kind, reason = BUDGET_RAISED, "prefill_pressure"
@@ -316,16 +318,20 @@ def _tpot_predictor(stats: WindowStats, profile: Profile | None, budget: int, ob
 
     With a profile, the observed TPOT above the (calibrated) decode-only step is the budget's part; it
     scales by the profile's iteration time over the decode step's from `budget` to `b`. The calibration
-    carries what the profile does not see (long prefixes' attention, a busy machine). Without a profile,
+    carries what the profile does not see (long prefixes' attention, a busy machine). With `decode_ms`
+    None (raises), all of TPOT scales by the profile's iteration-time ratio: cautious. Without a profile,
     TPOT is taken as proportional to the budget: pessimistic for raises.
     """
-    if profile is not None and decode_ms is not None:
-        fixed = min(decode_ms, observed_tpot)
-        decode_part = profile.iteration_ms_at(max(1, running))
-        span = profile.iteration_ms_at(budget) - decode_part
-        if span > 0:
-            return lambda b: fixed + (observed_tpot - fixed) * max(0.0, profile.iteration_ms_at(b) - decode_part) / span
+    if profile is not None:
         base = profile.iteration_ms_at(budget)
+        if decode_ms is not None:
+            fixed = min(decode_ms, observed_tpot)
+            decode_part = profile.iteration_ms_at(max(1, running))
+            span = base - decode_part
+            if span > 0:
+                return lambda b: fixed + (observed_tpot - fixed) * max(0.0, profile.iteration_ms_at(b)
+                                                                        - decode_part) / span
+            return lambda b: observed_tpot  # the budget's part is nil in the profile: cuts cannot help
         if base > 0:
             return lambda b: observed_tpot * profile.iteration_ms_at(b) / base
     return lambda b: observed_tpot * b / max(1, budget)
