@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-SLOS = (("tpot", "p99_tpot_ms", "tpot_p99_ms", "TPOT"), ("queue_wait", "p99_queue_wait_ms", "queue_wait_p99_ms",
-                                                           "queue wait"), ("ttft", "p99_ttft_ms", "ttft_p99_ms", "TTFT"))
+# (name, timeline column, SLO key, label)
+SLOS = (("tpot", "p99_tpot_ms", "tpot_p99_ms", "TPOT"),
+        ("queue_wait", "p99_queue_wait_ms", "queue_wait_p99_ms", "queue wait"),
+        ("ttft", "p99_ttft_ms", "ttft_p99_ms", "TTFT"))
 RESTORE_INTERVALS, WINDOW_FRACTION, OVER_ORACLE = 3, 0.95, 1.15
 
 
@@ -113,7 +115,8 @@ def format_table(name: str, judged: dict[str, Any], oracle: dict[str, Any] | Non
     lines = [f"  {'SLO':<11}{'p99 SLO':>9}{'windows within':>16}{'after 1st breach':>18}{'breaches':>10}  "
              f"restore s (intervals after ready)"]
     for v in judged["slos"].values():
-        restores = ", ".join("never" if x["restore_s"] is None else f"{x['restore_s']:.0f} ({x['intervals_after_ready']:g})"
+        restores = ", ".join("never" if x["restore_s"] is None
+                             else f"{x['restore_s']:.0f} ({x['intervals_after_ready']:g})"
                              for x in v["restores"][:6]) or "-"
         if len(v["restores"]) > 6:
             restores += f", ... ({len(v['restores'])})"

@@ -58,7 +58,8 @@ def plot_timeline(result: dict[str, Any], path: str) -> None:
         ys = [p["replicas"] for p in oracle["phases"]]
         ax.step(xs, ys + ys[-1:], where="post", color="tab:green", linestyle="--", alpha=0.8,
                 label=f"oracle ({oracle['replica_minutes']:.0f} replica-min; controller "
-                      f"{result.get('replica_minutes') or 0:.0f}, {oracle.get('replica_minutes_over_oracle') or 0:.2f}x)")
+                      f"{result.get('replica_minutes') or 0:.0f}, "
+                      f"{oracle.get('replica_minutes_over_oracle') or 0:.2f}x)")
     ax.yaxis.get_major_locator().set_params(integer=True)
     for r in rows:
         for d in r["decisions"]:

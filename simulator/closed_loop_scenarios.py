@@ -33,7 +33,7 @@ from stallfree.simulator.workload import parse_length
 from stallfree.simulator.closed_loop import ClosedLoopRun, ClusterSpec, LoadPhase, poisson_arrivals, run_closed_loop
 from stallfree.simulator.closed_loop_judge import OVER_ORACLE, judge
 from stallfree.simulator.closed_loop_oracle import oracle
-from stallfree.operator.control.policy import ControlPolicy, ScalingPolicy, SLOTargets
+from stallfree.operator.control.policy import ControlPolicy, ScalingPolicy, SLOTargets, drain_target_s
 from stallfree.operator.control.scaler import SCALED_DOWN, SCALED_UP
 from stallfree.operator.control.timeline import budget_reversals, timeline
 
@@ -204,8 +204,8 @@ def scale_out() -> Scenario:
         ClusterSpec("llama-3-70b", "h200", dtype="fp8", ceilings=Ceilings(2048, 256), start_tuning=Tuning(512, 128),
                     max_model_len=8192, startup_s=20),
         ControlPolicy(slo=SLOTargets(ttft_p99_ms=3000, tpot_p99_ms=100, queue_wait_p99_ms=2000),
-                      scaling=ScalingPolicy(min_replicas=1, max_replicas=8, scale_up_stabilization_s=30, drain_target_s=30,
-                                            scale_down_stabilization_s=300),
+                      scaling=ScalingPolicy(min_replicas=1, max_replicas=8, scale_up_stabilization_s=30,
+                                            scale_down_stabilization_s=300, drain_target_s=drain_target_s(2000)),
                       interval_s=10, window_s=30),
         [LoadPhase(0, 1.0, prompt, output, "light"),
          LoadPhase(120, 7.0, prompt, output, "beyond one replica's prefill capacity"),

@@ -146,7 +146,8 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
         recs = _keep(state, now, policy, current)
         panic = capacity is not None and demand >= policy.panic_ratio * capacity * len(known)
         if (held_for < policy.scale_up_stabilization_s and not panic) or cooling:
-            wait = "since the last scale-up" if cooling else f"for {held_for:.0f}s of {policy.scale_up_stabilization_s:g}s"
+            wait = ("since the last scale-up" if cooling
+                    else f"for {held_for:.0f}s of {policy.scale_up_stabilization_s:g}s")
             return ScaleDecision(current, current, HOLD, "capacity_exhausted_waiting",
                                  f"prefill capacity exhausted ({figures}); waiting {wait}", True, demand,
                                  capacity), replace(state, recommendations=recs)
