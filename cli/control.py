@@ -1,7 +1,11 @@
 """`stallfree control --scenario NAME [--json] [--plot PNG]`: closed-loop runs in virtual time.
 
 The real tuner, scaler and control loop drive VirtualReplicas (the real scheduler and KV manager on the
-cost model). Prints the run's timeline and the figures its claim rests on; exits 1 when a claim fails.
+cost model). Prints the run's timeline, the figures its claim rests on, and every SLO judged (windows
+within, restore times after the replicas were ready, reversals) beside an offline oracle's replica-minutes
+(the fewest replicas meeting every SLO, knowing the load). The JSON carries each scenario's
+`replica_minutes_over_oracle` and `slo_window_fraction` (the worst over its SLOs). Exits 1 when a claim fails;
+the goals are reported as met or missed.
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import asyncio
 import json
 import sys
 
+from stallfree.simulator.closed_loop_judge import format_table
 from stallfree.simulator.closed_loop_scenarios import SCENARIOS, run_scenario
 from stallfree.operator.control.timeline import format_row
 
@@ -44,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {key}: {value}", file=out)
         for check, ok in result["checks"].items():
             print(f"  [{'ok' if ok else 'FAIL'}] {check}", file=out)
+        for line in format_table(name, result["judged"], result["oracle"]):
+            print(line, file=out)
+        for goal, ok in result["judged"]["goals"].items():
+            print(f"  [{'met' if ok else 'missed'}] goal: {goal}", file=out)
         if args.plot:
             from stallfree.simulator.closed_loop_plot import plot_timeline
 

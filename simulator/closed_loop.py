@@ -9,7 +9,6 @@ Actuator seams that Kubernetes and the local runtime plug into.
 """
 from __future__ import annotations
 
-import asyncio
 import random
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -256,7 +255,3 @@ async def run_closed_loop(cluster_spec: ClusterSpec, policy: ControlPolicy, phas
     """Drive the real control loop over the virtual cluster for `duration_s` virtual seconds."""
     driver = ClosedLoopDriver(cluster_spec, policy, phases, replicas, unreadable, seed)
     return await driver.run(duration_s)
-
-
-def run_closed_loop_sync(*args: Any, **kwargs: Any) -> ClosedLoopRun:
-    return asyncio.run(run_closed_loop(*args, **kwargs))

@@ -51,6 +51,16 @@ def plot_timeline(result: dict[str, Any], path: str) -> None:
     ax = axes[3]
     ax.step(t, [r["desired_replicas"] for r in rows], where="post", label="desired replicas", color="tab:purple")
     ax.step(t, [r["ready_replicas"] for r in rows], where="post", label="ready replicas", color="tab:gray")
+    oracle = result.get("oracle") or {}
+    if oracle.get("phases"):
+        # The oracle's fewest replicas meeting every SLO, phase by phase (it knew the load in advance).
+        xs = [p["start_s"] for p in oracle["phases"]] + [t[-1]]
+        ys = [p["replicas"] for p in oracle["phases"]]
+        ax.step(xs, ys + ys[-1:], where="post", color="tab:green", linestyle="--", alpha=0.8,
+                label=f"oracle ({oracle['replica_minutes']:.0f} replica-min; controller "
+                      f"{result.get('replica_minutes') or 0:.0f}, "
+                      f"{oracle.get('replica_minutes_over_oracle') or 0:.2f}x)")
+    ax.yaxis.get_major_locator().set_params(integer=True)
     for r in rows:
         for d in r["decisions"]:
             if d["kind"] in ("scaled_up", "scaled_down"):

@@ -63,4 +63,5 @@ def test_invalid_spec_keeps_a_serving_previous_spec_ready() -> None:
     assert "Ready" not in by_type(cond.invalid_spec("bad", 3, serving_previous=True))
     assert by_type(cond.invalid_spec("bad", 3, serving_previous=False))["Ready"] == ("False", "InvalidSpec")
     assert by_type(cond.awaiting_observation()) == {"SLOMet": ("Unknown", "AwaitingObservation"),
-                                                    "PrefillCapacityExhausted": ("Unknown", "AwaitingObservation")}
+                                                    "PrefillCapacityExhausted": ("Unknown", "AwaitingObservation"),
+                                                    "SLOFeasible": ("Unknown", "AwaitingObservation")}

@@ -122,6 +122,10 @@ async def test_the_operator_tunes_a_live_daemon_reports_and_resumes(kmock: Bridg
                                and condition(kmock, "chat", "SLOMet"), timeout=20)
         assert slo["status"] in ("True", "False", "Unknown") and slo["message"]
         assert condition(kmock, "chat", "PrefillCapacityExhausted")["reason"] != "AwaitingObservation"
+        # Feasibility from the daemon's measured profile: the llama-3-8b sim meets these SLOs, with the numbers.
+        feasible = condition(kmock, "chat", "SLOFeasible")
+        assert feasible["reason"] != "AwaitingObservation" and feasible["status"] in ("True", "Unknown")
+        assert "feasibility" in obj(kmock, IS_RESOURCE, "chat")["status"]["control"]
         # The reconciler's conditions and the control loop's live side by side.
         await eventually(lambda: condition(kmock, "chat", "Ready") and condition(kmock, "chat", "SLOMet"), timeout=15)
         await asyncio.sleep(1.5)  # another control step or two

@@ -9,7 +9,8 @@ import pytest
 
 from control_helpers import stats
 from server_helpers import ADMIN_TOKEN, free_port, running_daemon
-from stallfree.operator.control.observe import NOT_READY, HttpObserver, ReplicaTarget, classify, too_few_samples
+from stallfree.operator.control.observe import NOT_READY, ReplicaTarget, classify, too_few_samples
+from stallfree.operator.control.observe_http import HttpObserver
 
 SIM_DAEMON = ["--backend", "sim", "--model", "llama-3-8b", "--hardware", "h100", "--max-model-len", "4096",
               "--max-token-budget", "1024", "--max-num-seqs-ceiling", "64", "--max-num-seqs", "32",

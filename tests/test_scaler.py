@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from stallfree.operator.control.policy import ScalingPolicy
 from stallfree.operator.control.scaler import HOLD, SCALED_DOWN, SCALED_UP, ReplicaLoad, ScalerState, decide_replicas
 
-POLICY = ScalingPolicy(min_replicas=1, max_replicas=10, scale_up_stabilization_s=30, scale_down_stabilization_s=300)
+# The windows and sizing from demand in isolation: no panic window, queued work ignored (tested on their own below).
+POLICY = ScalingPolicy(min_replicas=1, max_replicas=10, scale_up_stabilization_s=30, scale_down_stabilization_s=300,
+                       panic_ratio=1e9, drain_target_s=1e9)
+BACKLOG_POLICY = ScalingPolicy(min_replicas=1, max_replicas=10, scale_up_stabilization_s=30,
+                               scale_down_stabilization_s=300, drain_target_s=30)
 CAP = 6000.0  # prefill tokens/s per replica
 
 
@@ -149,3 +154,27 @@ def test_state_round_trips_through_json():
     _, state, _ = run([[loaded("r0", 3 * CAP)]] * 5)
     again = ScalerState.from_dict(json.loads(json.dumps(state.to_dict())))
     assert again == state
+
+
+def test_backlog_aware_sizing_panics_counts_busy_replicas_and_measured_start_up():
+    # Demand 3.4x one replica's capacity: beyond the panic ratio, so no stabilization wait.
+    r0 = ReplicaLoad("r0", known=True, ready=True, at_ceiling=True, breaching=True, slo_met=False,
+                     prompt_tokens_per_s=3.4 * CAP, capacity_tokens_per_s=CAP, num_waiting=200,
+                     queued_prompt_tokens=60 * CAP)  # a minute of r0's prefill already queued
+    decision, state = decide_replicas([r0], 1, BACKLOG_POLICY, ScalerState(), 10.0)
+    assert decision.kind == SCALED_UP
+    # r0 drains its own queue (60 s + the 2.4 x CAP it cannot take for the 30 s start-up > 30 s target): busy.
+    assert decision.busy_replicas == 1 and decision.desired == 1 + 4  # busy + ceil(3.4 / 0.9)
+    # A queue small enough for spare capacity to drain within the target adds to the demand instead.
+    small = replace(r0, prompt_tokens_per_s=1.5 * CAP, queued_prompt_tokens=3 * CAP)
+    decision, _ = decide_replicas([small], 1, replace(BACKLOG_POLICY, panic_ratio=1.2), ScalerState(), 10.0)
+    # backlog 3 CAP.s + 0.5 CAP x 30 s = 18 CAP.s over 30 s = 0.6 CAP: ceil((1.5 + 0.6) / 0.9) = 3
+    assert decision.busy_replicas == 0 and decision.desired == 3
+    # Start-up is measured from replicas going from not ready to ready.
+    state = ScalerState()
+    for t, ready in ((0.0, False), (10.0, False), (20.0, False), (30.0, True)):
+        _, state = decide_replicas([quiet("r0", CAP), ReplicaLoad("r1", known=ready, ready=ready,
+                                                                   unknown_reason=None if ready else "not ready")],
+                                   2, BACKLOG_POLICY, state, t)
+    assert state.startup_s == (30.0,) and state.expected_startup_s(99.0) == 30.0
+    assert ScalerState.from_dict(json.loads(json.dumps(state.to_dict()))) == state

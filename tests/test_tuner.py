@@ -45,9 +45,16 @@ def test_tpot_breach_lowers_the_budget_multiplicatively_and_remembers_the_limit(
     assert decision.kind == BUDGET_LOWERED and decision.reason == "tpot_breach"
     new = decision.tuning.token_budget
     assert 0.5 * 1024 <= new <= 0.85 * 1024
-    # Sized by the calibrated profile to land at 75% of the SLO: 50 x t(new)/t(1024) <= 30 ms.
+    # Sized by the calibrated profile to land at 75% of the SLO, only the prefill chunk shrinking: the decode
+    # step (10 running, calibrated by the window's 20 ms over the profile's t(0.95 x 1024)) stays.
     profile = linear_profile()
-    assert 50.0 * profile.iteration_ms_at(new) / profile.iteration_ms_at(1024) <= 30.0 + 1e-9
+    cal = 20.0 / profile.iteration_ms_at(round(0.95 * 1024))
+    fixed, decode = cal * profile.iteration_ms_at(10), profile.iteration_ms_at(10)
+
+    def predicted(b: int) -> float:
+        return fixed + (50.0 - fixed) * (profile.iteration_ms_at(b) - decode) / (profile.iteration_ms_at(1024) - decode)
+
+    assert predicted(new) <= 30.0 + 1e-9 < predicted(new + 16)
     assert state.tpot_limit_budget == 1024 and decision.at_ceiling is True
 
 
@@ -195,3 +202,33 @@ def test_every_decision_is_a_valid_tuning_inside_the_bounds(budget, seqs, tpot, 
         if state is not None and decision.kind in (BUDGET_LOWERED, BUDGET_RAISED):
             ratio = decision.tuning.token_budget / start.token_budget
             assert 0.5 * 0.9 <= ratio <= 2.0 + 1e-9
+
+
+def steep_decode_profile() -> "Profile":
+    """A CPU-like replica: the decode step grows 6 ms per sequence, prefill 0.05 ms per token on top."""
+    from stallfree.contracts import Profile, ProfilePoint
+
+    decode = [ProfilePoint(n, n, 6.0 * n) for n in (1, 2, 4, 8, 16, 32, 64)]
+    mixed = [ProfilePoint(t, min(32, t // 2), 6.0 * min(32, t // 2) + 0.05 * t) for t in range(64, 2049, 64)]
+    return Profile(device="cpu-like", decode_only=decode, mixed=mixed)
+
+
+def test_a_decode_step_over_the_slo_lowers_max_num_seqs_not_the_budget_and_raises_it_back_with_room():
+    profile = steep_decode_profile()
+    policy = replace(POLICY, slo=SLOTargets(ttft_p99_ms=2000, tpot_p99_ms=100, queue_wait_p99_ms=1000))
+    tuning = Tuning(token_budget=256, max_num_seqs=32)
+    # 32 sequences decoding: 192 ms per step as the profile says (mostly-decode window), TPOT 200 ms > 100.
+    window = stats(tpot=200.0, budget=256, seqs=32, running=32, utilisation=0.2, prefill_rate=50.0, decode_rate=160.0,
+                   mean_iteration_ms=6.0 * 51, waiting=10)
+    decision, state = decide_tuning(observation(window=window, profile=profile), settled(tuning), policy, 100.0)
+    assert decision.kind == SEQS_LOWERED and decision.reason == "decode_bound"
+    assert decision.tuning.token_budget == 256  # the budget is not what sets TPOT here
+    new = decision.tuning.max_num_seqs
+    assert new < 32 and "cannot restore" in decision.message
+    assert state.decode_limited
+    # Later the machine is quieter (decode steps at half the profile's time): TPOT well under the SLO, requests
+    # waiting at the lower cap, KV free: max_num_seqs comes back up, as far as the calibrated decode step fits.
+    later = stats(tpot=40.0, budget=256, seqs=new, running=new, utilisation=new / 256, prefill_rate=10.0,
+                  decode_rate=300.0, mean_iteration_ms=3.0 * new, waiting=20, kv=0.3, tuning=decision.tuning)
+    raised, _ = decide_tuning(observation(window=later, profile=profile), state, policy, 1000.0)
+    assert raised.tuning.max_num_seqs > new and raised.tuning.token_budget == 256

@@ -2,7 +2,7 @@
 
 Conditions are plain dicts in the API's shape ({type, status, reason, message, lastTransitionTime,
 observedGeneration}). Two writers share the list: the reconciler owns Ready, Progressing and Degraded;
-the control loop owns SLOMet and PrefillCapacityExhausted. Each merges only its own types (the CRD
+the control loop owns SLOMet, PrefillCapacityExhausted and SLOFeasible. Each merges only its own types (the CRD
 declares the list a map keyed by type), and a condition keeps its lastTransitionTime while its status
 does not change.
 """
@@ -17,9 +17,10 @@ READY = "Ready"
 PROGRESSING = "Progressing"
 SLO_MET = "SLOMet"
 PREFILL_CAPACITY_EXHAUSTED = "PrefillCapacityExhausted"
+SLO_FEASIBLE = "SLOFeasible"
 DEGRADED = "Degraded"
 RECONCILER_TYPES = (READY, PROGRESSING, DEGRADED)
-CONTROL_LOOP_TYPES = (SLO_MET, PREFILL_CAPACITY_EXHAUSTED)
+CONTROL_LOOP_TYPES = (SLO_MET, PREFILL_CAPACITY_EXHAUSTED, SLO_FEASIBLE)
 
 
 def now_iso() -> str:
@@ -70,7 +71,8 @@ def awaiting_observation(generation: int | None = None) -> list[dict[str, Any]]:
     """What the control loop's conditions say before it has looked at any replica."""
     message = "the control loop has not observed a replica's window yet"
     return [condition(SLO_MET, "Unknown", "AwaitingObservation", message, generation),
-            condition(PREFILL_CAPACITY_EXHAUSTED, "Unknown", "AwaitingObservation", message, generation)]
+            condition(PREFILL_CAPACITY_EXHAUSTED, "Unknown", "AwaitingObservation", message, generation),
+            condition(SLO_FEASIBLE, "Unknown", "AwaitingObservation", message, generation)]
 
 
 def invalid_spec(message: str, generation: int | None, serving_previous: bool) -> list[dict[str, Any]]:

@@ -267,6 +267,15 @@ class SLOSpec(_Model):
     tpot_p99_ms: float = Field(100.0, ge=1, le=60000, description="p99 time per output token")
     queue_wait_p99_ms: float = Field(1000.0, ge=1, le=600000, description="p99 wait before the first scheduling")
     window_seconds: float = Field(30.0, ge=5, le=3600, description="the window the p99s are taken over")
+    priority: list[Literal["tpot", "queueWait", "ttft"]] = Field(
+        default_factory=lambda: ["tpot", "queueWait", "ttft"], min_length=3, max_length=3,
+        description="which SLO the control loop holds first when they conflict (each of the three once)")
+
+    @model_validator(mode="after")
+    def _priority_once_each(self) -> "SLOSpec":
+        if len(set(self.priority)) != 3:
+            raise ValueError("spec.slos.priority must name tpot, queueWait and ttft once each")
+        return self
 
 
 class ScalingSpec(_Model):
@@ -326,8 +335,9 @@ class InferenceServiceSpec(_Model):
 
 # -- status ---------------------------------------------------------------------------------------------
 
-ConditionType = Literal["Ready", "Progressing", "SLOMet", "PrefillCapacityExhausted", "Degraded"]
-CONDITION_TYPES: tuple[str, ...] = ("Ready", "Progressing", "SLOMet", "PrefillCapacityExhausted", "Degraded")
+ConditionType = Literal["Ready", "Progressing", "SLOMet", "PrefillCapacityExhausted", "SLOFeasible", "Degraded"]
+CONDITION_TYPES: tuple[str, ...] = ("Ready", "Progressing", "SLOMet", "PrefillCapacityExhausted", "SLOFeasible",
+                                     "Degraded")
 
 
 class Condition(_Model):

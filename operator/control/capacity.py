@@ -40,3 +40,58 @@ def prefill_capacity_tokens_per_s(stats: WindowStats, profile: Profile | None) -
     if full_budget_ms <= 0:
         return None
     return prefill_room / (full_budget_ms / 1000.0)
+
+
+def calibration(stats: WindowStats, profile: Profile | None) -> float:
+    """Observed mean iteration over the profile's prediction for the tokens the window's iterations ran.
+
+    1.0 when the window cannot tell (idle, no profile). Mostly-decode windows are compared with the
+    decode-only curve, the rest with the mixed curve; the ratio carries what the profile does not see
+    (long contexts, a busy machine) into every prediction made from it.
+    """
+    budget = stats.tuning.token_budget
+    if profile is None or not profile.mixed or stats.iterations <= 0 or not stats.mean_iteration_ms or budget <= 0:
+        return 1.0
+    tokens = stats.budget_utilisation * budget
+    if tokens < 1:
+        return 1.0
+    total_rate = stats.decode_tokens_per_s + stats.prefill_tokens_per_s
+    decode_share = stats.decode_tokens_per_s / total_rate if total_rate > 0 else 0.0
+    if decode_share >= 0.9 and profile.decode_only:
+        predicted = decode_ms_at(profile, max(1, round(tokens)))
+    elif stats.budget_utilisation >= _CALIBRATE_ABOVE_UTILISATION:
+        predicted = profile.iteration_ms_at(round(tokens))
+    else:
+        return 1.0
+    if predicted <= 0:
+        return 1.0
+    return min(20.0, max(0.25, stats.mean_iteration_ms / predicted))
+
+
+def decode_ms_at(profile: Profile, num_decodes: int) -> float:
+    """The profile's decode-only iteration for a batch of `num_decodes` (linear between points, clamped slope
+    beyond them); without decode-only points, the mixed curve at that many tokens."""
+    points = sorted((p.num_decodes, p.iteration_ms) for p in profile.decode_only)
+    if not points:
+        return profile.iteration_ms_at(num_decodes)
+    if num_decodes <= points[0][0]:
+        return points[0][1]
+    for (n0, ms0), (n1, ms1) in zip(points, points[1:]):
+        if num_decodes <= n1:
+            return ms0 + (num_decodes - n0) / max(1, n1 - n0) * (ms1 - ms0)
+    (n0, ms0), (n1, ms1) = points[-2:] if len(points) > 1 else (points[0], points[0])
+    return ms1 + (ms1 - ms0) / max(1, n1 - n0) * (num_decodes - n1)
+
+
+def largest_decodes_within(profile: Profile, target_ms: float, cal: float, lo: int, hi: int) -> int | None:
+    """Largest batch of decodes in [lo, hi] whose calibrated decode-only iteration fits `target_ms`."""
+    if hi < lo or cal * decode_ms_at(profile, lo) > target_ms:
+        return None
+    good, bad = lo, hi + 1
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if cal * decode_ms_at(profile, mid) <= target_ms:
+            good = mid
+        else:
+            bad = mid
+    return good

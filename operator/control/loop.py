@@ -10,17 +10,20 @@ wants gets a PUT, so a replica that restarted with its start-up flags is re-tune
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol, Sequence
 
 from stallfree.contracts import Tuning, WindowStats
 from stallfree.operator.control.capacity import prefill_capacity_tokens_per_s
+from stallfree.operator.control.feasibility import LABELS, Feasibility, assess
 from stallfree.operator.control.policy import ControlPolicy
 from stallfree.operator.control.observe import Observer, ReplicaObservation, ReplicaTarget
 from stallfree.operator.control.scaler import ReplicaLoad, ScaleDecision, ScalerState, decide_replicas
 from stallfree.operator.control.tuner import REAPPLY, ReplicaTunerState, TunerConfig, TuningDecision, decide_tuning
 
-SLO_MET, CAPACITY_EXHAUSTED = "SLOMet", "PrefillCapacityExhausted"
+SLO_MET, CAPACITY_EXHAUSTED, SLO_FEASIBLE = "SLOMet", "PrefillCapacityExhausted", "SLOFeasible"
+# SLOFeasible changes only after the new verdict held this many steps (one window's demand is noisy).
+FEASIBILITY_FLIP_STEPS = 2
 
 
 class Actuator(Protocol):
@@ -54,6 +57,10 @@ class ControlState:
     unknown: list[str] = field(default_factory=list)  # replicas unknown at the last step (for events)
     capacity_exhausted: bool = False
     last_step_at: float | None = None
+    feasible_reason: str | None = None  # SLOFeasible's reason as reported (events on a change)
+    feasible_pending: str | None = None  # a different verdict seen lately ...
+    feasible_pending_steps: int = 0  # ... for this many consecutive steps
+    demand_smoothed: float | None = None  # prompt tokens/s, smoothed over steps (feasibility's demand)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +70,10 @@ class ControlState:
             "unknown": list(self.unknown),
             "capacity_exhausted": self.capacity_exhausted,
             "last_step_at": self.last_step_at,
+            "feasible_reason": self.feasible_reason,
+            "feasible_pending": self.feasible_pending,
+            "feasible_pending_steps": self.feasible_pending_steps,
+            "demand_smoothed": self.demand_smoothed,
         }
 
     @classmethod
@@ -76,6 +87,10 @@ class ControlState:
             unknown=list(data.get("unknown") or []),
             capacity_exhausted=bool(data.get("capacity_exhausted", False)),
             last_step_at=data.get("last_step_at"),
+            feasible_reason=data.get("feasible_reason"),
+            feasible_pending=data.get("feasible_pending"),
+            feasible_pending_steps=int(data.get("feasible_pending_steps") or 0),
+            demand_smoothed=data.get("demand_smoothed"),
         )
 
 
@@ -88,6 +103,13 @@ class StepResult:
     conditions: list[Condition]
     failures: list[str]
     state: ControlState
+    feasibility: Feasibility = Feasibility()
+
+    @property
+    def feasible_line(self) -> str:
+        """One line for a live view: SLOFeasible's status and message."""
+        cond = next((c for c in self.conditions if c.type == SLO_FEASIBLE), None)
+        return "" if cond is None else f"SLOFeasible={cond.status} ({cond.reason}): {cond.message}"
 
     @property
     def unknown(self) -> list[ReplicaObservation]:
@@ -122,6 +144,7 @@ class StepResult:
             "scaling": {"current": self.scale.current, "desired": self.scale.desired, "kind": self.scale.kind,
                         "reason": self.scale.reason, "message": self.scale.message},
             "failures": list(self.failures),
+            "feasibility": _feasibility_status(self.feasibility),
             "state": self.state.to_dict(),
         }
 
@@ -142,11 +165,13 @@ class ControlLoop:
         names = {o.name for o in observations}
         tuners = {name: s for name, s in state.tuners.items() if name in names}  # replicas gone: forgotten
         failures: list[str] = []
+        feasibility = assess(observations, policy, state.demand_smoothed)
 
         decisions: list[TuningDecision] = []
         for obs in observations:
             seed = _settled_tuning([s for name, s in tuners.items() if name != obs.name])
-            decision, new_state = decide_tuning(obs, tuners.get(obs.name), policy, now, seed, self.tuner_config)
+            decision, new_state = decide_tuning(obs, tuners.get(obs.name), policy, now, seed, self.tuner_config,
+                                                feasibility)
             if new_state is not None:
                 tuners[obs.name] = new_state
             decisions.append(decision)
@@ -174,6 +199,8 @@ class ControlLoop:
             except Exception as exc:  # noqa: BLE001 - the scale did not happen: keep the old state, retry
                 failures.append(f"scaling to {scale.desired} failed: {exc}")
                 scaler_state = state.scaler
+                if scale.desired > scale.current:  # the decision stands: retry at the next step, not a window later
+                    scaler_state = replace(scaler_state, exhausted_since=now - policy.scaling.scale_up_stabilization_s)
         if scale.capacity_exhausted and not state.capacity_exhausted:
             await self._event("PrefillCapacityExhausted", scale.message, warning=True)
         unknown = [o.name for o in observations if not o.known]
@@ -181,12 +208,32 @@ class ControlLoop:
             if not obs.known and obs.name not in state.unknown:
                 await self._event("ReplicaUnknown", f"{obs.name}: {obs.unknown_reason}", warning=True)
 
+        verdict = feasibility_condition(feasibility, observations, decisions, scale, policy, tuners)
+        reported, pending, pending_steps = state.feasible_reason, None, 0
+        if verdict.status != "Unknown" and verdict.reason != reported:
+            pending = verdict.reason
+            pending_steps = state.feasible_pending_steps + 1 if state.feasible_pending == pending else 1
+            if reported is None or pending_steps >= FEASIBILITY_FLIP_STEPS:
+                if verdict.status == "False":
+                    await self._event("SLOTradeoff" if verdict.reason == "SLOsConflict" else "SLOInfeasible",
+                                      verdict.message, warning=True)
+                elif reported is not None:
+                    await self._event("SLOFeasible", verdict.message)
+                reported, pending, pending_steps = verdict.reason, None, 0
+        feasible = verdict if verdict.status == "Unknown" or verdict.reason == reported else \
+            Condition(SLO_FEASIBLE, "False" if reported != "Feasible" else "True", reported or "Feasible",
+                      f"{verdict.message} (for {pending_steps} step(s); the verdict changes after "
+                      f"{FEASIBILITY_FLIP_STEPS})")
+
         self.state = ControlState(tuners=tuners, scaler=scaler_state,
                                   desired_replicas=scale.desired,
                                   unknown=unknown, capacity_exhausted=bool(scale.capacity_exhausted),
-                                  last_step_at=now)
-        conditions = [slo_condition(observations, policy), capacity_condition(scale)]
-        return StepResult(now, observations, decisions, scale, conditions, failures, self.state)
+                                  last_step_at=now, feasible_reason=reported, feasible_pending=pending,
+                                  feasible_pending_steps=pending_steps,
+                                  demand_smoothed=feasibility.demand_tokens_per_s if feasibility.known
+                                  else state.demand_smoothed)
+        conditions = [slo_condition(observations, policy), capacity_condition(scale), feasible]
+        return StepResult(now, observations, decisions, scale, conditions, failures, self.state, feasibility)
 
     async def _event(self, reason: str, message: str, warning: bool = False) -> None:
         try:
@@ -213,6 +260,58 @@ def slo_condition(observations: Sequence[ReplicaObservation], policy: ControlPol
     return Condition(SLO_MET, "True", "WithinSLO", f"all {len(known)} replica(s) within their p99 SLOs")
 
 
+def feasibility_condition(feasibility: Feasibility, observations: Sequence[ReplicaObservation],
+                          decisions: Sequence[TuningDecision], scale: ScaleDecision, policy: ControlPolicy,
+                          tuners: dict[str, ReplicaTunerState] | None = None) -> Condition:
+    """SLOFeasible: False when the profile says an SLO cannot be met (which, the numbers), or when holding
+    one SLO breaks another with no replica left to add (which SLO the loop holds, by priority, and why)."""
+    if not feasibility.known:
+        return Condition(SLO_FEASIBLE, "Unknown", "NoProfile", feasibility.message)
+    if not feasibility.feasible:
+        return Condition(SLO_FEASIBLE, "False", "SLOInfeasible", feasibility.message)
+    traded = _traded(observations, decisions, scale, policy, tuners or {})
+    if traded:
+        return Condition(SLO_FEASIBLE, "False", "SLOsConflict", traded)
+    return Condition(SLO_FEASIBLE, "True", "Feasible", feasibility.message)
+
+
+def _traded(observations: Sequence[ReplicaObservation], decisions: Sequence[TuningDecision], scale: ScaleDecision,
+            policy: ControlPolicy, tuners: dict[str, ReplicaTunerState]) -> str | None:
+    """The trade the loop makes now, if any: the tuner holds TPOT (at its ceiling, or under a budget that
+    breached TPOT) while queue wait or TTFT breach and the scaler cannot add a replica."""
+    if scale.desired < policy.scaling.max_replicas:
+        return None
+    slo, by_name = policy.slo, {d.replica: d for d in decisions}
+    for obs in observations:
+        d = by_name.get(obs.name)
+        tuner = tuners.get(obs.name)
+        holding = d is not None and (d.at_ceiling or (tuner is not None and tuner.tpot_limit_budget is not None))
+        if not obs.known or obs.stats is None or not holding:
+            continue
+        s = obs.stats
+        broken = [(LABELS[k], v, limit) for k, v, limit in (("queueWait", s.queue_wait_ms.p99, slo.queue_wait_p99_ms),
+                                                            ("ttft", s.ttft_ms.p99, slo.ttft_p99_ms))
+                  if v is not None and v > limit]
+        if broken:
+            order = " > ".join(LABELS[p] for p in policy.slo_priority)
+            what = ", ".join(f"p99 {label} {v:.0f} ms > {limit:g} ms" for label, v, limit in broken)
+            return (f"holding {LABELS[policy.slo_priority[0]]} first (priority {order}): {obs.name} keeps budget "
+                    f"{d.tuning.token_budget if d.tuning else '?'} for TPOT while {what}, and maxReplicas "
+                    f"{policy.scaling.max_replicas} is reached")
+    return None
+
+
+def _feasibility_status(f: Feasibility) -> dict[str, Any]:
+    return {"feasible": f.feasible if f.known else None, "infeasible": list(f.infeasible), "held": f.held,
+            "tpotFloorMs": _r(f.tpot_floor_ms), "tpotTargetMs": _r(f.tpot_target_ms), "tpotBudget": f.tpot_budget,
+            "capacityTokensPerS": _r(f.capacity_tokens_per_s), "demandTokensPerS": _r(f.demand_tokens_per_s),
+            "replicasNeeded": f.replicas_needed, "message": f.message}
+
+
+def _r(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
 def capacity_condition(scale: ScaleDecision) -> Condition:
     if scale.capacity_exhausted is None:
         return Condition(CAPACITY_EXHAUSTED, "Unknown", "NoKnownReplicas", scale.message)
@@ -228,7 +327,7 @@ def _p99s(stats: WindowStats, policy: ControlPolicy) -> list[tuple[str, float | 
 
 
 def _replica_load(obs: ReplicaObservation, decision: TuningDecision, policy: ControlPolicy) -> ReplicaLoad:
-    if not obs.known or obs.stats is None:
+    if (not obs.known and not _sparse(obs)) or obs.stats is None:
         return ReplicaLoad(obs.name, known=False, ready=obs.ready, unknown_reason=obs.unknown_reason)
     stats, slo = obs.stats, policy.slo
     breaching = (stats.queue_wait_ms.p99 or 0.0) > slo.queue_wait_p99_ms or (stats.ttft_ms.p99 or 0.0) > slo.ttft_p99_ms
@@ -236,7 +335,23 @@ def _replica_load(obs: ReplicaObservation, decision: TuningDecision, policy: Con
     return ReplicaLoad(obs.name, known=True, ready=obs.ready, at_ceiling=bool(decision.at_ceiling),
                        breaching=breaching, slo_met=slo_met, prompt_tokens_per_s=stats.prompt_tokens_per_s,
                        num_waiting=stats.num_waiting,
-                       capacity_tokens_per_s=prefill_capacity_tokens_per_s(stats, obs.profile))
+                       capacity_tokens_per_s=prefill_capacity_tokens_per_s(stats, obs.profile),
+                       queued_prompt_tokens=stats.num_waiting * _mean_prompt(stats))
+
+
+def _sparse(obs: ReplicaObservation) -> bool:
+    """Readable, ready, nothing queued, too few requests for percentiles: lightly loaded, not unknown, to the
+    scaler (its demand and queue are measured; the few latencies it has still count). Without this a
+    nearly idle service could never scale in. The tuner still takes no decision on it."""
+    return (obs.ready and obs.stats is not None and obs.stats.num_waiting == 0
+            and (obs.unknown_reason or "").startswith("too few samples"))
+
+
+def _mean_prompt(stats: WindowStats) -> float:
+    """Prompt tokens per request: prefill work per finished request, else demand per finished request."""
+    if stats.request_rate <= 0:
+        return 0.0
+    return (stats.prefill_tokens_per_s or stats.prompt_tokens_per_s) / stats.request_rate
 
 
 def _settled_tuning(states: list[ReplicaTunerState]) -> Tuning | None:

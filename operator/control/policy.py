@@ -53,6 +53,10 @@ class ScalingPolicy:
     # Up: size for demand at this fraction of capacity. Down: the smaller count must carry the load at this fraction.
     scale_up_utilisation: float = 0.9
     scale_down_utilisation: float = 0.7
+    # Scale-out drains the queued prefill work within this long (from_spec: tied to the queue-wait SLO).
+    drain_target_s: float = 60.0
+    # Demand beyond this multiple of the known capacity scales out without waiting out the stabilization.
+    panic_ratio: float = 2.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("managed", "external"):
@@ -61,6 +65,14 @@ class ScalingPolicy:
             raise ValueError(f"need 1 <= minReplicas ({self.min_replicas}) <= maxReplicas ({self.max_replicas})")
         if not 0 < self.scale_down_utilisation <= self.scale_up_utilisation <= 1:
             raise ValueError("need 0 < scale-down utilisation <= scale-up utilisation <= 1")
+
+
+# The backlog a scale-out drains must be gone within this many queue-wait SLOs (30 s at the least).
+DRAIN_SLO_MULTIPLE, MIN_DRAIN_S = 15.0, 30.0
+
+
+def drain_target_s(queue_wait_p99_ms: float) -> float:
+    return max(MIN_DRAIN_S, DRAIN_SLO_MULTIPLE * queue_wait_p99_ms / 1000.0)
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,8 @@ class ControlPolicy:
     interval_s: float = 10.0
     window_s: float = 10.0  # the daemons' stats window (the tuner waits this long after a change)
     min_samples: int = 5  # fewer latency samples in a window: that replica is unknown
+    # Which SLO to hold first when they conflict (spec.slos.priority).
+    slo_priority: tuple[str, ...] = ("tpot", "queueWait", "ttft")
 
     @classmethod
     def from_spec(cls, spec: "InferenceServiceSpec") -> "ControlPolicy":
@@ -95,9 +109,11 @@ class ControlPolicy:
                 max_replicas=spec.scaling.max_replicas,
                 scale_up_stabilization_s=float(spec.scaling.scale_up_stabilization_seconds),
                 scale_down_stabilization_s=float(spec.scaling.scale_down_stabilization_seconds),
+                drain_target_s=drain_target_s(spec.slos.queue_wait_p99_ms),
             ),
             tuning_enabled=spec.tuning.mode != "off",
             initial_token_budget=None if isinstance(budget.initial, str) else budget.initial,
             interval_s=spec.tuning.interval_seconds,
             window_s=spec.slos.window_seconds,
+            slo_priority=tuple(spec.slos.priority),
         )

@@ -1,10 +1,21 @@
 """The scaler: how many replicas one InferenceService needs. Pure.
 
 Prefill capacity has run out when every known replica's tuner is at its ceiling (a larger budget would
-break TPOT, or the knobs are at their bounds) and queue wait or TTFT still breach. Once that has held
+break TPOT, or the knobs are at their bounds) and queue wait or TTFT still breach, or the demand already
+exceeds the scale-up utilisation of the known capacity (so a ramp scales before it breaches). Once that has held
 for the scale-up stabilization window, desired = ceil(prompt-token demand / (per-replica prefill
 capacity at that budget x scale-up utilisation)): sized from demand, not one more at a time. After a
 scale-up, the next waits a scale-up window too, so replicas that are still starting are not counted twice.
+
+Backlog-aware: the count is sized for the arriving demand plus draining the queued prefill work
+(queued requests x mean prompt) within `drain_target_s` (tied to the queue-wait SLO), counting the
+backlog that still builds on the replicas until new ones are ready (they take the start-up time
+measured from earlier ones: the median; the scale-up window before any was seen). A queue lives on its
+replica: one whose backlog takes longer than the target to drain at its own capacity drains it alone
+(a least-request balancer sends it nothing new meanwhile), so it counts as busy, not as capacity for
+the arriving demand; smaller backlogs are drained by spare capacity. The scale-in window then brings
+the count back down. Demand beyond `panic_ratio` x the known capacity skips the stabilization wait (a
+panic window, as AIBrix's KPA has): waiting would only grow the backlog.
 
 If the demand already fits the current count and the queues shrink, what still breaches is a backlog
 draining: no more replicas for it.
@@ -43,6 +54,7 @@ class ReplicaLoad:
     prompt_tokens_per_s: float = 0.0  # demand arriving at this replica
     num_waiting: int = 0  # its queue now
     capacity_tokens_per_s: float | None = None  # prefill capacity at its current budget
+    queued_prompt_tokens: float = 0.0  # prefill work waiting in its queue (estimate)
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,8 @@ class ScalerState:
     last_direction: int = 0
     # (time, recommended replicas) over the scale-down window
     recommendations: tuple[tuple[float, int], ...] = field(default_factory=tuple)
+    starting_since: tuple[tuple[str, float], ...] = ()  # replicas first seen not ready, and when
+    startup_s: tuple[float, ...] = ()  # measured start-up times of the last replicas that became ready
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -61,7 +75,13 @@ class ScalerState:
     def from_dict(cls, data: dict[str, Any]) -> "ScalerState":
         data = dict(data)
         data["recommendations"] = tuple((float(t), int(n)) for t, n in data.get("recommendations", ()))
+        data["starting_since"] = tuple((str(n), float(t)) for n, t in data.get("starting_since", ()))
+        data["startup_s"] = tuple(float(x) for x in data.get("startup_s", ()))
         return cls(**data)
+
+    def expected_startup_s(self, default: float) -> float:
+        ordered = sorted(self.startup_s)
+        return ordered[len(ordered) // 2] if ordered else default
 
 
 @dataclass(frozen=True)
@@ -74,6 +94,7 @@ class ScaleDecision:
     capacity_exhausted: bool | None  # None: no known replica to tell
     demand_tokens_per_s: float | None = None
     capacity_per_replica_tokens_per_s: float | None = None
+    busy_replicas: int = 0  # replicas sized in as busy draining their own backlog
 
     @property
     def changed(self) -> bool:
@@ -83,6 +104,7 @@ class ScaleDecision:
 def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingPolicy, state: ScalerState,
                     now: float) -> tuple[ScaleDecision, ScalerState]:
     """The replica count for this step. `current` is the count the service is set to now."""
+    state = _track_startup(state, loads, now)
     known = [r for r in loads if r.known]
     unknown = [r for r in loads if not r.known]
     bounded = max(policy.min_replicas, min(policy.max_replicas, current))
@@ -102,7 +124,10 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
     capacities = [r.capacity_tokens_per_s for r in known if r.capacity_tokens_per_s]
     capacity = sum(capacities) / len(capacities) if capacities else None
     serving_unknown = [r for r in unknown if r.ready]  # they serve traffic we cannot see: kept as they are
-    exhausted = all(r.at_ceiling for r in known) and any(r.breaching for r in known)
+    # Exhausted: no replica can add prefill by tuning, and a queue SLO breaches or the demand already
+    # runs past the scale-up utilisation of the capacity (scale before the breach, not after it).
+    near_full = capacity is not None and demand > capacity * len(known) * policy.scale_up_utilisation
+    exhausted = all(r.at_ceiling for r in known) and (any(r.breaching for r in known) or near_full)
     waiting = sum(r.num_waiting for r in known)
     draining = state.last_waiting is not None and waiting < state.last_waiting
     if not exhausted:
@@ -119,14 +144,29 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
         cooling = state.last_direction > 0 and state.last_scale_at is not None and \
             now - state.last_scale_at < policy.scale_up_stabilization_s
         recs = _keep(state, now, policy, current)
-        if held_for < policy.scale_up_stabilization_s or cooling:
-            wait = "since the last scale-up" if cooling else f"for {held_for:.0f}s of {policy.scale_up_stabilization_s:g}s"
+        panic = capacity is not None and demand >= policy.panic_ratio * capacity * len(known)
+        if (held_for < policy.scale_up_stabilization_s and not panic) or cooling:
+            wait = ("since the last scale-up" if cooling
+                    else f"for {held_for:.0f}s of {policy.scale_up_stabilization_s:g}s")
             return ScaleDecision(current, current, HOLD, "capacity_exhausted_waiting",
                                  f"prefill capacity exhausted ({figures}); waiting {wait}", True, demand,
                                  capacity), replace(state, recommendations=recs)
-        need = len(serving_unknown) + (math.ceil(demand / (capacity * policy.scale_up_utilisation))
-                                       if capacity else len(known) + 1)
         starting = [r for r in unknown if not r.ready]
+        startup = state.expected_startup_s(policy.scale_up_stabilization_s)
+        busy, backlog = 0, 0.0
+        if capacity:
+            for r in known:
+                # Its queue grows at its unmet share of the demand until new replicas are ready.
+                queued = r.queued_prompt_tokens + max(0.0, r.prompt_tokens_per_s - capacity) * startup
+                if queued / capacity > policy.drain_target_s:
+                    busy += 1
+                else:
+                    backlog += queued
+        drain = backlog / policy.drain_target_s
+        need = len(serving_unknown) + (busy + math.ceil((demand + drain) / (capacity * policy.scale_up_utilisation))
+                                       if capacity else len(known) + 1)
+        figures += (f", {busy} replica(s) busy draining their queue alone, backlog {backlog:.0f} tok to drain in "
+                    f"{policy.drain_target_s:g}s, start-up {startup:.0f}s")
         if need <= current and starting:
             # The count already covers the demand; the capacity is still starting (e.g. after a restart of
             # this loop that lost its cooldown): adding more now would scale twice.
@@ -145,9 +185,10 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
             return ScaleDecision(current, current, HOLD, "at_max_replicas",
                                  f"prefill capacity exhausted ({figures}) but maxReplicas is {policy.max_replicas}",
                                  True, demand, capacity), replace(state, recommendations=recs)
-        return _decide(current, desired, SCALED_UP, "capacity_exhausted",
-                       f"prefill capacity exhausted ({figures}): {current} -> {desired} replicas",
-                       True, state, now, demand, capacity)
+        decision, new_state = _decide(current, desired, SCALED_UP, "capacity_exhausted",
+                                      f"prefill capacity exhausted ({figures}): {current} -> {desired} replicas",
+                                      True, state, now, demand, capacity)
+        return replace(decision, busy_replicas=busy), new_state
 
     # Not exhausted: does the load fit fewer replicas, for a whole window?
     if unknown or capacity is None:
@@ -183,12 +224,27 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
     return ScaleDecision(current, current, HOLD, reason, message, False, demand, capacity), state
 
 
+def _track_startup(state: ScalerState, loads: Sequence[ReplicaLoad], now: float) -> ScalerState:
+    """Note replicas first seen starting; when one becomes ready, how long it took (the last 5 kept)."""
+    since = dict(state.starting_since)
+    measured = list(state.startup_s)
+    for r in loads:
+        if not r.ready:
+            since.setdefault(r.name, now)
+        elif r.name in since:
+            measured.append(now - since.pop(r.name))
+    names = {r.name for r in loads}
+    since = {n: t for n, t in since.items() if n in names}
+    return replace(state, starting_since=tuple(sorted(since.items())), startup_s=tuple(measured[-5:]))
+
+
 def _decide(current: int, desired: int, kind: str, reason: str, message: str, exhausted: bool | None,
             state: ScalerState, now: float, demand: float | None = None,
             capacity: float | None = None) -> tuple[ScaleDecision, ScalerState]:
     direction = 1 if desired > current else -1
     # A change restarts every window: exhaustion must be seen again, recommendations start afresh.
-    new_state = ScalerState(last_scale_at=now, last_direction=direction, recommendations=((now, desired),))
+    new_state = ScalerState(last_scale_at=now, last_direction=direction, recommendations=((now, desired),),
+                            starting_since=state.starting_since, startup_s=state.startup_s)
     return ScaleDecision(current, desired, kind, reason, message, exhausted, demand, capacity), new_state
 
 

@@ -4,11 +4,13 @@ Shared by the CLI's printout and JSON, the PNG and the tests, so all three read 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stallfree.simulator.closed_loop import ClosedLoopRun
 from stallfree.operator.control.loop import StepResult
 from stallfree.operator.control.tuner import BUDGET_LOWERED, BUDGET_RAISED, HOLD
+
+if TYPE_CHECKING:  # the virtual-time harness; the control loop itself never imports it
+    from stallfree.simulator.closed_loop import ClosedLoopRun
 
 
 def step_row(step: StepResult) -> dict[str, Any]:
@@ -42,14 +44,15 @@ def step_row(step: StepResult) -> dict[str, Any]:
         "scale": {"kind": step.scale.kind, "reason": step.scale.reason, "message": step.scale.message},
         "decisions": decisions,
         "conditions": {c.type: c.status for c in step.conditions},
+        "feasible": step.feasible_line,  # SLOFeasible's status and message, one line (live views)
     }
 
 
-def timeline(run: ClosedLoopRun) -> list[dict[str, Any]]:
+def timeline(run: "ClosedLoopRun") -> list[dict[str, Any]]:
     return [step_row(step) for step in run.steps]
 
 
-def budget_reversals(run: ClosedLoopRun) -> int:
+def budget_reversals(run: "ClosedLoopRun") -> int:
     """Changes of direction of each replica's budget moves (raise after lower or lower after raise), summed."""
     last: dict[str, str] = {}
     reversals = 0

@@ -3,8 +3,15 @@
 The law, per control step (observation and previous state in, a decision with its reason out):
 - start: the profile's budget for `start_fraction` of the TPOT SLO (or the spec's initial budget, or
   what sibling replicas already settled on);
-- p99 TPOT above the SLO: multiplicative decrease, sized by the profile (calibrated by what was just
-  observed) to land at `decrease_target` of the SLO, each step between x`decrease_min` and x`decrease_max`;
+- the TPOT aimed at is the SLO, or, when feasibility.py finds the SLO under the decode-only floor, the
+  closest TPOT the replica can reach (so an impossible SLO holds a sensible budget, not the floor);
+- p99 TPOT above it with the decodes alone too slow (the calibrated decode-only iteration at the
+  running concurrency over `decrease_target` of it): the budget cannot help, so max_num_seqs drops to
+  the concurrency whose decode step fits (the rest waits in the queue, where the scaler sees it) and
+  comes back up when the decode step has room again;
+- p99 TPOT above it otherwise: multiplicative decrease of the budget, sized by the profile (calibrated
+  by what was just observed) for the part of the iteration the budget controls (the prefill chunk; the
+  decodes stay) to land at `decrease_target`, each step between x`decrease_min` and x`decrease_max`;
   the breached budget is remembered and later raises stay under it;
 - p99 TPOT under `raise_below` of the SLO while prefill is the bottleneck (queue wait or TTFT pressure,
   the budget fully used): raise by at most x`raise_max`, to where the calibrated profile predicts
@@ -23,7 +30,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
 from stallfree.contracts import Profile, Tuning, WindowStats, min_budget_for
-from stallfree.operator.control.capacity import FULL_UTILISATION
+from stallfree.operator.control.capacity import FULL_UTILISATION, calibration, decode_ms_at, largest_decodes_within
+from stallfree.operator.control.feasibility import Feasibility
 from stallfree.operator.control.policy import ControlPolicy, TuningBounds
 from stallfree.operator.control.observe import ReplicaObservation
 
@@ -66,6 +74,7 @@ class ReplicaTunerState:
     tpot_limit_budget: int | None = None  # lowest budget that breached TPOT recently
     tpot_limit_at: float | None = None
     at_ceiling: bool = False
+    decode_limited: bool = False  # max_num_seqs was lowered because the decode step alone broke TPOT
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,8 +107,13 @@ def decide_tuning(
     now: float,
     seed: Tuning | None = None,
     config: TunerConfig = TunerConfig(),
+    feasibility: Feasibility | None = None,
 ) -> tuple[TuningDecision, ReplicaTunerState | None]:
-    """One replica's decision. `seed`: a tuning sibling replicas settled on (used for a new replica)."""
+    """One replica's decision. `seed`: a tuning sibling replicas settled on (used for a new replica);
+    `feasibility`: what the profile can deliver (its TPOT target replaces an SLO no setting meets)."""
+    tpot_target = policy.slo.tpot_p99_ms
+    if feasibility is not None and feasibility.tpot_target_ms is not None:
+        tpot_target = feasibility.tpot_target_ms
     name, stats = observation.name, observation.stats
     if stats is None:
         return _hold(name, state, "unknown", f"no decision: {observation.unknown_reason}", None), state
@@ -109,7 +123,7 @@ def decide_tuning(
                               True if observation.known else None), state
     bounds = policy.bounds.clipped(stats.ceilings)
     if state is None:
-        start, reason, message = _start(stats, observation.profile, policy, bounds, seed, config)
+        start, reason, message = _start(stats, observation.profile, policy, bounds, seed, config, tpot_target)
         state = ReplicaTunerState(tuning=start)
         if start != stats.tuning or not observation.known:
             kind = INITIAL if start != stats.tuning else HOLD
@@ -126,7 +140,7 @@ def decide_tuning(
     if state.last_change_at is not None and now - state.last_change_at < settle_s(stats, policy, config):
         return _hold(name, state, "settling", "the window's TPOT still holds requests that decoded before the "
                      "last change", state.at_ceiling), state
-    return _feedback(observation, stats, state, policy, bounds, now, config)
+    return _feedback(observation, stats, state, policy, bounds, now, config, tpot_target)
 
 
 def settle_s(stats: WindowStats, policy: ControlPolicy, config: TunerConfig = TunerConfig()) -> float:
@@ -145,17 +159,17 @@ def settle_s(stats: WindowStats, policy: ControlPolicy, config: TunerConfig = Tu
 # --- start ---------------------------------------------------------------------------------------------
 
 def _start(stats: WindowStats, profile: Profile | None, policy: ControlPolicy, bounds: TuningBounds,
-           seed: Tuning | None, config: TunerConfig) -> tuple[Tuning, str, str]:
+           seed: Tuning | None, config: TunerConfig, tpot_target: float) -> tuple[Tuning, str, str]:
     if seed is not None:
         tuning = _fit(seed, bounds)
         return tuning, "start_from_service", f"start at {_fmt(tuning)}, as sibling replicas settled"
     if policy.initial_token_budget is None and profile is not None and profile.mixed:
-        target_ms = config.start_fraction * policy.slo.tpot_p99_ms
+        target_ms = config.start_fraction * tpot_target
         budget = profile.budget_for(target_ms, lo=bounds.min_token_budget, hi=bounds.max_token_budget)
         tuning = _fit(replace(stats.tuning, token_budget=budget), bounds)
         return tuning, "start_from_profile", (
             f"start at budget {tuning.token_budget}: the profile's largest budget within "
-            f"{target_ms:.1f} ms per iteration ({config.start_fraction:.0%} of the TPOT SLO)")
+            f"{target_ms:.1f} ms per iteration ({config.start_fraction:.0%} of the TPOT target {tpot_target:.0f} ms)")
     tuning = _fit(stats.tuning if policy.initial_token_budget is None
                   else replace(stats.tuning, token_budget=policy.initial_token_budget), bounds)
     return tuning, "start_from_spec", f"start at {_fmt(tuning)}"
@@ -164,15 +178,22 @@ def _start(stats: WindowStats, profile: Profile | None, policy: ControlPolicy, b
 # --- feedback ------------------------------------------------------------------------------------------
 
 def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerState, policy: ControlPolicy,
-              bounds: TuningBounds, now: float, config: TunerConfig) -> tuple[TuningDecision, ReplicaTunerState]:
+              bounds: TuningBounds, now: float, config: TunerConfig,
+              tpot_target: float) -> tuple[TuningDecision, ReplicaTunerState]:
     slo = policy.slo
     tuning = state.tuning
+    profile = obs.profile if obs.profile is not None and obs.profile.mixed else None
+    cal = calibration(stats, profile)
+    running = min(tuning.max_num_seqs, max(1, stats.num_running))
+    decode_ms = cal * decode_ms_at(profile, running) if profile is not None else None
     budget, seqs = tuning.token_budget, tuning.max_num_seqs
     tpot = stats.tpot_ms.p99 or 0.0
     limit = state.tpot_limit_budget
     if limit is not None and state.tpot_limit_at is not None and now - state.tpot_limit_at > config.limit_memory_s:
         limit = None
-    predict = _tpot_predictor(stats, obs.profile, budget, tpot)
+    # Cuts: only the budget's part of TPOT shrinks. Raises: all of TPOT scales (the cautious direction).
+    predict = _tpot_predictor(stats, profile, budget, tpot, decode_ms, running)
+    predict_raise = _tpot_predictor(stats, profile, budget, tpot, None, running)
     queue_pressure = (stats.queue_wait_ms.p99 or 0.0) > config.pressure_fraction * slo.queue_wait_p99_ms
     ttft_pressure = (stats.ttft_ms.p99 or 0.0) > config.pressure_fraction * slo.ttft_p99_ms
     pressure = queue_pressure or ttft_pressure
@@ -182,15 +203,34 @@ def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerSt
     kind, reason, notes = HOLD, "within_slo", []
     at_ceiling = False
 
-    if tpot > slo.tpot_p99_ms:
-        target = config.decrease_target * slo.tpot_p99_ms
+    target_note = "" if tpot_target == slo.tpot_p99_ms else f" (closest reachable to the SLO {slo.tpot_p99_ms:g} ms)"
+    decode_limited = state.decode_limited
+    seq_kind = None
+    if tpot > tpot_target and decode_ms is not None and decode_ms > config.decrease_target * tpot_target \
+            and seqs > bounds.min_num_seqs:
+        # The decodes alone break TPOT: no budget can restore it; fewer sequences can.
+        fit = largest_decodes_within(profile, config.decrease_target * tpot_target, cal, bounds.min_num_seqs,
+                                     max(bounds.min_num_seqs, running - 1))
+        new_seqs = fit if fit is not None else bounds.min_num_seqs
+        seq_kind, reason, at_ceiling, decode_limited = "decode_bound", "decode_bound", True, True
+        state = replace(state, tpot_limit_at=now)
+        notes.append(f"p99 TPOT {tpot:.1f} ms > {tpot_target:.0f} ms{target_note} and the decode step of {running} "
+                     f"sequences alone takes {decode_ms:.1f} ms: max_num_seqs {seqs} -> {new_seqs} (the budget "
+                     f"cannot restore it)")
+    elif tpot > tpot_target:
+        target = config.decrease_target * tpot_target
         lo = max(bounds.min_token_budget, int(budget * config.decrease_min))
         hi = max(lo, int(budget * config.decrease_max))
-        new_budget = _largest_within(predict, target, lo, hi) or lo
+        candidate = _largest_within(predict, target, lo, hi)
+        if candidate is None and profile is not None and predict(lo) >= tpot:
+            candidate = budget  # even the deepest cut would not bring TPOT down: hold, do not slide
+        new_budget = candidate or lo
         limit = budget if limit is None else min(limit, budget)
         state = replace(state, tpot_limit_at=now)
         kind, reason, at_ceiling = BUDGET_LOWERED, "tpot_breach", True
-        notes.append(f"p99 TPOT {tpot:.1f} ms > SLO {slo.tpot_p99_ms:g} ms: budget {budget} -> {{budget}}")
+        if new_budget == budget:
+            reason = "tpot_floor"
+        notes.append(f"p99 TPOT {tpot:.1f} ms > {tpot_target:.0f} ms{target_note}: budget {budget} -> {{budget}}")
     elif pressure and budget_full:
         cap = bounds.max_token_budget
         if limit is not None:
@@ -198,8 +238,8 @@ def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerSt
         hi = min(cap, int(budget * config.raise_max))
         lo = int(budget * config.min_raise) + 1
         candidate = None
-        if tpot < config.raise_below * slo.tpot_p99_ms and hi >= lo:
-            candidate = _largest_within(predict, config.raise_target * slo.tpot_p99_ms, lo, hi)
+        if tpot < config.raise_below * tpot_target and hi >= lo:
+            candidate = _largest_within(predict_raise, config.raise_target * tpot_target, lo, hi)
         if candidate is not None:
             new_budget = candidate
             kind, reason = BUDGET_RAISED, "prefill_pressure"
@@ -212,7 +252,7 @@ def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerSt
             at_ceiling = True
             why = ("at its bound" if budget >= bounds.max_token_budget
                    else f"p99 TPOT {tpot:.1f} ms leaves no room under {config.raise_below:.0%} of the SLO"
-                   if tpot >= config.raise_below * slo.tpot_p99_ms
+                   if tpot >= config.raise_below * tpot_target
                    else f"a larger budget would break TPOT (limit {limit})" if limit is not None
                    else "the profile predicts a TPOT breach")
             reason = "tpot_limited" if budget < bounds.max_token_budget else "at_bounds"
@@ -221,58 +261,77 @@ def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerSt
         reason = "not_budget_bound"
 
     # max_num_seqs: preemptions and a full KV cache push it down, queue wait with KV headroom pulls it up.
-    seq_kind = None
-    if stats.preemptions > 0 or stats.kv_usage >= config.kv_high:
+    if seq_kind is not None:
+        pass
+    elif stats.preemptions > 0 or stats.kv_usage >= config.kv_high:
         running_cap = max(1, int(stats.num_running * 0.9)) if stats.num_running else seqs
         candidate = max(bounds.min_num_seqs, min(int(seqs * config.seqs_decrease), running_cap))
         if candidate < seqs:
             new_seqs, seq_kind = candidate, "preemptions" if stats.preemptions > 0 else "kv_pressure"
             notes.append(f"{stats.preemptions} preemptions, KV {stats.kv_usage:.0%} used: "
                          f"max_num_seqs {seqs} -> {new_seqs}")
-    elif (queue_pressure and not budget_full and stats.num_running >= 0.9 * seqs
-          and stats.kv_usage <= config.kv_low and tpot < config.raise_below * slo.tpot_p99_ms):
+    elif ((queue_pressure and not budget_full) or (decode_limited and stats.num_waiting > 0)) \
+            and stats.num_running >= 0.9 * seqs and stats.kv_usage <= config.kv_low \
+            and tpot < config.raise_below * tpot_target:
         candidate = min(bounds.max_num_seqs, max(seqs + 1, int(seqs * config.seqs_raise)))
+        if profile is not None:
+            # Only as far as the decode step keeps room under the TPOT target.
+            fit = largest_decodes_within(profile, config.raise_target * tpot_target, cal, seqs, candidate)
+            candidate = seqs if fit is None else fit
         while candidate > seqs and min_budget_for(candidate) > max(new_budget, budget):
             candidate -= 1
         if candidate > seqs:
             new_seqs, seq_kind = candidate, "queue_wait"
-            notes.append(f"queue wait presses while {stats.num_running} run at the cap and KV is "
+            notes.append(f"requests wait while {stats.num_running} run at the cap, the decode step has room and KV is "
                          f"{stats.kv_usage:.0%} used: max_num_seqs {seqs} -> {new_seqs}")
         else:
             at_ceiling = True
             notes.append(f"queue wait presses but max_num_seqs {seqs} is at its bound")
+    if decode_limited and new_seqs >= bounds.max_num_seqs:
+        decode_limited = False
 
     fitted = _fit(replace(tuning, token_budget=new_budget, max_num_seqs=new_seqs), bounds)
     if kind == HOLD and seq_kind is not None:
         kind = SEQS_LOWERED if fitted.max_num_seqs < seqs else SEQS_RAISED
         reason = seq_kind
-    message = "; ".join(notes).replace("{budget}", str(fitted.token_budget)) or _hold_message(reason, tpot, slo)
+    message = "; ".join(notes).replace("{budget}", str(fitted.token_budget)) or _hold_message(reason, tpot, tpot_target)
     if fitted == tuning:
-        held = replace(state, at_ceiling=at_ceiling, tpot_limit_budget=limit)
+        held = replace(state, at_ceiling=at_ceiling, tpot_limit_budget=limit, decode_limited=decode_limited)
         return _hold(obs.name, held, reason, message, at_ceiling), held
     direction = (fitted.token_budget > budget) - (fitted.token_budget < budget)
     reversals = state.reversals + (direction != 0 and state.last_direction != 0 and direction != state.last_direction)
     new_state = replace(state, tuning=fitted, last_change_at=now, reversals=reversals,
                         last_direction=direction or state.last_direction, tpot_limit_budget=limit,
-                        at_ceiling=at_ceiling)
+                        at_ceiling=at_ceiling, decode_limited=decode_limited)
     return TuningDecision(obs.name, fitted, kind, reason, message, at_ceiling), new_state
 
 
-def _hold_message(reason: str, tpot: float, slo) -> str:
+def _hold_message(reason: str, tpot: float, tpot_target: float) -> str:
     if reason == "not_budget_bound":
         return "queue wait presses but the budget is not fully used: the budget is not the bottleneck"
-    return f"p99 TPOT {tpot:.1f} ms within SLO {slo.tpot_p99_ms:g} ms, no prefill pressure"
+    return f"p99 TPOT {tpot:.1f} ms within {tpot_target:.0f} ms, no prefill pressure"
 
 
-def _tpot_predictor(stats: WindowStats, profile: Profile | None, budget: int,
-                    observed_tpot: float) -> Callable[[int], float]:
-    """p99 TPOT at another budget: what was observed, scaled by the profile's iteration-time ratio.
+def _tpot_predictor(stats: WindowStats, profile: Profile | None, budget: int, observed_tpot: float,
+                    decode_ms: float | None, running: int) -> Callable[[int], float]:
+    """p99 TPOT at another budget: the decodes' share stays, the rest scales with the prefill chunk.
 
-    The observed/profile ratio carries what the profile does not see (long prefixes' attention, real
-    decode mix). Without a profile, TPOT is taken as proportional to the budget: pessimistic for raises.
+    With a profile, the observed TPOT above the (calibrated) decode-only step is the budget's part; it
+    scales by the profile's iteration time over the decode step's from `budget` to `b`. The calibration
+    carries what the profile does not see (long prefixes' attention, a busy machine). With `decode_ms`
+    None (raises), all of TPOT scales by the profile's iteration-time ratio: cautious. Without a profile,
+    TPOT is taken as proportional to the budget: pessimistic for raises.
     """
-    if profile is not None and profile.mixed:
+    if profile is not None:
         base = profile.iteration_ms_at(budget)
+        if decode_ms is not None:
+            fixed = min(decode_ms, observed_tpot)
+            decode_part = profile.iteration_ms_at(max(1, running))
+            span = base - decode_part
+            if span > 0:
+                return lambda b: fixed + (observed_tpot - fixed) * max(0.0, profile.iteration_ms_at(b)
+                                                                        - decode_part) / span
+            return lambda b: observed_tpot  # the budget's part is nil in the profile: cuts cannot help
         if base > 0:
             return lambda b: observed_tpot * profile.iteration_ms_at(b) / base
     return lambda b: observed_tpot * b / max(1, budget)

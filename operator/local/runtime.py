@@ -21,7 +21,8 @@ from stallfree.contracts import Tuning
 from stallfree.operator.control.loop import ControlLoop, ControlState, StepResult
 from stallfree.operator.control.policy import ControlPolicy
 from stallfree.operator.local.daemons import LocalDaemonSet, LocalReplica
-from stallfree.operator.control.observe import HttpObserver, ReplicaTarget
+from stallfree.operator.control.observe import ReplicaTarget
+from stallfree.operator.control.observe_http import HttpObserver
 from stallfree.operator.reconcile.render import daemon_args
 from stallfree.operator.api.spec import InferenceServiceSpec
 

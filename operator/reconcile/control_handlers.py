@@ -3,8 +3,8 @@
 A kopf timer ticks every TICK_S and runs a step when the service's own interval has passed (the interval
 is read from the spec at each tick, so changing it needs no restart). A step observes the service's
 daemon pods over their admin API, lets the tuner and scaler decide, acts (PUT /admin/tuning, /scale in
-managed mode) and writes what it saw and did to the status (status.control, the p99 columns, the SLOMet
-and PrefillCapacityExhausted conditions) and to the operator's metrics. The loop's memory lives in
+managed mode) and writes what it saw and did to the status (status.control with its feasibility, the p99
+columns, the SLOMet, PrefillCapacityExhausted and SLOFeasible conditions) and to the operator's metrics. The loop's memory lives in
 status.control.state, so an operator that restarts resumes where it was and does not scale twice.
 
 Loaded by `stallfree operator` next to the reconciler (handlers.py). Operator metrics are served on
@@ -34,7 +34,8 @@ from stallfree.operator.control.loop import ControlLoop, ControlState, StepResul
 from stallfree.operator.control.policy import ControlPolicy
 from stallfree.operator.control.k8s_actuator import KubernetesActuator, read_admin_token, replica_targets
 from stallfree.operator.reconcile.kube import Kube
-from stallfree.operator.control.observe import HttpObserver, Observer
+from stallfree.operator.control.observe import Observer
+from stallfree.operator.control.observe_http import HttpObserver
 from stallfree.operator.control.observe_prometheus import PrometheusObserver
 from stallfree.operator.control.operator_metrics import OperatorMetrics
 

@@ -1,0 +1,152 @@
+"""Feasibility: what the replicas' measured profile can deliver, set against each SLO. Pure.
+
+Before the tuner moves a knob, it asks whether any setting can meet the SLO at all:
+- TPOT: an iteration is never faster than its decodes alone. The profile's decode-only iteration at
+  the fewest sequences the bounds allow (calibrated by what the window observed) is the TPOT floor;
+  an SLO under it cannot be met by any budget or max_num_seqs, and the tuner then aims at the closest
+  TPOT it can reach instead of sliding the budget to its floor.
+- queue wait and TTFT: at the largest budget the TPOT target allows, one replica prefills so many
+  prompt tokens per second; demand beyond maxReplicas of that leaves queues growing, and a prompt
+  longer than the TTFT SLO's worth of iterations at that budget misses TTFT even alone.
+
+When SLOs conflict, the loop holds them in priority order (TPOT, then queue wait, then TTFT, unless the
+spec says otherwise) and says which one it held and why. The scaler sizes from the same capacity.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+from stallfree.operator.control.capacity import calibration, decode_ms_at
+from stallfree.operator.control.observe import ReplicaObservation
+from stallfree.operator.control.policy import ControlPolicy
+
+TPOT, QUEUE_WAIT, TTFT = "tpot", "queueWait", "ttft"
+LABELS = {TPOT: "TPOT", QUEUE_WAIT: "queue wait", TTFT: "TTFT"}
+# The tuner aims this far under the target it holds (its decrease target); the floor must fit under it.
+AIM = 0.75
+
+
+@dataclass(frozen=True)
+class Feasibility:
+    infeasible: tuple[str, ...] = ()  # SLOs no setting meets within maxReplicas, in priority order
+    held: str | None = None  # when SLOs conflict: the one the loop holds
+    tpot_floor_ms: float | None = None  # calibrated decode-only iteration at the fewest sequences
+    tpot_target_ms: float | None = None  # the TPOT the tuner aims under: the SLO, or the closest reachable
+    tpot_budget: int | None = None  # the largest budget the TPOT target allows
+    capacity_tokens_per_s: float | None = None  # one replica's prefill at that budget
+    demand_tokens_per_s: float = 0.0
+    replicas_needed: int | None = None  # to prefill the demand at that capacity
+    ttft_floor_ms: float | None = None  # one mean prompt's prefill alone at that budget
+    calibration: float = 1.0
+    message: str = ""
+
+    @property
+    def known(self) -> bool:
+        return self.tpot_floor_ms is not None
+
+    @property
+    def feasible(self) -> bool:
+        return not self.infeasible
+
+    @property
+    def tpot_feasible(self) -> bool:
+        return TPOT not in self.infeasible
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# Weight of this step's demand against the smoothed demand of earlier steps (one window is noisy).
+DEMAND_WEIGHT = 0.4
+
+
+def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy,
+           previous_demand: float | None = None) -> Feasibility:
+    """Feasibility of the service's SLOs from its known replicas (replicas share one profile).
+    `previous_demand`: the smoothed demand of earlier steps (prompt tokens/s), blended with this one's."""
+    known = [o for o in observations if o.known and o.stats is not None]
+    profiled = [o for o in known if o.profile is not None and o.profile.mixed]
+    if not profiled:
+        return Feasibility(message="no known replica with a profile: feasibility unknown")
+    slo, scaling = policy.slo, policy.scaling
+    # The most conservative calibration of the known replicas (a slower one sets what is reachable).
+    obs = max(profiled, key=lambda o: calibration(o.stats, o.profile))
+    stats, profile = obs.stats, obs.profile
+    cal = calibration(stats, profile)
+    bounds = policy.bounds.clipped(stats.ceilings)
+
+    floor = cal * decode_ms_at(profile, bounds.min_num_seqs)
+    tpot_ok = floor <= slo.tpot_p99_ms
+    # The TPOT to aim at: the SLO, or when it is out of reach, the closest the tuner can settle under: its
+    # smallest real iteration (the decodes with the smallest prefill chunk) over its aim.
+    reachable = max(floor, cal * min(p.iteration_ms for p in profile.mixed))
+    target = slo.tpot_p99_ms if reachable <= AIM * slo.tpot_p99_ms else max(slo.tpot_p99_ms, reachable / AIM)
+
+    budget = _largest_budget(profile, cal, 0.8 * target, bounds.min_token_budget, bounds.max_token_budget)
+    decodes = _decodes_per_iteration(stats)
+    iteration_ms = cal * profile.iteration_ms_at(budget)
+    room = max(1.0, budget - decodes)
+    capacity = room / (iteration_ms / 1000.0) if iteration_ms > 0 else None
+
+    demand = sum(o.stats.prompt_tokens_per_s for o in known)
+    serving = sum(1 for o in observations if o.ready)
+    if known and serving > len(known):
+        demand *= serving / len(known)  # unreadable replicas serve their share too
+    if previous_demand is not None:
+        demand = DEMAND_WEIGHT * demand + (1 - DEMAND_WEIGHT) * previous_demand
+    needed = max(1, math.ceil(demand / capacity)) if capacity and demand > 0 else (1 if capacity else None)
+    queue_ok = needed is None or needed <= scaling.max_replicas
+    mean_prompt = _mean_prompt(stats)
+    ttft_floor = math.ceil(mean_prompt / room) * iteration_ms if mean_prompt else None
+    ttft_ok = queue_ok and (ttft_floor is None or ttft_floor <= slo.ttft_p99_ms)
+
+    priority = policy.slo_priority
+    ok = {TPOT: tpot_ok, QUEUE_WAIT: queue_ok, TTFT: ttft_ok}
+    infeasible = tuple(name for name in priority if not ok[name])
+    held = next((name for name in priority if ok[name]), None) if infeasible else None
+    notes = []
+    if not tpot_ok:
+        notes.append(f"TPOT SLO {slo.tpot_p99_ms:g} ms is under the decode-only iteration at "
+                     f"{bounds.min_num_seqs} sequence(s), {floor:.1f} ms (profile x{cal:.2f} as observed): no budget "
+                     f"meets it; aiming at {target:.0f} ms, budget {budget}")
+    if not queue_ok:
+        notes.append(f"at budget {budget} (TPOT {target:.0f} ms) one replica prefills {capacity:.0f} tok/s; demand "
+                     f"{demand:.0f} tok/s needs {needed} replicas, maxReplicas is {scaling.max_replicas}: queue wait "
+                     f"and TTFT cannot be met")
+    elif not ttft_ok:
+        notes.append(f"a mean prompt of {mean_prompt:.0f} tokens takes {ttft_floor:.0f} ms to prefill alone at "
+                     f"budget {budget}, over the TTFT SLO {slo.ttft_p99_ms:g} ms")
+    if infeasible and held:
+        order = " > ".join(LABELS[p] for p in priority)
+        notes.append(f"holding {LABELS[held]} first (priority {order})")
+    if not notes:
+        notes.append(f"every SLO reachable: TPOT floor {floor:.1f} ms <= {slo.tpot_p99_ms:g} ms; at budget {budget} "
+                     f"one replica prefills {capacity or 0:.0f} tok/s, demand {demand:.0f} tok/s needs "
+                     f"{needed} of maxReplicas {scaling.max_replicas}")
+    return Feasibility(infeasible, held, floor, target, budget, capacity, demand, needed, ttft_floor, cal,
+                       "; ".join(notes))
+
+
+def _largest_budget(profile, cal: float, target_ms: float, lo: int, hi: int) -> int:
+    """Largest budget in [lo, hi] whose calibrated mixed iteration fits `target_ms` (lo when none does)."""
+    best = lo
+    for point in sorted(profile.mixed, key=lambda p: p.tokens):
+        if lo <= point.tokens <= hi and cal * point.iteration_ms <= target_ms:
+            best = point.tokens
+    return best
+
+
+def _decodes_per_iteration(stats) -> float:
+    total = stats.decode_tokens_per_s + stats.prefill_tokens_per_s
+    if total <= 0:
+        return float(stats.num_running)
+    return stats.budget_utilisation * stats.tuning.token_budget * stats.decode_tokens_per_s / total
+
+
+def _mean_prompt(stats) -> float | None:
+    """Prompt tokens per finished request (prefill work per request; prompt demand when none was prefilled)."""
+    if stats.request_rate <= 0:
+        return None
+    return (stats.prefill_tokens_per_s or stats.prompt_tokens_per_s) / stats.request_rate

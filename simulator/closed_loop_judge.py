@@ -1,0 +1,135 @@
+"""Every SLO judged over a closed-loop run's timeline: windows within, breach-to-restore times, reversals.
+
+Works on the timeline rows (operator/control/timeline.py) so a saved JSON can be judged again. A window
+whose p99 is unknown (no known replica) counts neither for nor against. The goals of issue 17:
+- after a load step every feasible SLO is restored within 3 control intervals of the replicas being ready;
+- >= 95% of windows within every feasible SLO after the scenario's first breach;
+- replica-minutes at most 1.15x the oracle's (closed_loop_oracle.py);
+- at most one direction change (replicas, and each replica's budget) per load change.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+# (name, timeline column, SLO key, label)
+SLOS = (("tpot", "p99_tpot_ms", "tpot_p99_ms", "TPOT"),
+        ("queue_wait", "p99_queue_wait_ms", "queue_wait_p99_ms", "queue wait"),
+        ("ttft", "p99_ttft_ms", "ttft_p99_ms", "TTFT"))
+RESTORE_INTERVALS, WINDOW_FRACTION, OVER_ORACLE = 3, 0.95, 1.15
+
+
+def judge(rows: Sequence[dict[str, Any]], slo: dict[str, float], interval_s: float, load_changes: int,
+          infeasible: Sequence[str] = ()) -> dict[str, Any]:
+    """Per-SLO figures and the goals they meet. `infeasible`: SLO keys no replica count could meet (oracle)."""
+    first_breach = min((r["t"] for r in rows for _, col, key, _ in SLOS
+                        if r[col] is not None and r[col] > slo[key]), default=None)
+    ready_at = _ready_times(rows)
+    per_slo = {}
+    for name, col, key, label in SLOS:
+        limit = slo[key]
+        known = [(r["t"], r[col]) for r in rows if r[col] is not None]
+        after = [(t, v) for t, v in known if first_breach is not None and t > first_breach]
+        within = sum(1 for _, v in after if v <= limit)
+        episodes = _episodes(known, limit)
+        restores = []
+        for start, end in episodes:
+            ready = max([t for t in ready_at if t <= (end if end is not None else float("inf"))] + [start])
+            restores.append({"breach_s": start, "restored_s": end,
+                             "restore_s": None if end is None else end - start,
+                             "intervals_after_ready": None if end is None else round((end - max(start, ready))
+                                                                                      / interval_s, 1)})
+        per_slo[name] = {
+            "label": label, "slo_ms": limit, "feasible": name not in infeasible,
+            "windows": len(known),
+            "window_fraction": round(sum(1 for _, v in known if v <= limit) / len(known), 3) if known else None,
+            "window_fraction_after_first_breach": round(within / len(after), 3) if after else 1.0,
+            "breaches": len(episodes),
+            "restores": restores,
+            "worst_intervals_after_ready": max((x["intervals_after_ready"] if x["intervals_after_ready"] is not None
+                                                else float("inf") for x in restores), default=0.0),
+        }
+    replica_reversals = _reversals([r["replicas"] for r in rows] + [rows[-1]["desired_replicas"]] if rows else [])
+    budget_reversals = max((_reversals(series) for series in _budget_series(rows).values()), default=0)
+    feasible = [v for v in per_slo.values() if v["feasible"]]
+    worst = min((v["window_fraction_after_first_breach"] for v in per_slo.values()), default=1.0)
+    goals = {
+        "restored_within_3_intervals_of_ready": all(v["worst_intervals_after_ready"] <= RESTORE_INTERVALS
+                                                    for v in feasible),
+        "95pct_windows_within_every_feasible_slo": all(v["window_fraction_after_first_breach"] >= WINDOW_FRACTION
+                                                       for v in feasible),
+        "at_most_one_reversal_per_load_change": max(replica_reversals, budget_reversals) <= max(1, load_changes),
+    }
+    return {"first_breach_s": first_breach, "slos": per_slo, "slo_window_fraction": worst,
+            "replica_reversals": replica_reversals, "budget_reversals": budget_reversals,
+            "load_changes": load_changes, "replica_minutes": replica_minutes(rows, interval_s), "goals": goals}
+
+
+def replica_minutes(rows: Sequence[dict[str, Any]], interval_s: float) -> float:
+    """Replicas paid for (asked for: starting or serving) over the run, in replica-minutes."""
+    return round(sum(r["replicas"] for r in rows) * interval_s / 60.0, 2)
+
+
+def _episodes(known: list[tuple[float, float]], limit: float) -> list[tuple[float, float | None]]:
+    """(first window over, first window back under) for each run of windows over the SLO."""
+    out: list[tuple[float, float | None]] = []
+    start = None
+    for t, v in known:
+        if v > limit and start is None:
+            start = t
+        elif v <= limit and start is not None:
+            out.append((start, t))
+            start = None
+    if start is not None:
+        out.append((start, None))
+    return out
+
+
+def _ready_times(rows: Sequence[dict[str, Any]]) -> list[float]:
+    """When the replicas of each scale-up were all ready (ready count reached the count asked for)."""
+    times, waiting_for = [], None
+    for r in rows:
+        if r["desired_replicas"] > r["replicas"]:
+            waiting_for = r["desired_replicas"]
+        if waiting_for is not None and r["ready_replicas"] >= min(waiting_for, r["replicas"]):
+            times.append(r["t"])
+            waiting_for = None
+    return times
+
+
+def _budget_series(rows: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
+    series: dict[str, list[int]] = {}
+    for r in rows[1:]:  # from the tuner's start on: its first move sets the starting point
+        for d in r["replica_detail"]:
+            if d.get("token_budget") is not None:
+                series.setdefault(d["name"], []).append(d["token_budget"])
+    return series
+
+
+def _reversals(values: Sequence[int]) -> int:
+    moves = [b - a for a, b in zip(values, values[1:]) if b != a]
+    return sum(1 for a, b in zip(moves, moves[1:]) if (a > 0) != (b > 0))
+
+
+def format_table(name: str, judged: dict[str, Any], oracle: dict[str, Any] | None) -> list[str]:
+    """The per-scenario table the CLI prints."""
+    lines = [f"  {'SLO':<11}{'p99 SLO':>9}{'windows within':>16}{'after 1st breach':>18}{'breaches':>10}  "
+             f"restore s (intervals after ready)"]
+    for v in judged["slos"].values():
+        restores = ", ".join("never" if x["restore_s"] is None
+                             else f"{x['restore_s']:.0f} ({x['intervals_after_ready']:g})"
+                             for x in v["restores"][:6]) or "-"
+        if len(v["restores"]) > 6:
+            restores += f", ... ({len(v['restores'])})"
+        frac = "-" if v["window_fraction"] is None else f"{v['window_fraction']:.0%}"
+        mark = "" if v["feasible"] else " (infeasible)"
+        lines.append(f"  {v['label'] + mark:<11}{v['slo_ms']:>7g}ms{frac:>16}"
+                     f"{v['window_fraction_after_first_breach']:>18.0%}{v['breaches']:>10}  {restores}")
+    over = ""
+    if oracle is not None:
+        ratio = oracle.get("replica_minutes_over_oracle")
+        over = (f" vs oracle {oracle['replica_minutes']:.1f} ({ratio:.2f}x), oracle windows within every SLO "
+                f"{oracle['slo_window_fraction']:.0%}")
+    lines.append(f"  replica-minutes {judged['replica_minutes']:.1f}{over}; reversals: replicas "
+                 f"{judged['replica_reversals']}, budget {judged['budget_reversals']} over {judged['load_changes']} "
+                 f"load change(s)")
+    return lines

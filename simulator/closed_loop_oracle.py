@@ -1,0 +1,128 @@
+"""An offline oracle for a closed-loop scenario: the fewest replicas at each moment meeting every SLO.
+
+It knows the future (each load phase's rate and lengths, from the scenario) and has the replicas a
+phase needs ready the moment it starts. For each phase it searches the smallest count n (within the
+scenario's replica bounds) and a budget from the replica's own profile such that one replica carrying
+1/n of the phase's Poisson arrivals on the same cost model (VirtualReplica) keeps >= 95% of its
+steady-state windows within every SLO. Splitting arrivals evenly is a little pessimistic against the
+cluster's least-request routing; start-up and drain are free to it. Its replica-minutes are the
+yardstick for the controller's; an SLO the oracle cannot meet at maxReplicas is infeasible there.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from stallfree.contracts import Tuning, min_budget_for
+from stallfree.simulator.closed_loop import LoadPhase, poisson_arrivals
+from stallfree.simulator.closed_loop_judge import SLOS, WINDOW_FRACTION
+from stallfree.simulator.virtual_replica import VirtualReplica
+
+if TYPE_CHECKING:
+    from stallfree.simulator.closed_loop_scenarios import Scenario
+
+WARMUP_S, STEADY_S = 30.0, 120.0
+
+
+def oracle(scenario: "Scenario") -> dict[str, Any]:
+    phases = sorted(scenario.phases, key=lambda p: p.start_s)
+    rows, minutes = [], 0.0
+    weighted: dict[str, float] = {name: 0.0 for name, *_ in SLOS}
+    infeasible: set[str] = set()
+    for i, phase in enumerate(phases):
+        end = phases[i + 1].start_s if i + 1 < len(phases) else scenario.duration_s
+        span = max(0.0, min(end, scenario.duration_s) - phase.start_s)
+        if span <= 0:
+            continue
+        n, budget, fractions = fewest_replicas(scenario, phase)
+        minutes += n * span / 60.0
+        for name, value in fractions.items():
+            weighted[name] += value * span
+            if value < WINDOW_FRACTION:
+                infeasible.add(name)
+        rows.append({"start_s": phase.start_s, "seconds": span, "replicas": n, "token_budget": budget,
+                     "window_fraction": fractions, "label": phase.label})
+    total = sum(r["seconds"] for r in rows) or 1.0
+    fraction = {name: round(v / total, 3) for name, v in weighted.items()}
+    return {"replica_minutes": round(minutes, 2), "slo_window_fraction": min(fraction.values()),
+            "window_fraction": fraction, "infeasible": sorted(infeasible), "phases": rows}
+
+
+def fewest_replicas(scenario: "Scenario", phase: LoadPhase) -> tuple[int, int, dict[str, float]]:
+    """(replicas, budget, per-SLO window fraction) of the cheapest setting meeting every SLO. When none does
+    at maxReplicas: the setting that holds the SLOs best in the spec's priority order (TPOT first)."""
+    scaling, priority = scenario.policy.scaling, scenario.policy.slo_priority
+    keys = {"tpot": "tpot", "queueWait": "queue_wait", "ttft": "ttft"}
+
+    def rank(fractions: dict[str, float]) -> tuple[bool, ...]:
+        return tuple(fractions[keys[p]] >= WINDOW_FRACTION for p in priority) + (min(fractions.values()),)
+
+    best: tuple[int, int, dict[str, float]] | None = None
+    for n in range(max(1, scaling.min_replicas), scaling.max_replicas + 1):
+        for budget in _budgets(scenario):
+            fractions = _steady(scenario, phase.rate / n, phase.prompt_len.describe(), phase.output_len.describe(),
+                                budget)
+            if min(fractions.values()) >= WINDOW_FRACTION:
+                return n, budget, fractions
+            if n == scaling.max_replicas and (best is None or rank(fractions) > rank(best[2])):
+                best = (n, budget, fractions)
+    assert best is not None
+    return best
+
+
+def _budgets(scenario: "Scenario") -> list[int]:
+    """Candidate budgets, largest first: the profile's for 100%, 80% and 60% of the TPOT SLO."""
+    spec = scenario.cluster
+    profile = _replica(scenario, spec.start_tuning).profile()
+    seqs = spec.start_tuning.max_num_seqs
+    floor = min(spec.ceilings.max_token_budget, min_budget_for(seqs))
+    out = {max(floor, profile.budget_for(f * scenario.policy.slo.tpot_p99_ms, hi=spec.ceilings.max_token_budget))
+           for f in (1.0, 0.8, 0.6)}
+    return sorted(out, reverse=True)
+
+
+def _replica(scenario: "Scenario", tuning: Tuning) -> VirtualReplica:
+    spec = scenario.cluster
+    return VirtualReplica.for_model(spec.model, spec.hardware, tuning=tuning, ceilings=spec.ceilings,
+                                    max_model_len=spec.max_model_len, dtype=spec.dtype,
+                                    stats_window_s=scenario.policy.window_s)
+
+
+def _steady(scenario: "Scenario", rate: float, prompt: str, output: str, budget: int) -> dict[str, float]:
+    return dict(_steady_cached(scenario.name, scenario.seed, round(rate, 6), prompt, output, budget))
+
+
+@lru_cache(maxsize=None)
+def _steady_cached(name: str, seed: int, rate: float, prompt: str, output: str,
+                   budget: int) -> tuple[tuple[str, float], ...]:
+    from stallfree.simulator.closed_loop_scenarios import SCENARIOS  # the scenario by name (cache key)
+    from stallfree.simulator.workload import parse_length
+
+    scenario = replace(SCENARIOS[name][0](), seed=seed)
+    tuning = Tuning(budget, scenario.cluster.start_tuning.max_num_seqs)
+    while min_budget_for(tuning.max_num_seqs) > budget and tuning.max_num_seqs > 1:
+        tuning = replace(tuning, max_num_seqs=tuning.max_num_seqs - 1)
+    replica = _replica(scenario, tuning)
+    phase = LoadPhase(0.0, rate, parse_length(prompt), parse_length(output))
+    rng = random.Random(seed + 7)
+    for arrival, prompt_len, max_tokens in poisson_arrivals(phase, 0.0, WARMUP_S + STEADY_S, rng):
+        replica.submit(prompt_len, max_tokens, arrival)
+    window, slo = scenario.policy.window_s, scenario.policy.slo
+    within = {name: [0, 0] for name, *_ in SLOS}
+    t = WARMUP_S
+    while t + window <= WARMUP_S + STEADY_S + 1e-9:
+        t += window
+        replica.advance_to(t)
+        stats = replica.window_stats(t)
+        for name, value, limit in (("tpot", stats.tpot_ms.p99, slo.tpot_p99_ms),
+                                   ("queue_wait", stats.queue_wait_ms.p99, slo.queue_wait_p99_ms),
+                                   ("ttft", stats.ttft_ms.p99, slo.ttft_p99_ms)):
+            if value is not None:
+                within[name][1] += 1
+                within[name][0] += value <= limit
+    # Work still queued at the end is windows not yet judged: a growing backlog fails queue wait and TTFT.
+    if replica.num_waiting > max(2, rate * window):
+        within["queue_wait"][0] = within["ttft"][0] = 0
+    return tuple((name, (ok / n) if n else 1.0) for name, (ok, n) in within.items())
