@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--hardware", default="h100", help="sim backend: hardware preset (a100, h100, h200, ...)")
     m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     m.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    m.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default="auto")
+    m.add_argument("--attention-backend", choices=["auto", "cpu", "torch", "triton", "flashinfer"], default="auto")
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     m.add_argument("--seed", type=int, default=0)
 

@@ -197,9 +197,12 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
         shape = self.loaded.shape
+        # The backend's layout (head-major on the CPU), else NHD [num_blocks, block_size, kv_heads, head_dim].
+        cache_shape = getattr(self.attn, "cache_shape", None)
+        per_layer = (cache_shape(num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim) if cache_shape
+                     else (num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim))
         # One allocation; zeros so that padded block-table entries never read NaN garbage.
-        cache = torch.zeros(shape.num_layers, 2, num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim,
-                            dtype=self.loaded.dtype, device=self.device)
+        cache = torch.zeros(shape.num_layers, 2, *per_layer, dtype=self.loaded.dtype, device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(shape.num_layers)]
 
 
