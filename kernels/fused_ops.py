@@ -70,8 +70,9 @@ def unavailable_ops() -> dict[str, str]:
 # --- RMSNorm ---------------------------------------------------------------------------------------------
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # One op; half-precision rows are normalised in float32 inside it.
-    return F.rms_norm(x, weight.shape, weight, eps)
+    """Normalised in weight's dtype (torch's fused rms_norm: one op, mean square in float32), returned in x's."""
+    out = F.rms_norm(x if x.dtype == weight.dtype else x.to(weight.dtype), weight.shape, weight, eps)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,15 +87,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual). On the flashinfer path both inputs are overwritten in place."""
+    """(rms_norm(x + residual) in x's dtype, x + residual in the residual's dtype). The residual stream may be
+    wider than x (float32 under bfloat16 layers on the CPU; weight then in float32 too). On the flashinfer
+    path both inputs are overwritten in place."""
     if _use_flashinfer("fused_add_rms_norm", x):
         try:
             _flashinfer.norm.fused_add_rmsnorm(x, residual, weight, eps)
             return x, residual
         except (RuntimeError, ImportError, OSError) as exc:
             _give_up("fused_add_rms_norm", exc)
-    summed = x + residual
-    return rms_norm_torch(summed, weight, eps), summed
+    summed = residual + x
+    normed = F.rms_norm(summed, weight.shape, weight, eps)
+    return (normed if normed.dtype == x.dtype else normed.to(x.dtype)), summed
 
 
 # --- SwiGLU activation -----------------------------------------------------------------------------------

@@ -11,7 +11,10 @@ Parameters keep Hugging Face's names except two fusions: q/k/v -> `qkv_proj` and
 packed int4 weights beside the dense ones (models/quantized.py).
 
 The residual stream runs as in vLLM: each layer takes (hidden, residual) and adds before it normalises,
-so that on CUDA the add and the RMSNorm are one fused kernel (kernels/fused_ops.py).
+so that on CUDA the add and the RMSNorm are one fused kernel (kernels/fused_ops.py). On the CPU under
+half-precision layers the residual stream (and the RMSNorm weights) stay float32: thirty layers of
+bfloat16 additions otherwise move logits by more than SmolLM2's margins (the France question's first
+token is 0.08 logits from another), and the added cost is one cast per norm.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stallfree.kernels.attention import AttentionBackend, AttentionMetadata
-from stallfree.kernels.fused_ops import fused_add_rms_norm
+from stallfree.kernels.fused_ops import fused_add_rms_norm, rms_norm
 from stallfree.node_daemon.models.layers import Linear, RMSNorm, SwiGLU
 from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS, BlockCodes, Int4Weight, stack_parts
 from stallfree.node_daemon.models.rope import RotaryEmbedding, apply_rope
@@ -59,20 +62,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device | str,
+                 residual_dtype: torch.dtype) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, device)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, residual_dtype, device)
         self.self_attn = LlamaAttention(shape, dtype, device)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, residual_dtype, device)
         self.mlp = SwiGLU(shape.hidden_size, shape.intermediate_size, dtype, device)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache, metadata: AttentionMetadata,
-                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before it); their sum is the layer's output."""
+    def forward(self, h: torch.Tensor | None, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, metadata: AttentionMetadata, attn: AttentionBackend,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); their sum is the layer's output.
+        The first layer gets h None and the embeddings as the residual."""
         norm = self.input_layernorm
-        if residual is None:
-            x, residual = norm(h), h
+        if h is None:
+            x = rms_norm(residual, norm.weight, norm.eps).to(dtype)
         else:
             x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
         x = self.self_attn(x, cos, sin, kv_cache, metadata, attn)
@@ -89,12 +94,15 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.shape = shape
         self.dtype = dtype
+        cpu_half = torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+        self.residual_dtype = torch.float32 if cpu_half else dtype
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size, dtype=dtype, device=device,
                                          _weight=torch.empty(shape.vocab_size, shape.hidden_size, dtype=dtype,
                                                              device=device))
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, dtype, device) for _ in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, dtype, device, self.residual_dtype)
+                                    for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, self.residual_dtype, device)
         self.lm_head = None if shape.tie_word_embeddings else Linear(shape.hidden_size, shape.vocab_size, False,
                                                                        dtype, device)
         self.rotary = RotaryEmbedding(shape.head_dim, max_positions or shape.max_position_embeddings,
@@ -110,21 +118,30 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 metadata: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final-norm hidden states [num_tokens, hidden_size]."""
-        h = self.embed_tokens(input_ids)
+        residual = self.embed_tokens(input_ids)
+        if residual.dtype != self.residual_dtype:
+            residual = residual.to(self.residual_dtype)
         cos, sin = self.rotary.lookup(positions)
-        residual = None
+        h = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, cos, sin, kv_cache, metadata, attn)
+            h, residual = layer(h, residual, cos, sin, kv_cache, metadata, attn, self.dtype)
         return fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [rows, hidden_size] -> float32 logits [rows, vocab_size]."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.tied_lm_head_int4 is not None and hidden.shape[0] <= INT4_MAX_ROWS:
-            return self.tied_lm_head_int4.matmul(hidden).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+            logits = self.lm_head(hidden)
+            weight = self.lm_head.weight
+        else:
+            weight = self.embed_tokens.weight
+            if self.tied_lm_head_int4 is not None and hidden.shape[0] <= INT4_MAX_ROWS:
+                logits = self.tied_lm_head_int4.matmul(hidden)
+            else:
+                logits = F.linear(hidden, weight)
+        if logits.dtype == torch.float32:
+            return logits
+        return _refine_top_logits(logits.float(), hidden, weight)
 
     # --- int4 weights (GGUF) -------------------------------------------------------------------------
 
@@ -244,6 +261,20 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unexpected weight {name!r}")
         param, rows = simple[part]
         return param.data, rows, name
+
+
+# Half-precision logits are rounded to 8 significant bits (0.125 apart near 25): ties among the top
+# candidates would decide greedy answers. The top few are recomputed in float32.
+REFINED_LOGITS = 16
+
+
+def _refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab] float32 from a half-precision GEMM; the REFINED_LOGITS largest of each row redone
+    as float32 dot products of hidden [rows, hidden_size] with their rows of weight [vocab, hidden_size]."""
+    top = logits.topk(min(REFINED_LOGITS, logits.shape[-1]), dim=-1).indices  # [rows, k]
+    rows = weight.index_select(0, top.view(-1)).view(*top.shape, -1).float()  # [rows, k, hidden]
+    exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)
+    return logits.scatter_(1, top, exact)
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?P<part>[a-z_.]+?)\.(?P<kind>weight|bias)")
