@@ -16,6 +16,7 @@ import torch
 
 from stallfree.kernels.attention import AttentionBackend, AttentionMetadata, select_backend
 from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+from stallfree.node_daemon.engine.cpu_threads import apply_threads
 from stallfree.node_daemon.models.llama import KVCache
 from stallfree.node_daemon.models.loader import LoadedModel, load_model
 from stallfree.node_daemon.engine.request import Request
@@ -46,6 +47,7 @@ class ModelRunner:
             raise ValueError(f"max_num_tokens and max_num_seqs must be positive, got {max_num_tokens}, {max_num_seqs}")
         if cache_config.block_size < 1:
             raise ValueError(f"block_size must be positive, got {cache_config.block_size}")
+        self.threads = apply_threads(model_config.threads) if model_config.device != "cuda" else None
         self.loaded: LoadedModel = loaded if loaded is not None else load_model(model_config)
         self.model = self.loaded.model
         self.device: torch.device = self.loaded.device
