@@ -10,6 +10,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "stall": ("stallfree.bench.stall", "decode gaps when a long prompt arrives: chunked vs unchunked"),
     "itl": ("stallfree.bench.itl", "client-seen vs engine-side inter-token latency (API overhead)"),
     "serve": ("stallfree.bench.serve", "load against any OpenAI-compatible endpoint"),
+    "iteration": ("stallfree.bench.iteration", "host (input prep + sampling) vs forward time per decode iteration"),
     "soak": ("stallfree.bench.soak", "thousands of requests, cancellations and a kill across local replicas"),
 }
 
