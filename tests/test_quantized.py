@@ -116,3 +116,14 @@ def test_smollm2_bf16_greedy_answers_match_float32(question):
         last = prefill_all_rows(runner, req, len(ids))[-1]
         answers.append(tokenizer.decode(greedy_decode(runner, req, last, 4)))
     assert answers[0] == answers[1], answers
+
+
+def test_bf16_iteration_that_samples_nothing_gives_no_logits():
+    from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk
+
+    runner = _bf16_runner()
+    req = make_request("partial", list(range(100, 140)), [50, 51, 52])
+    from model_helpers import step
+
+    logits = step(runner, [ScheduledChunk(req, 0, 20, is_prefill=True, samples=False)])
+    assert logits.shape == (0, runner.loaded.shape.vocab_size) and logits.dtype == torch.float32

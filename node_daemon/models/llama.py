@@ -135,12 +135,12 @@ class LlamaForCausalLM(nn.Module):
             weight = self.lm_head.weight
         else:
             weight = self.embed_tokens.weight
-            if self.tied_lm_head_int4 is not None and hidden.shape[0] <= INT4_MAX_ROWS:
+            if self.tied_lm_head_int4 is not None and 0 < hidden.shape[0] <= INT4_MAX_ROWS:
                 logits = self.tied_lm_head_int4.matmul(hidden)
             else:
                 logits = F.linear(hidden, weight)
-        if logits.dtype == torch.float32:
-            return logits
+        if logits.dtype == torch.float32 or not logits.numel():
+            return logits.float()
         return _refine_top_logits(logits.float(), hidden, weight)
 
     # --- int4 weights (GGUF) -------------------------------------------------------------------------
