@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sampler": ("stallfree.bench.sampler", "sampler time per decode step: batches 1/16/64, greedy, top-p, penalties"),
     "router": ("stallfree.bench.router", "routing policies through `stallfree router` on 4 sim daemons"),
     "engine": ("stallfree.bench.engine", "every row of the engine-speed table against a real daemon (JSON)"),
+    "iteration": ("stallfree.bench.iteration", "host (input prep + sampling) vs forward time per decode iteration"),
     "soak": ("stallfree.bench.soak", "thousands of requests, cancellations and a kill across local replicas"),
     "kv-estimate": ("stallfree.bench.kv_estimate", "chats without max_tokens run together; a 2-token request behind them"),
 }

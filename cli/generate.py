@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--token-budget", type=int, default=256, help="tokens per iteration (prefill chunk size)")
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads on the CPU (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads on the CPU (0: the cores this process is given: affinity, cgroup quota)")
     parser.add_argument("--stats", action="store_true", help="print TTFT, TPOT and token counts to stderr")
     return parser
 
@@ -61,15 +62,11 @@ def _run(args: argparse.Namespace) -> int:
     from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from stallfree.node_daemon.engine.engine import LLMEngine
 
-    if args.threads > 0:
-        import torch
-
-        torch.set_num_threads(args.threads)
-
     max_num_seqs = 1
     budget = max(args.token_budget, min_budget_for(max_num_seqs))
     config = EngineConfig(
-        model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len),
+        model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                          threads=args.threads),
         cache=CacheConfig(),
         scheduler=SchedulerConfig(ceilings=Ceilings(max_token_budget=budget, max_num_seqs=max_num_seqs),
                                   tuning=Tuning(token_budget=budget, max_num_seqs=max_num_seqs)),

@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", default="h100", help="sim backend: hardware preset")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    p.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default="auto")
+    p.add_argument("--attention-backend", choices=["auto", "cpu", "torch", "triton", "flashinfer"], default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=0)

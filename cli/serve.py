@@ -39,8 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when present")
     m.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="auto: the checkpoint's, or what the device runs best")
-    m.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default="auto",
+    m.add_argument("--attention-backend", choices=["auto", "cpu", "torch", "triton", "flashinfer"], default="auto",
                    help="attention kernels (auto: the best the device has)")
+    m.add_argument("--threads", type=int, default=0,
+                   help="torch threads on the CPU (0: the cores this process is given: affinity, cgroup quota)")
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     m.add_argument("--seed", type=int, default=0, help="random weights and unseeded sampling")
 
@@ -172,7 +174,7 @@ def engine_config(opts: ServeOptions):
     a = opts.args
     return EngineConfig(
         model=ModelConfig(model=a.model, device=a.device, dtype=a.dtype, attention_backend=a.attention_backend,
-                          max_model_len=a.max_model_len, seed=a.seed),
+                          max_model_len=a.max_model_len, seed=a.seed, threads=a.threads),
         cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_kv_blocks, kv_memory_fraction=a.kv_memory_fraction,
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(ceilings=opts.ceilings, tuning=opts.tuning, policy=a.policy,

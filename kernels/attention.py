@@ -8,7 +8,9 @@ prefix exact.
 
 KV cache layout per layer (flashinfer's NHD, vLLM's flash layout):
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-Slot s lives at block s // block_size, offset s % block_size.
+Slot s lives at block s // block_size, offset s % block_size. A backend may choose another layout
+through a `cache_shape(num_blocks, block_size, num_kv_heads, head_dim)` method (the CPU backend is
+head-major); the model runner allocates what it asks for.
 """
 from __future__ import annotations
 
@@ -61,7 +63,8 @@ class AttentionBackend(Protocol):
 
 
 def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """`auto`: flashinfer, then Triton on CUDA; the torch reference on the CPU. Explicit names are honoured."""
+    """`auto`: flashinfer, then Triton on CUDA; the CPU backend (kernels/cpu_attention.py) on the CPU.
+    Explicit names are honoured."""
     from stallfree.kernels import selection
 
     return selection.select_backend(name, torch.device(device))

@@ -1,5 +1,8 @@
-"""Fused elementwise ops from flashinfer (RMSNorm, add+RMSNorm, SiLU-and-mul, RoPE, top-k/top-p sampling)
-with pure-torch fallbacks that compute the same function.
+"""The model's elementwise ops in one place (RMSNorm, add+RMSNorm, SiLU-and-mul, RoPE; top-k/top-p sampling):
+flashinfer's fused kernels on CUDA, lean torch formulations everywhere else.
+
+The model's layers (node_daemon/models/layers.py, rope.py, llama.py) call these; their formulas live
+only here.
 
 Where they pay: on the GPU each torch formulation below is several kernels that each read and write the
 whole activation (RMSNorm in torch: cast, square, mean, rsqrt, two multiplies); the fused kernel reads
@@ -9,8 +12,9 @@ the torch path is used (flashinfer has no CPU kernels).
 Every op takes the flashinfer path only for CUDA tensors with flashinfer importable and
 STALLFREE_FUSED_OPS not set to 0. If a flashinfer kernel cannot be loaded (a missing JIT module on a
 machine without nvcc, say), that op falls back to torch for the rest of the process and says so once.
-The torch paths follow the model's layers (node_daemon/models/layers.py, rope.py): Hugging Face's
-RMSNorm, SwiGLU and rotate-half RoPE with a float32 cos|sin table.
+The torch paths are Hugging Face's RMSNorm (torch's fused rms_norm: one op, mean square in float32),
+SwiGLU and rotate-half RoPE in float32, each written with as few ops as the CPU needs (a step of a small
+model on the CPU is bound by the number of ops as much as by their arithmetic).
 """
 from __future__ import annotations
 
@@ -66,9 +70,9 @@ def unavailable_ops() -> dict[str, str]:
 # --- RMSNorm ---------------------------------------------------------------------------------------------
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """Normalised in weight's dtype (torch's fused rms_norm: one op, mean square in float32), returned in x's."""
+    out = F.rms_norm(x if x.dtype == weight.dtype else x.to(weight.dtype), weight.shape, weight, eps)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -83,15 +87,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual). On the flashinfer path both inputs are overwritten in place."""
+    """(rms_norm(x + residual) in x's dtype, x + residual in the residual's dtype). The residual stream may be
+    wider than x (float32 under bfloat16 layers on the CPU; weight then in float32 too). On the flashinfer
+    path both inputs are overwritten in place."""
     if _use_flashinfer("fused_add_rms_norm", x):
         try:
             _flashinfer.norm.fused_add_rmsnorm(x, residual, weight, eps)
             return x, residual
         except (RuntimeError, ImportError, OSError) as exc:
             _give_up("fused_add_rms_norm", exc)
-    summed = x + residual
-    return rms_norm_torch(summed, weight, eps), summed
+    summed = residual + x
+    normed = F.rms_norm(summed, weight.shape, weight, eps)
+    return (normed if normed.dtype == x.dtype else normed.to(x.dtype)), summed
 
 
 # --- SwiGLU activation -----------------------------------------------------------------------------------
@@ -109,10 +116,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 # --- RoPE ------------------------------------------------------------------------------------------------
 
+def rope_tables(cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """[positions, head_dim] cos|sin halves -> [positions, 2, head_dim]: cos of both halves, then sin signed
+    (-sin, sin), the full-width factors rope_rows multiplies by."""
+    cos, sin = cos_sin_cache.chunk(2, dim=-1)
+    return torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)], dim=1)
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate rows [num_tokens, heads, head_dim] (rotate-half convention): x * cos + roll(x, D/2) * sin, with
+    cos, sin the full-width factors [num_tokens, 1, head_dim] of rope_tables. Half-precision rows rotate in
+    float32 (the tables' precision) and round once."""
+    rotated = torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+    return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
+
+
 def _rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    """rope_rows from half-width cos, sin [num_tokens, 1, head_dim // 2]."""
+    return rope_rows(x, torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1))
 
 
 def apply_rope_inplace(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Backend selection: flashinfer, then Triton on CUDA; the torch reference on the CPU. Explicit names are honoured.
+"""Backend selection: flashinfer, then Triton on CUDA; the CPU backend on the CPU. Explicit names are honoured.
 
 `auto` takes flashinfer only where it can run: the package imports and the GPU is Ampere or newer
 (its FA2/FA3 kernels' floor). Otherwise Triton, which needs nothing beyond the triton package torch
@@ -13,12 +13,16 @@ import torch
 
 from stallfree.kernels.attention import AttentionBackend
 
-KNOWN_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+KNOWN_BACKENDS = ("auto", "cpu", "torch", "triton", "flashinfer")
 FLASHINFER_MIN_CAPABILITY = (8, 0)
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
     resolved = resolve_backend_name(name, device)
+    if resolved == "cpu":
+        from stallfree.kernels.cpu_attention import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if resolved == "torch":
         from stallfree.kernels.torch_reference import TorchReferenceBackend
 
@@ -39,10 +43,12 @@ def resolve_backend_name(name: str, device: torch.device, flashinfer_ok: bool | 
     on_cuda = device.type == "cuda"
     if name == "auto":
         if not on_cuda:
-            return "torch"
+            return "cpu"
         if flashinfer_ok is None:
             flashinfer_ok = flashinfer_usable(device)
         return "flashinfer" if flashinfer_ok else "triton"
+    if name == "cpu" and on_cuda:
+        raise ValueError("attention backend 'cpu' runs on the CPU only; use auto, flashinfer, triton or torch on CUDA")
     if name == "flashinfer" and not on_cuda:
         raise ValueError(f"attention backend 'flashinfer' needs a CUDA device, not {device}; use torch or auto")
     if name == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":

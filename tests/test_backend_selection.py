@@ -6,15 +6,22 @@ import torch
 
 from stallfree.kernels import selection
 from stallfree.kernels.attention import select_backend
+from stallfree.kernels.cpu_attention import CpuAttentionBackend
 from stallfree.kernels.torch_reference import TorchReferenceBackend
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
 
 
-def test_auto_is_torch_on_the_cpu():
-    assert selection.resolve_backend_name("auto", CPU) == "torch"
-    assert isinstance(select_backend("auto", "cpu"), TorchReferenceBackend)
+def test_auto_is_the_cpu_backend_on_the_cpu_and_torch_stays_selectable():
+    assert selection.resolve_backend_name("auto", CPU) == "cpu"
+    assert isinstance(select_backend("auto", "cpu"), CpuAttentionBackend)
+    assert isinstance(select_backend("torch", "cpu"), TorchReferenceBackend)
+
+
+def test_the_cpu_backend_is_refused_on_cuda():
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        selection.resolve_backend_name("cpu", CUDA)
 
 
 def test_auto_on_cuda_prefers_flashinfer_then_triton():
@@ -36,7 +43,7 @@ def test_explicit_names_are_honoured_on_cuda(name):
 
 
 def test_unknown_name_lists_the_choices():
-    with pytest.raises(ValueError, match="auto, torch, triton, flashinfer"):
+    with pytest.raises(ValueError, match="auto, cpu, torch, triton, flashinfer"):
         selection.resolve_backend_name("xformers", CPU)
 
 
@@ -73,3 +80,4 @@ def test_graph_capable_backends_say_so():
     assert TritonBackend.supports_cuda_graphs is True
     # The torch reference loops over host lists: a captured graph would replay stale lengths.
     assert not getattr(TorchReferenceBackend, "supports_cuda_graphs", False)
+    assert not CpuAttentionBackend.supports_cuda_graphs

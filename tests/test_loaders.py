@@ -73,8 +73,13 @@ def test_a_model_too_big_for_memory_is_refused_before_allocating():
         load_model(ModelConfig(model="llama-3-70b"))
 
 
-def test_auto_dtype_on_cpu_is_float32_and_bfloat16_runs():
+def test_auto_dtype_on_cpu_is_bfloat16_where_the_cpu_has_it_and_bfloat16_runs(monkeypatch):
+    import stallfree.node_daemon.models.loader as loader
+
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: False)
     assert load_model(ModelConfig(model="tiny", dtype="auto")).dtype == torch.float32
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
+    assert load_model(ModelConfig(model="tiny", dtype="auto")).dtype == torch.bfloat16
     bf16 = load_model(ModelConfig(model="tiny", dtype="bfloat16", seed=0))
     f32 = load_model(ModelConfig(model="tiny", dtype="float32", seed=0))
     # Same draw, rounded: bfloat16 logits follow float32's within bfloat16's precision.

@@ -19,7 +19,10 @@ def test_kv_cache_layout_and_default_size_on_cpu():
     assert runner.block_size == 16 and runner.device == torch.device("cpu")
     assert len(runner.kv_caches) == shape.num_layers
     k, v = runner.kv_caches[0]
-    assert k.shape == v.shape == (runner.num_blocks, 16, shape.num_kv_heads, shape.head_dim)
+    # The CPU backend's head-major layout: one [num_slots, head_dim] matrix per KV head.
+    assert k.shape == v.shape == (shape.num_kv_heads, runner.num_blocks, 16, shape.head_dim)
+    assert ModelRunner(ModelConfig(model="tiny", attention_backend="torch"), CacheConfig(block_size=16),
+                       max_num_tokens=256, max_num_seqs=4).kv_caches[0][0].shape == (512, 16, 2, 16)
     assert k.dtype == torch.float32 and not k.any()
     assert runner.kv_bytes_per_block == 16 * shape.kv_bytes_per_token(4)
 

@@ -107,7 +107,7 @@ def quiet_rule(monkeypatch):
 def _serve_engine(tmp_path, *extra: str):
     opts = parse_options(["--model", "tiny", "--device", "cpu", "--max-token-budget", "256", "--max-num-seqs-ceiling",
                           "16", "--max-num-seqs", "8", "--token-budget", "128", "--num-kv-blocks", "512",
-                          "--profile-cache-dir", str(tmp_path), "--profile-max-seconds", "20", *extra])
+                          "--profile-cache-dir", str(tmp_path), "--profile-max-seconds", "20", "--threads", "1", *extra])
     engine, device = build_llm_engine(opts, None)
     return opts, engine, device
 

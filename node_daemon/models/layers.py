@@ -2,12 +2,17 @@
 
 Parameters are created empty (no init pass over billions of weights): a loader fills them from a
 checkpoint or random_weights draws them. Every layer works on flattened rows [num_tokens, ...].
+A Linear may also carry its GGUF weight packed as int4 (models/quantized.py), taken by iterations of
+at most INT4_MAX_ROWS rows.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from stallfree.kernels.fused_ops import rms_norm, silu_and_mul
+from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS, Int4Weight
 
 
 class Linear(nn.Module):
@@ -21,8 +26,12 @@ class Linear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
+        self.int4: Int4Weight | None = None  # set by the GGUF loader where the weight maps exactly
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+            y = self.int4.matmul(x)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
 
@@ -35,9 +44,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class SwiGLU(nn.Module):
@@ -51,5 +58,4 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

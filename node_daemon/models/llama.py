@@ -7,7 +7,14 @@ over a cached prefix share one forward.
 
 Parameters keep Hugging Face's names except two fusions: q/k/v -> `qkv_proj` and gate/up ->
 `gate_up_proj` (one matmul each). `load_weights` takes Hugging Face names and slots them in;
-`hf_weights` gives them back in Hugging Face names and shapes.
+`hf_weights` gives them back in Hugging Face names and shapes; `attach_int4` adds a GGUF checkpoint's
+packed int4 weights beside the dense ones (models/quantized.py).
+
+The residual stream runs as in vLLM: each layer takes (hidden, residual) and adds before it normalises,
+so that on CUDA the add and the RMSNorm are one fused kernel (kernels/fused_ops.py). On the CPU under
+half-precision layers the residual stream (and the RMSNorm weights) stay float32: thirty layers of
+bfloat16 additions otherwise move logits by more than SmolLM2's margins (the France question's first
+token is 0.08 logits from another), and the added cost is one cast per norm.
 """
 from __future__ import annotations
 
@@ -19,7 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from stallfree.kernels.attention import AttentionBackend, AttentionMetadata
+from stallfree.kernels.fused_ops import fused_add_rms_norm, rms_norm
 from stallfree.node_daemon.models.layers import Linear, RMSNorm, SwiGLU
+from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS, BlockCodes, Int4Weight, stack_parts
 from stallfree.node_daemon.models.rope import RotaryEmbedding, apply_rope
 from stallfree.shapes import ModelShape
 
@@ -40,10 +49,12 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # Q and K rotate together: one set of ops for both.
+        qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
+                                                                  self.head_dim), cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         attn.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = attn.forward(q, k_cache, v_cache, metadata, self.scale)
@@ -51,17 +62,28 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device | str,
+                 residual_dtype: torch.dtype) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, device)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, residual_dtype, device)
         self.self_attn = LlamaAttention(shape, dtype, device)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, residual_dtype, device)
         self.mlp = SwiGLU(shape.hidden_size, shape.intermediate_size, dtype, device)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, metadata, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor | None, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, metadata: AttentionMetadata, attn: AttentionBackend,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); their sum is the layer's output.
+        The first layer gets h None and the embeddings as the residual."""
+        norm = self.input_layernorm
+        if h is None:
+            x = rms_norm(residual, norm.weight, norm.eps).to(dtype)
+        else:
+            x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        x = self.self_attn(x, cos, sin, kv_cache, metadata, attn)
+        norm = self.post_attention_layernorm
+        x, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -72,16 +94,21 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.shape = shape
         self.dtype = dtype
+        cpu_half = torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+        self.residual_dtype = torch.float32 if cpu_half else dtype
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size, dtype=dtype, device=device,
                                          _weight=torch.empty(shape.vocab_size, shape.hidden_size, dtype=dtype,
                                                              device=device))
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, dtype, device) for _ in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, dtype, device, self.residual_dtype)
+                                    for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, self.residual_dtype, device)
         self.lm_head = None if shape.tie_word_embeddings else Linear(shape.hidden_size, shape.vocab_size, False,
                                                                        dtype, device)
         self.rotary = RotaryEmbedding(shape.head_dim, max_positions or shape.max_position_embeddings,
                                       shape.rope_theta, shape.rope_scaling, device)
+        # Tied embeddings: the output projection's int4 copy of the embedding matrix (GGUF), if any.
+        self.tied_lm_head_int4: Int4Weight | None = None
 
     @property
     def device(self) -> torch.device:
@@ -91,17 +118,73 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 metadata: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final-norm hidden states [num_tokens, hidden_size]."""
-        h = self.embed_tokens(input_ids)
+        residual = self.embed_tokens(input_ids)
+        if residual.dtype != self.residual_dtype:
+            residual = residual.to(self.residual_dtype)
         cos, sin = self.rotary.lookup(positions)
+        h = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, metadata, attn)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_cache, metadata, attn, self.dtype)
+        return fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [rows, hidden_size] -> float32 logits [rows, vocab_size]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)
+            weight = self.lm_head.weight
+        else:
+            weight = self.embed_tokens.weight
+            if self.tied_lm_head_int4 is not None and 0 < hidden.shape[0] <= INT4_MAX_ROWS:
+                logits = self.tied_lm_head_int4.matmul(hidden)
+            else:
+                logits = F.linear(hidden, weight)
+        if logits.dtype == torch.float32 or not logits.numel():
+            return logits.float()
+        return _refine_top_logits(logits.float(), hidden, weight)
+
+    # --- int4 weights (GGUF) -------------------------------------------------------------------------
+
+    def attach_int4(self, parts: dict[str, BlockCodes], dtype: torch.dtype) -> list[str]:
+        """Pack every projection whose parts (q/k/v, gate/up) all came as int4 codes of one layout; the names
+        of the projections left dense (their parts were dequantized, or their row count does not suit)."""
+        pieces: dict[int, tuple[Linear, list[tuple[slice, BlockCodes]]]] = {}
+        for name, codes in parts.items():
+            if name == "model.embed_tokens.weight":
+                if self.lm_head is None and codes.rows % 16 == 0:
+                    self.tied_lm_head_int4 = Int4Weight(codes, dtype)
+                continue
+            linear, rows = self._linear_of(name)
+            if linear is not None:
+                pieces.setdefault(id(linear), (linear, []))[1].append((rows, codes))
+        for linear, rows_and_codes in pieces.values():
+            whole = stack_parts(rows_and_codes, linear.out_features)
+            if whole is not None and whole.rows % 16 == 0:
+                linear.int4 = Int4Weight(whole, dtype)
+        dense = [n for n, m in self.named_modules() if isinstance(m, Linear) and m.int4 is None]
+        if self.lm_head is None and self.tied_lm_head_int4 is None:
+            dense.append("lm_head (tied)")
+        return dense
+
+    def _linear_of(self, name: str) -> tuple[Linear | None, slice]:
+        """The Linear a Hugging Face weight name lives in, and its rows there (None for norms, biases)."""
+        if name == "lm_head.weight":
+            return self.lm_head, slice(0, self.lm_head.out_features if self.lm_head is not None else 0)
+        m = _LAYER_NAME.fullmatch(name)
+        if m is None or m["kind"] != "weight":
+            return None, slice(None)
+        layer = self.layers[int(m["layer"])]
+        attn, mlp = layer.self_attn, layer.mlp
+        q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate_size
+        return {
+            "self_attn.q_proj": (attn.qkv_proj, slice(0, q)),
+            "self_attn.k_proj": (attn.qkv_proj, slice(q, q + kv)),
+            "self_attn.v_proj": (attn.qkv_proj, slice(q + kv, q + 2 * kv)),
+            "self_attn.o_proj": (attn.o_proj, slice(0, attn.o_proj.out_features)),
+            "mlp.gate_proj": (mlp.gate_up_proj, slice(0, inter)),
+            "mlp.up_proj": (mlp.gate_up_proj, slice(inter, 2 * inter)),
+            "mlp.down_proj": (mlp.down_proj, slice(0, mlp.down_proj.out_features)),
+        }.get(m["part"], (None, slice(None)))
 
     # --- weights in Hugging Face names -------------------------------------------------------------
 
@@ -178,6 +261,20 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unexpected weight {name!r}")
         param, rows = simple[part]
         return param.data, rows, name
+
+
+# Half-precision logits are rounded to 8 significant bits (0.125 apart near 25): ties among the top
+# candidates would decide greedy answers. The top few are recomputed in float32.
+REFINED_LOGITS = 16
+
+
+def _refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab] float32 from a half-precision GEMM; the REFINED_LOGITS largest of each row redone
+    as float32 dot products of hidden [rows, hidden_size] with their rows of weight [vocab, hidden_size]."""
+    top = logits.topk(min(REFINED_LOGITS, logits.shape[-1]), dim=-1).indices  # [rows, k]
+    rows = weight.index_select(0, top.view(-1)).view(*top.shape, -1).float()  # [rows, k, hidden]
+    exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)
+    return logits.scatter_(1, top, exact)
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?P<part>[a-z_.]+?)\.(?P<kind>weight|bias)")

@@ -97,15 +97,23 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint: str | None = None) -> torch.dtype:
-    """`auto`: float32 on the CPU; on CUDA the checkpoint's float16, else bfloat16."""
+    """`auto`: on the CPU bfloat16 where it has bfloat16 arithmetic (AVX512-BF16 or AMX), else float32;
+    on CUDA the checkpoint's float16, else bfloat16."""
     if name == "auto":
         if device.type == "cpu":
-            return torch.float32
+            return torch.bfloat16 if cpu_has_bf16() else torch.float32
         return torch.float16 if checkpoint == "float16" else torch.bfloat16
     try:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unsupported dtype {name!r}; use auto, {', '.join(_DTYPES)}") from None
+
+
+def cpu_has_bf16() -> bool:
+    """AVX512-BF16 or AMX: oneDNN runs bfloat16 GEMMs natively (elsewhere bfloat16 is emulated, slower than float32)."""
+    cpu = getattr(torch, "cpu", None)
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(cpu, p, lambda: False)() for p in probes)
 
 
 def check_fits(shape: ModelShape, dtype: torch.dtype, device: torch.device) -> None:

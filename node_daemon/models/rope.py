@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from stallfree.kernels.fused_ops import rope_rows, rope_tables
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -63,14 +65,19 @@ class RotaryEmbedding(torch.nn.Module):
         # cos and sin side by side, float32: one gather per step serves both.
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32)
         self.register_buffer("cos_sin_cache", cache.to(device) if device is not None else cache, persistent=False)
+        # The same angles as full-width factors (cos, signed sin) [max_positions, 2, head_dim]: the lean
+        # formulation rope_rows takes.
+        self.register_buffer("rope_factors", rope_tables(self.cos_sin_cache), persistent=False)
 
     @property
     def max_positions(self) -> int:
         return self.cos_sin_cache.shape[0]
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [num_tokens, 1, head_dim // 2] for a step's positions; computed once, used by every layer."""
-        return self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        """Full-width cos and signed sin [num_tokens, 1, head_dim] for a step's positions (apply_rope's
+        factors); computed once, used by every layer."""
+        cos, sin = self.rope_factors.index_select(0, positions).unbind(1)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.lookup(positions)
@@ -78,9 +85,6 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate rows [num_tokens, heads, head_dim] by their positions' angles (rotate_half convention)."""
-    # Half-precision rows rotate in float32 (the table's precision), then round once.
-    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x.dtype)
+    """Rotate rows [num_tokens, heads, head_dim] by their positions' angles (rotate_half convention), with
+    lookup()'s factors; kernels/fused_ops.rope_rows holds the formula."""
+    return rope_rows(x, cos, sin)

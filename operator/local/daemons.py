@@ -155,6 +155,20 @@ class LocalDaemonSet:
         self.draining.clear()
 
     # -- internals --------------------------------------------------------------------------------
+    def _cores_for(self, name: str) -> set[int] | None:
+        """Cores of its own for each replica where the machine has them (as one daemon per node): replica i
+        takes the i-th group of `threads_per_replica` cores, so two replicas never share a core's time."""
+        try:
+            allowed = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            return None
+        ordinal = int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else 0
+        groups = len(allowed) // self.threads_per_replica
+        if groups < 2:
+            return None  # one group only: nothing to keep apart
+        start = (ordinal % groups) * self.threads_per_replica
+        return set(allowed[start:start + self.threads_per_replica])
+
     def _next_name(self) -> str:
         taken = {r.name for r in self.replicas}
         ordinal = 0
@@ -172,7 +186,9 @@ class LocalDaemonSet:
         log_path = self.log_dir / f"{name}.log"
         log = open(log_path, "ab")
         cmd = [sys.executable, "-m", "stallfree.cli", "serve", *self.daemon_args,
-               "--host", "127.0.0.1", "--port", str(port)]
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+               "--threads", str(self.threads_per_replica), "--host", "127.0.0.1", "--port", str(port)]
+        cores = self._cores_for(name)
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                   preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         log.close()
         return LocalReplica(name=name, port=port, process=process, log_path=log_path)

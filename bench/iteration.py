@@ -1,0 +1,106 @@
+"""`stallfree bench iteration`: where a decode iteration's time goes, host against forward.
+
+For each count of running sequences (default 1, 16, 64) it runs decode iterations straight through the
+model runner and the sampler (no scheduler, no HTTP) and times three parts of each: input preparation
+(the ragged batch and its index tensors), the forward (model and logits) and sampling (greedy). It prints
+one row per count with medians in milliseconds, the host share and the decode rate, and writes JSON.
+Every sequence has `--context` tokens cached (the KV content does not change the time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="stallfree bench iteration", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton", "flashinfer"])
+    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--threads", type=int, default=0, help="0: the cores this process is given")
+    p.add_argument("--seqs", default="1,16,64", help="running sequences per iteration, comma-separated")
+    p.add_argument("--context", type=int, default=128, help="cached tokens per sequence")
+    p.add_argument("--iterations", type=int, default=20, help="timed iterations per row (after 3 warm-ups)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--json", default="runs/bench_iteration.json")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    counts = [int(n) for n in args.seqs.split(",") if n.strip()]
+    if not counts or min(counts) < 1 or args.context < 1 or args.iterations < 1:
+        print("stallfree bench iteration: error: --seqs, --context and --iterations must be positive", file=sys.stderr)
+        return 2
+    from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+    from stallfree.node_daemon.engine.model_runner import ModelRunner
+    from stallfree.node_daemon.engine.request import Request
+    from stallfree.node_daemon.engine.sampler import Sampler
+    from stallfree.node_daemon.engine.sampling_params import SamplingParams
+    from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+    steps = args.iterations + 3
+    bs = args.block_size
+    blocks_per_seq = -(-(args.context + steps + 1) // bs)
+    started = time.monotonic()
+    runner = ModelRunner(ModelConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                     attention_backend=args.attention_backend, threads=args.threads),
+                         CacheConfig(block_size=bs, num_blocks=max(counts) * blocks_per_seq + 1),
+                         max_num_tokens=max(counts), max_num_seqs=max(counts))
+    print(f"loaded {args.model} in {time.monotonic() - started:.1f} s: {runner.loaded.dtype}, "
+          f"attention {runner.attn.name}, threads {runner.threads}", flush=True)
+    sampler = Sampler(runner.device)
+    greedy = SamplingParams(max_tokens=steps + 1, temperature=0.0)
+    rows = []
+    print(f"{'seqs':>5} {'prep ms':>8} {'forward ms':>10} {'sample ms':>9} {'host %':>7} {'tok/s':>8}")
+    for n in counts:
+        reqs = []
+        for i in range(n):
+            req = Request(f"s{n}-{i}", [(7 * i + j) % 1000 + 10 for j in range(args.context)], greedy)
+            req.block_ids = list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
+            req.num_computed_tokens = args.context - 1
+            reqs.append(req)
+        ids = [r.request_id for r in reqs]
+        params = [greedy] * n
+        prep, fwd, samp = [], [], []
+        for step in range(steps):
+            output = SchedulerOutput(chunks=[ScheduledChunk(r, r.num_tokens - 1, 1, is_prefill=False, samples=True)
+                                             for r in reqs])
+            t0 = time.perf_counter()
+            inputs = runner.prepare_inputs(output)
+            t1 = time.perf_counter()
+            logits = runner.model.compute_logits(runner.run_model(inputs)[inputs.logits_indices])
+            t2 = time.perf_counter()
+            tokens = sampler.sample(logits, params, ids)
+            t3 = time.perf_counter()
+            for r, tok in zip(reqs, tokens):
+                r.output_token_ids.append(tok)
+                r.num_computed_tokens = r.num_tokens - 1
+            if step >= 3:
+                prep.append(t1 - t0), fwd.append(t2 - t1), samp.append(t3 - t2)
+        p, f, s = (statistics.median(x) * 1000 for x in (prep, fwd, samp))
+        total = p + f + s
+        row = {"seqs": n, "context": args.context, "prepare_ms": round(p, 3), "forward_ms": round(f, 3),
+               "sample_ms": round(s, 3), "host_share": round((p + s) / total, 4),
+               "tokens_per_s": round(n / total * 1000, 1)}
+        rows.append(row)
+        print(f"{n:>5} {p:>8.2f} {f:>10.2f} {s:>9.2f} {100 * row['host_share']:>6.1f}% {row['tokens_per_s']:>8.1f}",
+              flush=True)
+    result = {"model": args.model, "dtype": str(runner.loaded.dtype).removeprefix("torch."),
+              "attention_backend": runner.attn.name, "threads": runner.threads, "rows": rows}
+    if args.json:
+        import os
+
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""GGUF block-quantized weights kept quantized on the CPU: torch's int4 weight-only matmul, group size 32.
+
+torch's `_weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)` dequantizes every group of 32
+weights along K as `(q - 8) * scale + zero`, q a 4-bit code, accumulating in float32. GGUF's 32-weight
+blocks map onto it exactly, up to the rounding of scale and zero to the activation dtype:
+
+    Q4_0  w = (q - 8) * d          -> scale d, zero 0
+    Q4_1  w = q * d + m            -> scale d, zero m + 8d
+    Q8_0  w = q * d, q in [-128, 127]: with u = q + 128 = 16 hi + lo (two nibbles),
+          w = (lo - 8) * d + 8d  +  (hi - 8) * 16d
+                                   -> two code planes along K: lo (scale d, zero 8d), hi (scale 16d, zero 0);
+                                      the activations are repeated once along K ([x, x]) to meet both.
+
+Other types (Q5_*, K-quants, ...) have no such mapping here; their tensors are dequantized and the loader
+says so at start-up.
+
+Where it pays: an iteration of a few rows (decode) is bound by reading the weights, and 4-bit codes are a
+quarter of bfloat16's bytes. Past INT4_MAX_ROWS rows the work is compute-bound and oneDNN's bfloat16 GEMM
+(AVX512-BF16/AMX) beats the int4 kernel, which dequantizes every tile it touches; those iterations use the
+dequantized bfloat16 copy each layer keeps (`stallfree bench iteration` shows the crossover).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GROUP_SIZE = 32
+# Rows (tokens in an iteration) up to which a linear layer takes its int4 weight (measured crossover on
+# a 2-core AVX512-BF16 CPU: int4 wins up to 8 rows, bfloat16 from 16).
+INT4_MAX_ROWS = 8
+# GGUF type name -> (bytes per 32-weight block, code planes along K).
+INT4_MAPPABLE = {"Q4_0": (18, 1), "Q4_1": (20, 1), "Q8_0": (34, 2)}
+
+
+@dataclass
+class BlockCodes:
+    """A [rows, cols] GGUF tensor as 4-bit codes: value = (code - 8) * scale + zero per 32-code group,
+    summed over the `planes` code planes laid side by side along K."""
+
+    codes: np.ndarray  # [rows, planes * cols] uint8 in 0..15
+    scale: np.ndarray  # [rows, planes * cols / 32] float32
+    zero: np.ndarray  # [rows, planes * cols / 32] float32
+    planes: int
+    qtype: str
+
+    @property
+    def rows(self) -> int:
+        return self.codes.shape[0]
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [rows, cols]: the planes' affine values summed (the function the int4 kernel computes)."""
+        rows, width = self.codes.shape
+        groups = self.codes.reshape(rows, -1, GROUP_SIZE).astype(np.float32) - 8.0
+        values = (groups * self.scale[..., None] + self.zero[..., None]).reshape(rows, self.planes, -1)
+        return values.sum(axis=1)
+
+    def take_rows(self, order: np.ndarray) -> "BlockCodes":
+        return BlockCodes(self.codes[order], self.scale[order], self.zero[order], self.planes, self.qtype)
+
+
+def decode_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> BlockCodes | None:
+    """GGUF block bytes [rows, bytes_per_row] -> BlockCodes, or None for a type without an int4 mapping."""
+    if qtype not in INT4_MAPPABLE or cols % GROUP_SIZE:
+        return None
+    block_bytes, planes = INT4_MAPPABLE[qtype]
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // GROUP_SIZE, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == "Q8_0":
+        u = blocks[..., 2:].view(np.int8).astype(np.int16) + 128  # 0..255
+        lo, hi = (u & 15).astype(np.uint8), (u >> 4).astype(np.uint8)
+        codes = np.concatenate([lo.reshape(rows, cols), hi.reshape(rows, cols)], axis=1)
+        scale = np.concatenate([d, 16.0 * d], axis=1)
+        zero = np.concatenate([8.0 * d, np.zeros_like(d)], axis=1)
+        return BlockCodes(codes, scale, zero, planes, qtype)
+    qs = blocks[..., -16:]  # 16 bytes: weights 0..15 in the low nibbles, 16..31 in the high ones
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, cols)
+    if qtype == "Q4_0":
+        return BlockCodes(codes, d, np.zeros_like(d), planes, qtype)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return BlockCodes(codes, d, m + 8.0 * d, planes, qtype)
+
+
+class Int4Weight:
+    """A packed int4 weight [out_features, in_features] for `_weight_int4pack_mm_for_cpu` in one dtype."""
+
+    def __init__(self, codes: BlockCodes, dtype: torch.dtype) -> None:
+        n = codes.rows
+        if n % 16:
+            raise ValueError(f"the int4 kernel needs a multiple of 16 output rows, got {n}")
+        self.planes = codes.planes
+        self.out_features = n
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.from_numpy(codes.codes.astype(np.int32)), 1)
+        # [groups, N, 2]: (scale, zero) of every group of every output row.
+        self.scales_and_zeros = torch.from_numpy(np.stack([codes.scale, codes.zero], axis=-1)).transpose(0, 1) \
+            .contiguous().to(dtype)
+        self.dtype = dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + \
+            self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] (this weight's dtype) -> [rows, out_features]."""
+        if self.planes == 2:
+            x = torch.cat([x, x], dim=-1)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
+
+
+def int4_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """The int4 CPU kernel runs bfloat16 activations here; float32 stays the dequantized reference path."""
+    return device.type == "cpu" and dtype == torch.bfloat16
+
+
+def stack_parts(parts: list[tuple[slice, BlockCodes]], rows: int) -> BlockCodes | None:
+    """One BlockCodes for a fused projection from its row parts (q, k, v or gate, up); None unless every row
+    is covered by parts of one layout."""
+    if not parts or len({p.planes for _, p in parts}) != 1:
+        return None
+    ordered = sorted(parts, key=lambda item: item[0].start or 0)
+    covered = 0
+    for rows_slice, part in ordered:
+        if (rows_slice.start or 0) != covered:
+            return None
+        covered += part.rows
+    if covered != rows:
+        return None
+    codes = [p for _, p in ordered]
+    return BlockCodes(np.concatenate([p.codes for p in codes]), np.concatenate([p.scale for p in codes]),
+                      np.concatenate([p.zero for p in codes]), codes[0].planes,
+                      "+".join(dict.fromkeys(p.qtype for p in codes)))
