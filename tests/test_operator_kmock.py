@@ -113,7 +113,7 @@ class Operator:
         assert self.runner.exit_code == 0, self.runner.output
 
 
-async def eventually(check: Callable[[], Any], timeout: float = 8.0) -> Any:
+async def eventually(check: Callable[[], Any], timeout: float = 20.0) -> Any:
     """Poll until `check()` returns something truthy without raising; fail with its last error."""
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
