@@ -167,8 +167,8 @@ async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, o
 async def drain(runtime: LocalRuntime, load: LoadDriver | None, load_task: asyncio.Future | None, view: LiveView,
                 timeout_s: float) -> None:
     """Stop sending, let in-flight requests finish for at most the spec's drainTimeoutSeconds, then stop the
-    daemons; a progress line every few seconds, so a drain is never silent."""
-    runtime.daemons.begin_drain_all()  # new requests get 503; the daemons finish what they hold
+    daemons; a progress line every few seconds, so a drain is never silent. The daemons keep serving while
+    the load winds down (draining them first would make the router retry what they hold elsewhere)."""
     started = time.monotonic()
     view.say(f"draining: {load.in_flight if load else 0} request(s) in flight, up to {timeout_s:.0f}s "
              "(the spec's drainTimeoutSeconds)")
@@ -240,12 +240,13 @@ def demo_verdict(rows: list[dict[str, Any]], starts: list[tuple[float, LoadPhase
 
 
 def infeasible_slos(runtime: LocalRuntime) -> dict[str, str]:
-    """SLOs the control loop judged infeasible from the profile (its SLOFeasible=False events)."""
+    """SLOs the control loop itself judged infeasible from the profile during the run (SLOFeasible=False)."""
+    names = {"tpot": "tpot", "queueWait": "queue_wait", "ttft": "ttft"}
     found: dict[str, str] = {}
-    for event in runtime.events:
-        if event.reason == "SLOInfeasible":
-            slo = event.message.split(":", 1)[0].strip().lower().replace(" ", "_")
-            found[slo] = event.message
+    for step in runtime.steps:
+        feasibility = getattr(step, "feasibility", None)
+        for slo in getattr(feasibility, "infeasible", ()) or ():
+            found.setdefault(names.get(slo, slo), feasibility.message)
     return found
 
 

@@ -239,7 +239,7 @@ class EngineSpec(_Model):
     hardware: str | None = Field(None, description="hardware preset for the sim backend's cost model")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    attention_backend: Literal["auto", "torch", "triton", "flashinfer"] = "auto"
+    attention_backend: Literal["auto", "cpu", "torch", "triton", "flashinfer"] = "auto"
     kv_memory_fraction: float = Field(0.9, ge=0.05, le=0.98, description="share of free device memory for KV")
     num_kv_blocks: int = Field(0, ge=0, description="0: size the KV cache from kvMemoryFraction")
     block_size: Literal[8, 16, 32, 64, 128] = Field(16, description="tokens per KV block")

@@ -87,7 +87,10 @@ class LiveView:
             if not r["known"]:
                 lines.append(f"{'':<18}{DIM}{r.get('unknown_reason', '')}{RESET}")
         conditions = "  ".join(f"{k}={v}" for k, v in row["conditions"].items())
-        lines += ["", f"conditions: {conditions}", "", "recent events and messages:"]
+        lines += ["", f"conditions: {conditions}"]
+        if row.get("feasible"):
+            lines.append(row["feasible"])  # SLOFeasible with the profile's numbers: what no setting can meet
+        lines += ["", "recent events and messages:"]
         lines += self.messages[-12:]
         return "\n".join(lines)
 
