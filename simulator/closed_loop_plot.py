@@ -40,11 +40,14 @@ def plot_timeline(result: dict[str, Any], path: str) -> None:
                   if d["name"] == name and d.get("token_budget") is not None]
         if points:
             ax.step([p[0] for p in points], [p[1] for p in points], where="post", label=f"{name} budget")
+    labelled: set[str] = set()
     for r in rows:
         for d in r["decisions"]:
             if d["kind"] in ("budget_lowered", "budget_raised"):
+                label = "budget lowered" if d["kind"] == "budget_lowered" else "budget raised"
                 ax.axvline(r["t"], color="tab:red" if d["kind"] == "budget_lowered" else "tab:green",
-                           alpha=0.3, linewidth=1)
+                           alpha=0.3, linewidth=1, label=None if label in labelled else label)
+                labelled.add(label)
     ax.set_ylabel("token budget")
     ax.legend(loc="upper left", fontsize=8, ncol=4)
 
@@ -64,15 +67,31 @@ def plot_timeline(result: dict[str, Any], path: str) -> None:
     for r in rows:
         for d in r["decisions"]:
             if d["kind"] in ("scaled_up", "scaled_down"):
-                ax.axvline(r["t"], color="tab:purple", alpha=0.4, linestyle="--")
+                label = d["kind"].replace("_", " ")
+                ax.axvline(r["t"], color="tab:purple", alpha=0.4, linestyle="--",
+                           label=None if label in labelled else label)
+                labelled.add(label)
     ax.set_ylabel("replicas")
     ax.set_xlabel(result.get("time_label", "virtual time (s)"))
     ax.legend(loc="upper left", fontsize=8)
-    for phase in result["load"][1:]:
+    # Windows where no replica's p99 was known: shaded as unknown, not left as bare gaps in the lines.
+    unknown = [r["t"] for r in rows if r["p99_tpot_ms"] is None]
+    step = min((b - a for a, b in zip(t, t[1:]) if b > a), default=1.0)
+    for panel in axes[:2]:
+        for i, start in enumerate(unknown):
+            panel.axvspan(start - step / 2, start + step / 2, color="0.85", zorder=0,
+                          label="unknown (too few samples)" if i == 0 else None)
+    for phase in [p for p in result["load"] if p.get("start_s", 0) > 0]:
         for panel in axes:
             panel.axvline(phase["start_s"], color="black", alpha=0.5, linestyle=":")
-        axes[0].annotate(phase["label"] or "load change", (phase["start_s"], 1.0), xycoords=("data", "axes fraction"),
-                         fontsize=7, va="top", ha="left")
-    fig.tight_layout()
+    # Phase names in a strip above the panels, alternating heights so neighbours never overlap.
+    for i, phase in enumerate(p for p in result["load"] if p.get("label")):
+        axes[0].annotate(phase["label"], (phase["start_s"], 1.02 + 0.07 * (i % 2)),
+                         xycoords=("data", "axes fraction"), fontsize=8, va="bottom", ha="left",
+                         annotation_clip=False)
+    for panel in axes:
+        panel.set_xlim(left=0)
+        panel.legend(loc="upper left", fontsize=8, ncol=4)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=90)
     plt.close(fig)
