@@ -43,6 +43,7 @@ class PhaseVerdict:
     replicas_start: int | None = None
     replicas_end: int | None = None
     replicas_max: int | None = None
+    within: dict[str, float | None] = field(default_factory=dict)  # share of known windows within each SLO
 
 
 @dataclass
@@ -76,19 +77,22 @@ def judge(rows: Sequence[dict[str, Any]], phases: Sequence[Phase], slos_ms: dict
             verdict.budget_path = _budget_path(in_phase)
         for slo, key in SLO_KEYS.items():
             target = slos_ms[slo]
-            first = next((r for r in in_phase if _above(r.get(key), target)), None)
-            if first is None:
-                continue
-            breach = Breach(slo, target, first["t"], first[key], feasible=slo not in infeasible)
-            after = [r for r in rows if r["t"] > first["t"]]
-            for count, row in enumerate(after, start=1):
-                value = row.get(key)
-                if value is not None and value > target:
-                    breach.worst_ms = max(breach.worst_ms, value)
-                elif value is not None:
-                    breach.restored_at_s, breach.intervals_to_restore = row["t"], count
-                    break
-            verdict.breaches.append(breach)
+            known = [r[key] for r in in_phase if r.get(key) is not None]
+            verdict.within[slo] = (sum(v <= target for v in known) / len(known)) if known else None
+            restored_at = -1.0
+            for row in in_phase:  # every breach that starts in this phase, each followed to its restore
+                if row["t"] <= restored_at or not _above(row.get(key), target):
+                    continue
+                breach = Breach(slo, target, row["t"], row[key], feasible=slo not in infeasible)
+                for count, later in enumerate((r for r in rows if r["t"] > row["t"]), start=1):
+                    value = later.get(key)
+                    if value is not None and value > target:
+                        breach.worst_ms = max(breach.worst_ms, value)
+                    elif value is not None:
+                        breach.restored_at_s, breach.intervals_to_restore = later["t"], count
+                        break
+                verdict.breaches.append(breach)
+                restored_at = breach.restored_at_s if breach.restored else float("inf")
         verdicts.append(verdict)
     last = rows[-end_windows:]
     met_at_end: dict[str, bool | None] = {}
@@ -111,14 +115,23 @@ def verdict_text(verdict: Verdict, interval_s: float) -> list[str]:
             lines.append(head + "   every SLO held")
             continue
         lines.append(head)
-        for b in p.breaches:
-            what = f"    {names[b.slo]} breached at {b.at_s:.0f}s (p99 {b.worst_ms:.0f} ms > {b.target_ms:.0f} ms)"
-            if b.restored:
-                what += f", back under after {b.intervals_to_restore} interval(s) ({b.restored_at_s - b.at_s:.0f}s)"
-            elif not b.feasible:
-                what += ", not restored: judged infeasible (SLOFeasible=False)"
-            else:
-                what += ", NOT restored"
+        for slo in SLO_KEYS:
+            mine = [b for b in p.breaches if b.slo == slo]
+            if not mine:
+                continue
+            first, last = mine[0], mine[-1]
+            what = (f"    {names[slo]} breached at {first.at_s:.0f}s (worst p99 {max(b.worst_ms for b in mine):.0f} ms > "
+                    f"{first.target_ms:.0f} ms)")
+            if first.restored:
+                what += f", back under after {first.intervals_to_restore} interval(s) ({first.restored_at_s - first.at_s:.0f}s)"
+            if len(mine) > 1:
+                what += f"; {len(mine) - 1} more breach(es) in the phase"
+            if not last.restored:
+                what += (", last not restored: judged infeasible (SLOFeasible=False)" if not last.feasible
+                         else ", last NOT restored")
+            share = p.within.get(slo)
+            if share is not None:
+                what += f"; {100 * share:.0f}% of windows within"
             lines.append(what)
     for slo, message in verdict.infeasible.items():
         lines.append(f"  SLOFeasible=False for {names.get(slo, slo)}: {message}")
