@@ -17,7 +17,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+
+from stallfree.bench.daemon_process import free_port, wait_ready
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,14 +137,8 @@ async def _run_load(url: str, model: str, streams: int, rounds: int, prompt_toke
     return [r for per_client in results for r in per_client]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start_daemon(args: argparse.Namespace, token: str, window_s: float) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "stallfree.cli", "serve", "--model", args.model, "--backend", args.backend,
            "--hardware", args.hardware, "--device", args.device, "--host", "127.0.0.1", "--port", str(port),
            "--max-num-seqs", str(max(args.streams, 1)), "--max-num-seqs-ceiling", str(max(args.streams, 256)),
@@ -151,18 +146,8 @@ def _start_daemon(args: argparse.Namespace, token: str, window_s: float) -> tupl
     env = dict(os.environ, STALLFREE_ADMIN_TOKEN=token)
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the daemon exited: {process.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("the daemon did not become ready within 300 s")
+    wait_ready(process, url, timeout_s=300, poll_s=0.2)
+    return process, url
 
 
 def main(argv: list[str]) -> int:

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+
+from stallfree.bench.daemon_process import free_port, wait_ready
 
 QUESTIONS = (
     "What is the capital of France?", "Name a primary colour.", "What is two plus three?",
@@ -212,14 +213,8 @@ async def run(url: str, args: argparse.Namespace) -> dict:
     }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start_daemon(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "stallfree.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "warning", *args.serve_arg]
     env = dict(os.environ, STALLFREE_ADMIN_TOKEN=os.environ.get("STALLFREE_ADMIN_TOKEN", "bench-kv-estimate"))
@@ -228,18 +223,8 @@ def _start_daemon(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     print(f"starting {' '.join(cmd[2:])} (model load and profile take a while) ...", flush=True)
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the daemon exited: {process.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("the daemon did not become ready within 600 s")
+    wait_ready(process, url, timeout_s=600, poll_s=0.5)
+    return process, url
 
 
 def report(r: dict) -> str:
