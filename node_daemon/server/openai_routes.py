@@ -199,20 +199,29 @@ async def _serve(daemon: Daemon, request: Request, body: protocol.SamplingFields
     return await _complete(daemon, request, generation, chat, echo)
 
 
-async def _complete(daemon: Daemon, request: Request, generation: Generation, chat: bool,
-                    echo: str | None = None) -> JSONResponse:
-    collect = asyncio.ensure_future(_collect(generation))
+async def _unless_client_gone(request: Request, collecting):
+    """What `collecting` returns, or None once the client has gone away first (collecting is then cancelled)."""
+    collect = asyncio.ensure_future(collecting)
     gone = asyncio.ensure_future(_client_gone(request))
     try:
         await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():
             collect.cancel()
-            # Nobody is listening; the abort (generation.close) frees the KV blocks.
-            return JSONResponse({}, status_code=499)
-        text, last, logprob_entries = collect.result()
+            return None
+        return collect.result()
     finally:
         gone.cancel()
-        generation.close()
+
+
+async def _complete(daemon: Daemon, request: Request, generation: Generation, chat: bool,
+                    echo: str | None = None) -> JSONResponse:
+    try:
+        collected = await _unless_client_gone(request, _collect(generation))
+    finally:
+        generation.close()  # an abort when unfinished: frees the KV blocks
+    if collected is None:
+        return JSONResponse({}, status_code=499)  # nobody is listening
+    text, last, logprob_entries = collected
     if last is None or last.finish_reason == "error":
         # Counted once, by the APIError handler.
         detail = last.error if last is not None and last.error else "the engine stopped without an answer"
@@ -239,17 +248,12 @@ async def _serve_choices(daemon: Daemon, request: Request, body: protocol.Sampli
         render = ChunkRenderer(rid, protocol.now_s(), daemon.served_model_name, chat, body.include_usage,
                                body.continuous_usage, logprobs=sampling.logprobs is not None, echo=echo)
         return SSEResponse(choices.stream_events(daemon, group, render), on_close=group.close)
-    collect = asyncio.ensure_future(_collect_choices(group))
-    gone = asyncio.ensure_future(_client_gone(request))
     try:
-        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
-        if not collect.done():
-            collect.cancel()
-            return JSONResponse({}, status_code=499)
-        results = collect.result()
+        results = await _unless_client_gone(request, _collect_choices(group))
     finally:
-        gone.cancel()
         group.close()
+    if results is None:
+        return JSONResponse({}, status_code=499)
     bad = choices.failure(results)
     if bad is not None and bad.finish_reason == "abort":
         raise APIError(503, "the request was aborted: the server is shutting down", code="aborted",
