@@ -4,6 +4,8 @@ For each count of running sequences (default 1, 16, 64) it runs decode iteration
 model runner and the sampler (no scheduler, no HTTP) and times three parts of each: input preparation
 (the ragged batch and its index tensors), the forward (model and logits) and sampling (greedy). It prints
 one row per count with medians in milliseconds, the host share and the decode rate, and writes JSON.
+`--breakdown` also splits each forward into weight matmuls, attention, other ATen ops and Python
+(bench/op_breakdown.py), with the count of ATen ops one forward dispatches: what bounds a decode step.
 Every sequence has `--context` tokens cached (the KV content does not change the time).
 """
 from __future__ import annotations
@@ -26,6 +28,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=128, help="cached tokens per sequence")
     p.add_argument("--iterations", type=int, default=20, help="timed iterations per row (after 3 warm-ups)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--breakdown", action="store_true",
+                   help="also split each forward into weight matmuls, attention, other ops and Python (profiler)")
     p.add_argument("--json", default="runs/bench_iteration.json")
     return p.parse_args(argv)
 
@@ -36,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if not counts or min(counts) < 1 or args.context < 1 or args.iterations < 1:
         print("stallfree bench iteration: error: --seqs, --context and --iterations must be positive", file=sys.stderr)
         return 2
+    from stallfree.bench.op_breakdown import count_ops, op_shares
     from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
     from stallfree.node_daemon.engine.model_runner import ModelRunner
     from stallfree.node_daemon.engine.request import Request
@@ -87,9 +92,22 @@ def main(argv: list[str] | None = None) -> int:
         row = {"seqs": n, "context": args.context, "prepare_ms": round(p, 3), "forward_ms": round(f, 3),
                "sample_ms": round(s, 3), "host_share": round((p + s) / total, 4),
                "tokens_per_s": round(n / total * 1000, 1)}
+        if args.breakdown:
+            inputs = runner.prepare_inputs(output)  # the last step's shape, re-run (the KV slot is rewritten)
+            forward = lambda: runner.model.compute_logits(runner.run_model(inputs)[inputs.logits_indices])  # noqa: E731
+            shares = op_shares(forward)
+            row["forward_split_ms"] = {kind: round(share * f, 3) for kind, share in shares.items()}
+            row["aten_ops_per_forward"] = count_ops(forward)
         rows.append(row)
         print(f"{n:>5} {p:>8.2f} {f:>10.2f} {s:>9.2f} {100 * row['host_share']:>6.1f}% {row['tokens_per_s']:>8.1f}",
               flush=True)
+    if args.breakdown:
+        print("forward split (profiler shares of the median forward, ms):")
+        print(f"{'seqs':>5} {'matmul':>8} {'attention':>10} {'other ops':>10} {'python':>8} {'ATen ops':>9}")
+        for row in rows:
+            split = row["forward_split_ms"]
+            print(f"{row['seqs']:>5} {split['matmul']:>8.2f} {split['attention']:>10.2f} {split['other_ops']:>10.2f} "
+                  f"{split['python']:>8.2f} {row['aten_ops_per_forward']:>9}")
     result = {"model": args.model, "dtype": str(runner.loaded.dtype).removeprefix("torch."),
               "attention_backend": runner.attn.name, "threads": runner.threads, "rows": rows}
     if args.json:

@@ -13,7 +13,7 @@ masks) is built once in begin_iteration and every layer reuses it:
   mask (plain is_causal when the chunk is the whole sequence).
 
 Scores, softmax and the GEMMs' accumulation are float32; bfloat16 operands stay bfloat16 (oneDNN's GEMMs
-accumulate in float32). kernels/torch_reference.py stays the reference this backend is tested against.
+accumulate in float32), except in small decode batches, which are cast to float32 whole (cheaper there). kernels/torch_reference.py stays the reference this backend is tested against.
 """
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from stallfree.kernels.attention import AttentionMetadata
+
+
+# Decode batches of at most this many cached slots (decodes x longest length) attend in float32: below it
+# the casts cost less than half-precision bmm's fixed overhead (2-core AVX512-BF16: 42 against 68 us a
+# layer for one decode of 128 tokens; even at 2 x 128, bfloat16 from 4 x 128).
+FLOAT32_DECODE_MAX_SLOTS = 384
 
 
 @dataclass
@@ -108,6 +114,9 @@ def _decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tenso
     k = k_flat.index_select(1, plan.decode_gather).view(kv_heads * n, length, d)
     v = v_flat.index_select(1, plan.decode_gather).view(kv_heads * n, length, d)
     qh = q.view(n, kv_heads, group, d).transpose(0, 1).reshape(kv_heads * n, group, d)
+    if k.dtype != torch.float32 and n * length <= FLOAT32_DECODE_MAX_SLOTS:
+        # oneDNN's half-precision bmm has a fixed cost of ~20 us a call; tiny ones are cheaper cast to float32.
+        k, v, qh = k.float(), v.float(), qh.float()
     scores = torch.bmm(qh, k.transpose(1, 2))
     if scores.dtype != torch.float32:
         scores = scores.float()
@@ -117,7 +126,8 @@ def _decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tenso
         scores = torch.add(plan.decode_mask.repeat(kv_heads, 1, 1), scores, alpha=scale)
     probs = scores.softmax(dim=-1)
     out = torch.bmm(probs if probs.dtype == v.dtype else probs.to(v.dtype), v)
-    return out.view(kv_heads, n, group, d).transpose(0, 1).reshape(n, num_heads, d)
+    out = out.view(kv_heads, n, group, d).transpose(0, 1).reshape(n, num_heads, d)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 def _prefill_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, p: _Prefill,
