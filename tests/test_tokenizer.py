@@ -167,3 +167,21 @@ def test_gguf_llama3_style_byte_level_bpe(tmp_path: Path) -> None:
     assert tk.eos_token_ids == (len(tokens) - 1,)
     # Llama-3's split pattern groups up to three digits (SmolLM2's "smollm" splits every digit).
     assert [piece for piece, _ in tk.backend.pre_tokenizer.pre_tokenize_str("12345")] == ["123", "45"]
+
+
+def test_a_loaded_gguf_model_gives_its_tokenizer_without_parsing_the_file_again(monkeypatch, smollm2_tokenizer):
+    import gguf
+
+    from model_helpers import smollm2_runner
+
+    loaded = smollm2_runner().loaded
+    assert loaded.source_kind == "gguf" and "tokenizer.ggml.tokens" in loaded.tokenizer_metadata
+
+    def no_second_parse(*args, **kwargs):
+        raise AssertionError("the GGUF file was parsed a second time for its tokenizer")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_second_parse)
+    tk = load_tokenizer(loaded)
+    text = "What is the capital of France? <|im_end|> 2024"
+    assert tk.encode(text) == smollm2_tokenizer.encode(text)
+    assert tk.eos_token_ids == smollm2_tokenizer.eos_token_ids

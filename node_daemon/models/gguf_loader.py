@@ -68,6 +68,8 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
               name: str | None = None) -> LoadedModel:
     import gguf
 
+    from stallfree.node_daemon.text.tokenizer import gguf_tokenizer_metadata
+
     started = time.monotonic()
     try:
         reader = gguf.GGUFReader(path)
@@ -88,7 +90,8 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
     eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
     return LoadedModel(model=model, shape=shape, eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
                        bos_token_id=_int_or_none(fields.get("tokenizer.ggml.bos_token_id")),
-                       max_model_len=context, source=path, source_kind="gguf")
+                       max_model_len=context, source=path, source_kind="gguf",
+                       tokenizer_metadata=gguf_tokenizer_metadata(reader))
 
 
 def gguf_shape(fields: dict, tensor_names: set[str], name: str) -> ModelShape:

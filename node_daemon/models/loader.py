@@ -34,6 +34,8 @@ class LoadedModel:
     # or None for random weights (no tokenizer of its own).
     source: str | None
     source_kind: str  # "hf" | "gguf" | "random"
+    # A GGUF file's tokenizer.* metadata, read with the weights so the file is parsed once at start-up.
+    tokenizer_metadata: dict | None = None
 
     @property
     def dtype(self) -> torch.dtype:

@@ -99,6 +99,8 @@ def load_tokenizer(source: Any, vocab_size: int | None = None) -> Tokenizer:
     shape = getattr(source, "shape", None)
     if shape is not None and hasattr(source, "source"):  # a LoadedModel
         path = getattr(source, "source", None)
+        if getattr(source, "tokenizer_metadata", None):  # a GGUF file's, read with its weights
+            return from_gguf_metadata(source.tokenizer_metadata, str(path))
         if path and Path(str(path)).exists():
             return load_tokenizer(str(path))
         return byte_level_tokenizer(shape.vocab_size)
@@ -222,20 +224,20 @@ def _read_json(path: Path) -> dict:
 # ---------------------------------------------------------------- GGUF
 
 
-def _gguf_fields(path: Path) -> dict[str, Any]:
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            out[key] = field.contents()
-    return out
+def gguf_tokenizer_metadata(reader) -> dict[str, Any]:
+    """Every tokenizer.* field of an open gguf.GGUFReader, decoded (vocabulary, merges, scores, types, ids).
+    The model loader calls it on the reader it loads the weights from, so the file is parsed once."""
+    return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
 
 
 def from_gguf(path: str | Path) -> Tokenizer:
-    path = Path(path)
-    meta = _gguf_fields(path)
+    import gguf
+
+    return from_gguf_metadata(gguf_tokenizer_metadata(gguf.GGUFReader(str(path))), str(path))
+
+
+def from_gguf_metadata(meta: dict[str, Any], path: str) -> Tokenizer:
+    """The tokenizer a GGUF file's tokenizer.* metadata describes (`path` names the file in errors)."""
     kind = meta.get("tokenizer.ggml.model")
     tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
     if not tokens:
