@@ -6,7 +6,8 @@ bench/serve.py's client, temperature 0, `ignore_eos` so outputs have the asked l
 --repeats where the table says so. Rows:
 
 - single-stream decode of 128 tokens (tok/s after the first token), default flags;
-- 16 concurrent streams x 128 tokens (total output tok/s), with the streams' p99 and max gap;
+- 16 concurrent streams x 128 tokens (total output tok/s), with the streams' p99 and max gap, over the whole
+  run and in steady state (every stream decoding: the other prompts' admission excluded);
 - a 1,500-token prompt alone (prefill tok/s = prompt tokens / TTFT);
 - 4 streams decoding when a 1,500-token prompt lands, `--token-budget 256`: max and p99 gap while it is
   prefilled, and its TTFT;
@@ -240,6 +241,17 @@ def _gaps(streams: list[Stream]) -> list[float]:
     return sorted(g for s in streams for g in s.result.itl_ms)
 
 
+def _steady_gaps(streams: list[Stream]) -> list[float]:
+    """Gaps once every stream is decoding (after the last first token) and before the first stream ends:
+    steady load, without the admission of the other streams' prompts (a stall with a cause) in it."""
+    times = [s.token_times() for s in streams]
+    times = [t for t in times if t]
+    if not times:
+        return []
+    start, end = max(t[0] for t in times), min(t[-1] for t in times)
+    return sorted((b - a) * 1000.0 for t in times for a, b in zip(t, t[1:]) if a >= start and b <= end)
+
+
 def _median(values: list[float | None]) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -293,22 +305,27 @@ def measure(args: argparse.Namespace, sizes: Sizes, work: Path) -> dict[str, Any
             print(f"  single stream {r + 1}/{sizes.repeats}: {single[-1]:.1f} tok/s", flush=True)
         rows["single_stream_decode_tok_s"] = {"value": _median(single), "unit": "tok/s", "runs": single,
                                               "tokens": sizes.decode_tokens}
-        totals, p99s, maxes = [], [], []
+        totals, p99s, maxes, steady_p99s, steady_maxes = [], [], [], [], []
         for r in range(sizes.repeats):
             streams, wall = asyncio.run(run_streams(daemon.url, args.model,
                                                     _prompts(builder, sizes.streams, sizes.short_prompt, seed),
                                                     sizes.decode_tokens, timeout))
             seed += sizes.streams
-            gaps = _gaps(streams)
+            gaps, steady = _gaps(streams), _steady_gaps(streams)
             totals.append(sum(s.result.output_tokens for s in streams) / wall)
             p99s.append(_rank(gaps, 0.99))
             maxes.append(gaps[-1] if gaps else None)
+            steady_p99s.append(_rank(steady, 0.99))
+            steady_maxes.append(steady[-1] if steady else None)
             print(f"  {sizes.streams} streams {r + 1}/{sizes.repeats}: {totals[-1]:.1f} tok/s total, gap p99 "
-                  f"{p99s[-1]:.0f} ms, max {maxes[-1]:.0f} ms", flush=True)
+                  f"{p99s[-1]:.0f} ms, max {maxes[-1]:.0f} ms; steady (all decoding) p99 "
+                  f"{steady_p99s[-1] or 0:.0f} ms, max {steady_maxes[-1] or 0:.0f} ms", flush=True)
         rows["concurrent_total_tok_s"] = {
             "value": _median(totals), "unit": "tok/s", "runs": totals, "streams": sizes.streams,
             "tokens": sizes.decode_tokens, "p99_gap_ms": _median(p99s), "max_gap_ms": _median(maxes),
-            "max_over_p99": [m / p for m, p in zip(maxes, p99s) if m and p]}
+            "max_over_p99": [m / p for m, p in zip(maxes, p99s) if m and p],
+            "steady_p99_gap_ms": _median(steady_p99s), "steady_max_gap_ms": _median(steady_maxes),
+            "steady_max_over_p99": [m / p for m, p in zip(steady_maxes, steady_p99s) if m and p]}
         kv = _log_int(daemon.log_text(), r"(\d+) KV blocks of (\d+)")
         rows["peak_rss_mb"] = {"value": daemon.peak_rss_mb(), "unit": "MB", "after": f"{sizes.streams} streams",
                                "kv_blocks": kv[0] if kv else None, "block_size": kv[1] if kv else None,
@@ -381,7 +398,7 @@ def _fmt(row: dict[str, Any]) -> str:
     value = row.get("value")
     text = "-" if value is None else f"{value:.1f} {row['unit']}"
     extras = []
-    for key in ("p99_gap_ms", "max_gap_ms", "ttft_ms"):
+    for key in ("p99_gap_ms", "max_gap_ms", "steady_p99_gap_ms", "steady_max_gap_ms", "ttft_ms"):
         if row.get(key) is not None:
             extras.append(f"{key.replace('_ms', '').replace('_', ' ')} {row[key]:.0f} ms")
     if row.get("ttft_vs_alone") is not None:
