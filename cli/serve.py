@@ -3,7 +3,9 @@
 Start-up: the HTTP server answers at once (/health 200, /ready 503 "loading model"); a start-up thread
 loads the model (or builds the sim backend), reads this engine's profile from the profile cache or
 measures it within --profile-max-seconds (node_daemon/engine/profiler.py, profile_cache.py), picks the
-starting token budget from --tpot-slo-ms when --token-budget is auto, and starts the engine loop; /ready
+starting token budget from --tpot-slo-ms when --token-budget is auto, has the scheduler cut prefill chunks over
+a long prefix to the budget's iteration time (node_daemon/engine/iteration_cost.py), and starts the engine loop;
+/ready
 turns 200 then. Each step logs a "start-up:" line with its duration. A start-up failure exits with status 1.
 """
 from __future__ import annotations
@@ -62,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=64, help="live cap on running requests")
     s.add_argument("--max-partial-prefills", type=int, default=1, help="live cap on concurrent partial prefills")
     s.add_argument("--long-prefill-threshold", type=int, default=0, help="0: no per-request prefill cap")
-    s.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT target: picks the starting budget")
+    s.add_argument("--tpot-slo-ms", type=float, default=None,
+                   help="TPOT target: picks the starting budget")
     s.add_argument("--policy", choices=["stall_free", "prefill_priority", "decode_priority"], default="stall_free",
                    help="scheduling policy (the two others are baselines)")
     s.add_argument("--no-profile", action="store_true", help="skip the start-up profile (needs --token-budget N)")
@@ -222,6 +225,7 @@ def start_engine(opts: ServeOptions, daemon) -> None:
 
     from stallfree.node_daemon.engine.async_engine import AsyncEngine
     from stallfree.node_daemon.engine.observers import FanoutObserver
+    from stallfree.node_daemon.engine.iteration_cost import OnlineIterationCost
     from stallfree.node_daemon.engine.profiler import starting_tuning
     from stallfree.node_daemon.server.app import LiveCounts
 
@@ -248,6 +252,12 @@ def start_engine(opts: ServeOptions, daemon) -> None:
             log.warning("start-up: even the smallest budget's iteration (%.1f ms predicted) misses the TPOT SLO "
                         "%.1f ms on this engine", predicted, opts.args.tpot_slo_ms)
     scheduler, kv_cache = engine.scheduler, engine.kv_cache
+    if daemon.profile is not None and daemon.profile.mixed and opts.args.backend == "model":
+        # A chunk of a long prompt's tail attends to all of it: cut it so the iteration stays as long as the
+        # budget means, by what served iterations show a cached prefix costs (the profile cannot see it).
+        scheduler.set_prefix_cost(OnlineIterationCost(daemon.profile))
+        log.info("start-up: prefill chunks over a cached prefix are cut to the budget's iteration time (the prefix's "
+                 "cost learned from served iterations)")
     daemon.vocab_size = engine.vocab_size
     daemon.kv_capacity_tokens = kv_cache.num_blocks * kv_cache.block_size
     daemon.max_chars_per_token = max_chars_per_token(engine.tokenizer)

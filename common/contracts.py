@@ -171,6 +171,20 @@ class Profile:
         slope = (hi.iteration_ms - lo.iteration_ms) / max(1, hi.tokens - lo.tokens)
         return hi.iteration_ms + slope * (tokens - hi.tokens)
 
+    def decode_ms_at(self, num_decodes: int) -> float:
+        """The decode-only iteration for a batch of `num_decodes` (linear between points, along the end
+        segment beyond them); without decode-only points, the mixed curve at that many tokens."""
+        points = sorted((p.num_decodes, p.iteration_ms) for p in self.decode_only)
+        if not points:
+            return self.iteration_ms_at(num_decodes)
+        if num_decodes <= points[0][0]:
+            return points[0][1]
+        for (n0, ms0), (n1, ms1) in zip(points, points[1:]):
+            if num_decodes <= n1:
+                return ms0 + (num_decodes - n0) / max(1, n1 - n0) * (ms1 - ms0)
+        (n0, ms0), (n1, ms1) = points[-2:] if len(points) > 1 else (points[0], points[0])
+        return ms1 + (ms1 - ms0) / max(1, n1 - n0) * (num_decodes - n1)
+
     def budget_for(self, iteration_target_ms: float, lo: int = 1, hi: int = 1 << 16) -> int:
         """Sarathi-Serve's recipe: the largest token budget whose iteration time fits the target."""
         best = None

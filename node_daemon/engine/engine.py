@@ -199,6 +199,9 @@ class LLMEngine:
             sampled, logprobs = self._execute_one_by_one(output, exc, failed)
         scheduler.update_from_output(output, sampled)  # appends tokens, finishes on EOS and length
         now = self.clock()
+        observe = getattr(scheduler.prefix_cost, "observe", None)
+        if observe is not None:  # a cost model that learns from served iterations (iteration_cost.py)
+            _observe_iteration(observe, output, (now - start) * 1000.0)
         observer = self.observer
         if observer is not None:
             evictions = self.kv_cache.num_evictions
@@ -337,3 +340,14 @@ def _describe(exc: BaseException) -> str:
 def _is_stop_token(request: Request, token: int) -> bool:
     sampling = request.sampling
     return token in sampling.stop_token_ids or (token in request.eos_token_ids and not sampling.ignore_eos)
+
+
+def _observe_iteration(observe: Callable[..., None], output, iteration_ms: float) -> None:
+    """Hand a cost model the iteration as it predicts one: decode context lengths, (prefix, tokens) chunks."""
+    decode_lens, prefill_chunks = [], []
+    for chunk in output.chunks:
+        if chunk.is_prefill:
+            prefill_chunks.append((chunk.start, chunk.num_tokens))
+        else:
+            decode_lens.append(chunk.start + 1)
+    observe(decode_lens, prefill_chunks, iteration_ms)

@@ -66,6 +66,12 @@ class IterationCostModel(Protocol):
     def predict_ms(self, decode_context_lens: Sequence[int], prefill_chunks: Sequence[tuple[int, int]]) -> float: ...
 
 
+class PrefixCostModel(Protocol):
+    """Cuts a chunk over `prefix_len` cached tokens so its iteration costs no more than `token_budget` fresh ones."""
+
+    def chunk_within_budget(self, limit: int, used: int, prefix_len: int, token_budget: int) -> int: ...
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, cost_model: IterationCostModel | None = None,
                  *, output_estimate: OutputLengthEstimate | None = None) -> None:
@@ -80,6 +86,7 @@ class Scheduler:
         self._tuning = config.tuning
         self._block_size = kv_cache.block_size
         self._time_target = config.iteration_time_target_ms if cost_model is not None else None
+        self.prefix_cost: PrefixCostModel | None = None
         self.waiting: deque[Request] = deque()  # preempted at the front, then new requests in arrival order
         # Running requests in admission order, and the same split into those that decode and those
         # still prefilling (both kept in admission order, so the latest admitted is always a tail).
@@ -104,6 +111,11 @@ class Scheduler:
     @property
     def ceilings(self) -> Ceilings:
         return self.config.ceilings
+
+    def set_prefix_cost(self, model: PrefixCostModel | None) -> None:
+        """From the next schedule() on, cut prefill chunks over a cached prefix so that an iteration's time stays
+        what the token budget means (node_daemon/engine/iteration_cost.py); None stops it."""
+        self.prefix_cost = model
 
     def set_tuning(self, tuning: Tuning) -> None:
         """Validate against the ceilings (raises TuningError) and take effect at the next schedule()."""
@@ -287,6 +299,8 @@ class Scheduler:
         n = remaining if remaining < budget else budget
         if 0 < tuning.long_prefill_threshold < n:
             n = tuning.long_prefill_threshold
+        if self.prefix_cost is not None and prefix_len > 0:
+            n = self.prefix_cost.chunk_within_budget(n, tuning.token_budget - budget, prefix_len, tuning.token_budget)
         if decode_lens is not None and n > 0:
             n = self._fit_time_target(n, decode_lens, prefill_chunks, prefix_len)
         return n
