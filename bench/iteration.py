@@ -30,8 +30,27 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--breakdown", action="store_true",
                    help="also split each forward into weight matmuls, attention, other ops and Python (profiler)")
+    p.add_argument("--compile", action="store_true",
+                   help="run the model's forward through torch.compile (inductor, dynamic shapes): the engine does "
+                        "not, this measures whether it would pay")
     p.add_argument("--json", default="runs/bench_iteration.json")
     return p.parse_args(argv)
+
+
+def _compile_forward(runner) -> None:
+    """Replace the model's forward by torch.compile's (under no_grad: inductor cannot take inference-mode
+    tensors it mutates, the KV cache), compiled on its first call, which the warm-up iterations make."""
+    import torch
+
+    model = runner.model
+    compiled = torch.compile(type(model).forward.__wrapped__, dynamic=True)
+
+    def forward(*args):
+        with torch.no_grad():
+            return compiled(model, *args)
+
+    model.forward = forward
+    print("forward compiled by torch.compile on first use (its time shows in the first row's warm-up)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                          max_num_tokens=max(counts), max_num_seqs=max(counts))
     print(f"loaded {args.model} in {time.monotonic() - started:.1f} s: {runner.loaded.dtype}, "
           f"attention {runner.attn.name}, threads {runner.threads}", flush=True)
+    if args.compile:
+        _compile_forward(runner)
     sampler = Sampler(runner.device)
     greedy = SamplingParams(max_tokens=steps + 1, temperature=0.0)
     rows = []
@@ -72,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = [r.request_id for r in reqs]
         params = [greedy] * n
         prep, fwd, samp = [], [], []
+        warmup_s = 0.0  # the 3 untimed iterations (with --compile: compilation for this shape)
         for step in range(steps):
             output = SchedulerOutput(chunks=[ScheduledChunk(r, r.num_tokens - 1, 1, is_prefill=False, samples=True)
                                              for r in reqs])
@@ -87,11 +109,13 @@ def main(argv: list[str] | None = None) -> int:
                 r.num_computed_tokens = r.num_tokens - 1
             if step >= 3:
                 prep.append(t1 - t0), fwd.append(t2 - t1), samp.append(t3 - t2)
+            else:
+                warmup_s += t3 - t0
         p, f, s = (statistics.median(x) * 1000 for x in (prep, fwd, samp))
         total = p + f + s
         row = {"seqs": n, "context": args.context, "prepare_ms": round(p, 3), "forward_ms": round(f, 3),
                "sample_ms": round(s, 3), "host_share": round((p + s) / total, 4),
-               "tokens_per_s": round(n / total * 1000, 1)}
+               "tokens_per_s": round(n / total * 1000, 1), "warmup_s": round(warmup_s, 2)}
         if args.breakdown:
             inputs = runner.prepare_inputs(output)  # the last step's shape, re-run (the KV slot is rewritten)
             forward = lambda: runner.model.compute_logits(runner.run_model(inputs)[inputs.logits_indices])  # noqa: E731
@@ -99,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             row["forward_split_ms"] = {kind: round(share * f, 3) for kind, share in shares.items()}
             row["aten_ops_per_forward"] = count_ops(forward)
         rows.append(row)
-        print(f"{n:>5} {p:>8.2f} {f:>10.2f} {s:>9.2f} {100 * row['host_share']:>6.1f}% {row['tokens_per_s']:>8.1f}",
-              flush=True)
+        print(f"{n:>5} {p:>8.2f} {f:>10.2f} {s:>9.2f} {100 * row['host_share']:>6.1f}% {row['tokens_per_s']:>8.1f}"
+              + (f"  (warm-up and compile {warmup_s:.1f} s)" if args.compile else ""), flush=True)
     if args.breakdown:
         print("forward split (profiler shares of the median forward, ms):")
         print(f"{'seqs':>5} {'matmul':>8} {'attention':>10} {'other ops':>10} {'python':>8} {'ATen ops':>9}")
