@@ -53,6 +53,17 @@ def _compile_forward(runner) -> None:
     print("forward compiled by torch.compile on first use (its time shows in the first row's warm-up)", flush=True)
 
 
+def _compiled_vs_eager(runner, inputs) -> float:
+    """Relative difference of the compiled forward's logits from the eager one's on the same inputs."""
+    model = runner.model
+    runner.attn.begin_iteration(inputs.metadata)
+    eager = type(model).forward(model, inputs.input_ids, inputs.positions, runner.kv_caches, inputs.metadata,
+                                runner.attn)
+    want = model.compute_logits(eager[inputs.logits_indices])
+    got = model.compute_logits(runner.run_model(inputs)[inputs.logits_indices])
+    return float((got - want).abs().max() / want.abs().max())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     counts = [int(n) for n in args.seqs.split(",") if n.strip()]
@@ -116,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         row = {"seqs": n, "context": args.context, "prepare_ms": round(p, 3), "forward_ms": round(f, 3),
                "sample_ms": round(s, 3), "host_share": round((p + s) / total, 4),
                "tokens_per_s": round(n / total * 1000, 1), "warmup_s": round(warmup_s, 2)}
+        if args.compile:
+            row["compiled_vs_eager"] = _compiled_vs_eager(runner, runner.prepare_inputs(output))
+            print(f"      compiled against eager logits: max |diff| / max |logit| {row['compiled_vs_eager']:.2e}",
+                  flush=True)
         if args.breakdown:
             inputs = runner.prepare_inputs(output)  # the last step's shape, re-run (the KV slot is rewritten)
             forward = lambda: runner.model.compute_logits(runner.run_model(inputs)[inputs.logits_indices])  # noqa: E731
