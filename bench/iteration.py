@@ -5,7 +5,8 @@ model runner and the sampler (no scheduler, no HTTP) and times three parts of ea
 (the ragged batch and its index tensors), the forward (model and logits) and sampling (greedy). It prints
 one row per count with medians in milliseconds, the host share and the decode rate, and writes JSON.
 `--breakdown` also splits each forward into weight matmuls, attention, other ATen ops and Python
-(bench/op_breakdown.py), with the count of ATen ops one forward dispatches: what bounds a decode step.
+(bench/op_breakdown.py), with the count of ATen ops one forward dispatches, the weight bytes it reads and how
+long reading them takes at the machine's measured copy bandwidth: what bounds a decode step.
 Every sequence has `--context` tokens cached (the KV content does not change the time).
 """
 from __future__ import annotations
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if not counts or min(counts) < 1 or args.context < 1 or args.iterations < 1:
         print("stallfree bench iteration: error: --seqs, --context and --iterations must be positive", file=sys.stderr)
         return 2
-    from stallfree.bench.op_breakdown import count_ops, op_shares
+    from stallfree.bench.op_breakdown import count_ops, memory_bandwidth_gb_s, op_shares, weight_bytes_per_forward
     from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
     from stallfree.node_daemon.engine.model_runner import ModelRunner
     from stallfree.node_daemon.engine.request import Request
@@ -137,18 +138,26 @@ def main(argv: list[str] | None = None) -> int:
             shares = op_shares(forward)
             row["forward_split_ms"] = {kind: round(share * f, 3) for kind, share in shares.items()}
             row["aten_ops_per_forward"] = count_ops(forward)
+            row["weight_mb_per_forward"] = round(weight_bytes_per_forward(runner.model, n) / 1e6, 1)
         rows.append(row)
         print(f"{n:>5} {p:>8.2f} {f:>10.2f} {s:>9.2f} {100 * row['host_share']:>6.1f}% {row['tokens_per_s']:>8.1f}"
               + (f"  (warm-up and compile {warmup_s:.1f} s)" if args.compile else ""), flush=True)
     if args.breakdown:
-        print("forward split (profiler shares of the median forward, ms):")
-        print(f"{'seqs':>5} {'matmul':>8} {'attention':>10} {'other ops':>10} {'python':>8} {'ATen ops':>9}")
+        bandwidth = memory_bandwidth_gb_s()
+        print(f"forward split (profiler shares of the median forward, ms); memory copy bandwidth {bandwidth:.1f} GB/s:")
+        print(f"{'seqs':>5} {'matmul':>8} {'attention':>10} {'other ops':>10} {'python':>8} {'ATen ops':>9} "
+              f"{'weights MB':>10} {'at bandwidth':>12}")
         for row in rows:
             split = row["forward_split_ms"]
+            row["weight_read_ms_at_bandwidth"] = round(row["weight_mb_per_forward"] / bandwidth, 3)
             print(f"{row['seqs']:>5} {split['matmul']:>8.2f} {split['attention']:>10.2f} {split['other_ops']:>10.2f} "
-                  f"{split['python']:>8.2f} {row['aten_ops_per_forward']:>9}")
+                  f"{split['python']:>8.2f} {row['aten_ops_per_forward']:>9} {row['weight_mb_per_forward']:>10.1f} "
+                  f"{row['weight_read_ms_at_bandwidth']:>9.2f} ms")
+        result_extra = {"memory_bandwidth_gb_s": round(bandwidth, 2)}
+    else:
+        result_extra = {}
     result = {"model": args.model, "dtype": str(runner.loaded.dtype).removeprefix("torch."),
-              "attention_backend": runner.attn.name, "threads": runner.threads, "rows": rows}
+              "attention_backend": runner.attn.name, "threads": runner.threads, "rows": rows, **result_extra}
     if args.json:
         import os
 

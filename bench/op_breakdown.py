@@ -45,3 +45,39 @@ def count_ops(run: Callable[[], object]) -> int:
         run()
     return sum(event.count for event in prof.key_averages())
 
+
+
+def memory_bandwidth_gb_s(megabytes: int = 256, repeats: int = 5) -> float:
+    """This machine's copy bandwidth (bytes read plus written per second, best of `repeats`), in GB/s."""
+    import time
+
+    import torch
+
+    src = torch.ones(megabytes * (1 << 20) // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch every page first
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def weight_bytes_per_forward(model, rows: int) -> int:
+    """Bytes of weights one forward of `rows` tokens reads: packed int4 where that path runs, dense otherwise."""
+    from stallfree.node_daemon.models.layers import Linear
+    from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS
+
+    def dense(t) -> int:
+        return t.numel() * t.element_size()
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            int4 = module.int4 is not None and rows <= INT4_MAX_ROWS
+            total += module.int4.nbytes if int4 else dense(module.weight)
+    if model.lm_head is None:
+        tied = model.tied_lm_head_int4
+        total += tied.nbytes if tied is not None and rows <= INT4_MAX_ROWS else dense(model.embed_tokens.weight)
+    return total
