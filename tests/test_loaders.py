@@ -263,3 +263,28 @@ def test_smollm2_predicts_english_prose_well():
     log_probs = torch.log_softmax(logits[:-1].double(), dim=-1)
     mean_nll = -log_probs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean()
     assert mean_nll < 3.3
+
+
+def test_cpu_bfloat16_models_prepack_dense_weights_with_the_same_logits():
+    import torch
+
+    from stallfree.node_daemon.engine.config import ModelConfig
+    from stallfree.node_daemon.models.layers import Linear
+    from stallfree.node_daemon.models.loader import load_model
+
+    model = load_model(ModelConfig(model="tiny", dtype="bfloat16")).model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    hidden = torch.randn(24, model.shape.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    packed = [m(hidden[:, :m.in_features]) for m in linears[:3]] + [model.compute_logits(hidden)]
+    for m in linears:
+        m.packed = None
+    model.tied_lm_head_packed = None
+    dense = [m(hidden[:, :m.in_features]) for m in linears[:3]] + [model.compute_logits(hidden)]
+    assert all(torch.equal(a, b) for a, b in zip(packed, dense))
+    # New weights re-pack: the packed copies never serve stale values.
+    model.prepack_for_cpu()
+    model.load_weights((name, torch.zeros_like(w)) for name, w in model.hf_weights())
+    assert all(m.packed is not None for m in linears)
+    assert torch.count_nonzero(linears[0](hidden[:, :linears[0].in_features])) == 0
+    assert not load_model(ModelConfig(model="tiny", dtype="float32")).model.layers[0].mlp.down_proj.packed

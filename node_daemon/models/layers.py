@@ -3,7 +3,8 @@
 Parameters are created empty (no init pass over billions of weights): a loader fills them from a
 checkpoint or random_weights draws them. Every layer works on flattened rows [num_tokens, ...].
 A Linear may also carry its GGUF weight packed as int4 (models/quantized.py), taken by iterations of
-at most INT4_MAX_ROWS rows.
+at most INT4_MAX_ROWS rows, and on a CPU in bfloat16 its dense weight prepacked for oneDNN (prepack_for_cpu),
+taken by the larger ones.
 """
 from __future__ import annotations
 
@@ -27,12 +28,35 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
         self.int4: Int4Weight | None = None  # set by the GGUF loader where the weight maps exactly
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (prepack_for_cpu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
             y = self.int4.matmul(x)
             return y if self.bias is None else y + self.bias
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def prepack_for_cpu(self) -> None:
+        self.packed = prepack_weight(self.weight)
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    """oneDNN's prepacked bfloat16 matmul: CPU, bfloat16, torch built with mkldnn."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+
+
+def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] reordered once into oneDNN's blocked layout. F.linear reorders it on every call; that is
+    25-35% of a 16-row matmul's time here (3072x576 bfloat16: 297 against 455 us a call), 5-10% of a prefill's.
+    The batch-size hint 16 is the decode batches' (measured no worse for prefill's hundreds of rows)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ W^T (+ b) with a prepacked W: the same values as F.linear (oneDNN either way)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [None], "")
 
 
 class RMSNorm(nn.Module):

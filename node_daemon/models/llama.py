@@ -27,7 +27,7 @@ from torch import nn
 
 from stallfree.kernels.attention import AttentionBackend, AttentionMetadata
 from stallfree.kernels.fused_ops import fused_add_rms_norm, rms_norm
-from stallfree.node_daemon.models.layers import Linear, RMSNorm, SwiGLU
+from stallfree.node_daemon.models.layers import Linear, RMSNorm, SwiGLU, can_prepack, packed_linear, prepack_weight
 from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS, BlockCodes, Int4Weight, stack_parts
 from stallfree.node_daemon.models.rope import RotaryEmbedding, apply_rope
 from stallfree.shapes import ModelShape
@@ -107,8 +107,10 @@ class LlamaForCausalLM(nn.Module):
                                                                        dtype, device)
         self.rotary = RotaryEmbedding(shape.head_dim, max_positions or shape.max_position_embeddings,
                                       shape.rope_theta, shape.rope_scaling, device)
-        # Tied embeddings: the output projection's int4 copy of the embedding matrix (GGUF), if any.
+        # Tied embeddings: the output projection's int4 copy of the embedding matrix (GGUF), if any, and its
+        # prepacked dense copy (prepack_for_cpu).
         self.tied_lm_head_int4: Int4Weight | None = None
+        self.tied_lm_head_packed: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -137,11 +139,25 @@ class LlamaForCausalLM(nn.Module):
             weight = self.embed_tokens.weight
             if self.tied_lm_head_int4 is not None and 0 < hidden.shape[0] <= INT4_MAX_ROWS:
                 logits = self.tied_lm_head_int4.matmul(hidden)
+            elif self.tied_lm_head_packed is not None and hidden.shape[0] > 0:
+                logits = packed_linear(hidden, self.tied_lm_head_packed, None)
             else:
                 logits = F.linear(hidden, weight)
         if logits.dtype == torch.float32 or not logits.numel():
             return logits.float()
         return _refine_top_logits(logits.float(), hidden, weight)
+
+    def prepack_for_cpu(self) -> bool:
+        """Prepack every dense projection (and a tied output layer) for oneDNN when that pays (CPU, bfloat16);
+        call once the weights are loaded. True if it did."""
+        if not can_prepack(self.embed_tokens.weight):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack_for_cpu()
+        if self.lm_head is None:
+            self.tied_lm_head_packed = prepack_weight(self.embed_tokens.weight)
+        return True
 
     # --- int4 weights (GGUF) -------------------------------------------------------------------------
 
@@ -204,6 +220,9 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in self._expected_keys() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:4])}")
+        if self.tied_lm_head_packed is not None or any(isinstance(m, Linear) and m.packed is not None
+                                                       for m in self.modules()):
+            self.prepack_for_cpu()  # the packed copies must follow the new weights
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight under its Hugging Face name and shape (q/k/v and gate/up split back apart)."""

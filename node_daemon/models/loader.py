@@ -51,6 +51,12 @@ def known_model_names() -> list[str]:
 
 
 def load_model(model_config: ModelConfig) -> LoadedModel:
+    loaded = _load(model_config)
+    loaded.model.prepack_for_cpu()  # CPU bfloat16: dense weights in oneDNN's layout, once
+    return loaded
+
+
+def _load(model_config: ModelConfig) -> LoadedModel:
     device = resolve_device(model_config.device)
     name = model_config.model
     if name.lower() == EMBEDDED_MODEL:
