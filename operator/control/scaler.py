@@ -286,8 +286,16 @@ def _short_window_arrivals(known: Sequence[ReplicaLoad], previous: ScalerState, 
         return {}
     dt = now - previous.last_step_at
     last = {name: queued for name, _, queued in previous.last_queues}
-    return {r.name: r.prefill_tokens_per_s + (r.queued_prompt_tokens - last[r.name]) / dt
-            for r in known if r.name in last and r.queued_prompt_tokens > last[r.name]}
+    out = {}
+    for r in known:
+        if r.name in last and r.queued_prompt_tokens > last[r.name]:
+            rate = r.prefill_tokens_per_s + (r.queued_prompt_tokens - last[r.name]) / dt
+            # One interval holds few arrivals: take one Poisson standard deviation off (sqrt of their count),
+            # so a lucky interval does not buy a replica that a whole window would not.
+            mean_prompt = r.queued_prompt_tokens / max(1, r.num_waiting)
+            count = rate * dt / mean_prompt if mean_prompt > 0 else 0.0
+            out[r.name] = max(0.0, rate - math.sqrt(count) * mean_prompt / dt)
+    return out
 
 
 def _capacity(known: Sequence[ReplicaLoad], service_capacity: float | None) -> float | None:

@@ -15,9 +15,7 @@ The law, per control step (observation and previous state in, a decision with it
   the breached budget is remembered and later raises stay under it;
 - p99 TPOT under `raise_below` of the SLO while prefill is the bottleneck (queue wait or TTFT pressure,
   the budget fully used): raise by at most x`raise_max`, to where the calibrated profile predicts
-  `raise_target` of the SLO, never past the remembered breach; while queue wait or TTFT actually
-  breach (not only press), the band widens to `breach_raise_below` / `breach_raise_target` and
-  x`breach_raise_max` (TPOT keeps its margin, the queue SLO gets the rest of the room);
+  `raise_target` of the SLO, never past the remembered breach;
 - between the two: hold (the dead band is the hysteresis that lets it settle);
 - max_num_seqs: down on preemptions or a full KV cache, up when queue wait presses, the sequence cap is
   what binds and the KV cache has headroom;
@@ -54,9 +52,6 @@ class TunerConfig:
     raise_below: float = 0.65
     raise_target: float = 0.75
     raise_max: float = 2.0
-    breach_raise_below: float = 0.8
-    breach_raise_target: float = 0.85
-    breach_raise_max: float = 4.0
     min_raise: float = 1.05  # smaller raises are not worth a change
     pressure_fraction: float = 0.5  # queue wait or TTFT above this fraction of its SLO: prefill pressure
     limit_margin: float = 0.9  # raises stay this far under a budget that breached
@@ -240,14 +235,11 @@ def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerSt
         cap = bounds.max_token_budget
         if limit is not None:
             cap = min(cap, int(limit * config.limit_margin))
-        breach = (stats.queue_wait_ms.p99 or 0.0) > slo.queue_wait_p99_ms or (stats.ttft_ms.p99 or 0.0) > slo.ttft_p99_ms
-        raise_below = config.breach_raise_below if breach else config.raise_below
-        raise_target = config.breach_raise_target if breach else config.raise_target
-        hi = min(cap, int(budget * (config.breach_raise_max if breach else config.raise_max)))
+        hi = min(cap, int(budget * config.raise_max))
         lo = int(budget * config.min_raise) + 1
         candidate = None
-        if tpot < raise_below * tpot_target and hi >= lo:
-            candidate = _largest_within(predict_raise, raise_target * tpot_target, lo, hi)
+        if tpot < config.raise_below * tpot_target and hi >= lo:
+            candidate = _largest_within(predict_raise, config.raise_target * tpot_target, lo, hi)
         if candidate is not None:
             new_budget = candidate
             kind, reason = BUDGET_RAISED, "prefill_pressure"
@@ -259,8 +251,8 @@ def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerSt
         else:
             at_ceiling = True
             why = ("at its bound" if budget >= bounds.max_token_budget
-                   else f"p99 TPOT {tpot:.1f} ms leaves no room under {raise_below:.0%} of the SLO"
-                   if tpot >= raise_below * tpot_target
+                   else f"p99 TPOT {tpot:.1f} ms leaves no room under {config.raise_below:.0%} of the SLO"
+                   if tpot >= config.raise_below * tpot_target
                    else f"a larger budget would break TPOT (limit {limit})" if limit is not None
                    else "the profile predicts a TPOT breach")
             reason = "tpot_limited" if budget < bounds.max_token_budget else "at_bounds"
