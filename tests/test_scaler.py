@@ -240,3 +240,26 @@ def test_a_miss_without_a_backlog_still_blocks_scale_in():
     decisions, _, current = run([lambda count: [r0] + [quiet(f"r{i}", 0.1 * CAP) for i in range(1, count)]] * 40,
                                 BACKLOG_POLICY, current=4)
     assert current == 4 and all(d.reason == "scale_in_blocked" for _, d in decisions)
+
+
+def test_the_loop_tells_the_scaler_when_tuning_has_nothing_left():
+    from control_helpers import observation, stats
+    from stallfree.operator.control.feasibility import Feasibility
+    from stallfree.operator.control.loop import _replica_load
+    from stallfree.operator.control.policy import ControlPolicy
+    from stallfree.operator.control.tuner import TuningDecision
+
+    policy = ControlPolicy()
+    hold = TuningDecision("r0", None, HOLD, "within_slo", "", False)
+    # Queue wait presses while neither the budget (half used) nor the sequence cap binds: the tuner holds with
+    # "not_budget_bound", and the scaler must read that as no tuning left (else a ramp never scales).
+    pressed = observation(window=stats(queue=900.0, utilisation=0.5))
+    assert _replica_load(pressed, replace(hold, reason="not_budget_bound"), policy).at_ceiling
+    assert not _replica_load(pressed, hold, policy).at_ceiling
+    # A queue already building on a budget at the largest the TPOT target allows: at its ceiling, whatever the
+    # window's mean utilisation still says; below that budget, or with no queue, not.
+    at_budget = Feasibility(tpot_floor_ms=5.0, tpot_budget=512)
+    queued = observation(window=stats(waiting=30, utilisation=0.4, budget=512))
+    assert _replica_load(queued, hold, policy, at_budget).at_ceiling
+    assert not _replica_load(queued, hold, policy, replace(at_budget, tpot_budget=768)).at_ceiling
+    assert not _replica_load(observation(window=stats(waiting=0, budget=512)), hold, policy, at_budget).at_ceiling

@@ -338,7 +338,11 @@ def _replica_load(obs: ReplicaObservation, decision: TuningDecision, policy: Con
     # utilisation still says (a queue that just began to build fills every iteration now).
     at_tpot_budget = feasibility is not None and feasibility.tpot_budget is not None and stats.num_waiting > 0 \
         and stats.tuning.token_budget >= feasibility.tpot_budget
-    return ReplicaLoad(obs.name, known=True, ready=obs.ready, at_ceiling=bool(decision.at_ceiling) or at_tpot_budget,
+    # Queue wait or TTFT press while neither the budget (not full) nor the sequence cap binds: arrivals bunch
+    # at a utilisation no knob lowers; fewer requests per replica do. Tuning has nothing left for the scaler.
+    not_tunable = decision.reason == "not_budget_bound"  # the tuner's reason for that hold
+    return ReplicaLoad(obs.name, known=True, ready=obs.ready,
+                       at_ceiling=bool(decision.at_ceiling) or at_tpot_budget or not_tunable,
                        breaching=breaching, slo_met=slo_met, prompt_tokens_per_s=stats.prompt_tokens_per_s,
                        num_waiting=stats.num_waiting,
                        capacity_tokens_per_s=prefill_capacity_tokens_per_s(stats, obs.profile),
