@@ -15,13 +15,20 @@ replica: one whose backlog takes longer than the target to drain at its own capa
 (a least-request balancer sends it nothing new meanwhile), so it counts as busy, not as capacity for
 the arriving demand; smaller backlogs are drained by spare capacity. The scale-in window then brings
 the count back down. Demand beyond `panic_ratio` x the known capacity skips the stabilization wait (a
-panic window, as AIBrix's KPA has): waiting would only grow the backlog.
+panic window, as AIBrix's KPA has): waiting would only grow the backlog. The panic window's demand is
+the last interval's alone, read off the queues: a replica's prefill work plus its queue's growth since
+the previous step (less one Poisson standard deviation of the interval's count), so a step up is sized
+an interval after it lands instead of a whole stats window later.
+
+Per-replica capacity: replicas at their ceiling show what a replica delivers (their measured mean);
+before that, feasibility.py's capacity at the budget the TPOT SLO allows (what SLOFeasible reports).
 
 If the demand already fits the current count and the queues shrink, what still breaches is a backlog
 draining: no more replicas for it.
 
 Scale-in: each step that knows every replica recommends the smallest count that carries the demand at
-`scale_down_utilisation` of capacity (or the current count while any SLO is missed); the service
+`scale_down_utilisation` of capacity (or the current count while any SLO is missed, except by a replica
+draining a backlog of its own: it counts as one replica more, not as a reason to keep a burst's count); the service
 shrinks only to the largest recommendation of the whole scale-down window, once a full window passed
 since the last change, and only on a step that knows every replica. A step with an unknown replica
 recommends nothing: it neither allows nor blocks. Unknown replicas are never read as idle or as loaded:
