@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+
+import pytest
 from dataclasses import replace
 
 from stallfree.operator.control.policy import ScalingPolicy
@@ -178,3 +180,86 @@ def test_backlog_aware_sizing_panics_counts_busy_replicas_and_measured_start_up(
                                    2, BACKLOG_POLICY, state, t)
     assert state.startup_s == (30.0,) and state.expected_startup_s(99.0) == 30.0
     assert ScalerState.from_dict(json.loads(json.dumps(state.to_dict()))) == state
+
+
+def test_a_step_up_panics_from_the_queue_growth_of_one_interval():
+    # The 30 s window still averages mostly light load (1.2 CAP), but the queue grew by 30 s of prefill in 10 s.
+    before = ReplicaLoad("r0", known=True, ready=True, at_ceiling=True, breaching=False, prompt_tokens_per_s=0.8 * CAP,
+                         prefill_tokens_per_s=0.8 * CAP, capacity_tokens_per_s=CAP, num_waiting=1,
+                         queued_prompt_tokens=0.0)
+    after = replace(before, breaching=True, slo_met=False, prompt_tokens_per_s=1.2 * CAP, prefill_tokens_per_s=CAP,
+                    num_waiting=30, queued_prompt_tokens=30 * CAP)
+    _, state = decide_replicas([before], 1, BACKLOG_POLICY, ScalerState(), 10.0)
+    decision, _ = decide_replicas([after], 1, BACKLOG_POLICY, state, 20.0)
+    # Arriving over the last interval: CAP prefilled + 30 CAP queued in 10 s = 4 CAP >= panic 2 CAP: no wait.
+    # Less one Poisson standard deviation of the interval's count (40 requests of CAP tokens: sqrt(40) CAP over 10 s).
+    assert decision.kind == SCALED_UP and decision.short_demand_tokens_per_s == pytest.approx((4 - 40 ** 0.5 / 10) * CAP)
+    assert decision.demand_tokens_per_s == 1.2 * CAP  # the window's demand is still reported as measured
+    assert decision.desired >= 1 + 4  # r0 busy with its 30 s queue, plus ceil(3.37 / 0.9) for the arrivals
+    # Without the previous step (no short window), the window's 1.2 CAP waits out the stabilization window.
+    first, _ = decide_replicas([after], 1, BACKLOG_POLICY, ScalerState(), 20.0)
+    assert first.kind == HOLD and first.reason == "capacity_exhausted_waiting"
+
+
+def test_capacity_is_feasibilitys_until_replicas_reach_their_ceiling():
+    # Two replicas still raising a small budget measure 0.3 CAP each; at the TPOT-allowed budget one does CAP.
+    slow = [replace(quiet(f"r{i}", 0.3 * CAP), capacity_tokens_per_s=0.3 * CAP) for i in range(2)]
+    decision, _ = decide_replicas(slow, 2, POLICY, ScalerState(), 10.0, service_capacity=CAP)
+    assert decision.capacity_per_replica_tokens_per_s == CAP and decision.reason == "stabilizing"  # 0.6 CAP fits in 1
+    decision, _ = decide_replicas(slow, 2, POLICY, ScalerState(), 10.0)
+    assert decision.capacity_per_replica_tokens_per_s == 0.3 * CAP and decision.reason == "load_fits"
+    # Replicas at their ceiling show what a replica delivers: their measurement wins over feasibility's.
+    full = [replace(loaded(f"r{i}", 2 * CAP), capacity_tokens_per_s=0.8 * CAP) for i in range(2)]
+    decision, _ = decide_replicas(full, 2, POLICY, ScalerState(), 10.0, service_capacity=CAP)
+    assert decision.capacity_per_replica_tokens_per_s == 0.8 * CAP
+
+
+def test_a_replica_draining_its_own_backlog_does_not_hold_the_burst_count():
+    # After a burst: r0 drains 100 s of its own queue (missing its SLOs), three new replicas carry 0.5 CAP.
+    def loads(step: int, count: int):
+        waiting = max(0, 100 - 10 * step)
+        r0 = ReplicaLoad("r0", known=True, ready=True, breaching=waiting > 0 or step < 13, slo_met=step >= 13,
+                         prompt_tokens_per_s=0.0, prefill_tokens_per_s=CAP, capacity_tokens_per_s=CAP,
+                         num_waiting=waiting, queued_prompt_tokens=waiting * CAP)
+        return [r0] + [quiet(f"r{i}", 0.5 * CAP / (count - 1)) for i in range(1, count)]
+
+    steps = [(lambda k: (lambda count: loads(k, count)))(k) for k in range(40)]
+    scaled_up = ScalerState(last_scale_at=0.0, last_direction=1, last_step_at=0.0, last_queues=(("r0", 110, 110 * CAP),))
+    decisions, state, current = run(steps, BACKLOG_POLICY, scaled_up, current=4)
+    downs = [(t, d) for t, d in decisions if d.kind == SCALED_DOWN]
+    # A whole window after the scale-up, straight to one replica for the demand plus r0 (not held at 4 by r0).
+    assert downs and downs[0][0] == 310.0 and downs[0][1].desired == 2 and current == 2
+    assert all(d.kind != SCALED_UP for _, d in decisions)  # no flapping back up
+    assert ScalerState.from_dict(json.loads(json.dumps(state.to_dict()))) == state
+
+
+def test_a_miss_without_a_backlog_still_blocks_scale_in():
+    # The same quiet service, but r0 misses its SLO with an empty queue: no scale-in on that evidence.
+    r0 = ReplicaLoad("r0", known=True, ready=True, breaching=True, slo_met=False, prompt_tokens_per_s=0.1 * CAP,
+                     prefill_tokens_per_s=0.1 * CAP, capacity_tokens_per_s=CAP, num_waiting=0)
+    decisions, _, current = run([lambda count: [r0] + [quiet(f"r{i}", 0.1 * CAP) for i in range(1, count)]] * 40,
+                                BACKLOG_POLICY, current=4)
+    assert current == 4 and all(d.reason == "scale_in_blocked" for _, d in decisions)
+
+
+def test_the_loop_tells_the_scaler_when_tuning_has_nothing_left():
+    from control_helpers import observation, stats
+    from stallfree.operator.control.feasibility import Feasibility
+    from stallfree.operator.control.loop import _replica_load
+    from stallfree.operator.control.policy import ControlPolicy
+    from stallfree.operator.control.tuner import TuningDecision
+
+    policy = ControlPolicy()
+    hold = TuningDecision("r0", None, HOLD, "within_slo", "", False)
+    # Queue wait presses while neither the budget (half used) nor the sequence cap binds: the tuner holds with
+    # "not_budget_bound", and the scaler must read that as no tuning left (else a ramp never scales).
+    pressed = observation(window=stats(queue=900.0, utilisation=0.5))
+    assert _replica_load(pressed, replace(hold, reason="not_budget_bound"), policy).at_ceiling
+    assert not _replica_load(pressed, hold, policy).at_ceiling
+    # A queue already building on a budget at the largest the TPOT target allows: at its ceiling, whatever the
+    # window's mean utilisation still says; below that budget, or with no queue, not.
+    at_budget = Feasibility(tpot_floor_ms=5.0, tpot_budget=512)
+    queued = observation(window=stats(waiting=30, utilisation=0.4, budget=512))
+    assert _replica_load(queued, hold, policy, at_budget).at_ceiling
+    assert not _replica_load(queued, hold, policy, replace(at_budget, tpot_budget=768)).at_ceiling
+    assert not _replica_load(observation(window=stats(waiting=0, budget=512)), hold, policy, at_budget).at_ceiling

@@ -189,8 +189,9 @@ class ControlLoop:
             if decision.changed or decision.kind == REAPPLY:
                 await self._event(_event_reason(decision.kind), f"{obs.name}: {decision.message}")
 
-        loads = [_replica_load(o, d, policy) for o, d in zip(observations, decisions)]
-        scale, scaler_state = decide_replicas(loads, current_replicas, policy.scaling, state.scaler, now)
+        loads = [_replica_load(o, d, policy, feasibility) for o, d in zip(observations, decisions)]
+        scale, scaler_state = decide_replicas(loads, current_replicas, policy.scaling, state.scaler, now,
+                                              feasibility.capacity_tokens_per_s if feasibility.known else None)
         if scale.changed:
             try:
                 if policy.scaling.mode == "managed":
@@ -326,17 +327,27 @@ def _p99s(stats: WindowStats, policy: ControlPolicy) -> list[tuple[str, float | 
             ("queue wait", stats.queue_wait_ms.p99, slo.queue_wait_p99_ms)]
 
 
-def _replica_load(obs: ReplicaObservation, decision: TuningDecision, policy: ControlPolicy) -> ReplicaLoad:
+def _replica_load(obs: ReplicaObservation, decision: TuningDecision, policy: ControlPolicy,
+                  feasibility: Feasibility | None = None) -> ReplicaLoad:
     if (not obs.known and not _sparse(obs)) or obs.stats is None:
         return ReplicaLoad(obs.name, known=False, ready=obs.ready, unknown_reason=obs.unknown_reason)
     stats, slo = obs.stats, policy.slo
     breaching = (stats.queue_wait_ms.p99 or 0.0) > slo.queue_wait_p99_ms or (stats.ttft_ms.p99 or 0.0) > slo.ttft_p99_ms
     slo_met = not breaching and (stats.tpot_ms.p99 or 0.0) <= slo.tpot_p99_ms
-    return ReplicaLoad(obs.name, known=True, ready=obs.ready, at_ceiling=bool(decision.at_ceiling),
+    # A budget already at the largest the TPOT target allows cannot add prefill, whatever the window's mean
+    # utilisation still says (a queue that just began to build fills every iteration now).
+    at_tpot_budget = feasibility is not None and feasibility.tpot_budget is not None and stats.num_waiting > 0 \
+        and stats.tuning.token_budget >= feasibility.tpot_budget
+    # Queue wait or TTFT press while neither the budget (not full) nor the sequence cap binds: arrivals bunch
+    # at a utilisation no knob lowers; fewer requests per replica do. Tuning has nothing left for the scaler.
+    not_tunable = decision.reason == "not_budget_bound"  # the tuner's reason for that hold
+    return ReplicaLoad(obs.name, known=True, ready=obs.ready,
+                       at_ceiling=bool(decision.at_ceiling) or at_tpot_budget or not_tunable,
                        breaching=breaching, slo_met=slo_met, prompt_tokens_per_s=stats.prompt_tokens_per_s,
                        num_waiting=stats.num_waiting,
                        capacity_tokens_per_s=prefill_capacity_tokens_per_s(stats, obs.profile),
-                       queued_prompt_tokens=stats.num_waiting * _mean_prompt(stats))
+                       queued_prompt_tokens=stats.num_waiting * _mean_prompt(stats),
+                       prefill_tokens_per_s=stats.prefill_tokens_per_s)
 
 
 def _sparse(obs: ReplicaObservation) -> bool:

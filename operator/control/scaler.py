@@ -15,13 +15,20 @@ replica: one whose backlog takes longer than the target to drain at its own capa
 (a least-request balancer sends it nothing new meanwhile), so it counts as busy, not as capacity for
 the arriving demand; smaller backlogs are drained by spare capacity. The scale-in window then brings
 the count back down. Demand beyond `panic_ratio` x the known capacity skips the stabilization wait (a
-panic window, as AIBrix's KPA has): waiting would only grow the backlog.
+panic window, as AIBrix's KPA has): waiting would only grow the backlog. The panic window's demand is
+the last interval's alone, read off the queues: a replica's prefill work plus its queue's growth since
+the previous step (less one Poisson standard deviation of the interval's count), so a step up is sized
+an interval after it lands instead of a whole stats window later.
+
+Per-replica capacity: replicas at their ceiling show what a replica delivers (their measured mean);
+before that, feasibility.py's capacity at the budget the TPOT SLO allows (what SLOFeasible reports).
 
 If the demand already fits the current count and the queues shrink, what still breaches is a backlog
 draining: no more replicas for it.
 
 Scale-in: each step that knows every replica recommends the smallest count that carries the demand at
-`scale_down_utilisation` of capacity (or the current count while any SLO is missed); the service
+`scale_down_utilisation` of capacity (or the current count while any SLO is missed, except by a replica
+draining a backlog of its own: it counts as one replica more, not as a reason to keep a burst's count); the service
 shrinks only to the largest recommendation of the whole scale-down window, once a full window passed
 since the last change, and only on a step that knows every replica. A step with an unknown replica
 recommends nothing: it neither allows nor blocks. Unknown replicas are never read as idle or as loaded:
@@ -55,6 +62,7 @@ class ReplicaLoad:
     num_waiting: int = 0  # its queue now
     capacity_tokens_per_s: float | None = None  # prefill capacity at its current budget
     queued_prompt_tokens: float = 0.0  # prefill work waiting in its queue (estimate)
+    prefill_tokens_per_s: float = 0.0  # prefill work done (the window's)
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,11 @@ class ScalerState:
     recommendations: tuple[tuple[float, int], ...] = field(default_factory=tuple)
     starting_since: tuple[tuple[str, float], ...] = ()  # replicas first seen not ready, and when
     startup_s: tuple[float, ...] = ()  # measured start-up times of the last replicas that became ready
+    last_step_at: float | None = None
+    # Each known replica's (queue length, queued prompt tokens) at the previous step: the short window.
+    last_queues: tuple[tuple[str, int, float], ...] = ()
+    # Replicas missing an SLO only while they drain a backlog of their own (until they meet every SLO again).
+    draining_alone: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,6 +90,8 @@ class ScalerState:
         data["recommendations"] = tuple((float(t), int(n)) for t, n in data.get("recommendations", ()))
         data["starting_since"] = tuple((str(n), float(t)) for n, t in data.get("starting_since", ()))
         data["startup_s"] = tuple(float(x) for x in data.get("startup_s", ()))
+        data["last_queues"] = tuple((str(n), int(w), float(q)) for n, w, q in data.get("last_queues", ()))
+        data["draining_alone"] = tuple(str(n) for n in data.get("draining_alone", ()))
         return cls(**data)
 
     def expected_startup_s(self, default: float) -> float:
@@ -95,6 +110,8 @@ class ScaleDecision:
     demand_tokens_per_s: float | None = None
     capacity_per_replica_tokens_per_s: float | None = None
     busy_replicas: int = 0  # replicas sized in as busy draining their own backlog
+    # Arrivals over the last interval alone (prefill done + queue growth): the panic window's demand.
+    short_demand_tokens_per_s: float | None = None
 
     @property
     def changed(self) -> bool:
@@ -102,9 +119,14 @@ class ScaleDecision:
 
 
 def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingPolicy, state: ScalerState,
-                    now: float) -> tuple[ScaleDecision, ScalerState]:
-    """The replica count for this step. `current` is the count the service is set to now."""
+                    now: float, service_capacity: float | None = None) -> tuple[ScaleDecision, ScalerState]:
+    """The replica count for this step. `current` is the count the service is set to now.
+    `service_capacity`: one replica's prefill tokens/s at the budget the TPOT SLO allows (feasibility.py),
+    the per-replica capacity the count is sized from (never above what replicas at their ceiling show)."""
     state = _track_startup(state, loads, now)
+    previous = state
+    state = replace(state, last_step_at=now,
+                    last_queues=tuple((r.name, r.num_waiting, r.queued_prompt_tokens) for r in loads if r.known))
     known = [r for r in loads if r.known]
     unknown = [r for r in loads if not r.known]
     bounded = max(policy.min_replicas, min(policy.max_replicas, current))
@@ -121,12 +143,16 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
                              None), held
 
     demand = sum(r.prompt_tokens_per_s for r in known)
-    capacities = [r.capacity_tokens_per_s for r in known if r.capacity_tokens_per_s]
-    capacity = sum(capacities) / len(capacities) if capacities else None
+    short = _short_window_arrivals(known, previous, now)
+    # Each replica's arriving prompt tokens/s: the stats window's, or the last interval's when that is more
+    # (a step up shows in the queue's growth an interval after it lands, a whole window before the mean).
+    arriving = {r.name: max(r.prompt_tokens_per_s, short.get(r.name, 0.0)) for r in known}
+    sizing_demand = sum(arriving.values())
+    capacity = _capacity(known, service_capacity)
     serving_unknown = [r for r in unknown if r.ready]  # they serve traffic we cannot see: kept as they are
     # Exhausted: no replica can add prefill by tuning, and a queue SLO breaches or the demand already
     # runs past the scale-up utilisation of the capacity (scale before the breach, not after it).
-    near_full = capacity is not None and demand > capacity * len(known) * policy.scale_up_utilisation
+    near_full = capacity is not None and sizing_demand > capacity * len(known) * policy.scale_up_utilisation
     exhausted = all(r.at_ceiling for r in known) and (any(r.breaching for r in known) or near_full)
     waiting = sum(r.num_waiting for r in known)
     draining = state.last_waiting is not None and waiting < state.last_waiting
@@ -144,7 +170,7 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
         cooling = state.last_direction > 0 and state.last_scale_at is not None and \
             now - state.last_scale_at < policy.scale_up_stabilization_s
         recs = _keep(state, now, policy, current)
-        panic = capacity is not None and demand >= policy.panic_ratio * capacity * len(known)
+        panic = capacity is not None and sizing_demand >= policy.panic_ratio * capacity * len(known)
         if (held_for < policy.scale_up_stabilization_s and not panic) or cooling:
             wait = ("since the last scale-up" if cooling
                     else f"for {held_for:.0f}s of {policy.scale_up_stabilization_s:g}s")
@@ -157,14 +183,16 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
         if capacity:
             for r in known:
                 # Its queue grows at its unmet share of the demand until new replicas are ready.
-                queued = r.queued_prompt_tokens + max(0.0, r.prompt_tokens_per_s - capacity) * startup
+                queued = r.queued_prompt_tokens + max(0.0, arriving[r.name] - capacity) * startup
                 if queued / capacity > policy.drain_target_s:
                     busy += 1
                 else:
                     backlog += queued
         drain = backlog / policy.drain_target_s
-        need = len(serving_unknown) + (busy + math.ceil((demand + drain) / (capacity * policy.scale_up_utilisation))
+        need = len(serving_unknown) + (busy + math.ceil((sizing_demand + drain) / (capacity * policy.scale_up_utilisation))
                                        if capacity else len(known) + 1)
+        if sizing_demand > demand:
+            figures += f", {sizing_demand:.0f} tok/s arriving over the last interval"
         figures += (f", {busy} replica(s) busy draining their queue alone, backlog {backlog:.0f} tok to drain in "
                     f"{policy.drain_target_s:g}s, start-up {startup:.0f}s")
         if need <= current and starting:
@@ -188,7 +216,7 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
         decision, new_state = _decide(current, desired, SCALED_UP, "capacity_exhausted",
                                       f"prefill capacity exhausted ({figures}): {current} -> {desired} replicas",
                                       True, state, now, demand, capacity)
-        return replace(decision, busy_replicas=busy), new_state
+        return replace(decision, busy_replicas=busy, short_demand_tokens_per_s=sizing_demand), new_state
 
     # Not exhausted: does the load fit fewer replicas, for a whole window?
     if unknown or capacity is None:
@@ -200,11 +228,19 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
         recs = _keep(state, now, policy, NO_INFORMATION)
         return ScaleDecision(current, current, HOLD, "scale_in_blocked", "no scale-in: " + "; ".join(why), False,
                              demand, capacity), replace(state, recommendations=recs)
-    misses = [r.name for r in known if not r.slo_met]
+    # A replica that misses only because it drains a backlog of its own (more than a scale-up window of its
+    # prefill, shrinking) is busy, not short of replicas: the others' demand decides, it counts as one more.
+    # It stays so until it meets every SLO again (its window still shows the queue after the queue is gone).
+    last = {name: waiting for name, waiting, _ in previous.last_queues}
+    alone = [r.name for r in known if not r.slo_met and (r.name in previous.draining_alone or (
+        r.name in last and 0 < r.num_waiting < last[r.name]
+        and r.queued_prompt_tokens > capacity * policy.scale_up_stabilization_s))]
+    state = replace(state, draining_alone=tuple(alone))
+    misses = [r.name for r in known if not r.slo_met and r.name not in alone]
     recommendation = current
     if not misses:
-        fits = math.ceil(demand / (capacity * policy.scale_down_utilisation)) if demand > 0 else 1
-        recommendation = min(current, max(policy.min_replicas, fits))
+        fits = math.ceil(sizing_demand / (capacity * policy.scale_down_utilisation)) if sizing_demand > 0 else 1
+        recommendation = min(current, max(policy.min_replicas, fits + len(alone)))
     recs = _keep(state, now, policy, recommendation)
     state = replace(state, recommendations=recs)
     stabilized, covered = _stabilized(recs, now, policy)
@@ -244,8 +280,43 @@ def _decide(current: int, desired: int, kind: str, reason: str, message: str, ex
     direction = 1 if desired > current else -1
     # A change restarts every window: exhaustion must be seen again, recommendations start afresh.
     new_state = ScalerState(last_scale_at=now, last_direction=direction, recommendations=((now, desired),),
-                            starting_since=state.starting_since, startup_s=state.startup_s)
+                            starting_since=state.starting_since, startup_s=state.startup_s,
+                            last_step_at=state.last_step_at, last_queues=state.last_queues)
     return ScaleDecision(current, desired, kind, reason, message, exhausted, demand, capacity), new_state
+
+
+def _short_window_arrivals(known: Sequence[ReplicaLoad], previous: ScalerState, now: float) -> dict[str, float]:
+    """Prompt tokens/s that arrived at each replica whose queue grew over the last interval: its prefill work
+    plus that growth (AIBrix KPA's panic window, read off the queue). A queue that did not grow says nothing
+    the window does not (the window's prefill rate lags a drained queue): no estimate for it."""
+    if previous.last_step_at is None or now <= previous.last_step_at:
+        return {}
+    dt = now - previous.last_step_at
+    last = {name: queued for name, _, queued in previous.last_queues}
+    out = {}
+    for r in known:
+        if r.name in last and r.queued_prompt_tokens > last[r.name]:
+            rate = r.prefill_tokens_per_s + (r.queued_prompt_tokens - last[r.name]) / dt
+            # One interval holds few arrivals: take one Poisson standard deviation off (sqrt of their count),
+            # so a lucky interval does not buy a replica that a whole window would not.
+            mean_prompt = r.queued_prompt_tokens / max(1, r.num_waiting)
+            count = rate * dt / mean_prompt if mean_prompt > 0 else 0.0
+            out[r.name] = max(0.0, rate - math.sqrt(count) * mean_prompt / dt)
+    return out
+
+
+def _capacity(known: Sequence[ReplicaLoad], service_capacity: float | None) -> float | None:
+    """Per-replica prefill tokens/s the count is sized from. Replicas at their ceiling show what a replica
+    delivers at the budget it will keep: their measured mean. Otherwise their budgets may still rise, so
+    what they run now undersells them: feasibility's capacity at the budget the TPOT SLO allows (the
+    figure SLOFeasible reports). Without either, the observed mean."""
+    at_ceiling = [r.capacity_tokens_per_s for r in known if r.capacity_tokens_per_s and r.at_ceiling]
+    if at_ceiling:
+        return sum(at_ceiling) / len(at_ceiling)
+    if service_capacity:
+        return service_capacity
+    observed = [r.capacity_tokens_per_s for r in known if r.capacity_tokens_per_s]
+    return sum(observed) / len(observed) if observed else None
 
 
 def _keep(state: ScalerState, now: float, policy: ScalingPolicy, recommendation: int) -> tuple[tuple[float, int], ...]:
