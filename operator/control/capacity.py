@@ -69,18 +69,8 @@ def calibration(stats: WindowStats, profile: Profile | None) -> float:
 
 
 def decode_ms_at(profile: Profile, num_decodes: int) -> float:
-    """The profile's decode-only iteration for a batch of `num_decodes` (linear between points, clamped slope
-    beyond them); without decode-only points, the mixed curve at that many tokens."""
-    points = sorted((p.num_decodes, p.iteration_ms) for p in profile.decode_only)
-    if not points:
-        return profile.iteration_ms_at(num_decodes)
-    if num_decodes <= points[0][0]:
-        return points[0][1]
-    for (n0, ms0), (n1, ms1) in zip(points, points[1:]):
-        if num_decodes <= n1:
-            return ms0 + (num_decodes - n0) / max(1, n1 - n0) * (ms1 - ms0)
-    (n0, ms0), (n1, ms1) = points[-2:] if len(points) > 1 else (points[0], points[0])
-    return ms1 + (ms1 - ms0) / max(1, n1 - n0) * (num_decodes - n1)
+    """The profile's decode-only iteration for a batch of `num_decodes` (contracts.Profile.decode_ms_at)."""
+    return profile.decode_ms_at(num_decodes)
 
 
 def largest_decodes_within(profile: Profile, target_ms: float, cal: float, lo: int, hi: int) -> int | None:
