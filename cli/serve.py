@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--policy", choices=["stall_free", "prefill_priority", "decode_priority"], default="stall_free",
                    help="scheduling policy (the two others are baselines)")
     s.add_argument("--no-profile", action="store_true", help="skip the start-up profile (needs --token-budget N)")
+    s.add_argument("--no-prefix-cut", action="store_true",
+                   help="keep prefill chunks over a long cached prefix at the full budget (by default they are cut "
+                        "to the budget's iteration time, from what served iterations show the prefix costs)")
     s.add_argument("--profile-max-seconds", type=float, default=5.0,
                    help="time budget of the start-up profile (fewer points past it)")
     s.add_argument("--profile-cache-dir", default=None,
@@ -252,7 +255,8 @@ def start_engine(opts: ServeOptions, daemon) -> None:
             log.warning("start-up: even the smallest budget's iteration (%.1f ms predicted) misses the TPOT SLO "
                         "%.1f ms on this engine", predicted, opts.args.tpot_slo_ms)
     scheduler, kv_cache = engine.scheduler, engine.kv_cache
-    if daemon.profile is not None and daemon.profile.mixed and opts.args.backend == "model":
+    if (daemon.profile is not None and daemon.profile.mixed and opts.args.backend == "model"
+            and not opts.args.no_prefix_cut):
         # A chunk of a long prompt's tail attends to all of it: cut it so the iteration stays as long as the
         # budget means, by what served iterations show a cached prefix costs (the profile cannot see it).
         scheduler.set_prefix_cost(OnlineIterationCost(daemon.profile))

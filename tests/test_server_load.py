@@ -17,7 +17,8 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def live() -> LiveDaemon:
-    with running_daemon() as live:
+    # Tokens per iteration must follow the budget here: no chunk cut for its prefix's cost.
+    with running_daemon(["--no-prefix-cut"]) as live:
         yield live
 
 
