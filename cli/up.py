@@ -195,6 +195,7 @@ def report(name: str, spec: InferenceServiceSpec, runtime: LocalRuntime, load: L
     for step in runtime.steps:
         row = step_row(step)
         row["t"] = round(step.time - runtime.started, 1)
+        row["infeasible"] = judged_infeasible(step)
         rows.append(row)
     starts = load.phase_starts if load else []
     slo = runtime.policy.slo
@@ -239,14 +240,23 @@ def demo_verdict(rows: list[dict[str, Any]], starts: list[tuple[float, LoadPhase
             "phases": [dataclasses.asdict(p) for p in verdict.phases]}
 
 
+VERDICT_NAMES = {"tpot": "tpot", "queueWait": "queue_wait", "ttft": "ttft"}
+
+
+def judged_infeasible(step: Any) -> list[str] | None:
+    """The SLOs this control step judged infeasible from the profile (verdict names); None: it could not judge."""
+    feasibility = getattr(step, "feasibility", None)
+    if feasibility is None or not feasibility.known:
+        return None
+    return [VERDICT_NAMES.get(slo, slo) for slo in feasibility.infeasible]
+
+
 def infeasible_slos(runtime: LocalRuntime) -> dict[str, str]:
-    """SLOs the control loop itself judged infeasible from the profile during the run (SLOFeasible=False)."""
-    names = {"tpot": "tpot", "queueWait": "queue_wait", "ttft": "ttft"}
+    """SLO -> the loop's latest message where it judged that SLO infeasible during the run (SLOFeasible=False)."""
     found: dict[str, str] = {}
     for step in runtime.steps:
-        feasibility = getattr(step, "feasibility", None)
-        for slo in getattr(feasibility, "infeasible", ()) or ():
-            found.setdefault(names.get(slo, slo), feasibility.message)
+        for slo in judged_infeasible(step) or ():
+            found[slo] = step.feasibility.message
     return found
 
 

@@ -64,3 +64,31 @@ def test_an_unrestored_feasible_breach_fails_and_an_infeasible_one_does_not():
     excused = judge(rows, [Phase("long", 0, 20)], SLOS, infeasible={"tpot": "decode step 400 ms > SLO"})
     assert excused.ok and excused.failed == []
     assert any("SLOFeasible=False" in line for line in verdict_text(excused, 5))
+
+
+def _judged(rows, *judgements):
+    """The loop's judgement per step (SLO names judged infeasible; None: it could not judge)."""
+    return [dict(r, infeasible=j) for r, j in zip(rows, judgements)]
+
+
+def test_an_unrestored_breach_is_excused_only_if_the_loop_judged_it_infeasible_at_the_end():
+    rows = [_row(0, 50), _row(5, 300), _row(10, 320), _row(15, 310), _row(20, 330)]
+    messages = {"tpot": "at budget 64 the p99 TPOT would be 296 ms"}
+    # Judged infeasible for a while, feasible again by the end, still breached: a failure of the loop.
+    flip = judge(_judged(rows, [], ["tpot"], ["tpot"], [], []), [Phase("long", 0, 30)], SLOS, infeasible=messages)
+    assert not flip.ok and len(flip.failed) == 1 and flip.infeasible == {}
+    assert any("for a while" in line for line in verdict_text(flip, 5))
+    # Judged infeasible at the last step that could judge (an unknown last step does not change it): excused.
+    end = judge(_judged(rows, [], [], ["tpot"], ["tpot"], None), [Phase("long", 0, 30)], SLOS, infeasible=messages)
+    assert end.ok and end.failed == [] and "tpot" in end.infeasible
+    assert any("SLOFeasible=False for TPOT (to the end)" in line for line in verdict_text(end, 5))
+
+
+def test_a_breach_that_lasts_into_the_next_phase_is_counted_once():
+    rows = [_row(0, 50), _row(5, 300), _row(10, 320), _row(15, 310), _row(20, 80), _row(25, 70), _row(30, 60)]
+    verdict = judge(rows, [Phase("long", 0, 12), Phase("cool-down", 12, 40)], SLOS)
+    long, cool = verdict.phases
+    assert len(long.breaches) == 1 and long.breaches[0].restored_at_s == 20
+    assert cool.breaches == [] and [b.at_s for b in cool.carried] == [5]
+    assert verdict.ok
+    assert any("the breach from 5s goes on (back under at 20s)" in line for line in verdict_text(verdict, 5))
