@@ -1,8 +1,8 @@
 """The `up --demo` plan (sized from a profile) and its verdict (pure functions over timeline rows)."""
 from __future__ import annotations
 
-from stallfree.contracts import Profile, ProfilePoint
-from stallfree.operator.local.demo import plan_demo
+from stallfree.contracts import Ceilings, Percentiles, Profile, ProfilePoint, Tuning, WindowStats
+from stallfree.operator.local.demo import calibrate, plan_demo, predicted_iteration_ms, scaled
 from stallfree.operator.local.verdict import Phase, judge, verdict_text
 
 
@@ -92,3 +92,33 @@ def test_a_breach_that_lasts_into_the_next_phase_is_counted_once():
     assert cool.breaches == [] and [b.at_s for b in cool.carried] == [5]
     assert verdict.ok
     assert any("the breach from 5s goes on (back under at 20s)" in line for line in verdict_text(verdict, 5))
+
+
+def _chat_window(slowdown: float, budget: int = 512, iterations: int = 500) -> WindowStats:
+    """A chat window: ~5 decodes per iteration and a 64-token prompt every ~20 iterations, `slowdown` x the
+    profile's time for what its iterations carried."""
+    decode_tps, prefill_tps = 125.0, 80.0  # per second; 25 iterations/s
+    tokens = (decode_tps + prefill_tps) / 25.0
+    share = decode_tps / (decode_tps + prefill_tps)
+    mean_ms = slowdown * predicted_iteration_ms(_profile(1.0), share * tokens, (1 - share) * tokens)
+    p = Percentiles(20, 10.0, 20.0, 30.0, 40.0)
+    return WindowStats(window_s=20, ttft_ms=p, tpot_ms=p, itl_ms=p, queue_wait_ms=p, request_rate=1.2,
+                       prompt_tokens_per_s=prefill_tps, generation_tokens_per_s=decode_tps,
+                       prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps,
+                       budget_utilisation=tokens / budget, kv_usage=0.05, preemptions=0, num_waiting=0, num_running=5,
+                       tuning=Tuning(budget, 16), ceilings=Ceilings(512, 32), iterations=iterations,
+                       mean_iteration_ms=mean_ms)
+
+
+def test_the_warm_up_calibrates_the_profile_by_what_its_iterations_took():
+    profile = _profile(1.0)
+    cal = calibrate([_chat_window(1.6), _chat_window(1.8), _chat_window(1.7), _chat_window(5.0, iterations=3)],
+                    profile)
+    assert cal.windows == 3 and abs(cal.factor - 1.7) < 1e-9 and [round(x, 6) for x in cal.spread] == [1.6, 1.8]
+    assert "x1.70" in cal.describe()
+    assert calibrate([], profile).factor == 1.0 and "start-up profile stands" in calibrate([], profile).describe()
+    # The demo planned from the calibrated profile is the demo of a machine 1.7x slower.
+    planned = plan_demo(scaled(profile, cal.factor), 512, 2048)
+    slow = plan_demo(_profile(1.7), 512, 2048)
+    assert abs(planned.tpot_slo_ms - slow.tpot_slo_ms) < 1e-9
+    assert abs(planned.phases[2].rate_per_s - slow.phases[2].rate_per_s) < 1e-12

@@ -1,9 +1,13 @@
 """The built-in load of `stallfree up --demo`, and its SLOs, sized from the replica's own measured profile.
 
-Nothing here is a fixed rate or a fixed latency: every figure is a multiple of what this replica measured at
-start-up, so the demo means the same on a fast machine and a slow one, quiet or busy. The story:
+Nothing here is a fixed rate or a fixed latency: every figure is a multiple of what this replica measured, so
+the demo means the same on a fast machine and a slow one, quiet or busy. The start-up profile is measured alone;
+beside the load generator, the router and whatever else runs on the machine, iterations take longer. So the
+first phase (chat only) is also the warm-up: its windows calibrate the profile (observed mean iteration over what
+the profile predicts for the decodes and prefill tokens those iterations carried), and the SLOs and the later
+phases' loads are sized from the calibrated profile. The story:
 
-1. chat: short requests throughout, a small share of the replica's prefill capacity;
+1. chat: short requests throughout, a small share of the replica's prefill capacity (the first 30 s: warm-up);
 2. long prompts: prompts that a ceiling-sized budget takes in few, long iterations. The daemons start at the
    ceiling budget, so every chat stream stalls behind them and p99 TPOT breaches; the tuner must find the way
    down from feedback;
@@ -13,15 +17,19 @@ start-up, so the demo means the same on a fast machine and a slow one, quiet or 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, replace
+from typing import Sequence
 
-from stallfree.contracts import Profile
+from stallfree.contracts import Profile, WindowStats
+from stallfree.operator.control.capacity import decode_ms_at
 from stallfree.operator.local.load import LoadPhase
 
 CHAT_PROMPT_TOKENS = 64
 CHAT_OUTPUT_TOKENS = 32
 LONG_OUTPUT_TOKENS = 16
 CHAT_STREAMS = 4  # chat requests decoding at once on one replica, by Little's law
+MIN_WARMUP_ITERATIONS = 20  # a window with fewer iterations says too little about their time
 TARGET_BUDGET_SHARE = 0.25  # the TPOT SLO lets a budget of about this share of the ceiling through
 
 
@@ -36,24 +44,10 @@ class DemoPlan:
     chat: LoadPhase
     phases: list[LoadPhase]
 
-    def describe(self) -> str:
-        return (f"demo sized from the profile: SLOs p99 TPOT {self.tpot_slo_ms:.0f} ms, queue wait "
+    def describe(self, source: str = "the start-up profile") -> str:
+        return (f"demo sized from {source}: SLOs p99 TPOT {self.tpot_slo_ms:.0f} ms, queue wait "
                 f"{self.queue_wait_slo_ms:.0f} ms, TTFT {self.ttft_slo_ms:.0f} ms; budget the TPOT SLO allows "
                 f"~{self.allowed_budget} tokens, one replica prefills ~{self.prefill_tokens_per_s:.0f} tokens/s")
-
-
-def decode_ms_at(profile: Profile, num_decodes: int) -> float:
-    """A decode-only iteration at this concurrency, interpolated over the profile's decode-only points."""
-    points = sorted(profile.decode_only, key=lambda p: p.num_decodes)
-    if not points:
-        return profile.iteration_ms_at(num_decodes)
-    if num_decodes <= points[0].num_decodes:
-        return points[0].iteration_ms
-    for lo, hi in zip(points, points[1:]):
-        if num_decodes <= hi.num_decodes:
-            frac = (num_decodes - lo.num_decodes) / max(1, hi.num_decodes - lo.num_decodes)
-            return lo.iteration_ms + frac * (hi.iteration_ms - lo.iteration_ms)
-    return points[-1].iteration_ms * num_decodes / max(1, points[-1].num_decodes)
 
 
 def plan_demo(profile: Profile, ceiling_budget: int, max_model_len: int, scale: float = 1.0) -> DemoPlan:
@@ -83,3 +77,53 @@ def plan_demo(profile: Profile, ceiling_budget: int, max_model_len: int, scale: 
     ]
     chat = LoadPhase("chat", sum(p.duration_s for p in phases), chat_rate, CHAT_PROMPT_TOKENS, CHAT_OUTPUT_TOKENS)
     return DemoPlan(tpot_slo, ttft_slo, queue_slo, prefill_rate, allowed, long_prompt, chat, phases)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    factor: float  # observed iteration time over the profile's prediction (median over the windows)
+    windows: int  # how many windows it came from (0: none could tell; factor 1)
+    spread: tuple[float, float] = (1.0, 1.0)  # the smallest and largest window's factor
+
+    def describe(self) -> str:
+        if not self.windows:
+            return "no warm-up window had enough iterations to calibrate: the start-up profile stands"
+        return (f"calibrated from {self.windows} warm-up window(s): iterations take x{self.factor:.2f} the start-up "
+                f"profile's time here (windows x{self.spread[0]:.2f}-x{self.spread[1]:.2f})")
+
+
+def predicted_iteration_ms(profile: Profile, decodes: float, prefill_tokens: float) -> float:
+    """A mean iteration of `decodes` decodes and `prefill_tokens` prefill tokens: the decode-only step plus the
+    mixed curve's cost per prefill token (its slope over the first two points)."""
+    points = sorted(profile.mixed, key=lambda p: p.tokens)
+    slope = 0.0
+    if len(points) > 1:
+        slope = (points[1].iteration_ms - points[0].iteration_ms) / max(1, points[1].tokens - points[0].tokens)
+    elif points:
+        slope = points[0].iteration_ms / max(1, points[0].tokens)
+    return decode_ms_at(profile, max(1, round(decodes))) + slope * prefill_tokens
+
+
+def calibrate(windows: Sequence[WindowStats], profile: Profile) -> Calibration:
+    """How much slower than the profile this replica's iterations ran over the warm-up windows."""
+    factors = []
+    for w in windows:
+        if w.iterations < MIN_WARMUP_ITERATIONS or not w.mean_iteration_ms or w.tuning.token_budget <= 0:
+            continue
+        tokens = w.budget_utilisation * w.tuning.token_budget  # mean tokens per busy iteration
+        total = w.decode_tokens_per_s + w.prefill_tokens_per_s
+        if tokens <= 0 or total <= 0:
+            continue
+        share = w.decode_tokens_per_s / total
+        predicted = predicted_iteration_ms(profile, share * tokens, (1 - share) * tokens)
+        if predicted > 0:
+            factors.append(w.mean_iteration_ms / predicted)
+    if not factors:
+        return Calibration(1.0, 0)
+    return Calibration(statistics.median(factors), len(factors), (min(factors), max(factors)))
+
+
+def scaled(profile: Profile, factor: float) -> Profile:
+    """The profile with every iteration `factor` x as long (what a calibration says this machine does now)."""
+    return replace(profile, decode_only=[replace(p, iteration_ms=factor * p.iteration_ms) for p in profile.decode_only],
+                   mixed=[replace(p, iteration_ms=factor * p.iteration_ms) for p in profile.mixed])
