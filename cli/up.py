@@ -136,10 +136,8 @@ async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, o
         while not stop.is_set() and time.monotonic() < deadline:
             result = await runtime.step()
             view.step(result, runtime)
-            if demo is not None:
-                demo.tick()
-                if demo.done():
-                    break
+            if demo is not None and demo.done():
+                break
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
             except asyncio.TimeoutError:

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from stallfree.contracts import Ceilings, Percentiles, Profile, ProfilePoint, Tuning, WindowStats
-from stallfree.operator.local.demo import calibrate, plan_demo, predicted_iteration_ms, scaled
+from stallfree.operator.local.demo import (BEYOND_ONE_REPLICA, beyond_one_replica, calibrate, plan_demo,
+                                          predicted_iteration_ms, scaled)
 from stallfree.operator.local.verdict import Phase, judge, verdict_text
 
 
@@ -122,3 +123,13 @@ def test_the_warm_up_calibrates_the_profile_by_what_its_iterations_took():
     slow = plan_demo(_profile(1.7), 512, 2048)
     assert abs(planned.tpot_slo_ms - slow.tpot_slo_ms) < 1e-9
     assert abs(planned.phases[2].rate_per_s - slow.phases[2].rate_per_s) < 1e-12
+
+
+def test_the_overload_is_sized_beyond_the_capacity_the_loop_measured():
+    plan = plan_demo(_profile(1.0), 512, 2048)
+    measured = 0.6 * plan.prefill_tokens_per_s  # a replica beside chat and other work prefills less
+    phase = beyond_one_replica(plan, measured)
+    demand = phase.rate_per_s * phase.prompt_tokens + plan.chat.rate_per_s * plan.chat.prompt_tokens
+    assert abs(demand - BEYOND_ONE_REPLICA * measured) < 1e-6
+    assert measured < demand < 2 * 0.8 * measured  # one replica cannot, two a fifth slower each can
+    assert beyond_one_replica(plan, None) == next(p for p in plan.phases if p.label == "beyond one replica")

@@ -69,14 +69,32 @@ def plan_demo(profile: Profile, ceiling_budget: int, max_model_len: int, scale: 
     chat_rate = min(CHAT_STREAMS / chat_life_s, 0.15 * prefill_rate / CHAT_PROMPT_TOKENS)
     phases = [
         LoadPhase("chat only", 30 * scale, 0.0, long_prompt, LONG_OUTPUT_TOKENS),
-        # The profile is measured alone; beside chat decodes, a second replica and the load's own process on
-        # the same cores a replica prefills less (about 0.5-0.6x here): the shares below leave for that.
+        # Beside chat decodes at the budget the tuner settles on, a replica prefills less than the plan's rate
+        # (about 0.6x here): a third of it stays well within one replica. The next phase's rate is only a
+        # default: `up --demo` sizes it from the capacity the loop measured (beyond_one_replica).
         LoadPhase("long prompts", 90 * scale, 0.3 * long_rate, long_prompt, LONG_OUTPUT_TOKENS),
         LoadPhase("beyond one replica", 120 * scale, 0.9 * long_rate, long_prompt, LONG_OUTPUT_TOKENS),
         LoadPhase("cool-down", 60 * scale, 0.0, long_prompt, LONG_OUTPUT_TOKENS),
     ]
     chat = LoadPhase("chat", sum(p.duration_s for p in phases), chat_rate, CHAT_PROMPT_TOKENS, CHAT_OUTPUT_TOKENS)
     return DemoPlan(tpot_slo, ttft_slo, queue_slo, prefill_rate, allowed, long_prompt, chat, phases)
+
+
+# Demand beyond one replica, as a multiple of one replica's measured prefill capacity: it needs a second
+# replica, and two replicas serve it even when each prefills a fifth less beside the other (shared cores).
+BEYOND_ONE_REPLICA = 1.3
+
+
+def beyond_one_replica(plan: DemoPlan, capacity_tokens_per_s: float | None) -> LoadPhase:
+    """The overload phase sized from one replica's prefill capacity as the control loop measured it (at the
+    budget its TPOT target allows, under this run's conditions); the plan's own phase when none was measured.
+    The chat load counts towards the demand."""
+    phase = next(p for p in plan.phases if p.label == "beyond one replica")
+    if not capacity_tokens_per_s or capacity_tokens_per_s <= 0:
+        return phase
+    chat_tokens = plan.chat.rate_per_s * plan.chat.prompt_tokens
+    long_tokens = max(0.0, BEYOND_ONE_REPLICA * capacity_tokens_per_s - chat_tokens)
+    return replace(phase, rate_per_s=long_tokens / phase.prompt_tokens)
 
 
 @dataclass(frozen=True)

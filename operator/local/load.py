@@ -12,7 +12,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import httpx
 
@@ -60,9 +60,10 @@ class LoadDriver:
         """Requests sent and not yet ended (what a drain waits for)."""
         return self._in_flight
 
-    async def run(self, phases: list[LoadPhase], started: float, on_phase: Callable[[LoadPhase], None] | None = None,
-                  stop: asyncio.Event | None = None) -> None:
-        """Send every phase's arrivals; returns once all sent requests ended (or `stop` is set)."""
+    async def run(self, phases: Iterable[LoadPhase], started: float,
+                  on_phase: Callable[[LoadPhase], None] | None = None, stop: asyncio.Event | None = None) -> None:
+        """Send every phase's arrivals; returns once all sent requests ended (or `stop` is set). Each phase is
+        taken from `phases` when the one before it ends, so a generator may decide it from what it saw."""
         tasks: list[asyncio.Task] = []
         limits = httpx.Limits(max_connections=self.max_in_flight, max_keepalive_connections=self.max_in_flight)
         async with httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s, connect=5.0),

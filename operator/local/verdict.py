@@ -91,8 +91,8 @@ def judge(rows: Sequence[dict[str, Any]], phases: Sequence[Phase], slos_ms: dict
             target = slos_ms[slo]
             known = [r[key] for r in in_phase if r.get(key) is not None]
             verdict.within[slo] = (sum(v <= target for v in known) / len(known)) if known else None
-            if slo in latest and open_until[slo] >= phase.start_s:
-                verdict.carried.append(latest[slo])
+            if slo in latest and in_phase and open_until[slo] > in_phase[0]["t"]:
+                verdict.carried.append(latest[slo])  # still over the SLO past this phase's first window
             for row in in_phase:  # every breach that starts in this phase, each followed to its restore
                 if row["t"] <= open_until[slo] or not _above(row.get(key), target):
                     continue
