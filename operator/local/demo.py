@@ -12,7 +12,8 @@ phases' loads are sized from the calibrated profile. The story:
    ceiling budget, so every chat stream stalls behind them and p99 TPOT breaches; the tuner must find the way
    down from feedback;
 3. beyond one replica: long-prompt demand above what one replica can prefill at the budget the TPOT SLO
-   allows; no budget can serve it, queue wait breaches, and the scaler adds a replica;
+   allows (as the control loop measured it in phase 2); no budget can serve it, queue wait breaches, and the
+   scaler adds a replica;
 4. cool-down: chat only, every SLO back under.
 """
 from __future__ import annotations
@@ -25,10 +26,16 @@ from stallfree.contracts import Profile, WindowStats
 from stallfree.operator.control.capacity import decode_ms_at
 from stallfree.operator.local.load import LoadPhase
 
-CHAT_PROMPT_TOKENS = 64
-CHAT_OUTPUT_TOKENS = 32
-LONG_OUTPUT_TOKENS = 16
-CHAT_STREAMS = 4  # chat requests decoding at once on one replica, by Little's law
+# p99 TPOT is a per-request mean: a reply decodes beside a long prompt's prefill for as many iterations as that
+# prefill lasts. Replies shorter than a long prompt's chunk count at the allowed budget decode wholly beside it
+# (TPOT ~ the budget's iteration, which the budget controls); at the ceiling budget the few huge iterations
+# still dominate such a short reply. Longer replies would average the stall away (see p99_tpot_beside_prefill).
+CHAT_PROMPT_TOKENS = 32
+CHAT_OUTPUT_TOKENS = 10
+LONG_OUTPUT_TOKENS = 8
+CHAT_STREAMS = 4  # chat requests decoding at once on one replica, by Little's law (an upper bound)
+CHAT_SHARE = 0.2  # of one replica's prefill capacity: enough replies decoding when a long prompt starts
+LONG_PROMPTS_SHARE = 0.4  # the long-prompt phase: within one replica, a long prompt every few seconds
 MIN_WARMUP_ITERATIONS = 20  # a window with fewer iterations says too little about their time
 TARGET_BUDGET_SHARE = 0.25  # the TPOT SLO lets a budget of about this share of the ceiling through
 
@@ -61,23 +68,34 @@ def plan_demo(profile: Profile, ceiling_budget: int, max_model_len: int, scale: 
     # Long prompts that the ceiling budget takes in a few stalling iterations.
     long_prompt = max(ceiling_budget, min(4 * ceiling_budget, max_model_len - 64) - LONG_OUTPUT_TOKENS)
     long_rate = prefill_rate / long_prompt  # long prompts per second one replica can prefill
-    # Queue wait: a few long prompts ahead; TTFT: that plus one's own prefill, with margin for chat.
-    queue_slo = 3.0 * long_prompt / prefill_rate * 1000.0
+    # Queue wait: a few long prompts ahead (Poisson arrivals queue up now and then); TTFT: that plus one's own
+    # prefill, with margin for chat.
+    queue_slo = 4.0 * long_prompt / prefill_rate * 1000.0
     ttft_slo = queue_slo + 2.0 * long_prompt / prefill_rate * 1000.0
-    # Chat: about CHAT_STREAMS concurrent streams, but never more than 15% of the prefill capacity.
+    # Chat: at most CHAT_STREAMS concurrent streams and CHAT_SHARE of the prefill capacity.
     chat_life_s = CHAT_OUTPUT_TOKENS * decode_ms / 1000.0
-    chat_rate = min(CHAT_STREAMS / chat_life_s, 0.15 * prefill_rate / CHAT_PROMPT_TOKENS)
+    chat_rate = min(CHAT_STREAMS / chat_life_s, CHAT_SHARE * prefill_rate / CHAT_PROMPT_TOKENS)
     phases = [
         LoadPhase("chat only", 30 * scale, 0.0, long_prompt, LONG_OUTPUT_TOKENS),
-        # Beside chat decodes at the budget the tuner settles on, a replica prefills less than the plan's rate
-        # (about 0.6x here): a third of it stays well within one replica. The next phase's rate is only a
-        # default: `up --demo` sizes it from the capacity the loop measured (beyond_one_replica).
-        LoadPhase("long prompts", 90 * scale, 0.3 * long_rate, long_prompt, LONG_OUTPUT_TOKENS),
+        # The next phase's rate is only a default: `up --demo` sizes it from the capacity the loop measured
+        # for one replica under this run's conditions (beyond_one_replica).
+        LoadPhase("long prompts", 90 * scale, LONG_PROMPTS_SHARE * long_rate, long_prompt, LONG_OUTPUT_TOKENS),
         LoadPhase("beyond one replica", 120 * scale, 0.9 * long_rate, long_prompt, LONG_OUTPUT_TOKENS),
         LoadPhase("cool-down", 60 * scale, 0.0, long_prompt, LONG_OUTPUT_TOKENS),
     ]
     chat = LoadPhase("chat", sum(p.duration_s for p in phases), chat_rate, CHAT_PROMPT_TOKENS, CHAT_OUTPUT_TOKENS)
     return DemoPlan(tpot_slo, ttft_slo, queue_slo, prefill_rate, allowed, long_prompt, chat, phases)
+
+
+def p99_tpot_beside_prefill(profile: Profile, budget: int, prompt_tokens: int,
+                            output_tokens: int = CHAT_OUTPUT_TOKENS, decodes: int = CHAT_STREAMS + 2) -> float:
+    """The TPOT of a reply that was decoding when a long prompt's prefill began (what the p99 of a window with
+    long prompts shows): as many of its gaps as the prefill has chunks at `budget` take that budget's
+    iteration, the rest the decode-only step."""
+    gaps = max(1, output_tokens - 1)
+    room = max(1, budget - decodes)
+    stalled = min(gaps, -(-prompt_tokens // room))
+    return (stalled * profile.iteration_ms_at(budget) + (gaps - stalled) * decode_ms_at(profile, decodes)) / gaps
 
 
 # Demand beyond one replica, as a multiple of one replica's measured prefill capacity: it needs a second
