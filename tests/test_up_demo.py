@@ -138,3 +138,10 @@ def test_the_overload_is_sized_beyond_the_capacity_the_loop_measured():
     assert abs(demand - BEYOND_ONE_REPLICA * measured) < 1e-6
     assert measured < demand < 2 * 0.8 * measured  # one replica cannot, two a fifth slower each can
     assert beyond_one_replica(plan, None) == next(p for p in plan.phases if p.label == "beyond one replica")
+
+
+def test_a_window_with_an_unknown_replica_does_not_restore_an_slo():
+    rows = [_row(0, 50), _row(5, 300), _row(10, 80), _row(15, 90), _row(20, 70), _row(25, 60)]
+    rows[2]["replica_detail"].append({"name": "r1", "known": False})  # only r0 known: its 80 ms says too little
+    (breach,) = judge(rows, [Phase("long", 0, 30)], SLOS).phases[0].breaches
+    assert breach.restored_at_s == 15 and breach.intervals_to_restore == 2

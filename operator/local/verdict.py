@@ -2,7 +2,8 @@
 intervals until it was back under, the budget path and the replica count; and whether every SLO was met at
 the end. Pure: timeline rows (operator/control/timeline.step_row) in, a verdict out.
 
-A window p99 that is unknown (no replica had enough samples) neither breaches nor restores an SLO. A breach
+A window p99 that is unknown (no replica had enough samples) neither breaches nor restores an SLO, and a window
+with a replica unknown cannot restore one (the worst known replica may not be the worst). A breach
 that lasts into a later phase is counted once, where it began. An unrestored breach is excused only when the
 control loop itself judged that SLO infeasible (SLOFeasible=False) at the last step it could judge, the
 run's end: a loop that thought an SLO reachable and did not reach it failed.
@@ -101,7 +102,7 @@ def judge(rows: Sequence[dict[str, Any]], phases: Sequence[Phase], slos_ms: dict
                     value = later.get(key)
                     if value is not None and value > target:
                         breach.worst_ms = max(breach.worst_ms, value)
-                    elif value is not None:
+                    elif value is not None and _all_known(later):
                         breach.restored_at_s, breach.intervals_to_restore = later["t"], count
                         break
                 verdict.breaches.append(breach)
@@ -172,6 +173,11 @@ def verdict_text(verdict: Verdict, interval_s: float) -> list[str]:
                                  f"FAILED: {len(verdict.failed)} breach(es) of a feasible SLO not restored"
                                  if verdict.failed else "FAILED: an SLO was missed at the end"))
     return lines
+
+
+def _all_known(row: dict[str, Any]) -> bool:
+    """Every replica of the window was known (rows without replica detail: taken as known)."""
+    return all(d.get("known", True) for d in row.get("replica_detail", ()))
 
 
 def _above(value: float | None, target: float) -> bool:
