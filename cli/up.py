@@ -128,6 +128,7 @@ async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, o
                 load = LoadDriver(runtime.ready_urls, spec.model.served_name, prompt_builder(spec))
             demo = DemoRun(runtime, view, profile, spec.engine.ceilings.max_token_budget,
                            spec.model.max_model_len or 2048, args.phase_scale, load, stop)
+            await demo.start()
         if args.duration:
             run_for = args.duration
         else:
@@ -205,7 +206,9 @@ def report(name: str, spec: InferenceServiceSpec, runtime: LocalRuntime, load: L
     if demo is not None:
         cal = demo.calibration
         result["calibration"] = None if cal is None else {"factor": cal.factor, "windows": cal.windows,
-                                                          "spread": list(cal.spread), "message": cal.describe()}
+                                                          "spread": list(cal.spread),
+                                                          "long_prompt_factor": cal.long_prompt_factor,
+                                                          "message": cal.describe()}
     if load and phases:
         result["verdict"] = demo_verdict(rows, starts, phases, runtime)
     out.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from stallfree.contracts import Ceilings, Percentiles, Profile, ProfilePoint, Tuning, WindowStats
 from stallfree.operator.local.demo import (BEYOND_ONE_REPLICA, beyond_one_replica, calibrate, p99_tpot_beside_prefill,
-                                          plan_demo, predicted_iteration_ms, scaled)
+                                          plan_demo, predicted_iteration_ms, predicted_prefill_ms, scaled)
 from stallfree.operator.local.verdict import Phase, judge, verdict_text
 
 
@@ -145,3 +145,18 @@ def test_a_window_with_an_unknown_replica_does_not_restore_an_slo():
     rows[2]["replica_detail"].append({"name": "r1", "known": False})  # only r0 known: its 80 ms says too little
     (breach,) = judge(rows, [Phase("long", 0, 30)], SLOS).phases[0].breaches
     assert breach.restored_at_s == 15 and breach.intervals_to_restore == 2
+
+
+def test_a_long_prompt_probe_calibrates_the_mixed_curve_when_it_ran_slower_than_chat():
+    profile = _profile(1.0)
+    # 1200 tokens at budget 512: two full chunks and one of 176.
+    assert predicted_prefill_ms(profile, 1200, 512) == 2 * (10 + 2 * 512) + (10 + 2 * 176)
+    cal = calibrate([_chat_window(1.2)] * 3, profile, long_prompt_factor=2.5)
+    assert abs(cal.factor - 1.2) < 1e-9 and cal.prefill_factor == 2.5 and "x2.50" in cal.describe()
+    assert calibrate([_chat_window(1.2)] * 3, profile, long_prompt_factor=0.9).prefill_factor == cal.factor
+    slow_chunks = scaled(profile, cal.factor, cal.prefill_factor)
+    assert slow_chunks.iteration_ms_at(128) == 2.5 * profile.iteration_ms_at(128)
+    assert slow_chunks.decode_only[0].iteration_ms == 1.2 * profile.decode_only[0].iteration_ms
+    # Sized from it, the long-prompt load is what one replica prefills at those chunks' speed.
+    assert plan_demo(slow_chunks, 512, 2048).prefill_tokens_per_s < plan_demo(scaled(profile, 1.2), 512,
+                                                                             2048).prefill_tokens_per_s / 2

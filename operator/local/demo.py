@@ -120,12 +120,26 @@ class Calibration:
     factor: float  # observed iteration time over the profile's prediction (median over the windows)
     windows: int  # how many windows it came from (0: none could tell; factor 1)
     spread: tuple[float, float] = (1.0, 1.0)  # the smallest and largest window's factor
+    long_prompt_factor: float | None = None  # a long prompt's prefill alone over the profile's prediction
+
+    @property
+    def prefill_factor(self) -> float:
+        """For the mixed curve: chunks of long prompts (long contexts) run at least as slow as chat did."""
+        return max(self.factor, self.long_prompt_factor or 0.0)
 
     def describe(self) -> str:
+        probe = ("" if self.long_prompt_factor is None else
+                 f"; a long prompt prefilled alone took x{self.long_prompt_factor:.2f} the profile's time")
         if not self.windows:
-            return "no warm-up window had enough iterations to calibrate: the start-up profile stands"
+            return "no warm-up window had enough iterations to calibrate: the start-up profile stands" + probe
         return (f"calibrated from {self.windows} warm-up window(s): iterations take x{self.factor:.2f} the start-up "
-                f"profile's time here (windows x{self.spread[0]:.2f}-x{self.spread[1]:.2f})")
+                f"profile's time here (windows x{self.spread[0]:.2f}-x{self.spread[1]:.2f})" + probe)
+
+
+def predicted_prefill_ms(profile: Profile, prompt_tokens: int, budget: int) -> float:
+    """A prompt prefilled alone at `budget`: one iteration per chunk, each as long as the profile says."""
+    full, rest = divmod(max(0, prompt_tokens), max(1, budget))
+    return full * profile.iteration_ms_at(budget) + (profile.iteration_ms_at(rest) if rest else 0.0)
 
 
 def predicted_iteration_ms(profile: Profile, decodes: float, prefill_tokens: float) -> float:
@@ -140,8 +154,10 @@ def predicted_iteration_ms(profile: Profile, decodes: float, prefill_tokens: flo
     return decode_ms_at(profile, max(1, round(decodes))) + slope * prefill_tokens
 
 
-def calibrate(windows: Sequence[WindowStats], profile: Profile) -> Calibration:
-    """How much slower than the profile this replica's iterations ran over the warm-up windows."""
+def calibrate(windows: Sequence[WindowStats], profile: Profile,
+              long_prompt_factor: float | None = None) -> Calibration:
+    """How much slower than the profile this replica's iterations ran over the warm-up windows (and, given, a
+    long prompt's prefill alone)."""
     factors = []
     for w in windows:
         if w.iterations < MIN_WARMUP_ITERATIONS or not w.mean_iteration_ms or w.tuning.token_budget <= 0:
@@ -155,11 +171,13 @@ def calibrate(windows: Sequence[WindowStats], profile: Profile) -> Calibration:
         if predicted > 0:
             factors.append(w.mean_iteration_ms / predicted)
     if not factors:
-        return Calibration(1.0, 0)
-    return Calibration(statistics.median(factors), len(factors), (min(factors), max(factors)))
+        return Calibration(1.0, 0, long_prompt_factor=long_prompt_factor)
+    return Calibration(statistics.median(factors), len(factors), (min(factors), max(factors)), long_prompt_factor)
 
 
-def scaled(profile: Profile, factor: float) -> Profile:
-    """The profile with every iteration `factor` x as long (what a calibration says this machine does now)."""
+def scaled(profile: Profile, factor: float, mixed_factor: float | None = None) -> Profile:
+    """The profile with every decode-only iteration `factor` x as long and every mixed one `mixed_factor` x
+    (default `factor`): what a calibration says this machine does now."""
+    mixed = factor if mixed_factor is None else mixed_factor
     return replace(profile, decode_only=[replace(p, iteration_ms=factor * p.iteration_ms) for p in profile.decode_only],
-                   mixed=[replace(p, iteration_ms=factor * p.iteration_ms) for p in profile.mixed])
+                   mixed=[replace(p, iteration_ms=mixed * p.iteration_ms) for p in profile.mixed])

@@ -1,7 +1,9 @@
 """The built-in load of `stallfree up --demo` as it runs: warm-up, calibration, then the sized phases.
 
-The warm-up (the plan's first phase, chat only) runs with SLOs and a chat rate sized from the start-up
-profile. When it ends, its control windows calibrate the profile (demo.calibrate), the demo is planned again
+First one long prompt is prefilled alone at the ceiling budget (a calibration probe: the profile measures short
+contexts; a long prompt's chunks attend to their whole prefix). The warm-up (the plan's first phase, chat only)
+runs with SLOs and a chat rate sized from the start-up profile. When it ends, its control windows calibrate the
+decode-only curve, the slower of them and the probe the mixed curve (demo.calibrate), the demo is planned again
 from the calibrated profile, its SLOs replace the warm-up's, and the remaining phases start at their
 calibrated rates; the overload phase is sized when it starts, from the prefill capacity the control loop
 measured for one replica (demo.beyond_one_replica). Every window, the warm-up's too, is judged against
@@ -16,16 +18,18 @@ from typing import Any, Iterator
 
 from stallfree.contracts import Profile
 from stallfree.operator.control.policy import SLOTargets
-from stallfree.operator.local.demo import Calibration, DemoPlan, beyond_one_replica, calibrate, plan_demo, scaled
+from stallfree.operator.local.demo import (Calibration, DemoPlan, beyond_one_replica, calibrate, plan_demo,
+                                          predicted_prefill_ms, scaled)
 from stallfree.operator.local.load import LoadDriver, LoadPhase
 
 CAPACITY_STEPS = 3  # the overload phase is sized from the median capacity of the loop's last steps
+PROBE_TIMEOUT_S = 120.0
 
 
 class DemoRun:
     def __init__(self, runtime: Any, view: Any, profile: Profile, ceiling_budget: int, max_model_len: int,
                  scale: float, load: LoadDriver, stop: asyncio.Event) -> None:
-        self.runtime, self.view, self.profile, self.stop = runtime, view, profile, stop
+        self.runtime, self.view, self.profile, self.stop, self.load = runtime, view, profile, stop, load
         self.sizing = (ceiling_budget, max_model_len, scale)
         self.plan: DemoPlan = plan_demo(profile, ceiling_budget, max_model_len, scale=scale)
         self.calibration: Calibration | None = None
@@ -33,19 +37,26 @@ class DemoRun:
         self.phases: list[LoadPhase] = []  # the phases the verdict judges, as they start
         self.background: list[LoadPhase] = []  # the chat load beside them
         self._first_step = len(runtime.steps)
+        self._long_prompt_factor: float | None = None
+        self._tasks: list[asyncio.Future] = []
         self.use_slos()
-        view.say(self.plan.describe() + f"; warm-up '{self.warmup.label}' for {self.warmup.duration_s:.0f}s, "
-                 "then the SLOs and loads are sized from the iterations it observed")
-        started = runtime.started
+
+    async def start(self) -> None:
+        """The calibration probe, then the warm-up and the phases (in the background)."""
+        await self._probe()
+        self.view.say(self.plan.describe() + f"; warm-up '{self.warmup.label}' for {self.warmup.duration_s:.0f}s, "
+                      "then the SLOs and loads are sized from the iterations it observed")
+        self._first_step = len(self.runtime.steps)
+        started, load, stop = self.runtime.started, self.load, self.stop
         self._tasks = [asyncio.ensure_future(load.run(self._chat(), started, stop=stop)),
-                       asyncio.ensure_future(load.run(self._story(), started, on_phase=view.phase, stop=stop))]
+                       asyncio.ensure_future(load.run(self._story(), started, on_phase=self.view.phase, stop=stop))]
 
     @property
     def duration_s(self) -> float:
         return sum(p.duration_s for p in self.plan.phases)
 
     def done(self) -> bool:
-        return all(t.done() for t in self._tasks)
+        return bool(self._tasks) and all(t.done() for t in self._tasks)
 
     def task(self) -> asyncio.Future:
         """Every load task (what a drain waits for)."""
@@ -85,13 +96,32 @@ class DemoRun:
             return
         windows = [o.stats for step in self.runtime.steps[self._first_step:] for o in step.observations
                    if o.known and o.stats is not None]
-        self.calibration = calibrate(windows, self.profile)
+        self.calibration = calibrate(windows, self.profile, self._long_prompt_factor)
         ceiling_budget, max_model_len, scale = self.sizing
-        self.plan = plan_demo(scaled(self.profile, self.calibration.factor), ceiling_budget, max_model_len,
+        cal = self.calibration
+        self.plan = plan_demo(scaled(self.profile, cal.factor, cal.prefill_factor), ceiling_budget, max_model_len,
                               scale=scale)
         self.use_slos()
         self.view.say(self.calibration.describe())
         self.view.say(self.plan.describe("the calibrated profile"))
+
+    async def _probe(self) -> None:
+        """One long prompt alone at the ceiling budget: its TTFT over the profile's prediction for its chunks."""
+        ceiling_budget = self.sizing[0]
+        probe = LoadPhase("calibration probe", 0.0, 0.0, self.plan.long_prompt_tokens, 1)
+        self.view.say(f"calibration probe: one {probe.prompt_tokens}-token prompt prefilled alone")
+        try:
+            result = await asyncio.wait_for(self.load.alone(probe, self.runtime.started), timeout=PROBE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            self.view.say(f"calibration probe: no answer within {PROBE_TIMEOUT_S:.0f}s; the warm-up alone calibrates")
+            return
+        predicted = predicted_prefill_ms(self.profile, probe.prompt_tokens, ceiling_budget)
+        if not result.ok or not result.ttft_ms or predicted <= 0:
+            self.view.say(f"calibration probe failed ({result.error}); the warm-up alone calibrates")
+            return
+        self._long_prompt_factor = result.ttft_ms / predicted
+        self.view.say(f"calibration probe: prefilled in {result.ttft_ms:.0f} ms, the profile predicts "
+                      f"{predicted:.0f} ms at budget {ceiling_budget} (x{self._long_prompt_factor:.2f})")
 
     def _size_overload(self, planned: LoadPhase) -> LoadPhase:
         measured = [s.feasibility.capacity_tokens_per_s for s in self.runtime.steps[-CAPACITY_STEPS:]

@@ -85,6 +85,12 @@ class LoadDriver:
             # In-flight requests always get their answer: the daemons finish them even while draining.
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def alone(self, phase: LoadPhase, started: float) -> RequestResult:
+        """One request of `phase`, sent and awaited before any other load (a calibration probe)."""
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s, connect=5.0)) as client:
+            await self._one(client, phase, started)
+        return self.results[-1].result
+
     async def _one(self, client: httpx.AsyncClient, phase: LoadPhase, started: float) -> None:
         index = next(self._counter)
         result = RequestResult(index, phase.prompt_tokens, phase.max_tokens, time.time() - started)
