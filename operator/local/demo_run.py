@@ -24,6 +24,7 @@ from stallfree.operator.local.load import LoadDriver, LoadPhase
 
 CAPACITY_STEPS = 3  # the overload phase is sized from the median capacity of the loop's last steps
 PROBE_TIMEOUT_S = 120.0
+PROBE_PROGRESS_S = 5.0  # a line this often while the probe runs: never silent
 
 
 class DemoRun:
@@ -110,11 +111,20 @@ class DemoRun:
         ceiling_budget = self.sizing[0]
         probe = LoadPhase("calibration probe", 0.0, 0.0, self.plan.long_prompt_tokens, 1)
         self.view.say(f"calibration probe: one {probe.prompt_tokens}-token prompt prefilled alone")
-        try:
-            result = await asyncio.wait_for(self.load.alone(probe, self.runtime.started), timeout=PROBE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            self.view.say(f"calibration probe: no answer within {PROBE_TIMEOUT_S:.0f}s; the warm-up alone calibrates")
-            return
+        task = asyncio.ensure_future(self.load.alone(probe, self.runtime.started))
+        waited = 0.0
+        while not task.done():
+            await asyncio.wait([task], timeout=PROBE_PROGRESS_S)
+            waited += PROBE_PROGRESS_S
+            if task.done():
+                break
+            if waited >= PROBE_TIMEOUT_S or self.stop.is_set():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                self.view.say(f"calibration probe: no answer after {waited:.0f}s; the warm-up alone calibrates")
+                return
+            self.view.say(f"calibration probe: still prefilling ({waited:.0f}s)")
+        result = task.result()
         predicted = predicted_prefill_ms(self.profile, probe.prompt_tokens, ceiling_budget)
         if not result.ok or not result.ttft_ms or predicted <= 0:
             self.view.say(f"calibration probe failed ({result.error}); the warm-up alone calibrates")
