@@ -23,12 +23,11 @@ import yaml
 
 from stallfree.contracts import Profile
 from stallfree.bench.serve import PromptBuilder
-from stallfree.operator.local.demo import DemoPlan, plan_demo
+from stallfree.operator.local.demo_run import DemoRun
 from stallfree.operator.local.load import LoadDriver, LoadPhase
 from stallfree.operator.local.runtime import LocalRuntime
 from stallfree.operator.local.view import LiveView
 from stallfree.operator.api.spec import InferenceServiceSpec, parse_spec, spec_errors
-from stallfree.operator.control.policy import SLOTargets
 from stallfree.operator.local.verdict import Phase, judge, verdict_text
 
 
@@ -87,15 +86,6 @@ def prompt_builder(spec: InferenceServiceSpec) -> PromptBuilder:
     return PromptBuilder(load_tokenizer(model.path))
 
 
-def use_demo_slos(runtime: LocalRuntime, view: LiveView, plan: DemoPlan) -> None:
-    """The demo's SLOs replace the manifest's: sized from this replica's profile, they mean the same anywhere."""
-    slo = SLOTargets(ttft_p99_ms=round(plan.ttft_slo_ms), tpot_p99_ms=round(plan.tpot_slo_ms),
-                     queue_wait_p99_ms=round(plan.queue_wait_slo_ms))
-    runtime.policy = dataclasses.replace(runtime.policy, slo=slo)
-    runtime.loop.policy = runtime.policy
-    view.policy = runtime.policy
-
-
 async def fetch_profile(runtime: LocalRuntime) -> Profile:
     replica = runtime.daemons.replicas[0]
     response = await runtime.client.get(f"{replica.url}/admin/profile", timeout=5.0,
@@ -123,17 +113,12 @@ async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, o
     view.say(f"starting {len(runtime.daemons.replicas)} replica(s) of {name} "
              f"({spec.model.daemon_model}, {spec.engine.device}); logs in {runtime.daemons.log_dir}")
     load: LoadDriver | None = None
-    load_task: asyncio.Future | None = None
-    phases: list[LoadPhase] = []
+    demo: DemoRun | None = None
     try:
         await runtime.wait_ready(args.start_timeout, on_wait=view.waiting)
         view.say(f"ready after {runtime.elapsed():.0f}s (model loaded, profile measured)")
         if args.demo:
-            plan = plan_demo(await fetch_profile(runtime), spec.engine.ceilings.max_token_budget,
-                             spec.model.max_model_len or 2048, scale=args.phase_scale)
-            use_demo_slos(runtime, view, plan)
-            view.say(plan.describe())
-            phases = plan.phases
+            profile = await fetch_profile(runtime)
             if spec.routing.mode == "slo-aware":
                 router_url = await runtime.start_router(spec.routing.policy)
                 view.say(f"router on {router_url} ({spec.routing.policy}): the load goes through it")
@@ -141,17 +126,18 @@ async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, o
                                   spec.model.served_name, prompt_builder(spec))
             else:
                 load = LoadDriver(runtime.ready_urls, spec.model.served_name, prompt_builder(spec))
-            load_task = asyncio.gather(load.run([plan.chat], runtime.started, stop=stop),
-                                       load.run(phases, runtime.started, on_phase=view.phase, stop=stop))
+            demo = DemoRun(runtime, view, profile, spec.engine.ceilings.max_token_budget,
+                           spec.model.max_model_len or 2048, args.phase_scale, load, stop)
+            await demo.start()
         if args.duration:
             run_for = args.duration
         else:
-            run_for = sum(p.duration_s for p in phases) + 30 if phases else float("inf")
+            run_for = demo.duration_s + 30 if demo else float("inf")
         deadline = time.monotonic() + run_for
         while not stop.is_set() and time.monotonic() < deadline:
             result = await runtime.step()
             view.step(result, runtime)
-            if load_task is not None and load_task.done():
+            if demo is not None and demo.done():
                 break
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
@@ -159,9 +145,9 @@ async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, o
                 pass
     finally:
         stop.set()
-        await drain(runtime, load, load_task, view, float(spec.engine.drain_timeout_seconds))
+        await drain(runtime, load, demo.task() if demo else None, view, float(spec.engine.drain_timeout_seconds))
         view.close()
-    return report(name, spec, runtime, load, phases, out)
+    return report(name, spec, runtime, load, demo, out)
 
 
 async def drain(runtime: LocalRuntime, load: LoadDriver | None, load_task: asyncio.Future | None, view: LiveView,
@@ -188,15 +174,18 @@ async def drain(runtime: LocalRuntime, load: LoadDriver | None, load_task: async
 
 
 def report(name: str, spec: InferenceServiceSpec, runtime: LocalRuntime, load: LoadDriver | None,
-           phases: list[LoadPhase], out: Path) -> dict[str, Any]:
+           demo: DemoRun | None, out: Path) -> dict[str, Any]:
     from stallfree.operator.control.timeline import step_row
 
     rows = []
     for step in runtime.steps:
         row = step_row(step)
         row["t"] = round(step.time - runtime.started, 1)
+        row["infeasible"] = judged_infeasible(step)
         rows.append(row)
     starts = load.phase_starts if load else []
+    phases = demo.phases if demo else []
+    background = demo.background if demo else []
     slo = runtime.policy.slo
     result = {
         "scenario": "up --demo" if load else "up",
@@ -207,12 +196,19 @@ def report(name: str, spec: InferenceServiceSpec, runtime: LocalRuntime, load: L
         "hardware": spec.engine.device,
         "slo": {"ttft_p99_ms": slo.ttft_p99_ms, "tpot_p99_ms": slo.tpot_p99_ms,
                 "queue_wait_p99_ms": slo.queue_wait_p99_ms},
-        "load": [dict(p.to_dict(), start_s=round(t, 1)) for t, p in starts],
+        "load": [dict(p.to_dict(), start_s=round(t, 1)) for t, p in starts if p not in background],
+        "background_load": [dict(p.to_dict(), start_s=round(t, 1)) for t, p in starts if p in background],
         "timeline": rows,
         "events": [e.__dict__ for e in runtime.events],
         "client": load.summary() if load else {},
         "restarts": runtime.daemons.total_restarts,
     }
+    if demo is not None:
+        cal = demo.calibration
+        result["calibration"] = None if cal is None else {"factor": cal.factor, "windows": cal.windows,
+                                                          "spread": list(cal.spread),
+                                                          "long_prompt_factor": cal.long_prompt_factor,
+                                                          "message": cal.describe()}
     if load and phases:
         result["verdict"] = demo_verdict(rows, starts, phases, runtime)
     out.mkdir(parents=True, exist_ok=True)
@@ -239,14 +235,23 @@ def demo_verdict(rows: list[dict[str, Any]], starts: list[tuple[float, LoadPhase
             "phases": [dataclasses.asdict(p) for p in verdict.phases]}
 
 
+VERDICT_NAMES = {"tpot": "tpot", "queueWait": "queue_wait", "ttft": "ttft"}
+
+
+def judged_infeasible(step: Any) -> list[str] | None:
+    """The SLOs this control step judged infeasible from the profile (verdict names); None: it could not judge."""
+    feasibility = getattr(step, "feasibility", None)
+    if feasibility is None or not feasibility.known:
+        return None
+    return [VERDICT_NAMES.get(slo, slo) for slo in feasibility.infeasible]
+
+
 def infeasible_slos(runtime: LocalRuntime) -> dict[str, str]:
-    """SLOs the control loop itself judged infeasible from the profile during the run (SLOFeasible=False)."""
-    names = {"tpot": "tpot", "queueWait": "queue_wait", "ttft": "ttft"}
+    """SLO -> the loop's latest message where it judged that SLO infeasible during the run (SLOFeasible=False)."""
     found: dict[str, str] = {}
     for step in runtime.steps:
-        feasibility = getattr(step, "feasibility", None)
-        for slo in getattr(feasibility, "infeasible", ()) or ():
-            found.setdefault(names.get(slo, slo), feasibility.message)
+        for slo in judged_infeasible(step) or ():
+            found[slo] = step.feasibility.message
     return found
 
 

@@ -13,13 +13,14 @@ def plot_timeline(result: dict[str, Any], path: str) -> None:
 
     rows, slo = result["timeline"], result["slo"]
     t = [r["t"] for r in rows]
-    fig, axes = plt.subplots(4, 1, figsize=(11, 11), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(13, 11), sharex=True)
     title = result.get("title") or f"stallfree control --scenario {result['scenario']}"
     fig.suptitle(f"{title}  ({result['model']} on {result['hardware']})")
 
     ax = axes[0]
     ax.plot(t, [r["p99_tpot_ms"] for r in rows], label="p99 TPOT (worst known replica)", color="tab:blue")
     ax.axhline(slo["tpot_p99_ms"], color="tab:blue", linestyle="--", label="TPOT SLO")
+    ax.set_ylim(0, 1.1 * max([slo["tpot_p99_ms"]] + [r["p99_tpot_ms"] for r in rows if r["p99_tpot_ms"] is not None]))
     ax.set_ylabel("ms")
     ax.legend(loc="upper left", fontsize=8)
 
@@ -29,7 +30,9 @@ def plot_timeline(result: dict[str, Any], path: str) -> None:
     ax.axhline(slo["ttft_p99_ms"], color="tab:orange", linestyle="--", label="TTFT SLO")
     ax.axhline(slo["queue_wait_p99_ms"], color="tab:green", linestyle=":", label="queue wait SLO")
     ax.set_yscale("symlog", linthresh=100)
-    ax.set_ylim(bottom=0)
+    highest = max([slo["ttft_p99_ms"], slo["queue_wait_p99_ms"]] + [r[k] for r in rows for k in
+                                                                    ("p99_ttft_ms", "p99_queue_wait_ms") if r[k]])
+    ax.set_ylim(bottom=0, top=2.0 * highest)  # both SLO lines inside the panel, never on its edge
     ax.set_ylabel("ms")
     ax.legend(loc="upper left", fontsize=8)
 
@@ -48,6 +51,7 @@ def plot_timeline(result: dict[str, Any], path: str) -> None:
                 ax.axvline(r["t"], color="tab:red" if d["kind"] == "budget_lowered" else "tab:green",
                            alpha=0.3, linewidth=1, label=None if label in labelled else label)
                 labelled.add(label)
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("token budget")
     ax.legend(loc="upper left", fontsize=8, ncol=4)
 
@@ -81,6 +85,13 @@ def plot_timeline(result: dict[str, Any], path: str) -> None:
         for i, start in enumerate(unknown):
             panel.axvspan(start - step / 2, start + step / 2, color="0.85", zorder=0,
                           label="unknown (too few samples)" if i == 0 else None)
+    # Steps where the loop judged an SLO infeasible (SLOFeasible=False), hatched in that SLO's panel.
+    for panel, names, text in ((axes[0], ("tpot",), "TPOT judged infeasible"),
+                               (axes[1], ("queue_wait", "ttft"), "queue wait / TTFT judged infeasible")):
+        judged = [r["t"] for r in rows if any(n in (r.get("infeasible") or ()) for n in names)]
+        for i, start in enumerate(judged):
+            panel.axvspan(start - step / 2, start + step / 2, facecolor="none", edgecolor="tab:red", alpha=0.35,
+                          hatch="//", linewidth=0, zorder=0, label=f"{text} (SLOFeasible=False)" if i == 0 else None)
     for phase in [p for p in result["load"] if p.get("start_s", 0) > 0]:
         for panel in axes:
             panel.axvline(phase["start_s"], color="black", alpha=0.5, linestyle=":")
@@ -91,7 +102,8 @@ def plot_timeline(result: dict[str, Any], path: str) -> None:
                          annotation_clip=False)
     for panel in axes:
         panel.set_xlim(left=0)
-        panel.legend(loc="upper left", fontsize=8, ncol=4)
+        # Beside the panel, not over the lines it explains.
+        panel.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)

@@ -2,9 +2,12 @@
 
 Before the tuner moves a knob, it asks whether any setting can meet the SLO at all:
 - TPOT: an iteration is never faster than its decodes alone. The profile's decode-only iteration at
-  the fewest sequences the bounds allow (calibrated by what the window observed) is the TPOT floor;
-  an SLO under it cannot be met by any budget or max_num_seqs, and the tuner then aims at the closest
-  TPOT it can reach instead of sliding the budget to its floor.
+  the fewest sequences the bounds allow (calibrated by what the window observed) is the TPOT floor.
+  Under prefill load it is higher: the decodes share iterations with prefill chunks of at least the
+  smallest budget. The window's p99 TPOT says what share of a request's iterations carried a chunk; that
+  share at the smallest budget's (calibrated) iteration, the rest at the decode-only floor, is the lowest
+  p99 any setting reaches at this load. An SLO under it cannot be met by any budget or max_num_seqs, and
+  the tuner then aims at the closest TPOT it can reach instead of sliding the budget to its floor.
 - queue wait and TTFT: at the largest budget the TPOT target allows, one replica prefills so many
   prompt tokens per second; demand beyond maxReplicas of that leaves queues growing, and a prompt
   longer than the TTFT SLO's worth of iterations at that budget misses TTFT even alone.
@@ -33,6 +36,7 @@ class Feasibility:
     infeasible: tuple[str, ...] = ()  # SLOs no setting meets within maxReplicas, in priority order
     held: str | None = None  # when SLOs conflict: the one the loop holds
     tpot_floor_ms: float | None = None  # calibrated decode-only iteration at the fewest sequences
+    tpot_reachable_ms: float | None = None  # the lowest p99 TPOT any setting reaches at this load
     tpot_target_ms: float | None = None  # the TPOT the tuner aims under: the SLO, or the closest reachable
     tpot_budget: int | None = None  # the largest budget the TPOT target allows
     capacity_tokens_per_s: float | None = None  # one replica's prefill at that budget
@@ -78,11 +82,13 @@ def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy,
     bounds = policy.bounds.clipped(stats.ceilings)
 
     floor = cal * decode_ms_at(profile, bounds.min_num_seqs)
-    tpot_ok = floor <= slo.tpot_p99_ms
-    # The TPOT to aim at: the SLO, or when it is out of reach, the closest the tuner can settle under: its
-    # smallest real iteration (the decodes with the smallest prefill chunk) over its aim.
-    reachable = max(floor, cal * min(p.iteration_ms for p in profile.mixed))
-    target = slo.tpot_p99_ms if reachable <= AIM * slo.tpot_p99_ms else max(slo.tpot_p99_ms, reachable / AIM)
+    # The lowest p99 TPOT at this load: the worst replica's, each from its own window and calibration.
+    loaded = max(profiled, key=lambda o: _tpot_at_smallest_budget(o, policy))
+    under_load = _tpot_at_smallest_budget(loaded, policy)
+    reachable = max(floor, under_load)
+    tpot_ok = reachable <= slo.tpot_p99_ms
+    # The TPOT to aim at: the SLO, or when it is out of reach, the closest the tuner can settle under.
+    target = slo.tpot_p99_ms if tpot_ok else max(slo.tpot_p99_ms, reachable / AIM)
 
     budget = _largest_budget(profile, cal, 0.8 * target, bounds.min_token_budget, bounds.max_token_budget)
     decodes = _decodes_per_iteration(stats)
@@ -107,10 +113,18 @@ def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy,
     infeasible = tuple(name for name in priority if not ok[name])
     held = next((name for name in priority if ok[name]), None) if infeasible else None
     notes = []
-    if not tpot_ok:
+    if not tpot_ok and floor > slo.tpot_p99_ms:
         notes.append(f"TPOT SLO {slo.tpot_p99_ms:g} ms is under the decode-only iteration at "
                      f"{bounds.min_num_seqs} sequence(s), {floor:.1f} ms (profile x{cal:.2f} as observed): no budget "
                      f"meets it; aiming at {target:.0f} ms, budget {budget}")
+    elif not tpot_ok:
+        seen = loaded.stats
+        lo = policy.bounds.clipped(seen.ceilings).min_token_budget
+        notes.append(f"TPOT SLO {slo.tpot_p99_ms:g} ms is under what this load allows: {loaded.name} observed p99 "
+                     f"{seen.tpot_ms.p99:.0f} ms at budget {seen.tuning.token_budget}, and even the smallest budget "
+                     f"{lo} with {bounds.min_num_seqs} sequence(s) would give {under_load:.0f} ms (profile "
+                     f"x{calibration(seen, loaded.profile):.2f} as observed): no setting meets it; aiming at "
+                     f"{target:.0f} ms, budget {budget}")
     if not queue_ok:
         notes.append(f"at budget {budget} (TPOT {target:.0f} ms) one replica prefills {capacity:.0f} tok/s; demand "
                      f"{demand:.0f} tok/s needs {needed} replicas, maxReplicas is {scaling.max_replicas}: queue wait "
@@ -122,11 +136,37 @@ def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy,
         order = " > ".join(LABELS[p] for p in priority)
         notes.append(f"holding {LABELS[held]} first (priority {order})")
     if not notes:
-        notes.append(f"every SLO reachable: TPOT floor {floor:.1f} ms <= {slo.tpot_p99_ms:g} ms; at budget {budget} "
+        notes.append(f"every SLO reachable: TPOT {reachable:.1f} ms at this load <= {slo.tpot_p99_ms:g} ms; at budget {budget} "
                      f"one replica prefills {capacity or 0:.0f} tok/s, demand {demand:.0f} tok/s needs "
                      f"{needed} of maxReplicas {scaling.max_replicas}")
-    return Feasibility(infeasible, held, floor, target, budget, capacity, demand, needed, ttft_floor, cal,
+    return Feasibility(infeasible, held, floor, reachable, target, budget, capacity, demand, needed, ttft_floor, cal,
                        "; ".join(notes))
+
+
+def _tpot_at_smallest_budget(obs: ReplicaObservation, policy: ControlPolicy) -> float:
+    """The p99 TPOT this replica's window would show at the smallest settings.
+
+    Two kinds of iteration make a request's TPOT: those that carry a prefill chunk (the budget's full
+    iteration) and decode-only ones. The observed p99 at the window's budget tells the share `phi` of the
+    former (calibrated profile both); at the smallest budget and the fewest sequences the same share costs
+    `phi` x the smallest full iteration plus the rest x the decode-only floor. 0 when the window has no
+    TPOT: then only the floor speaks.
+    """
+    stats, profile = obs.stats, obs.profile
+    tpot = stats.tpot_ms.p99
+    if not tpot:
+        return 0.0
+    bounds = policy.bounds.clipped(stats.ceilings)
+    cal = calibration(stats, profile)
+    running = max(1, min(stats.tuning.max_num_seqs, stats.num_running))
+    decode_only = cal * decode_ms_at(profile, running)
+    full = cal * profile.iteration_ms_at(max(stats.tuning.token_budget, bounds.min_token_budget))
+    if full > decode_only:
+        phi = min(1.0, max(0.0, (tpot - decode_only) / (full - decode_only)))
+    else:
+        phi = 1.0 if tpot > decode_only else 0.0
+    smallest = cal * profile.iteration_ms_at(bounds.min_token_budget)
+    return phi * smallest + (1.0 - phi) * cal * decode_ms_at(profile, bounds.min_num_seqs)
 
 
 def _largest_budget(profile, cal: float, target_ms: float, lo: int, hi: int) -> int:

@@ -1,27 +1,42 @@
 """The built-in load of `stallfree up --demo`, and its SLOs, sized from the replica's own measured profile.
 
-Nothing here is a fixed rate or a fixed latency: every figure is a multiple of what this replica measured at
-start-up, so the demo means the same on a fast machine and a slow one, quiet or busy. The story:
+Nothing here is a fixed rate or a fixed latency: every figure is a multiple of what this replica measured, so
+the demo means the same on a fast machine and a slow one, quiet or busy. The start-up profile is measured alone;
+beside the load generator, the router and whatever else runs on the machine, iterations take longer. So the
+first phase (chat only) is also the warm-up: its windows calibrate the profile (observed mean iteration over what
+the profile predicts for the decodes and prefill tokens those iterations carried), and the SLOs and the later
+phases' loads are sized from the calibrated profile. The story:
 
-1. chat: short requests throughout, a small share of the replica's prefill capacity;
+1. chat: short requests throughout, a small share of the replica's prefill capacity (the first 30 s: warm-up);
 2. long prompts: prompts that a ceiling-sized budget takes in few, long iterations. The daemons start at the
    ceiling budget, so every chat stream stalls behind them and p99 TPOT breaches; the tuner must find the way
    down from feedback;
 3. beyond one replica: long-prompt demand above what one replica can prefill at the budget the TPOT SLO
-   allows; no budget can serve it, queue wait breaches, and the scaler adds a replica;
+   allows (as the control loop measured it in phase 2); no budget can serve it, queue wait breaches, and the
+   scaler adds a replica;
 4. cool-down: chat only, every SLO back under.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, replace
+from typing import Sequence
 
-from stallfree.contracts import Profile
+from stallfree.contracts import Profile, WindowStats
+from stallfree.operator.control.capacity import decode_ms_at
 from stallfree.operator.local.load import LoadPhase
 
-CHAT_PROMPT_TOKENS = 64
-CHAT_OUTPUT_TOKENS = 32
-LONG_OUTPUT_TOKENS = 16
-CHAT_STREAMS = 4  # chat requests decoding at once on one replica, by Little's law
+# p99 TPOT is a per-request mean: a reply decodes beside a long prompt's prefill for as many iterations as that
+# prefill lasts. Replies shorter than a long prompt's chunk count at the allowed budget decode wholly beside it
+# (TPOT ~ the budget's iteration, which the budget controls); at the ceiling budget the few huge iterations
+# still dominate such a short reply. Longer replies would average the stall away (see p99_tpot_beside_prefill).
+CHAT_PROMPT_TOKENS = 32
+CHAT_OUTPUT_TOKENS = 10
+LONG_OUTPUT_TOKENS = 8
+CHAT_STREAMS = 4  # chat requests decoding at once on one replica, by Little's law (an upper bound)
+CHAT_SHARE = 0.2  # of one replica's prefill capacity: enough replies decoding when a long prompt starts
+LONG_PROMPTS_SHARE = 0.4  # the long-prompt phase: within one replica, a long prompt every few seconds
+MIN_WARMUP_ITERATIONS = 20  # a window with fewer iterations says too little about their time
 TARGET_BUDGET_SHARE = 0.25  # the TPOT SLO lets a budget of about this share of the ceiling through
 
 
@@ -36,24 +51,10 @@ class DemoPlan:
     chat: LoadPhase
     phases: list[LoadPhase]
 
-    def describe(self) -> str:
-        return (f"demo sized from the profile: SLOs p99 TPOT {self.tpot_slo_ms:.0f} ms, queue wait "
+    def describe(self, source: str = "the start-up profile") -> str:
+        return (f"demo sized from {source}: SLOs p99 TPOT {self.tpot_slo_ms:.0f} ms, queue wait "
                 f"{self.queue_wait_slo_ms:.0f} ms, TTFT {self.ttft_slo_ms:.0f} ms; budget the TPOT SLO allows "
                 f"~{self.allowed_budget} tokens, one replica prefills ~{self.prefill_tokens_per_s:.0f} tokens/s")
-
-
-def decode_ms_at(profile: Profile, num_decodes: int) -> float:
-    """A decode-only iteration at this concurrency, interpolated over the profile's decode-only points."""
-    points = sorted(profile.decode_only, key=lambda p: p.num_decodes)
-    if not points:
-        return profile.iteration_ms_at(num_decodes)
-    if num_decodes <= points[0].num_decodes:
-        return points[0].iteration_ms
-    for lo, hi in zip(points, points[1:]):
-        if num_decodes <= hi.num_decodes:
-            frac = (num_decodes - lo.num_decodes) / max(1, hi.num_decodes - lo.num_decodes)
-            return lo.iteration_ms + frac * (hi.iteration_ms - lo.iteration_ms)
-    return points[-1].iteration_ms * num_decodes / max(1, points[-1].num_decodes)
 
 
 def plan_demo(profile: Profile, ceiling_budget: int, max_model_len: int, scale: float = 1.0) -> DemoPlan:
@@ -67,19 +68,116 @@ def plan_demo(profile: Profile, ceiling_budget: int, max_model_len: int, scale: 
     # Long prompts that the ceiling budget takes in a few stalling iterations.
     long_prompt = max(ceiling_budget, min(4 * ceiling_budget, max_model_len - 64) - LONG_OUTPUT_TOKENS)
     long_rate = prefill_rate / long_prompt  # long prompts per second one replica can prefill
-    # Queue wait: a few long prompts ahead; TTFT: that plus one's own prefill, with margin for chat.
-    queue_slo = 3.0 * long_prompt / prefill_rate * 1000.0
+    # Queue wait: a few long prompts ahead (Poisson arrivals queue up now and then); TTFT: that plus one's own
+    # prefill, with margin for chat.
+    queue_slo = 4.0 * long_prompt / prefill_rate * 1000.0
     ttft_slo = queue_slo + 2.0 * long_prompt / prefill_rate * 1000.0
-    # Chat: about CHAT_STREAMS concurrent streams, but never more than 15% of the prefill capacity.
+    # Chat: at most CHAT_STREAMS concurrent streams and CHAT_SHARE of the prefill capacity.
     chat_life_s = CHAT_OUTPUT_TOKENS * decode_ms / 1000.0
-    chat_rate = min(CHAT_STREAMS / chat_life_s, 0.15 * prefill_rate / CHAT_PROMPT_TOKENS)
+    chat_rate = min(CHAT_STREAMS / chat_life_s, CHAT_SHARE * prefill_rate / CHAT_PROMPT_TOKENS)
     phases = [
         LoadPhase("chat only", 30 * scale, 0.0, long_prompt, LONG_OUTPUT_TOKENS),
-        # The profile is measured alone; beside chat decodes, a second replica and the load's own process on
-        # the same cores a replica prefills less (about 0.5-0.6x here): the shares below leave for that.
-        LoadPhase("long prompts", 90 * scale, 0.3 * long_rate, long_prompt, LONG_OUTPUT_TOKENS),
+        # The next phase's rate is only a default: `up --demo` sizes it from the capacity the loop measured
+        # for one replica under this run's conditions (beyond_one_replica).
+        LoadPhase("long prompts", 90 * scale, LONG_PROMPTS_SHARE * long_rate, long_prompt, LONG_OUTPUT_TOKENS),
         LoadPhase("beyond one replica", 120 * scale, 0.9 * long_rate, long_prompt, LONG_OUTPUT_TOKENS),
         LoadPhase("cool-down", 60 * scale, 0.0, long_prompt, LONG_OUTPUT_TOKENS),
     ]
     chat = LoadPhase("chat", sum(p.duration_s for p in phases), chat_rate, CHAT_PROMPT_TOKENS, CHAT_OUTPUT_TOKENS)
     return DemoPlan(tpot_slo, ttft_slo, queue_slo, prefill_rate, allowed, long_prompt, chat, phases)
+
+
+def p99_tpot_beside_prefill(profile: Profile, budget: int, prompt_tokens: int,
+                            output_tokens: int = CHAT_OUTPUT_TOKENS, decodes: int = CHAT_STREAMS + 2) -> float:
+    """The TPOT of a reply that was decoding when a long prompt's prefill began (what the p99 of a window with
+    long prompts shows): as many of its gaps as the prefill has chunks at `budget` take that budget's
+    iteration, the rest the decode-only step."""
+    gaps = max(1, output_tokens - 1)
+    room = max(1, budget - decodes)
+    stalled = min(gaps, -(-prompt_tokens // room))
+    return (stalled * profile.iteration_ms_at(budget) + (gaps - stalled) * decode_ms_at(profile, decodes)) / gaps
+
+
+# Demand beyond one replica, as a multiple of one replica's measured prefill capacity: it needs a second
+# replica, and two replicas serve it even when each prefills a fifth less beside the other (shared cores).
+BEYOND_ONE_REPLICA = 1.3
+
+
+def beyond_one_replica(plan: DemoPlan, capacity_tokens_per_s: float | None) -> LoadPhase:
+    """The overload phase sized from one replica's prefill capacity as the control loop measured it (at the
+    budget its TPOT target allows, under this run's conditions); the plan's own phase when none was measured.
+    The chat load counts towards the demand."""
+    phase = next(p for p in plan.phases if p.label == "beyond one replica")
+    if not capacity_tokens_per_s or capacity_tokens_per_s <= 0:
+        return phase
+    chat_tokens = plan.chat.rate_per_s * plan.chat.prompt_tokens
+    long_tokens = max(0.0, BEYOND_ONE_REPLICA * capacity_tokens_per_s - chat_tokens)
+    return replace(phase, rate_per_s=long_tokens / phase.prompt_tokens)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    factor: float  # observed iteration time over the profile's prediction (median over the windows)
+    windows: int  # how many windows it came from (0: none could tell; factor 1)
+    spread: tuple[float, float] = (1.0, 1.0)  # the smallest and largest window's factor
+    long_prompt_factor: float | None = None  # a long prompt's prefill alone over the profile's prediction
+
+    @property
+    def prefill_factor(self) -> float:
+        """For the mixed curve: chunks of long prompts (long contexts) run at least as slow as chat did."""
+        return max(self.factor, self.long_prompt_factor or 0.0)
+
+    def describe(self) -> str:
+        probe = ("" if self.long_prompt_factor is None else
+                 f"; a long prompt prefilled alone took x{self.long_prompt_factor:.2f} the profile's time")
+        if not self.windows:
+            return "no warm-up window had enough iterations to calibrate: the start-up profile stands" + probe
+        return (f"calibrated from {self.windows} warm-up window(s): iterations take x{self.factor:.2f} the start-up "
+                f"profile's time here (windows x{self.spread[0]:.2f}-x{self.spread[1]:.2f})" + probe)
+
+
+def predicted_prefill_ms(profile: Profile, prompt_tokens: int, budget: int) -> float:
+    """A prompt prefilled alone at `budget`: one iteration per chunk, each as long as the profile says."""
+    full, rest = divmod(max(0, prompt_tokens), max(1, budget))
+    return full * profile.iteration_ms_at(budget) + (profile.iteration_ms_at(rest) if rest else 0.0)
+
+
+def predicted_iteration_ms(profile: Profile, decodes: float, prefill_tokens: float) -> float:
+    """A mean iteration of `decodes` decodes and `prefill_tokens` prefill tokens: the decode-only step plus the
+    mixed curve's cost per prefill token (its slope over the first two points)."""
+    points = sorted(profile.mixed, key=lambda p: p.tokens)
+    slope = 0.0
+    if len(points) > 1:
+        slope = (points[1].iteration_ms - points[0].iteration_ms) / max(1, points[1].tokens - points[0].tokens)
+    elif points:
+        slope = points[0].iteration_ms / max(1, points[0].tokens)
+    return decode_ms_at(profile, max(1, round(decodes))) + slope * prefill_tokens
+
+
+def calibrate(windows: Sequence[WindowStats], profile: Profile,
+              long_prompt_factor: float | None = None) -> Calibration:
+    """How much slower than the profile this replica's iterations ran over the warm-up windows (and, given, a
+    long prompt's prefill alone)."""
+    factors = []
+    for w in windows:
+        if w.iterations < MIN_WARMUP_ITERATIONS or not w.mean_iteration_ms or w.tuning.token_budget <= 0:
+            continue
+        tokens = w.budget_utilisation * w.tuning.token_budget  # mean tokens per busy iteration
+        total = w.decode_tokens_per_s + w.prefill_tokens_per_s
+        if tokens <= 0 or total <= 0:
+            continue
+        share = w.decode_tokens_per_s / total
+        predicted = predicted_iteration_ms(profile, share * tokens, (1 - share) * tokens)
+        if predicted > 0:
+            factors.append(w.mean_iteration_ms / predicted)
+    if not factors:
+        return Calibration(1.0, 0, long_prompt_factor=long_prompt_factor)
+    return Calibration(statistics.median(factors), len(factors), (min(factors), max(factors)), long_prompt_factor)
+
+
+def scaled(profile: Profile, factor: float, mixed_factor: float | None = None) -> Profile:
+    """The profile with every decode-only iteration `factor` x as long and every mixed one `mixed_factor` x
+    (default `factor`): what a calibration says this machine does now."""
+    mixed = factor if mixed_factor is None else mixed_factor
+    return replace(profile, decode_only=[replace(p, iteration_ms=factor * p.iteration_ms) for p in profile.decode_only],
+                   mixed=[replace(p, iteration_ms=mixed * p.iteration_ms) for p in profile.mixed])

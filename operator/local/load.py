@@ -12,7 +12,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import httpx
 
@@ -60,9 +60,10 @@ class LoadDriver:
         """Requests sent and not yet ended (what a drain waits for)."""
         return self._in_flight
 
-    async def run(self, phases: list[LoadPhase], started: float, on_phase: Callable[[LoadPhase], None] | None = None,
-                  stop: asyncio.Event | None = None) -> None:
-        """Send every phase's arrivals; returns once all sent requests ended (or `stop` is set)."""
+    async def run(self, phases: Iterable[LoadPhase], started: float,
+                  on_phase: Callable[[LoadPhase], None] | None = None, stop: asyncio.Event | None = None) -> None:
+        """Send every phase's arrivals; returns once all sent requests ended (or `stop` is set). Each phase is
+        taken from `phases` when the one before it ends, so a generator may decide it from what it saw."""
         tasks: list[asyncio.Task] = []
         limits = httpx.Limits(max_connections=self.max_in_flight, max_keepalive_connections=self.max_in_flight)
         async with httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s, connect=5.0),
@@ -83,6 +84,12 @@ class LoadDriver:
                     break
             # In-flight requests always get their answer: the daemons finish them even while draining.
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def alone(self, phase: LoadPhase, started: float) -> RequestResult:
+        """One request of `phase`, sent and awaited before any other load (a calibration probe)."""
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s, connect=5.0)) as client:
+            await self._one(client, phase, started)
+        return self.results[-1].result
 
     async def _one(self, client: httpx.AsyncClient, phase: LoadPhase, started: float) -> None:
         index = next(self._counter)
