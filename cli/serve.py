@@ -229,7 +229,7 @@ def start_engine(opts: ServeOptions, daemon) -> None:
     from stallfree.node_daemon.engine.async_engine import AsyncEngine
     from stallfree.node_daemon.engine.observers import FanoutObserver
     from stallfree.node_daemon.engine.iteration_cost import OnlineIterationCost
-    from stallfree.node_daemon.engine.profiler import starting_tuning
+    from stallfree.node_daemon.engine.profiler import SLO_MARGIN, starting_tuning
     from stallfree.node_daemon.server.app import LiveCounts
 
     started = time.monotonic()
@@ -259,9 +259,11 @@ def start_engine(opts: ServeOptions, daemon) -> None:
             and not opts.args.no_prefix_cut):
         # A chunk of a long prompt's tail attends to all of it: cut it so the iteration stays as long as the
         # budget means, by what served iterations show a cached prefix costs (the profile cannot see it).
-        scheduler.set_prefix_cost(OnlineIterationCost(daemon.profile))
-        log.info("start-up: prefill chunks over a cached prefix are cut to the budget's iteration time (the prefix's "
-                 "cost learned from served iterations)")
+        target = SLO_MARGIN * opts.args.tpot_slo_ms if opts.args.tpot_slo_ms is not None else None
+        scheduler.set_prefix_cost(OnlineIterationCost(daemon.profile, target))
+        log.info("start-up: prefill chunks over a cached prefix are cut to the budget's iteration time%s (the "
+                 "prefix's cost learned from served iterations)",
+                 f" and to {target:.0f} ms (the TPOT SLO's iteration target)" if target else "")
     daemon.vocab_size = engine.vocab_size
     daemon.kv_capacity_tokens = kv_cache.num_blocks * kv_cache.block_size
     daemon.max_chars_per_token = max_chars_per_token(engine.tokenizer)

@@ -105,3 +105,17 @@ def test_the_engine_feeds_every_served_iteration_to_the_model():
     assert engine.num_iterations >= 6
     assert model._weight == pytest.approx(sum(FORGET ** k for k in range(engine.num_iterations)))
     assert model.coefficients != (1.0, 0.0, 0.0)  # the fit moved off its prior
+
+
+def test_a_tpot_target_caps_chunks_over_a_prefix_at_the_machines_speed():
+    free = OnlineIterationCost(_profile())
+    held = OnlineIterationCost(_profile(), iteration_target_ms=100.0)
+    for model in (free, held):
+        model.coefficients = (1.5, 2e-4, 0.0)  # a machine half again slower than profiled
+    # Budget 256 means 148 ms profiled; 100 ms observed is 66.7 ms profiled at speed 1.5.
+    assert held.chunk_within_budget(250, 6, 1000, 256) < free.chunk_within_budget(250, 6, 1000, 256)
+    n = held.chunk_within_budget(250, 6, 1000, 256)
+    assert 1.5 * (20 + 0.5 * (6 + n)) + 2e-4 * 1000 * n <= 100.0 + 1e-9
+    assert held.chunk_within_budget(250, 6, 0, 256) == 250  # over no prefix: the budget's business
+    with pytest.raises(ValueError, match="positive"):
+        OnlineIterationCost(_profile(), iteration_target_ms=0.0)

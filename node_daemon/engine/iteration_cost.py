@@ -13,7 +13,8 @@ none), and the decodes beside it stall for that long. This model fits, over the 
 
 and the scheduler cuts a chunk over a prefix until profile(tokens) plus its prefix cost, in the profile's
 time (per_prefix_pair / speed: a busy machine slows everything alike, which is the operator's to answer with
-the budget), fits the profile's time for the full budget. A chunk over no prefix is never cut, and no chunk
+the budget), fits the profile's time for the full budget; when the daemon holds a TPOT SLO, also the SLO's
+iteration target at the machine's speed as fitted. A chunk over no prefix is never cut, and no chunk
 is cut below MIN_CHUNK tokens, so a prompt always progresses. Until chunks over a prefix have been served,
 the prefix term keeps its prior (none): the profile as measured.
 """
@@ -36,10 +37,15 @@ MIN_CHUNK = 32  # tokens a chunk over a prefix keeps whatever its prefix costs
 class OnlineIterationCost:
     """An iteration-time model over a measured Profile, refitted by observe() after each served iteration."""
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, iteration_target_ms: float | None = None) -> None:
+        """`iteration_target_ms`: when the daemon holds a TPOT SLO, the iteration time (as observed, at the
+        machine's fitted speed) that a chunk over a prefix may not exceed either."""
         if not profile.mixed:
             raise ValueError("an iteration cost model needs a profile with mixed points")
+        if iteration_target_ms is not None and not iteration_target_ms > 0:
+            raise ValueError(f"an iteration target must be positive, got {iteration_target_ms}")
         self.profile = profile
+        self.iteration_target_ms = iteration_target_ms
         # Normal equations of the weighted least squares, and the iterations' total weight.
         self._xtx = [[0.0] * 3 for _ in range(3)]
         self._xty = [0.0] * 3
@@ -60,6 +66,8 @@ class OnlineIterationCost:
             return limit
         per_token = per_pair * prefix_len / speed  # this chunk's prefix cost per token, in the profile's time
         target = self.profile.iteration_ms_at(token_budget)
+        if self.iteration_target_ms is not None:
+            target = min(target, self.iteration_target_ms / speed)
         fits = lambda n: self.profile.iteration_ms_at(used + n) + per_token * n <= target  # noqa: E731
         if fits(limit):
             return limit
