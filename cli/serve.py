@@ -228,7 +228,7 @@ def start_engine(opts: ServeOptions, daemon) -> None:
 
     from stallfree.node_daemon.engine.async_engine import AsyncEngine
     from stallfree.node_daemon.engine.observers import FanoutObserver
-    from stallfree.node_daemon.engine.iteration_cost import OnlineIterationCost
+    from stallfree.node_daemon.engine.iteration_cost import OnlineIterationCost, prior_per_prefix_pair
     from stallfree.node_daemon.engine.profiler import SLO_MARGIN, starting_tuning
     from stallfree.node_daemon.server.app import LiveCounts
 
@@ -260,7 +260,9 @@ def start_engine(opts: ServeOptions, daemon) -> None:
         # A chunk of a long prompt's tail attends to all of it: cut it so the iteration stays as long as the
         # budget means, by what served iterations show a cached prefix costs (the profile cannot see it).
         target = SLO_MARGIN * opts.args.tpot_slo_ms if opts.args.tpot_slo_ms is not None else None
-        scheduler.set_prefix_cost(OnlineIterationCost(daemon.profile, target))
+        shape = engine.executor.loaded.shape
+        scheduler.set_prefix_cost(OnlineIterationCost(daemon.profile, target,
+                                                      prior_per_prefix_pair(daemon.profile, shape)))
         log.info("start-up: prefill chunks over a cached prefix are cut to the budget's iteration time%s (the "
                  "prefix's cost learned from served iterations)",
                  f" and to {target:.0f} ms (the TPOT SLO's iteration target)" if target else "")

@@ -6,7 +6,7 @@ import pytest
 
 from scheduler_driver import checked_step, make_request, make_scheduler
 from stallfree.contracts import Profile, ProfilePoint
-from stallfree.node_daemon.engine.iteration_cost import FORGET, MIN_CHUNK, OnlineIterationCost
+from stallfree.node_daemon.engine.iteration_cost import FORGET, MIN_CHUNK, OnlineIterationCost, prior_per_prefix_pair
 
 
 def _profile() -> Profile:
@@ -119,3 +119,20 @@ def test_a_tpot_target_caps_chunks_over_a_prefix_at_the_machines_speed():
     assert held.chunk_within_budget(250, 6, 0, 256) == 250  # over no prefix: the budget's business
     with pytest.raises(ValueError, match="positive"):
         OnlineIterationCost(_profile(), iteration_target_ms=0.0)
+
+
+def test_the_prefix_prior_comes_from_the_shape_and_cuts_a_first_long_prompt():
+    from stallfree.shapes import get_shape
+
+    shape = get_shape("smollm2-135m")
+    prior = prior_per_prefix_pair(_profile(), shape)
+    # 0.5 ms a token; attention 4 * 9 * 64 * 30 FLOPs a pair against 2 * ~135M a token.
+    assert prior == pytest.approx(0.5 * 4 * 9 * 64 * 30 / (2 * shape.num_parameters))
+    model = OnlineIterationCost(_profile(), prior_ms_per_prefix_pair=prior)
+    first = model.chunk_within_budget(250, 6, 1500, 256)
+    assert first < 250  # nothing served yet, and still cut
+    for step in range(40):  # served chunks over prefixes of every length show the prefix costs nothing here
+        chunks = [(step * 40, 128)]
+        model.observe([30] * 4, chunks, _machine([30] * 4, chunks, per_pair=0.0))
+    assert model.coefficients[1] < 0.5 * prior
+    assert model.chunk_within_budget(250, 6, 1500, 256) > first

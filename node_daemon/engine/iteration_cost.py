@@ -16,13 +16,15 @@ time (per_prefix_pair / speed: a busy machine slows everything alike, which is t
 the budget), fits the profile's time for the full budget; when the daemon holds a TPOT SLO, also the SLO's
 iteration target at the machine's speed as fitted. A chunk over no prefix is never cut, and no chunk
 is cut below MIN_CHUNK tokens, so a prompt always progresses. Until chunks over a prefix have been served,
-the prefix term keeps its prior (none): the profile as measured.
+the prefix term keeps its prior: from the model's shape, attention's FLOPs per (query, key) pair against the
+projections' FLOPs per token, at the profile's cost per token (prior_per_prefix_pair).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from stallfree.contracts import Profile
+from stallfree.shapes import ModelShape
 
 # Weight of an iteration against the one after it: about the last 1 / (1 - FORGET) = 50 iterations count.
 FORGET = 0.98
@@ -37,9 +39,12 @@ MIN_CHUNK = 32  # tokens a chunk over a prefix keeps whatever its prefix costs
 class OnlineIterationCost:
     """An iteration-time model over a measured Profile, refitted by observe() after each served iteration."""
 
-    def __init__(self, profile: Profile, iteration_target_ms: float | None = None) -> None:
+    def __init__(self, profile: Profile, iteration_target_ms: float | None = None,
+                 prior_ms_per_prefix_pair: float = 0.0) -> None:
         """`iteration_target_ms`: when the daemon holds a TPOT SLO, the iteration time (as observed, at the
-        machine's fitted speed) that a chunk over a prefix may not exceed either."""
+        machine's fitted speed) that a chunk over a prefix may not exceed either. `prior_ms_per_prefix_pair`:
+        the prefix term before any chunk over a prefix is served (prior_per_prefix_pair gives one from the
+        model's shape), so a daemon's first long prompt is cut too."""
         if not profile.mixed:
             raise ValueError("an iteration cost model needs a profile with mixed points")
         if iteration_target_ms is not None and not iteration_target_ms > 0:
@@ -50,7 +55,8 @@ class OnlineIterationCost:
         self._xtx = [[0.0] * 3 for _ in range(3)]
         self._xty = [0.0] * 3
         self._weight = 0.0
-        self.coefficients = (1.0, 0.0, 0.0)  # speed, ms per prefix pair, ms per decode context token
+        self._prior = (1.0, max(0.0, prior_ms_per_prefix_pair), 0.0)
+        self.coefficients = self._prior  # speed, ms per prefix pair, ms per decode context token
 
     def base_ms(self, decode_context_lens: Sequence[int], prefill_chunks: Sequence[tuple[int, int]]) -> float:
         """The profile's time for this many tokens (decode-only curve when nothing prefills)."""
@@ -111,7 +117,7 @@ class OnlineIterationCost:
         # a term no iteration has exercised (all zeros) stays at its prior.
         a = [row[:] for row in self._xtx]
         b = self._xty[:]
-        for i, prior in enumerate((1.0, 0.0, 0.0)):
+        for i, prior in enumerate(self._prior):
             ridge = PRIOR_WEIGHT * a[i][i] / max(self._weight, 1.0) + 1e-12
             a[i][i] += ridge
             b[i] += ridge * prior
@@ -139,3 +145,16 @@ def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] 
     for r in (2, 1, 0):
         x[r] = (m[r][3] - sum(m[r][c] * x[c] for c in range(r + 1, 3))) / m[r][r]
     return x[0], x[1], x[2]
+
+
+def prior_per_prefix_pair(profile: Profile, shape: ModelShape) -> float:
+    """ms a (chunk token, cached prefix token) pair costs, guessed before any is measured: attention does
+    4 * heads * head_dim FLOPs a pair in every layer (scores and values), the projections 2 * parameters a
+    token, and the profile's slope says what a token costs. An estimate only: served chunks replace it."""
+    points = sorted((p.tokens, p.iteration_ms) for p in profile.mixed)
+    if len(points) < 2 or shape.num_parameters <= 0:
+        return 0.0
+    (t0, ms0), (t1, ms1) = points[0], points[-1]
+    ms_per_token = max(0.0, (ms1 - ms0) / max(1, t1 - t0))
+    pair_flops = 4 * shape.num_heads * shape.head_dim * shape.num_layers
+    return ms_per_token * pair_flops / (2 * shape.num_parameters)
