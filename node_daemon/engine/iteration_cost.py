@@ -34,6 +34,7 @@ PRIOR_WEIGHT = 4.0
 SPEED_RANGE = (0.5, 4.0)  # a fit outside this is noise or a pause, not the machine's speed
 OUTLIER_RATIO = 2.0
 MIN_CHUNK = 32  # tokens a chunk over a prefix keeps whatever its prefix costs
+CHUNK_ALIGN = 16
 
 
 class OnlineIterationCost:
@@ -84,7 +85,8 @@ class OnlineIterationCost:
                 lo = mid
             else:
                 hi = mid
-        return lo
+        # Whole multiples of CHUNK_ALIGN: fewer distinct GEMM shapes, each of which oneDNN builds once.
+        return max(MIN_CHUNK, lo - lo % CHUNK_ALIGN)
 
     def predict_ms(self, decode_context_lens: Sequence[int], prefill_chunks: Sequence[tuple[int, int]]) -> float:
         speed, per_pair, per_context = self.coefficients
