@@ -43,7 +43,14 @@ def _compile_forward(runner) -> None:
     tensors it mutates, the KV cache), compiled on its first call, which the warm-up iterations make."""
     import torch
 
+    from stallfree.node_daemon.models.layers import Linear
+
     model = runner.model
+    # Dynamo cannot trace oneDNN's opaque prepacked weights: the compiled forward takes the plain ones.
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.packed = None
+    model.tied_lm_head_packed = None
     compiled = torch.compile(type(model).forward.__wrapped__, dynamic=True)
 
     def forward(*args):
