@@ -101,6 +101,10 @@ async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, o
         engine = spec.engine
         budget = engine.token_budget.model_copy(update={"initial": engine.ceilings.max_token_budget})
         spec = spec.model_copy(update={"engine": engine.model_copy(update={"token_budget": budget})})
+        recorded = out / "control-state.json"
+        if recorded.exists():  # a demo is a script from the spec's start, never a resumed run
+            recorded.unlink()
+            print(f"demo: starting from the spec, not from the control state an earlier run left in {out}", flush=True)
     runtime = LocalRuntime(name, spec, out, threads_per_replica=args.threads_per_replica)
     interval = args.interval or runtime.policy.interval_s
     view = LiveView(name, runtime.policy, live=not args.no_live and sys.stdout.isatty())
