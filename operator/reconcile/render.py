@@ -188,6 +188,9 @@ def daemon_args(spec: s.InferenceServiceSpec, knobs: StartupKnobs | None = None,
     if engine.max_queue_tokens is not None:
         args += ["--max-queue-tokens", str(engine.max_queue_tokens)]
     args += ["--drain-timeout-s", _num(engine.drain_timeout_seconds)]
+    # The control loop owns the budget here, and its capacity model (prefill tokens/s at a budget) does not yet
+    # count chunks cut below the budget for their prefix: the daemons keep every chunk at the budget it sets.
+    args.append("--no-prefix-cut")
     if admin_token_file:
         args += ["--admin-token-file", admin_token_file]
     if api_key_file:
