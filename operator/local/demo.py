@@ -81,7 +81,9 @@ def plan_demo(profile: Profile, ceiling_budget: int, max_model_len: int, scale: 
         # for one replica under this run's conditions (beyond_one_replica).
         LoadPhase("long prompts", 90 * scale, LONG_PROMPTS_SHARE * long_rate, long_prompt, LONG_OUTPUT_TOKENS),
         LoadPhase("beyond one replica", 120 * scale, 0.9 * long_rate, long_prompt, LONG_OUTPUT_TOKENS),
-        LoadPhase("cool-down", 60 * scale, 0.0, long_prompt, LONG_OUTPUT_TOKENS),
+        # Long enough for two replicas to drain the overload's backlog and the windows to show it (measured:
+        # 60 s ended with the last windows still over on queue wait and TTFT, the backlog gone 3 s later).
+        LoadPhase("cool-down", 90 * scale, 0.0, long_prompt, LONG_OUTPUT_TOKENS),
     ]
     chat = LoadPhase("chat", sum(p.duration_s for p in phases), chat_rate, CHAT_PROMPT_TOKENS, CHAT_OUTPUT_TOKENS)
     return DemoPlan(tpot_slo, ttft_slo, queue_slo, prefill_rate, allowed, long_prompt, chat, phases)
