@@ -1,6 +1,7 @@
 """A `stallfree serve` child process for the benchmarks that start their own daemon (itl, kv-estimate)."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 
@@ -8,7 +9,7 @@ import httpx
 
 from stallfree.operator.local.daemons import free_port
 
-__all__ = ["free_port", "wait_ready"]
+__all__ = ["free_port", "stop", "wait_ready"]
 
 
 def wait_ready(process: subprocess.Popen, url: str, timeout_s: float, poll_s: float = 0.5) -> None:
@@ -28,3 +29,15 @@ def wait_ready(process: subprocess.Popen, url: str, timeout_s: float, poll_s: fl
         time.sleep(poll_s)
     process.kill()
     raise RuntimeError(f"the daemon did not become ready within {timeout_s:.0f} s")
+
+
+def stop(process: subprocess.Popen | None, timeout_s: float = 60.0) -> None:
+    """SIGTERM (the daemon drains), then SIGKILL if it overstays `timeout_s`; None: nothing was started."""
+    if process is None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

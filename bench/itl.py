@@ -16,7 +16,6 @@ import json
 import math
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from stallfree.bench.daemon_process import free_port, wait_ready
+from stallfree.bench.daemon_process import free_port, stop, wait_ready
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,13 +172,7 @@ def main(argv: list[str]) -> int:
         took = time.perf_counter() - started
         stats = httpx.get(url + "/admin/stats", headers=headers, timeout=30).json()
     finally:
-        if process is not None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop(process)
 
     # Every gap between events, and the gaps before events that carry exactly one new token: those compare
     # one to one with the engine's per-token ITL (a multi-token event's gap spans several engine gaps).

@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -28,7 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from stallfree.bench.daemon_process import free_port, wait_ready
+from stallfree.bench.daemon_process import free_port, stop, wait_ready
+from stallfree.bench.serve import StreamError, stream_events
 
 QUESTIONS = (
     "What is the capital of France?", "Name a primary colour.", "What is two plus three?",
@@ -102,27 +102,17 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str, result: Resul
     start = time.perf_counter()
     result.sent_s = start - started
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=None) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    result.error = f"stream error: {json.dumps(event['error'])[:300]}"
-                    return
-                if event.get("usage"):
-                    result.output_tokens = event["usage"].get("completion_tokens") or result.output_tokens
-                for choice in event.get("choices") or []:
-                    if result.ttft_s is None and (choice.get("delta") or {}).get("content"):
-                        result.ttft_s = time.perf_counter() - start
-                    if choice.get("finish_reason"):
-                        result.finish_reason = choice["finish_reason"]
+        async for event in stream_events(client, url + "/v1/chat/completions", body, timeout=None):
+            if event.get("usage"):
+                result.output_tokens = event["usage"].get("completion_tokens") or result.output_tokens
+            for choice in event.get("choices") or []:
+                if result.ttft_s is None and (choice.get("delta") or {}).get("content"):
+                    result.ttft_s = time.perf_counter() - start
+                if choice.get("finish_reason"):
+                    result.finish_reason = choice["finish_reason"]
+    except StreamError as exc:
+        result.error = str(exc)
+        return
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return
@@ -258,13 +248,7 @@ def main(argv: list[str]) -> int:
             process, url = _start_daemon(args)
         result = asyncio.run(run(url.rstrip("/"), args))
     finally:
-        if process is not None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop(process)
     print(report(result))
     if args.json:
         path = Path(args.json)

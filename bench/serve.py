@@ -109,6 +109,30 @@ def streaming_body(endpoint: str, model: str, prompt: str, max_tokens: int) -> d
     return body
 
 
+class StreamError(Exception):
+    """An OpenAI-style stream that answered with an HTTP error or carried an error event."""
+
+
+async def stream_events(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                        timeout: float | None | httpx.Timeout = httpx.USE_CLIENT_DEFAULT):
+    """POST a streaming request and yield each JSON event up to [DONE]; StreamError for an HTTP or in-stream
+    error (the message carries its first 300 characters)."""
+    async with client.stream("POST", url, json=body, timeout=timeout) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")
+            raise StreamError(f"HTTP {response.status_code}: {text[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            event = json.loads(data)
+            if "error" in event:
+                raise StreamError(f"stream error: {json.dumps(event['error'])[:300]}")
+            yield event
+
+
 async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], result: RequestResult,
                        endpoint: str, clock: Callable[[], float] = time.perf_counter) -> None:
     """Stream one request and fill `result` (errors are recorded, never raised)."""
@@ -116,36 +140,25 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
     last = None
     chunks = 0
     try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {text[:300]}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+        async for event in stream_events(client, url, body):
+            usage = event.get("usage")
+            if usage:
+                result.prompt_tokens = usage.get("prompt_tokens")
+                result.output_tokens = usage.get("completion_tokens") or result.output_tokens
+            for choice in event.get("choices") or []:
+                text = choice.get("text") if endpoint == "completions" else (choice.get("delta") or {}).get("content")
+                if not text:
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    result.error = f"stream error: {json.dumps(event['error'])[:300]}"
-                    return
-                usage = event.get("usage")
-                if usage:
-                    result.prompt_tokens = usage.get("prompt_tokens")
-                    result.output_tokens = usage.get("completion_tokens") or result.output_tokens
-                for choice in event.get("choices") or []:
-                    text = choice.get("text") if endpoint == "completions" else (choice.get("delta") or {}).get("content")
-                    if not text:
-                        continue
-                    now = clock()
-                    if last is None:
-                        result.ttft_ms = (now - start) * 1000
-                    else:
-                        result.itl_ms.append((now - last) * 1000)
-                    last = now
-                    chunks += 1
+                now = clock()
+                if last is None:
+                    result.ttft_ms = (now - start) * 1000
+                else:
+                    result.itl_ms.append((now - last) * 1000)
+                last = now
+                chunks += 1
+    except StreamError as exc:
+        result.error = str(exc)
+        return
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return

@@ -57,7 +57,20 @@ class OnlineIterationCost:
         self._xty = [0.0] * 3
         self._weight = 0.0
         self._prior = (1.0, max(0.0, prior_ms_per_prefix_pair), 0.0)
-        self.coefficients = self._prior  # speed, ms per prefix pair, ms per decode context token
+        # (speed, ms per prefix pair, ms per decode context token), solved when next read: a decode-only
+        # iteration only adds to the sums, the solve waits for a chunk to cut.
+        self._coefficients = self._prior
+        self._stale = False
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        if self._stale:
+            self._coefficients, self._stale = self._solve(), False
+        return self._coefficients
+
+    @coefficients.setter
+    def coefficients(self, value: tuple[float, float, float]) -> None:
+        self._coefficients, self._stale = tuple(value), False
 
     def base_ms(self, decode_context_lens: Sequence[int], prefill_chunks: Sequence[tuple[int, int]]) -> float:
         """The profile's time for this many tokens (decode-only curve when nothing prefills)."""
@@ -100,11 +113,11 @@ class OnlineIterationCost:
         base = self.base_ms(decode_context_lens, prefill_chunks)
         if base <= 0 or iteration_ms <= 0:
             return
-        # A pause (swap, a stopped process, a collection) is not the machine's speed: each iteration may pull
-        # the fit at most OUTLIER_RATIO away from what it predicted.
-        predicted = self.predict_ms(decode_context_lens, prefill_chunks)
-        iteration_ms = min(max(iteration_ms, predicted / OUTLIER_RATIO), predicted * OUTLIER_RATIO)
         x = (base, float(sum(prefix * n for prefix, n in prefill_chunks)), float(sum(decode_context_lens)))
+        # A pause (swap, a stopped process, a collection) is not the machine's speed: each iteration may pull
+        # the fit at most OUTLIER_RATIO away from what the last solved fit predicts.
+        predicted = sum(c * xi for c, xi in zip(self._coefficients, x))
+        iteration_ms = min(max(iteration_ms, predicted / OUTLIER_RATIO), predicted * OUTLIER_RATIO)
         xtx, xty = self._xtx, self._xty
         self._weight = FORGET * self._weight + 1.0
         for i in range(3):
@@ -112,7 +125,7 @@ class OnlineIterationCost:
             row = xtx[i]
             for j in range(3):
                 row[j] = FORGET * row[j] + x[i] * x[j]
-        self.coefficients = self._solve()
+        self._stale = True
 
     def _solve(self) -> tuple[float, float, float]:
         # Ridge towards the prior, PRIOR_WEIGHT iterations' worth of each term's mean square: scale-free, and
@@ -125,7 +138,7 @@ class OnlineIterationCost:
             b[i] += ridge * prior
         solution = _solve3(a, b)
         if solution is None:
-            return self.coefficients
+            return self._coefficients
         speed, per_pair, per_context = solution
         speed = min(max(speed, SPEED_RANGE[0]), SPEED_RANGE[1])
         return speed, max(0.0, per_pair), max(0.0, per_context)
