@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from stallfree.contracts import Profile, WindowStats
+from stallfree.net import free_port
 
 TOKEN = "bench-router"
 MODEL = "llama-3-70b"
@@ -119,8 +120,6 @@ class Fleet:
                 raise RuntimeError(f"daemons not ready; see {self.log_dir}")
 
     def start_router(self, policy: str, chars_per_token: float, extra: list[str] = ()) -> None:
-        from stallfree.operator.local.daemons import free_port
-
         port = free_port()
         self.router_url = f"http://127.0.0.1:{port}"
         env = dict(os.environ, STALLFREE_ADMIN_TOKEN=TOKEN)

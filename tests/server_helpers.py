@@ -11,7 +11,7 @@ import torch
 import uvicorn
 
 from stallfree.node_daemon.server.app import Daemon
-from stallfree.operator.local.daemons import free_port
+from stallfree.net import free_port
 from stallfree.cli.serve import build_daemon, parse_options, start_engine, uvicorn_config
 
 ADMIN_TOKEN = "test-admin-token"

@@ -15,7 +15,7 @@ from stallfree.bench import serve as bench_serve
 from stallfree.node_daemon.sim.backend import build_cost_model
 from stallfree.simulator.latency_summary import SLOs
 from stallfree.simulator.workload import RequestSpec
-from stallfree.operator.local.daemons import free_port
+from stallfree.net import free_port
 
 
 @pytest.fixture(scope="module")
