@@ -175,7 +175,8 @@ def parse_options(argv: list[str]) -> ServeOptions:
 
 
 def engine_config(opts: ServeOptions):
-    from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from stallfree.node_daemon.models.config import ModelConfig
 
     a = opts.args
     return EngineConfig(
