@@ -2,7 +2,7 @@
 
 Start-up: the HTTP server answers at once (/health 200, /ready 503 "loading model"); a start-up thread
 loads the model (or builds the sim backend), reads this engine's profile from the profile cache or
-measures it within --profile-max-seconds (node_daemon/engine/profiler.py, profile_cache.py), picks the
+measures it within --profile-max-seconds (node_daemon/measure/profiler.py, profile_cache.py), picks the
 starting token budget from --tpot-slo-ms when --token-budget is auto, has the scheduler cut prefill chunks over
 a long prefix to the budget's iteration time (node_daemon/engine/iteration_cost.py), and starts the engine loop;
 /ready
@@ -230,7 +230,7 @@ def start_engine(opts: ServeOptions, daemon) -> None:
     from stallfree.node_daemon.engine.async_engine import AsyncEngine
     from stallfree.node_daemon.engine.observers import FanoutObserver
     from stallfree.node_daemon.engine.iteration_cost import OnlineIterationCost, prior_per_prefix_pair
-    from stallfree.node_daemon.engine.profiler import SLO_MARGIN, starting_tuning
+    from stallfree.node_daemon.measure.profiler import SLO_MARGIN, starting_tuning
     from stallfree.node_daemon.server.app import LiveCounts
 
     started = time.monotonic()
@@ -312,7 +312,7 @@ def max_chars_per_token(tokenizer) -> int | None:
     # A normalizer may shrink text (NFC composes characters): a wide margin, never a refused prompt that fits.
     return longest * (4 if backend.normalizer is not None else 1)
 def _predicted_ms(profile, budget: int) -> float:
-    from stallfree.node_daemon.engine.profiler import predict_ms
+    from stallfree.node_daemon.measure.profiler import predict_ms
 
     return predict_ms(profile.mixed, budget)
 
@@ -334,8 +334,8 @@ def _process_age_s() -> float:
 
 def _startup_profile(opts: ServeOptions, engine, device: str):
     """The profile from the cache, else measured within the time budget; and a retry when it is not trusted."""
-    from stallfree.node_daemon.engine.profile_cache import ProfileCache, profile_key
-    from stallfree.node_daemon.engine.profiler import ProfileSettings, run_profile
+    from stallfree.node_daemon.measure.profile_cache import ProfileCache, profile_key
+    from stallfree.node_daemon.measure.profiler import ProfileSettings, run_profile
 
     a = opts.args
     settings = ProfileSettings(max_seconds=a.profile_max_seconds, progress=lambda line: log.info("start-up: %s", line))
@@ -376,7 +376,7 @@ class _Remeasure:
         import dataclasses
         import os
 
-        from stallfree.node_daemon.engine.profiler import run_profile
+        from stallfree.node_daemon.measure.profiler import run_profile
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         if os.getloadavg()[0] > cores:  # still busy: measuring now would only be wrong again, and slow
@@ -410,7 +410,7 @@ def build_daemon(opts: ServeOptions):
     from stallfree.node_daemon.server.auth import Auth
     from stallfree.node_daemon.server.backpressure import AdmissionControl
     from stallfree.node_daemon.server.drain import DrainState
-    from stallfree.node_daemon.engine.stats_window import StatsWindow
+    from stallfree.node_daemon.measure.stats_window import StatsWindow
 
     a = opts.args
     stats = StatsWindow(a.stats_window_s)

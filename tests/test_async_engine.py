@@ -191,7 +191,7 @@ async def test_an_idle_task_runs_when_idle_and_yields_to_a_request(client: Async
 
 
 def test_a_slow_turn_is_logged_with_its_cause(caplog) -> None:
-    from stallfree.node_daemon.engine.stall_watch import StallWatch
+    from stallfree.node_daemon.measure.stall_watch import StallWatch
 
     watch = StallWatch(min_s=0.05, factor=4.0)
     try:

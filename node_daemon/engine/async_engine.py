@@ -5,7 +5,7 @@ commands (add, abort, tuning) to the engine thread through a deque and wake it w
 thread applies them between iterations, runs `LLMEngine.step()`, and hands each iteration's outputs
 back in one `call_soon_threadsafe` per event loop. With nothing to do it sleeps on the event (no
 spinning), or runs a task handed to `when_idle` (the start-up profile measured again), which stops at
-the next iteration when a command arrives. A slow turn is logged with its cause (stall_watch.py). An exception in a step fails every in-flight request with finish_reason "error" and its
+the next iteration when a command arrives. A slow turn is logged with its cause (measure/stall_watch.py). An exception in a step fails every in-flight request with finish_reason "error" and its
 message, logs the traceback, and the loop carries on for new requests.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from stallfree.contracts import Ceilings, Tuning, validate_tuning
 from stallfree.node_daemon.engine.engine import LLMEngine
 from stallfree.node_daemon.engine.engine_protocol import RequestOutput
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
-from stallfree.node_daemon.engine.stall_watch import StallWatch
+from stallfree.node_daemon.measure.stall_watch import StallWatch
 
 log = logging.getLogger(__name__)
 
