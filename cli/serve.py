@@ -231,6 +231,7 @@ def start_engine(opts: ServeOptions, daemon) -> None:
     from stallfree.node_daemon.engine.observers import FanoutObserver
     from stallfree.node_daemon.engine.iteration_cost import OnlineIterationCost, prior_per_prefix_pair
     from stallfree.node_daemon.measure.profiler import SLO_MARGIN, starting_tuning
+    from stallfree.node_daemon.measure.stall_watch import StallWatch, compute_threads
     from stallfree.node_daemon.server.app import LiveCounts
 
     started = time.monotonic()
@@ -283,7 +284,7 @@ def start_engine(opts: ServeOptions, daemon) -> None:
         "max_model_len": engine.max_model_len, "max_token_budget": ceilings.max_token_budget,
         "max_num_seqs": ceilings.max_num_seqs, "policy": a.policy, "prefix_caching": not a.no_prefix_caching})
     gc.freeze()  # the profile's leftovers too
-    async_engine = AsyncEngine(engine, opts.served_model_name)
+    async_engine = AsyncEngine(engine, opts.served_model_name, watch=StallWatch(threads=compute_threads()))
     if retry is not None:
         async_engine.when_idle(retry.delay_s, lambda eng, stop: retry(daemon, eng, stop))
     daemon.engine_error = lambda: None if async_engine.is_running else "the engine loop is not running"
