@@ -10,7 +10,7 @@ import sys
 
 # command -> (module with main(argv), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("stallfree.node_daemon.daemon", "run the serving daemon (OpenAI API, metrics, admin)"),
+    "serve": ("stallfree.cli.serve", "run the serving daemon (OpenAI API, metrics, admin)"),
     "generate": ("stallfree.cli.generate", "run one prompt through the engine and print the text"),
     "router": ("stallfree.cli.router", "route requests to the replica with the lowest predicted TTFT"),
     "operator": ("stallfree.cli.operator", "run the kopf operator against the cluster KUBECONFIG names"),

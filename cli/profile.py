@@ -50,7 +50,8 @@ def main(argv: list[str]) -> int:
         return 2
     from stallfree.node_daemon.measure.profile_cache import ProfileCache, profile_key
     from stallfree.node_daemon.measure.profiler import ProfileSettings, run_profile, suggest_token_budget
-    from stallfree.node_daemon.daemon import build_llm_engine, parse_options
+    from stallfree.cli.serve import parse_options
+    from stallfree.node_daemon.daemon import build_llm_engine
 
     serve_argv = [
         "--model", args.model, "--backend", args.backend, "--hardware", args.hardware, "--device", args.device,

@@ -1,108 +1,24 @@
-"""`stallfree serve`: the per-node serving daemon (OpenAI API, /metrics, admin API, drain on SIGTERM).
+"""The serving daemon's start-up (`stallfree serve` parses its flags in cli/serve.py and calls `run`).
 
-Start-up: the HTTP server answers at once (/health 200, /ready 503 "loading model"); a start-up thread
+The HTTP server answers at once (/health 200, /ready 503 "loading model"); a start-up thread
 loads the model (or builds the sim backend), reads this engine's profile from the profile cache or
 measures it within --profile-max-seconds (node_daemon/measure/profiler.py, profile_cache.py), picks the
 starting token budget from --tpot-slo-ms when --token-budget is auto, has the scheduler cut prefill chunks over
 a long prefix to the budget's iteration time (node_daemon/engine/iteration_cost.py), and starts the engine loop;
-/ready
-turns 200 then. Each step logs a "start-up:" line with its duration. A start-up failure exits with status 1.
+/ready turns 200 then. Each step logs a "start-up:" line with its duration. A start-up failure ends the daemon
+(`run` returns it).
 """
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-from stallfree.contracts import Ceilings, Tuning, TuningError, min_budget_for, validate_tuning
+from stallfree.contracts import Ceilings, Tuning
 
 log = logging.getLogger("stallfree.serve")
-
-# The budget a daemon starts with when told neither a budget nor a TPOT SLO.
-DEFAULT_TOKEN_BUDGET = 512
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="stallfree serve", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    m = p.add_argument_group("model and device")
-    m.add_argument("--model", default="smollm2-135m",
-                   help="smollm2-135m (embedded GGUF), a shape name (random weights), a HF folder or a .gguf file")
-    m.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
-    m.add_argument("--backend", choices=["model", "sim"], default="model",
-                   help="model: run the model; sim: the cost model's time passes instead (same scheduler and API)")
-    m.add_argument("--hardware", default="h100", help="sim backend: hardware preset (a100, h100, h200, ...)")
-    m.add_argument("--tflops", type=float, default=None, help="sim backend: achieved matrix TFLOP/s (overrides the preset)")
-    m.add_argument("--hbm-tbps", type=float, default=None, help="sim backend: achieved HBM TB/s (overrides the preset)")
-    m.add_argument("--overhead-ms", type=float, default=None, help="sim backend: fixed cost of every iteration (ms)")
-    m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when present")
-    m.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="auto: the checkpoint's, or what the device runs best")
-    m.add_argument("--attention-backend", choices=["auto", "cpu", "torch", "triton", "flashinfer"], default="auto",
-                   help="attention kernels (auto: the best the device has)")
-    m.add_argument("--threads", type=int, default=0,
-                   help="torch threads on the CPU (0: the cores this process is given: affinity, cgroup quota)")
-    m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    m.add_argument("--seed", type=int, default=0, help="random weights and unseeded sampling")
-
-    c = p.add_argument_group("KV cache")
-    c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    c.add_argument("--num-kv-blocks", type=int, default=0, help="0: size from --kv-memory-fraction")
-    c.add_argument("--kv-memory-fraction", type=float, default=0.9,
-                   help="share of free device memory for the KV cache")
-    c.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-
-    s = p.add_argument_group("scheduling (ceilings fixed at start; live knobs move below them)")
-    s.add_argument("--max-token-budget", type=int, default=2048, help="ceiling of the token budget")
-    s.add_argument("--max-num-seqs-ceiling", type=int, default=256, help="ceiling of max_num_seqs")
-    s.add_argument("--token-budget", default="auto",
-                   help="tokens per iteration, or auto: from the profile and --tpot-slo-ms "
-                        f"(else {DEFAULT_TOKEN_BUDGET})")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="live cap on running requests")
-    s.add_argument("--max-partial-prefills", type=int, default=1, help="live cap on concurrent partial prefills")
-    s.add_argument("--long-prefill-threshold", type=int, default=0, help="0: no per-request prefill cap")
-    s.add_argument("--tpot-slo-ms", type=float, default=None,
-                   help="TPOT target: picks the starting budget")
-    s.add_argument("--policy", choices=["stall_free", "prefill_priority", "decode_priority"], default="stall_free",
-                   help="scheduling policy (the two others are baselines)")
-    s.add_argument("--no-profile", action="store_true", help="skip the start-up profile (needs --token-budget N)")
-    s.add_argument("--no-prefix-cut", action="store_true",
-                   help="keep prefill chunks over a long cached prefix at the full budget (by default they are cut "
-                        "to the budget's iteration time, from what served iterations show the prefix costs)")
-    s.add_argument("--profile-max-seconds", type=float, default=5.0,
-                   help="time budget of the start-up profile (fewer points past it)")
-    s.add_argument("--profile-cache-dir", default=None,
-                   help="where measured profiles are kept (else $STALLFREE_PROFILE_CACHE, else "
-                        "$XDG_CACHE_HOME/stallfree/profiles)")
-    s.add_argument("--no-profile-cache", action="store_true", help="always measure; never read or write the cache")
-
-    h = p.add_argument_group("HTTP")
-    h.add_argument("--host", default="127.0.0.1",
-                   help="address to bind; loopback unless told (containers pass 0.0.0.0)")
-    h.add_argument("--port", type=int, default=8000, help="HTTP port")
-    h.add_argument("--admin-token-file", default=None, help="file holding the admin bearer token "
-                   "(else env STALLFREE_ADMIN_TOKEN; without one the admin API is closed)")
-    h.add_argument("--api-key-file", default=None, help="file holding the API key (else env STALLFREE_API_KEY; "
-                   "without one the inference API is open)")
-    h.add_argument("--max-queue-requests", type=int, default=1024, help="queued requests before 429 (0: no bound)")
-    h.add_argument("--max-queue-tokens", type=int, default=0, help="queued prompt tokens before 429 (0: no bound)")
-    h.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request bodies above this get 413")
-    h.add_argument("--header-timeout-s", type=float, default=10.0,
-                   help="a request's headers must arrive within this, else 408 and the connection closes")
-    h.add_argument("--body-timeout-s", type=float, default=30.0,
-                   help="a request's body must arrive within this after its headers, else 408")
-    h.add_argument("--max-connections", type=int, default=4096,
-                   help="open connections before new ones get 503 and are closed")
-    h.add_argument("--text-workers", type=int, default=2,
-                   help="threads that template and tokenize large prompts off the event loop")
-    h.add_argument("--drain-timeout-s", type=float, default=30.0, help="grace period for in-flight requests")
-    h.add_argument("--stats-window-s", type=float, default=30.0, help="sliding window of /admin/stats")
-    h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
-    return p
-
 
 @dataclass
 class ServeOptions:
@@ -115,63 +31,6 @@ class ServeOptions:
     served_model_name: str
     admin_token: str | None
     api_key: str | None
-
-
-def parse_options(argv: list[str]) -> ServeOptions:
-    """Parse and check the command line; ValueError names the bad flag."""
-    from stallfree.node_daemon.server.auth import ADMIN_TOKEN_ENV, API_KEY_ENV, load_secret
-
-    args = build_parser().parse_args(argv)
-    for flag in ("block_size", "max_token_budget", "max_num_seqs_ceiling", "max_num_seqs", "max_partial_prefills",
-                 "max_body_bytes", "max_connections", "text_workers"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    for flag in ("num_kv_blocks", "long_prefill_threshold", "max_queue_requests", "max_queue_tokens"):
-        if getattr(args, flag) < 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
-    for flag in ("drain_timeout_s", "stats_window_s", "profile_max_seconds", "header_timeout_s", "body_timeout_s"):
-        if getattr(args, flag) <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    for flag in ("tflops", "hbm_tbps", "overhead_ms"):
-        value = getattr(args, flag)
-        if value is not None and args.backend != "sim":
-            raise ValueError(f"--{flag.replace('_', '-')} sets a figure of the sim backend: add --backend sim")
-        if value is not None and (value < 0 or (value == 0 and flag != "overhead_ms")):
-            raise ValueError(f"--{flag.replace('_', '-')} must be {'>= 0' if flag == 'overhead_ms' else 'positive'}, "
-                             f"got {value}")
-    if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
-        raise ValueError(f"--tpot-slo-ms must be positive, got {args.tpot_slo_ms}")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise ValueError(f"--max-model-len must be at least 2, got {args.max_model_len}")
-    if not 0.0 < args.kv_memory_fraction <= 1.0:
-        raise ValueError(f"--kv-memory-fraction must be in (0, 1], got {args.kv_memory_fraction}")
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be 1..65535, got {args.port}")
-
-    ceilings = Ceilings(max_token_budget=args.max_token_budget, max_num_seqs=args.max_num_seqs_ceiling)
-    auto_budget = args.token_budget == "auto"
-    max_num_seqs = min(args.max_num_seqs, ceilings.max_num_seqs)
-    if auto_budget:
-        budget = min(ceilings.max_token_budget, max(DEFAULT_TOKEN_BUDGET, min_budget_for(max_num_seqs)))
-    else:
-        try:
-            budget = int(args.token_budget)
-        except ValueError:
-            raise ValueError(f"--token-budget must be an integer or auto, got {args.token_budget!r}") from None
-    if args.no_profile and auto_budget and args.tpot_slo_ms is not None:
-        raise ValueError("--tpot-slo-ms with --token-budget auto needs the profile: drop --no-profile")
-    tuning = Tuning(token_budget=budget, max_num_seqs=max_num_seqs, max_partial_prefills=args.max_partial_prefills,
-                    long_prefill_threshold=args.long_prefill_threshold)
-    try:
-        validate_tuning(tuning, ceilings)
-    except TuningError as exc:
-        raise ValueError(f"bad starting tuning: {exc}") from None
-    return ServeOptions(
-        args=args, ceilings=ceilings, tuning=tuning, auto_budget=auto_budget,
-        served_model_name=args.served_model_name or args.model,
-        admin_token=load_secret(args.admin_token_file, ADMIN_TOKEN_ENV),
-        api_key=load_secret(args.api_key_file, API_KEY_ENV),
-    )
 
 
 def engine_config(opts: ServeOptions):
@@ -446,19 +305,16 @@ async def abort_in_flight(daemon, request_id: str) -> None:
         await daemon.engine.abort(request_id)
 
 
-def main(argv: list[str]) -> int:
-    try:
-        opts = parse_options(argv)
-    except ValueError as exc:
-        print(f"stallfree serve: error: {exc}", file=sys.stderr)
-        return 2
+def run(opts: ServeOptions) -> BaseException | None:
+    """Serve until stopped (SIGTERM drains): the HTTP server at once, the engine from a start-up thread.
+
+    Returns the start-up failure, if there was one (the server stops then)."""
     import prometheus_client
 
     from stallfree.node_daemon.server.drain import DrainingServer
 
     prometheus_client.disable_created_metrics()  # no *_created series: one fewer sample per metric per scrape
 
-    logging.basicConfig(level=opts.args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     daemon, app = build_daemon(opts)
     server = DrainingServer(uvicorn_config(opts, daemon, app), daemon.drain, lambda rid: abort_in_flight(daemon, rid))
     failure: list[BaseException] = []
@@ -478,11 +334,4 @@ def main(argv: list[str]) -> int:
         engine = daemon.engine
         if engine is not None:
             engine.shutdown_sync()
-    if failure:
-        print(f"stallfree serve: error: {failure[0]}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    return failure[0] if failure else None

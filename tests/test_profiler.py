@@ -9,7 +9,8 @@ from stallfree.node_daemon.measure.profiler import (SLO_MARGIN, ProfileSettings,
                                                   measure_profile, predict_ms, run_profile, starting_tuning,
                                                   suggest_token_budget, suspect_points)
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
-from stallfree.node_daemon.daemon import build_llm_engine, parse_options
+from stallfree.cli.serve import parse_options
+from stallfree.node_daemon.daemon import build_llm_engine
 
 
 class CountingObserver:

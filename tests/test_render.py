@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from stallfree.node_daemon.daemon import build_parser, parse_options
+from stallfree.cli.serve import build_parser, parse_options
 from stallfree.operator.reconcile import render
 from stallfree.operator.api import spec as s
 

@@ -99,7 +99,7 @@ def test_secrets_come_from_files_then_env(tmp_path, monkeypatch) -> None:
 
 
 def test_serve_command_line_errors_are_one_line_and_exit_2(capsys) -> None:
-    from stallfree.node_daemon.daemon import main, parse_options
+    from stallfree.cli.serve import main, parse_options
 
     for argv, needle in ((["--max-num-seqs", "0"], "--max-num-seqs"), (["--token-budget", "lots"], "--token-budget"),
                          (["--token-budget", "10", "--max-num-seqs", "64"], "prefill room"),
@@ -115,7 +115,7 @@ def test_serve_command_line_errors_are_one_line_and_exit_2(capsys) -> None:
 
 def test_start_up_failure_exits_1(capsys) -> None:
     from server_helpers import free_port
-    from stallfree.node_daemon.daemon import main
+    from stallfree.cli.serve import main
 
     assert main(["--model", "no-such-model", "--host", "127.0.0.1", "--port", str(free_port()),
                  "--log-level", "error"]) == 1
@@ -123,7 +123,7 @@ def test_start_up_failure_exits_1(capsys) -> None:
 
 
 def test_serve_binds_loopback_unless_told_and_help_shows_defaults(capsys) -> None:
-    from stallfree.node_daemon.daemon import build_parser, parse_options
+    from stallfree.cli.serve import build_parser, parse_options
 
     assert parse_options(["--backend", "sim"]).args.host == "127.0.0.1"
     assert parse_options(["--backend", "sim", "--host", "0.0.0.0"]).args.host == "0.0.0.0"
