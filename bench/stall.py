@@ -152,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = Ceilings(max_token_budget=unchunked, max_num_seqs=max_num_seqs)
 
     from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-
     from stallfree.node_daemon.models.config import ModelConfig
     from stallfree.node_daemon.engine.model_executor import ModelExecutor
     from stallfree.node_daemon.text.tokenizer import load_tokenizer

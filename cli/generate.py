@@ -60,7 +60,6 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--token-budget must be positive, got {args.token_budget}")
 
     from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-
     from stallfree.node_daemon.models.config import ModelConfig
     from stallfree.node_daemon.engine.engine import LLMEngine
 

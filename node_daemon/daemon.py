@@ -20,6 +20,7 @@ from stallfree.contracts import Ceilings, Tuning
 
 log = logging.getLogger("stallfree.serve")
 
+
 @dataclass
 class ServeOptions:
     """The parsed command line, checked; what the start-up thread and the app need."""

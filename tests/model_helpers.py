@@ -6,7 +6,6 @@ import functools
 import torch
 
 from stallfree.node_daemon.engine.config import CacheConfig
-
 from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.node_daemon.engine.model_runner import ModelRunner
 from stallfree.node_daemon.engine.request import Request

@@ -12,7 +12,6 @@ def engine_timing(backends: dict, device, ceilings: dict, args, report, rows: li
     import torch
 
     from stallfree.node_daemon.engine.config import CacheConfig
-
     from stallfree.node_daemon.models.config import ModelConfig
     from stallfree.node_daemon.engine.cuda_graphs import DecodeCudaGraphs
     from stallfree.node_daemon.engine.model_executor import ModelExecutor
