@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from stallfree.bench.daemon_process import stop, wait_ready
-from stallfree.bench.serve import StreamError, stream_events
+from stallfree.loadgen.stream import StreamError, stream_events
 from stallfree.net import free_port
 
 QUESTIONS = (

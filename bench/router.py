@@ -240,7 +240,7 @@ def router_picks(url: str) -> dict[str, float]:
 
 def run_policy(fleet: Fleet, policy: str, requests, prompts: list[str], chars_per_token: float,
                timeout_s: float) -> dict[str, Any]:
-    from stallfree.bench.serve import run_benchmark, summarize_results
+    from stallfree.loadgen.run import run_benchmark, summarize_results
     from stallfree.simulator.latency_summary import SLOs
 
     fleet.start_router(policy, chars_per_token)
@@ -258,7 +258,7 @@ def run_policy(fleet: Fleet, policy: str, requests, prompts: list[str], chars_pe
 
 
 def run_setup(setup: Setup, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    from stallfree.bench.serve import PromptBuilder
+    from stallfree.loadgen.prompts import PromptBuilder
     from stallfree.node_daemon.sim.backend import sim_tokenizer
 
     builder = PromptBuilder(sim_tokenizer(MODEL))
