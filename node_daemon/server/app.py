@@ -113,7 +113,10 @@ def create_app(daemon: Daemon, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     from stallfree.node_daemon.server.openai_routes import router as openai_router
 
     # The OpenAPI schema is served (clients and fuzzers read it); the interactive docs pages are not.
-    app = FastAPI(title="stallfree daemon", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    # No trailing-slash redirects: Starlette builds their Location from the client's Host header (an open
+    # redirect); "/health/" is a 404 like any unknown path.
+    app = FastAPI(title="stallfree daemon", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  redirect_slashes=False)
     app.state.daemon = daemon
     install_error_handlers(app, daemon.metrics.record_error)
     daemon.metrics.bind_live(daemon.live_counts_now)
