@@ -50,15 +50,46 @@ def _wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> 
 def _idle_sockets(live: LiveDaemon, n: int):
     """n connections that send nothing, each registered by the server before the block runs."""
     host, port = live.url.removeprefix("http://").split(":")
-    before = _open_connections(live)
+    # Earlier requests' connections may still be closing on the server's side: the count starts from none.
+    _wait_until(lambda: _open_connections(live) == 0, what="earlier connections closed")
     socks = [socket.create_connection((host, int(port)), timeout=5) for _ in range(n)]
     try:
-        _wait_until(lambda: _open_connections(live) >= before + n, what=f"{n} connections registered")
+        _wait_until(lambda: _open_connections(live) >= n, what=f"{n} connections registered")
         yield socks
     finally:
         for sock in socks:
             sock.close()
-        _wait_until(lambda: _open_connections(live) <= before, what="idle connections closed")
+        _wait_until(lambda: _open_connections(live) == 0, what="idle connections closed")
+
+
+# --- 1. liveness and readiness under the connection cap ---------------------------------------------
+
+
+def test_probes_answer_when_the_connection_cap_is_reached(live: LiveDaemon) -> None:
+    with _idle_sockets(live, CAP):
+        health = httpx.get(live.url + "/health", timeout=10)
+        ready = httpx.get(live.url + "/ready", timeout=10)
+        other = httpx.get(live.url + "/v1/models", timeout=10)
+    # Liveness: the daemon is busy, not broken (a kubelet restarting it would lose every request in flight).
+    assert health.status_code == 200 and health.json() == {"status": "ok"}, health.text
+    # Readiness says "full", so the Service sends new work elsewhere.
+    assert ready.status_code == 503, ready.text
+    assert ready.json()["ready"] is False and "connections" in ready.json()["reason"]
+    assert other.status_code == 503 and other.headers["retry-after"] == "1"
+    assert other.json()["error"]["code"] == "too_many_connections"
+    assert httpx.get(live.url + "/ready", timeout=10).json() == {"ready": True}
+
+
+def test_connections_past_the_probe_reserve_are_refused_at_once(live: LiveDaemon, monkeypatch) -> None:
+    # Over-cap connections that send nothing keep their probe slot while this test runs.
+    monkeypatch.setattr(connections, "PROBE_HEADER_TIMEOUT_S", 30.0, raising=False)
+    reserve = getattr(connections, "PROBE_SLOTS", 0)
+    host, port = live.url.removeprefix("http://").split(":")
+    with _idle_sockets(live, CAP + reserve), socket.create_connection((host, int(port)), timeout=10) as extra:
+        answer = extra.recv(65536)  # sent the moment it connects, before it asks anything
+    assert answer.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in answer, answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "too_many_connections"
+    assert httpx.get(live.url + "/health", timeout=10).status_code == 200
 
 
 # --- 2. no URL built from the Host header -----------------------------------------------------------

@@ -25,6 +25,7 @@ from stallfree.node_daemon.server.auth import Auth
 from stallfree.node_daemon.server.backpressure import AdmissionControl
 from stallfree.node_daemon.server.body_guard import BodyGuardMiddleware
 from stallfree.node_daemon.server.body_limit import BodyLimitMiddleware
+from stallfree.node_daemon.server.connections import CONNECTIONS_FULL
 from stallfree.node_daemon.server.drain import DrainState
 from stallfree.node_daemon.server.errors import APIError, install_error_handlers
 from stallfree.node_daemon.engine.stats_window import StatsWindow
@@ -127,6 +128,8 @@ def create_app(daemon: Daemon, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     app.include_router(openai_router)
     app.include_router(admin_router)
 
+    # Both probes answer even past the connection cap (connections.py keeps slots for them); only readiness
+    # reports the cap: a full daemon is alive, and should get no new work.
     @app.get("/health")
     async def health() -> JSONResponse:
         error = daemon.engine_error() if daemon.engine is not None else None
@@ -135,8 +138,10 @@ def create_app(daemon: Daemon, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
-    async def ready() -> JSONResponse:
+    async def ready(request: Request) -> JSONResponse:
         reason = daemon.not_ready_reason()
+        if reason is None and request.scope.get(CONNECTIONS_FULL):
+            reason = "connections full: this server holds its maximum of open connections"
         if reason is not None:
             return JSONResponse({"ready": False, "reason": reason}, status_code=503)
         return JSONResponse({"ready": True})
