@@ -139,3 +139,64 @@ def test_the_openai_client_reads_the_413_instead_of_retrying(live: LiveDaemon) -
     assert caught.value.status_code == 413
 
 
+# --- 4. large structured bodies and the event loop ---------------------------------------------------
+
+
+@contextlib.contextmanager
+def _recorded_parses(hold: threading.Event | None = None):
+    """Every json.loads of a body larger than BIG in this process: the parsing thread's name. With `hold`,
+    a parse off the calling threads waits for it (deadline 30 s) before it runs."""
+    real = json.loads
+    parses: list[str] = []
+    started = threading.Event()
+
+    def loads(s, *args, **kwargs):
+        if len(s) > BIG:
+            parses.append(threading.current_thread().name)
+            started.set()
+            if hold is not None and threading.current_thread().name != "test-uvicorn":
+                hold.wait(30)
+        return real(s, *args, **kwargs)
+
+    json.loads = loads
+    try:
+        yield parses, started
+    finally:
+        json.loads = real
+
+
+def _post(live: LiveDaemon, path: str, raw: bytes) -> httpx.Response:
+    return httpx.post(live.url + path, content=raw, headers={"content-type": "application/json"}, timeout=60)
+
+
+def test_structured_bodies_past_the_bounds_are_refused_before_parsing(live: LiveDaemon) -> None:
+    ids = json.dumps({"model": MODEL, "prompt": [7] * 1_330_000, "max_tokens": 2}).encode()
+    chat = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 100_000}).encode()
+    assert len(ids) < BODY_LIMIT and len(chat) < BODY_LIMIT
+    with _recorded_parses() as (parses, _):
+        answers = [_post(live, "/v1/completions", ids), _post(live, "/v1/chat/completions", chat)]
+    for response in answers:
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == "too_many_values", response.text
+    assert parses == []  # bounded before parsing: the 1.33 M ids and 100k messages never became objects
+    assert httpx.get(live.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_big_body_is_parsed_once_and_off_the_event_loop(live: LiveDaemon) -> None:
+    """/health answers while the body's parse is held on its worker, and the route never parses it again
+    on the event loop (the thread named test-uvicorn)."""
+    raw = json.dumps({"model": MODEL, "prompt": [1000 + i % 9000 for i in range(200_000)], "max_tokens": 2}).encode()
+    assert len(raw) > BIG
+    release = threading.Event()
+    with _recorded_parses(hold=release) as (parses, started), ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(_post, live, "/v1/completions", raw)
+        try:
+            assert started.wait(30), "the body was never parsed"
+            health = httpx.get(live.url + "/health", timeout=10)
+        finally:
+            release.set()
+        response = answer.result(timeout=60)
+    assert health.status_code == 200
+    # 200k ids fit the bounds; the context (4096) refuses them, after the one parse.
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded", response.text
+    assert len(parses) == 1 and parses[0] != "test-uvicorn", parses

@@ -19,9 +19,11 @@ from stallfree.node_daemon.server import choices, protocol
 from stallfree.node_daemon.server.app import Daemon, get_daemon
 from stallfree.node_daemon.server.errors import APIError
 from stallfree.node_daemon.server.generation import Generation, admit
+from stallfree.node_daemon.server.parsed_body import ParsedBodyRoute
 from stallfree.node_daemon.server.streaming import ChunkRenderer, SSEResponse, stream_events
 
-router = APIRouter()
+# Each route validates the body the body guard parsed (off the event loop when large): parsed_body.py.
+router = APIRouter(route_class=ParsedBodyRoute)
 
 # OpenAI's default for the legacy completions endpoint; chat defaults to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -136,6 +138,11 @@ def _template_and_encode(daemon: Daemon, messages: list[dict[str, str]]) -> list
 
 
 def _check_token_ids(daemon: Daemon, ids: list[int]) -> list[int]:
+    context = daemon.require_engine().max_model_len
+    if len(ids) >= context:  # before the vocabulary check walks them all
+        raise APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
+                       f"{len(ids)} tokens; no room is left for output. Shorten the prompt.",
+                       param="prompt", code="context_length_exceeded")
     vocab = daemon.vocab_size
     if vocab is not None:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
