@@ -185,7 +185,7 @@ def test_structured_bodies_past_the_bounds_are_refused_before_parsing(live: Live
 def test_a_big_body_is_parsed_once_and_off_the_event_loop(live: LiveDaemon) -> None:
     """/health answers while the body's parse is held on its worker, and the route never parses it again
     on the event loop (the thread named test-uvicorn)."""
-    raw = json.dumps({"model": MODEL, "prompt": [1000 + i % 9000 for i in range(200_000)], "max_tokens": 2}).encode()
+    raw = json.dumps({"model": MODEL, "prompt": [1000 + i % 9000 for i in range(100_000)], "max_tokens": 2}).encode()
     assert len(raw) > BIG
     release = threading.Event()
     with _recorded_parses(hold=release) as (parses, started), ThreadPoolExecutor(1) as pool:
@@ -197,6 +197,6 @@ def test_a_big_body_is_parsed_once_and_off_the_event_loop(live: LiveDaemon) -> N
             release.set()
         response = answer.result(timeout=60)
     assert health.status_code == 200
-    # 200k ids fit the bounds; the context (4096) refuses them, after the one parse.
+    # 100k ids fit the bounds; the context (4096) refuses them, after the one parse.
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded", response.text
     assert len(parses) == 1 and parses[0] != "test-uvicorn", parses

@@ -29,6 +29,8 @@ router = APIRouter(route_class=ParsedBodyRoute)
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Texts longer than this are counted in pieces of this size before they are tokenized whole.
 PIECE_CHARS = 1 << 16
+# What one message adds to a chat's templating work, in characters (64 short messages leave the event loop).
+TEMPLATE_CHARS_PER_MESSAGE = 128
 
 
 def require_api_key(request: Request) -> None:
@@ -74,7 +76,9 @@ async def create_chat_completion(body: protocol.ChatCompletionRequest, request: 
     messages = body.chat_messages()
     size = sum(len(m["content"]) for m in messages)
     _check_text_length(daemon, size, "messages")
-    prompt_ids = await daemon.text_work(size, _template_and_encode, daemon, messages)
+    # The template costs per message too: a chat of many short messages is templated on a text worker as well.
+    work = size + len(messages) * TEMPLATE_CHARS_PER_MESSAGE
+    prompt_ids = await daemon.text_work(work, _template_and_encode, daemon, messages)
     return await _serve(daemon, request, body, prompt_ids, chat=True)
 
 
