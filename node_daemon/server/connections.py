@@ -32,6 +32,7 @@ CONNECTIONS_FULL = "stallfree.connections_full"
 # A refused over-cap request's body is read and dropped up to this, so the client can read the 503.
 _OVER_CAP_DRAIN_BYTES, _OVER_CAP_DRAIN_S = 1 << 20, 2.0
 
+
 def _raw_response(status: int, phrase: str, message: str, code: str, extra: str = "") -> bytes:
     body = json.dumps(error_body(status, message, code=code)).encode()
     head = (f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
