@@ -9,7 +9,7 @@ import math
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 # A budget must leave real room for prefill after every running decode took its one token.
 MIN_PREFILL_HEADROOM_TOKENS = 32
@@ -81,6 +81,18 @@ def validate_tuning(tuning: Tuning, ceilings: Ceilings) -> None:
         raise TuningError("max_partial_prefills must be at least 1")
     if tuning.long_prefill_threshold < 0:
         raise TuningError("long_prefill_threshold must be 0 (no cap) or positive")
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The exact nearest-rank percentile of already sorted values; q is a fraction in [0, 1] (0.99 for p99).
+
+    Nearest rank, not interpolation: a p99 is a latency some request really saw. Every percentile in the
+    project (the stats window, the simulator's judge, the benchmarks) is this one."""
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q is a fraction in [0, 1], got {q}")
+    if len(sorted_values) == 0:
+        raise ValueError("percentile of no samples")
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
 
 
 @dataclass(frozen=True)
