@@ -118,10 +118,11 @@ class Report:
         self.data["total_seconds"] = round(time.monotonic() - self.start, 1)
         print()
         print_table(self.rows())
-        print(f"\ntargets judged against {self.ceilings_source}: "
-              f"{self.ceilings['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s copy, "
-              f"{self.ceilings['bf16_matmul_flop_s'] / 1e12:.0f} TFLOP/s bf16"
-              + ("  [dry run: targets shown, not judged]" if self.dry_run else ""))
+        if any(r["kind"] == "target" for _, r in self.rows()):
+            print(f"\ntargets judged against {self.ceilings_source}: "
+                  f"{self.ceilings['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s copy, "
+                  f"{self.ceilings['bf16_matmul_flop_s'] / 1e12:.0f} TFLOP/s bf16"
+                  + ("  [dry run: targets shown, not judged]" if self.dry_run else ""))
         for p in problems:
             print(f"NOT MET  {p}")
         print(f"{'GREEN' if not problems else 'RED'}: {len(problems)} problems, {self.data['total_seconds']} s")
