@@ -100,3 +100,15 @@ def test_triton_kernels_compile_for_sm90_without_spills(tmp_path):
     variants = {v["label"].split(" (")[0]: v for v in json.loads(out.read_text())["variants"]}
     assert variants["llama-3-8b prefill chunk"]["matrix_path"] == "wgmma"  # Hopper's matrix instructions
     assert all(v["spill_bytes"] == 0 for v in variants.values())
+
+
+def test_serve_check_serves_one_chat_on_the_cpu(tmp_path):
+    """The run's end-to-end step through its real code on the CPU: serve (tiny random model), one chat, metrics."""
+    out = tmp_path / "serve.json"
+    done = subprocess.run([sys.executable, os.path.join(GPU_DIR, "serve_check.py"), "--device", "cpu", "--model", "tiny",
+                           "--max-model-len", "512", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads(out.read_text())["sections"]["serve"]["rows"]
+    assert [r["check"] for r in rows] == ["serve ready", "one chat completion", "metrics after the chat"]
+    assert all(r["verdict"] == "pass" for r in rows)
