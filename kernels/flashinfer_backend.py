@@ -43,6 +43,10 @@ class _Problem:
 
 
 def import_flashinfer():
+    """flashinfer, imported the one way this engine imports it: flashinfer.norm picks its RMSNorm at import time,
+    and its default is a CuTe-DSL kernel compiled at run time (nvidia-cutlass-dsl, absent from the ahead-of-time
+    bundle); FLASHINFER_USE_CUDA_NORM=1 keeps the CUDA kernel the bundle carries, whichever module imports first."""
+    os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
     try:
         import flashinfer
     except ImportError as exc:

@@ -96,7 +96,7 @@ def test_graph_wrapper_buffers_take_each_steps_pages(cpu_flashinfer, monkeypatch
     backend.use_cuda_graph_batch(3, max_pages_per_seq=16)
     addresses = None
     for _ in range(3):
-        md = random_metadata(rng, 16, 3)
+        md = decode_metadata(rng, 16, 3)  # graph mode runs decode-only steps: one row per sequence
         backend.begin_iteration(md)
         wrapper = backend._graph_wrapper(3)
         indices = backend._indices
@@ -151,6 +151,23 @@ def test_flashinfers_append_positions_land_on_the_engines_slots(cpu_flashinfer):
         else:
             os.environ["TRITON_INTERPRET"] = previous
         importlib.reload(triton_page)
+
+
+def decode_metadata(rng: random.Random, page_size: int, num_seqs: int):
+    """A decode-only step over random lengths and shuffled pages (what a captured graph replays)."""
+    from stallfree.kernels.attention import AttentionMetadata
+
+    seq_lens = [rng.randint(1, 200) for _ in range(num_seqs)]
+    pages = [-(-n // page_size) for n in seq_lens]
+    pool = rng.sample(range(sum(pages) + 5), sum(pages))
+    tables = torch.zeros((num_seqs, max(pages)), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(pages):
+        tables[i, :n] = torch.tensor(pool[used:used + n])
+        used += n
+    return AttentionMetadata(torch.arange(num_seqs + 1, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
+                             tables, torch.zeros(num_seqs, dtype=torch.int64), 1, max(seq_lens), [1] * num_seqs,
+                             seq_lens, page_size)
 
 
 def _problem(heads: int, kv_heads: int, dim: int):

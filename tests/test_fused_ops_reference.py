@@ -214,3 +214,22 @@ def test_flashinfer_path_calls_bind_and_compute_the_formulas(flashinfer_path):
     assert picked.dtype == torch.int64 and torch.equal(picked, logits.argmax(-1))
     assert flashinfer_path.calls == ["rmsnorm", "fused_add_rmsnorm", "silu_and_mul",
                                      "apply_rope_with_cos_sin_cache_inplace", "top_k_top_p_sampling_from_logits"]
+
+
+def test_flashinfer_keeps_its_cuda_rmsnorm_whichever_module_imports_it_first():
+    """flashinfer.norm picks RMSNorm at import; backend selection usually imports flashinfer before any fused op."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("flashinfer", reason="flashinfer-python not installed (the gpu extra)")
+    # What FLASHINFER_USE_CUDA_NORM says at the moment flashinfer.norm is imported (here cutlass-dsl may be absent,
+    # which would make flashinfer fall back by itself: the variable is what counts where it is installed).
+    code = ("import os, sys, importlib.abc, torch; os.environ.pop('FLASHINFER_USE_CUDA_NORM', None)\n"
+            "class Seen(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'flashinfer.norm': print('at import:', os.environ.get('FLASHINFER_USE_CUDA_NORM'))\n"
+            "sys.meta_path.insert(0, Seen())\n"
+            "from stallfree.kernels.selection import flashinfer_usable\n"
+            "try:\n    flashinfer_usable(torch.device('cuda'))\nexcept Exception:\n    pass  # no GPU here\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "at import: 1" in done.stdout, done.stdout + done.stderr[-2000:]

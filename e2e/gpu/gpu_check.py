@@ -168,12 +168,12 @@ def environment(device) -> dict:
         props = torch.cuda.get_device_properties(device)
         env.update(name=props.name, sms=props.multi_processor_count, memory_gb=round(props.total_memory / 1e9, 1),
                    capability=list(torch.cuda.get_device_capability(device)))
-    try:
-        import flashinfer
+    from stallfree.kernels.flashinfer_backend import import_flashinfer  # the engine's import (CUDA RMSNorm)
 
-        env["flashinfer"] = getattr(flashinfer, "__version__", "?")
+    try:
+        env["flashinfer"] = getattr(import_flashinfer(), "__version__", "?")
     except ImportError as exc:
-        env["flashinfer"] = f"absent ({exc})"
+        env["flashinfer"] = f"absent ({exc.__cause__ or exc})"
     return env
 
 
