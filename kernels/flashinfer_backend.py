@@ -43,6 +43,10 @@ class _Problem:
 
 
 def import_flashinfer():
+    """flashinfer, imported the one way this engine imports it: flashinfer.norm picks its RMSNorm at import time,
+    and its default is a CuTe-DSL kernel compiled at run time (nvidia-cutlass-dsl, absent from the ahead-of-time
+    bundle); FLASHINFER_USE_CUDA_NORM=1 keeps the CUDA kernel the bundle carries, whichever module imports first."""
+    os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
     try:
         import flashinfer
     except ImportError as exc:
@@ -50,6 +54,20 @@ def import_flashinfer():
                           "(pip install 'stallfree[gpu]'; for a machine without network see e2e/gpu/README.md); "
                           "choose --attention-backend triton or auto instead") from exc
     return flashinfer
+
+
+KERNEL_BACKENDS = ("auto", "fa2", "fa3")
+
+
+def resolve_kernel_backend(explicit: str | None) -> str:
+    """flashinfer's kernel family: the argument, else STALLFREE_FLASHINFER_BACKEND, else auto (FA3 on Hopper
+    for long queries, FA2 for short). fa2 is pinned where only FA2 kernels were built ahead of time; a bad
+    name fails here, not at the first plan on the GPU."""
+    name = explicit or os.environ.get("STALLFREE_FLASHINFER_BACKEND") or "auto"
+    if name not in KERNEL_BACKENDS:
+        raise ValueError(f"flashinfer kernel backend {name!r}: choose one of {', '.join(KERNEL_BACKENDS)} "
+                         f"(STALLFREE_FLASHINFER_BACKEND)")
+    return name
 
 
 class FlashInferBackend:
@@ -64,12 +82,11 @@ class FlashInferBackend:
             raise ValueError(f"the flashinfer backend runs on CUDA devices only, not {self.device}; "
                              f"use --attention-backend torch on the CPU")
         self._flashinfer = flashinfer_module or import_flashinfer()
-        # flashinfer's kernel family: auto (FA3 on Hopper for long queries, FA2 for short), fa2 or fa3.
-        # STALLFREE_FLASHINFER_BACKEND=fa2 pins FA2, e.g. where only FA2 kernels were built ahead of time.
-        self._kernel_backend = kernel_backend or os.environ.get("STALLFREE_FLASHINFER_BACKEND", "auto")
+        self._kernel_backend = resolve_kernel_backend(kernel_backend)
         self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        # The resolved family, never the argument: flashinfer's plan() asserts on backend=None.
         self._wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", backend=kernel_backend)
+            self._workspace, "NHD", backend=self._kernel_backend)
         self._indices: PagedKVIndices | None = None
         self._metadata: AttentionMetadata | None = None
         self._planned: _Problem | None = None  # the problem the current iteration's plan was made for

@@ -41,13 +41,10 @@ def flashinfer_module():
         if not _enabled():
             _unavailable["*"] = "STALLFREE_FUSED_OPS=0"
             return None
-        # flashinfer's default RMSNorm is a CuTe-DSL kernel compiled at run time (nvidia-cutlass-dsl); its CUDA
-        # kernel is the one the ahead-of-time bundle carries (e2e/gpu/README.md) and needs no extra package.
-        os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
-        try:
-            import flashinfer
+        from stallfree.kernels.flashinfer_backend import import_flashinfer  # keeps flashinfer's CUDA RMSNorm
 
-            _flashinfer = flashinfer
+        try:
+            _flashinfer = import_flashinfer()
         except ImportError as exc:
             _unavailable["*"] = f"flashinfer not importable: {exc}"
     return _flashinfer

@@ -58,8 +58,10 @@ def resolve_backend_name(name: str, device: torch.device, flashinfer_ok: bool | 
 
 
 def flashinfer_usable(device: torch.device) -> bool:
+    from stallfree.kernels.flashinfer_backend import import_flashinfer
+
     try:
-        import flashinfer  # noqa: F401
+        import_flashinfer()
     except ImportError:
         return False
     return torch.cuda.get_device_capability(device) >= FLASHINFER_MIN_CAPABILITY

@@ -65,7 +65,7 @@ def _paged_attention_kernel(
     stride_pl_tok, stride_pl_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -89,6 +89,8 @@ def _paged_attention_kernel(
     q_rows = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if DOT_FP32:  # the interpreter only: its bf16 arithmetic works on the raw bits (kernels/README.md)
+        q = q.to(tl.float32)
     q_pos = context_len + tok
 
     # Keys this tile can see: up to the last valid query's position (bottom-right causal).
@@ -110,6 +112,8 @@ def _paged_attention_kernel(
         kv_mask = pos_valid[:, None] & dim_valid[None, :]
         k = tl.load(k_cache_ptr + block[:, None] * stride_kc_block + in_page[:, None] * stride_kc_slot
                     + kv_head * stride_kc_head + dims[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
         if IEEE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -124,10 +128,14 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + block[:, None] * stride_vc_block + in_page[:, None] * stride_vc_slot
                     + kv_head * stride_vc_head + dims[None, :], mask=kv_mask, other=0.0)
+        p_dot = p.to(v.dtype)  # P rounded to the cache's dtype, as the matrix units take it
+        if DOT_FP32:
+            p_dot = p_dot.to(tl.float32)
+            v = v.to(tl.float32)
         if IEEE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p_dot, v)
         m_i = m_new
 
     out_mask = row_valid[:, None] & dim_valid[None, :]
@@ -247,6 +255,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     else:
         partial_out = partial_lse = out  # unused by the kernel; any tensor satisfies the signature
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    # bf16 on the CPU is the Triton interpreter, whose bf16 dots are wrong: there, bf16 is stored and fp32 computed.
+    dot_fp32 = not on_gpu and query.dtype == torch.bfloat16
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, partial_out, partial_lse,
         metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
@@ -260,7 +270,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_Q=block_q, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE_SIZE=k_cache.shape[1],
-        NUM_SPLITS=num_splits, IEEE_DOT=query.dtype == torch.float32,
+        NUM_SPLITS=num_splits, IEEE_DOT=query.dtype == torch.float32 or dot_fp32, DOT_FP32=dot_fp32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:

@@ -13,7 +13,7 @@ from stallfree.kernels.flashinfer_backend import FlashInferBackend
 class RecordingWrapper:
     instances: list["RecordingWrapper"] = []
 
-    def __init__(self, workspace, layout, use_cuda_graph=False, backend="auto", **buffers):
+    def __init__(self, workspace, layout, use_cuda_graph=False, backend="auto", **buffers):  # flashinfer's defaults
         self.workspace, self.layout, self.use_cuda_graph, self.backend = workspace, layout, use_cuda_graph, backend
         self.buffers = buffers
         self.plans: list[tuple] = []
@@ -102,6 +102,58 @@ def test_graph_mode_plans_fixed_buffer_wrappers_at_begin_iteration(backend):
     backend.begin_iteration(md)
     assert len(RecordingWrapper.instances) == 2  # one wrapper per bucket, reused
     backend.use_cuda_graph_batch(None)
+
+
+@pytest.mark.parametrize("pin,want", [(None, "auto"), ("fa2", "fa2"), ("fa3", "fa3")])
+def test_kernel_family_reaches_the_eager_and_graph_wrappers(monkeypatch, pin, want):
+    """Built as select_backend builds it (no kernel_backend): the env pin, or auto, reaches both wrappers."""
+    RecordingWrapper.instances = []
+    if pin is None:
+        monkeypatch.delenv("STALLFREE_FLASHINFER_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("STALLFREE_FLASHINFER_BACKEND", pin)
+    backend = FlashInferBackend("cpu", workspace_bytes=1024, flashinfer_module=FakeFlashinfer)
+    md = mixed_metadata()
+    backend.begin_iteration(md)
+    backend.forward(*layer_inputs(), md, 0.125)
+    backend.use_cuda_graph_batch(2, max_pages_per_seq=3)
+    backend.begin_iteration(md)
+    assert [w.backend for w in RecordingWrapper.instances] == [want, want]
+
+
+def test_unknown_kernel_family_is_refused_at_construction(monkeypatch):
+    monkeypatch.setenv("STALLFREE_FLASHINFER_BACKEND", "fa4")
+    with pytest.raises(ValueError, match="fa4"):
+        FlashInferBackend("cpu", workspace_bytes=1024, flashinfer_module=FakeFlashinfer)
+
+
+def test_the_calls_the_fake_records_fit_flashinfers_real_signatures():
+    """Every constructor and plan() call this backend makes binds to the installed flashinfer's signatures."""
+    import inspect
+
+    flashinfer = pytest.importorskip("flashinfer", reason="flashinfer-python not installed (the gpu extra)")
+    real = flashinfer.BatchPrefillWithPagedKVCacheWrapper
+
+    class Checked(RecordingWrapper):
+        def __init__(self, *args, **kwargs):
+            inspect.signature(real.__init__).bind(None, *args, **kwargs)
+            super().__init__(*args, **kwargs)
+
+        def plan(self, *args, **kwargs):
+            inspect.signature(real.plan).bind(None, *args, **kwargs)
+            super().plan(*args, **kwargs)
+
+    class CheckedFlashinfer:
+        BatchPrefillWithPagedKVCacheWrapper = Checked
+
+    RecordingWrapper.instances = []
+    backend = FlashInferBackend("cpu", workspace_bytes=1024, flashinfer_module=CheckedFlashinfer)
+    md = mixed_metadata()
+    backend.begin_iteration(md)
+    backend.forward(*layer_inputs(), md, 0.125)
+    backend.use_cuda_graph_batch(2, max_pages_per_seq=3)
+    backend.begin_iteration(md)
+    assert len(RecordingWrapper.instances) == 2 and all(w.plans for w in RecordingWrapper.instances)
 
 
 def test_cpu_device_is_refused_without_an_injected_module():

@@ -21,6 +21,14 @@ CORRECTNESS_CASES: dict[str, list[tuple[int, int]]] = {
     "chunked": [(64, 1100), (333, 400), (5, 2049)],
     "mixed": [(1, 45), (1, 3000), (1, 64), (511, 1535), (256, 256), (1, 30)],
 }
+# The same kinds at the CPU tests' sizes (tests/test_triton_kernels.py): the dry run's, under the interpreter.
+CPU_CORRECTNESS_CASES: dict[str, list[tuple[int, int]]] = {
+    "decodes": [(1, 1), (1, 17), (1, 50)],
+    "prefills": [(7, 7), (33, 33)],
+    "chunked": [(9, 40), (5, 70)],
+    "mixed": [(1, 45), (23, 61), (13, 13), (1, 30)],
+}
+CASE_SETS = {"gpu": CORRECTNESS_CASES, "cpu": CPU_CORRECTNESS_CASES}
 
 
 def decode_batch(batch_size: int, context: int) -> list[Sequence]:

@@ -111,7 +111,7 @@ def attention_variants() -> list[tuple[str, dict, KernelConfig, int, bool]]:
 def _attention_constexprs(group: int, head_dim: int, config: KernelConfig, splits: int) -> dict:
     return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                 BLOCK_Q=config.block_m // group, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE_SIZE=16,
-                NUM_SPLITS=splits, IEEE_DOT=False)
+                NUM_SPLITS=splits, IEEE_DOT=False, DOT_FP32=False)  # the GPU path: bf16 dots
 
 
 def run(arch: int, dtype: str, quick: bool = False) -> list[Variant]:

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""The engine end to end on the GPU, after gpu_check.py: `stallfree serve` with random weights, one chat, its
+metrics, then `stallfree bench engine --quick` rows. Same report as the GPU check (one table, JSON, exit 1 unless
+every row passed). Needs `stallfree` importable in child processes (run_on_gpu.sh installs the checkout).
+
+    python3 e2e/gpu/serve_check.py --device cuda --bench          # on the GPU (run_on_gpu.sh)
+    python3 e2e/gpu/serve_check.py --device cpu --model tiny      # anywhere: serve, one chat, metrics
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_report import Report  # noqa: E402
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--model", default="llama-3-8b", help="a shape name: random weights, byte-level tokenizer")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--ready-timeout-s", type=float, default=120.0)
+    p.add_argument("--bench", action="store_true", help="then `bench engine --quick` (three daemon starts)")
+    p.add_argument("--bench-timeout-s", type=float, default=240.0)
+    p.add_argument("--json", default=None, help="default $OUT/serve_check.json when OUT is set")
+    args = p.parse_args(argv)
+    if args.json is None and os.environ.get("OUT"):
+        args.json = os.path.join(os.environ["OUT"], "serve_check.json")
+    return args
+
+
+def serve_flags(args) -> list[str]:
+    flags = ["--device", args.device, "--max-model-len", str(args.max_model_len)]
+    if args.device == "cuda":  # bf16; 11 decode-graph buckets (up to 64 sequences) keep each start short
+        flags += ["--dtype", "bfloat16", "--max-num-seqs-ceiling", "64"]
+    return flags
+
+
+def serve_section(report: Report, args) -> None:
+    import httpx
+
+    from stallfree.bench.daemon_process import free_port, stop, wait_ready
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "stallfree.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
+           "--port", str(port), *serve_flags(args)]
+    started = time.monotonic()
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        try:
+            wait_ready(process, url, args.ready_timeout_s)
+        except RuntimeError as exc:
+            report.correct("serve ready", str(exc)[-400:], False, f"/ready 200 within {args.ready_timeout_s:.0f} s")
+            return
+        report.correct("serve ready", f"{time.monotonic() - started:.1f} s after start", True,
+                       f"/ready 200 within {args.ready_timeout_s:.0f} s")
+        body = {"model": args.model, "messages": [{"role": "user", "content": "Say hello in five words."}],
+                "max_tokens": 16, "temperature": 0.0}
+        t0 = time.monotonic()
+        answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        ms = (time.monotonic() - t0) * 1e3
+        ok = answer.status_code == 200
+        data = answer.json() if ok else {}
+        tokens = data.get("usage", {}).get("completion_tokens", 0)
+        content = (data.get("choices") or [{}])[0].get("message", {}).get("content")
+        report.correct("one chat completion", f"HTTP {answer.status_code}, {tokens} tokens in {ms:.0f} ms",
+                       ok and tokens > 0 and isinstance(content, str), "200, a message, tokens > 0", ms=ms)
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        report.correct("metrics after the chat", f"{len(metrics.splitlines())} lines", "stallfree" in metrics,
+                       "stallfree series exported")
+    finally:
+        stop(process)
+
+
+def bench_section(report: Report, args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "bench_engine.json")
+        cmd = [sys.executable, "-m", "stallfree.cli", "bench", "engine", "--model", args.model, "--quick",
+               "--output", out, *[f"--serve-arg={f}" for f in serve_flags(args)]]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout_s)
+        except subprocess.TimeoutExpired:
+            report.correct("bench engine --quick", f"over {args.bench_timeout_s:.0f} s", False, "completes")
+            return
+        if done.returncode != 0:
+            report.correct("bench engine --quick", (done.stderr or done.stdout)[-400:], False, "completes")
+            return
+        rows = json.load(open(out))["rows"]
+        report.correct("bench engine --quick", f"{len(rows)} rows", bool(rows), "completes")
+        for name, row in rows.items():
+            value = row.get("value") if isinstance(row, dict) else row
+            unit = row.get("unit", "") if isinstance(row, dict) else ""
+            report.info(f"bench {name}", f"{value:.1f} {unit}" if isinstance(value, float) else f"{value} {unit}")
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "bench_engine.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    report = Report(budget_s=args.ready_timeout_s + args.bench_timeout_s + 120)
+    report.run("serve", 0, lambda: serve_section(report, args))
+    asked = ["serve"]
+    if args.bench:
+        report.run("bench_engine", 0, lambda: bench_section(report, args))
+        asked.append("bench_engine")
+    return report.finish(asked, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
