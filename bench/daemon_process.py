@@ -7,9 +7,7 @@ import time
 
 import httpx
 
-from stallfree.operator.local.daemons import free_port
-
-__all__ = ["free_port", "stop", "wait_ready"]
+__all__ = ["stop", "wait_ready"]
 
 
 def wait_ready(process: subprocess.Popen, url: str, timeout_s: float, poll_s: float = 0.5) -> None:

@@ -2,7 +2,7 @@
 
 One daemon process at a time, started here and stopped after its rows, with a profile cache directory of
 its own (empty at first: the first start is the cold one). Streaming /v1/completions requests through
-bench/serve.py's client, temperature 0, `ignore_eos` so outputs have the asked length; medians of
+loadgen's client, temperature 0, `ignore_eos` so outputs have the asked length; medians of
 --repeats where the table says so. Rows:
 
 - single-stream decode of 128 tokens (tok/s after the first token), default flags;
@@ -37,7 +37,8 @@ from typing import Any
 
 import httpx
 
-from stallfree.bench.serve import PromptBuilder, RequestResult, send_request, streaming_body
+from stallfree.loadgen.prompts import PromptBuilder
+from stallfree.loadgen.stream import RequestResult, send_request, streaming_body
 
 
 @dataclass

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         print("stallfree bench iteration: error: --seqs, --context and --iterations must be positive", file=sys.stderr)
         return 2
     from stallfree.bench.op_breakdown import count_ops, memory_bandwidth_gb_s, op_shares, weight_bytes_per_forward
-    from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+    from stallfree.node_daemon.engine.config import CacheConfig
+    from stallfree.node_daemon.models.config import ModelConfig
     from stallfree.node_daemon.engine.model_runner import ModelRunner
     from stallfree.node_daemon.engine.request import Request
     from stallfree.node_daemon.engine.sampler import Sampler

@@ -24,7 +24,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from stallfree.bench.daemon_process import free_port, stop, wait_ready
+from stallfree.bench.daemon_process import stop, wait_ready
+from stallfree.net import free_port
 
 
 def build_parser() -> argparse.ArgumentParser:

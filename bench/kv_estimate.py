@@ -27,8 +27,9 @@ from pathlib import Path
 
 import httpx
 
-from stallfree.bench.daemon_process import free_port, stop, wait_ready
-from stallfree.bench.serve import StreamError, stream_events
+from stallfree.bench.daemon_process import stop, wait_ready
+from stallfree.loadgen.stream import StreamError, stream_events
+from stallfree.net import free_port
 
 QUESTIONS = (
     "What is the capital of France?", "Name a primary colour.", "What is two plus three?",

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from stallfree.contracts import Profile, WindowStats
+from stallfree.net import free_port
 
 TOKEN = "bench-router"
 MODEL = "llama-3-70b"
@@ -119,8 +120,6 @@ class Fleet:
                 raise RuntimeError(f"daemons not ready; see {self.log_dir}")
 
     def start_router(self, policy: str, chars_per_token: float, extra: list[str] = ()) -> None:
-        from stallfree.operator.local.daemons import free_port
-
         port = free_port()
         self.router_url = f"http://127.0.0.1:{port}"
         env = dict(os.environ, STALLFREE_ADMIN_TOKEN=TOKEN)
@@ -241,7 +240,7 @@ def router_picks(url: str) -> dict[str, float]:
 
 def run_policy(fleet: Fleet, policy: str, requests, prompts: list[str], chars_per_token: float,
                timeout_s: float) -> dict[str, Any]:
-    from stallfree.bench.serve import run_benchmark, summarize_results
+    from stallfree.loadgen.run import run_benchmark, summarize_results
     from stallfree.simulator.latency_summary import SLOs
 
     fleet.start_router(policy, chars_per_token)
@@ -259,7 +258,7 @@ def run_policy(fleet: Fleet, policy: str, requests, prompts: list[str], chars_pe
 
 
 def run_setup(setup: Setup, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    from stallfree.bench.serve import PromptBuilder
+    from stallfree.loadgen.prompts import PromptBuilder
     from stallfree.node_daemon.sim.backend import sim_tokenizer
 
     builder = PromptBuilder(sim_tokenizer(MODEL))

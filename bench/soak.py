@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from stallfree.bench.serve import PromptBuilder
+from stallfree.loadgen.prompts import PromptBuilder
 from stallfree.operator.local.daemons import LocalDaemonSet, LocalReplica
 
 SIM_DAEMON_ARGS = ["--backend", "sim", "--model", "llama-3-8b", "--hardware", "h100", "--max-model-len", "4096",

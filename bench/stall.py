@@ -63,7 +63,8 @@ def _long_prompt(tokenizer, n: int) -> list[int]:
 
 def run_mode(executor, tokenizer, args: argparse.Namespace, budget: int, max_num_seqs: int,
              ceilings: Ceilings, long_prompt: list[int]) -> dict:
-    from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from stallfree.node_daemon.models.config import ModelConfig
     from stallfree.node_daemon.engine.engine import LLMEngine
     from stallfree.node_daemon.engine.sampling_params import SamplingParams
 
@@ -150,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     ceilings = Ceilings(max_token_budget=unchunked, max_num_seqs=max_num_seqs)
 
-    from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from stallfree.node_daemon.models.config import ModelConfig
     from stallfree.node_daemon.engine.model_executor import ModelExecutor
     from stallfree.node_daemon.text.tokenizer import load_tokenizer
 

@@ -59,7 +59,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.token_budget < 1:
         raise ValueError(f"--token-budget must be positive, got {args.token_budget}")
 
-    from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from stallfree.node_daemon.models.config import ModelConfig
     from stallfree.node_daemon.engine.engine import LLMEngine
 
     max_num_seqs = 1

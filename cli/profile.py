@@ -1,6 +1,6 @@
 """`stallfree profile`: iteration time against tokens per iteration on this device, as a daemon measures it.
 
-The same engine build and the same sweep as `stallfree serve`'s start-up profile (node_daemon/engine/profiler.py),
+The same engine build and the same sweep as `stallfree serve`'s start-up profile (node_daemon/measure/profiler.py),
 with a larger time budget: prints both curves, the budget Sarathi-Serve's recipe picks for each TPOT target, and
 writes JSON (the /admin/profile shape) and optionally a PNG. --write-cache stores a trusted run in the profile
 cache, where `stallfree serve` started with the same flags finds it.
@@ -48,9 +48,10 @@ def main(argv: list[str]) -> int:
     if args.repeats < 1 or args.max_seconds <= 0:
         print("stallfree profile: error: --repeats and --max-seconds must be positive", file=sys.stderr)
         return 2
-    from stallfree.node_daemon.engine.profile_cache import ProfileCache, profile_key
-    from stallfree.node_daemon.engine.profiler import ProfileSettings, run_profile, suggest_token_budget
-    from stallfree.cli.serve import build_llm_engine, parse_options
+    from stallfree.node_daemon.measure.profile_cache import ProfileCache, profile_key
+    from stallfree.node_daemon.measure.profiler import ProfileSettings, run_profile, suggest_token_budget
+    from stallfree.cli.serve import parse_options
+    from stallfree.node_daemon.daemon import build_llm_engine
 
     serve_argv = [
         "--model", args.model, "--backend", args.backend, "--hardware", args.hardware, "--device", args.device,

@@ -10,12 +10,12 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict
 from typing import Any
 
 from stallfree.node_daemon.sim.backend import build_cost_model
+from stallfree.simulator.emit import emit
 from stallfree.simulator.latency_summary import SLOs
 from stallfree.simulator.simulate import POLICIES, SimSetup, simulate
 from stallfree.simulator.workload import describe_workload, generate, workload_label
@@ -102,20 +102,6 @@ def _policies(args: argparse.Namespace) -> list[str]:
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     return names
-
-
-def emit(args: argparse.Namespace, payload: Any, text: str) -> None:
-    """Print the text (or the JSON to stdout with --json -), write --json FILE, and say what was written."""
-    if args.json == "-":
-        print(json.dumps(payload, indent=2))
-    else:
-        print(text)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(payload, fh, indent=2)
-            print(f"wrote {args.json}")
-    if args.plot:
-        print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:

@@ -22,7 +22,7 @@ import httpx
 import yaml
 
 from stallfree.contracts import Profile
-from stallfree.bench.serve import PromptBuilder
+from stallfree.loadgen.prompts import PromptBuilder
 from stallfree.operator.local.demo_run import DemoRun
 from stallfree.operator.local.load import LoadDriver, LoadPhase
 from stallfree.operator.local.runtime import LocalRuntime

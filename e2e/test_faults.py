@@ -12,7 +12,7 @@ from daemon_helpers import REPO, local_daemons
 from stallfree.cli.up import load_manifest
 from stallfree.operator.local.load import LoadDriver, LoadPhase
 from stallfree.operator.local.runtime import LocalRuntime
-from stallfree.bench.serve import PromptBuilder
+from stallfree.loadgen.prompts import PromptBuilder
 
 pytestmark = pytest.mark.slow
 

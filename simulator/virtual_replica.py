@@ -25,7 +25,7 @@ from stallfree.node_daemon.engine.engine_protocol import EngineObserver
 from stallfree.node_daemon.engine.observers import FanoutObserver
 from stallfree.node_daemon.engine.request import Request, RequestStatus
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
-from stallfree.node_daemon.engine.stats_window import StatsWindow
+from stallfree.node_daemon.measure.stats_window import StatsWindow
 from stallfree.node_daemon.sim.backend import build_cost_model, sim_num_kv_blocks, sim_tokenizer
 from stallfree.node_daemon.sim.cost_model import IterationCostModel, ProfileCostModel, RooflineCostModel
 from stallfree.node_daemon.sim.sim_executor import SimExecutor, VirtualClock

@@ -5,7 +5,8 @@ import functools
 
 import torch
 
-from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+from stallfree.node_daemon.engine.config import CacheConfig
+from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.node_daemon.engine.model_runner import ModelRunner
 from stallfree.node_daemon.engine.request import Request
 from stallfree.node_daemon.engine.sampling_params import SamplingParams

@@ -11,8 +11,9 @@ import torch
 import uvicorn
 
 from stallfree.node_daemon.server.app import Daemon
-from stallfree.operator.local.daemons import free_port
-from stallfree.cli.serve import build_daemon, parse_options, start_engine, uvicorn_config
+from stallfree.net import free_port
+from stallfree.cli.serve import parse_options
+from stallfree.node_daemon.daemon import build_daemon, start_engine, uvicorn_config
 
 ADMIN_TOKEN = "test-admin-token"
 # Small ceilings keep the tiny model's start-up profile to a second or two.

@@ -190,8 +190,35 @@ async def test_an_idle_task_runs_when_idle_and_yields_to_a_request(client: Async
     assert client._idle_task is not None and client._idle_task[0] > time.monotonic() + 30  # rescheduled later
 
 
+async def test_the_watch_handed_in_sees_every_stepped_turn_and_is_closed(reference) -> None:
+    class Recording:
+        def __init__(self) -> None:
+            self.began, self.tokens, self.closed = 0, [], False
+
+        def begin(self) -> int:
+            self.began += 1
+            return self.began
+
+        def end(self, began, commands_s, step_s, deliver_s, tokens) -> bool:
+            assert began == self.began and min(commands_s, step_s, deliver_s) >= 0
+            self.tokens.append(tokens)
+            return False
+
+        def close(self) -> None:
+            self.closed = True
+
+    watch = Recording()
+    client = AsyncEngine(make_engine(), model_name="tiny", watch=watch)
+    outs = await collect(client, "a", PROMPTS["a"])
+    await client.shutdown()
+    assert tokens_of(outs) == reference["a"]
+    # One end per engine step, with the step's tokens: the prompt's 30, then one a decode.
+    assert len(watch.tokens) == client.engine.num_iterations and sum(watch.tokens) == 30 + 15
+    assert watch.closed
+
+
 def test_a_slow_turn_is_logged_with_its_cause(caplog) -> None:
-    from stallfree.node_daemon.engine.stall_watch import StallWatch
+    from stallfree.node_daemon.measure.stall_watch import StallWatch
 
     watch = StallWatch(min_s=0.05, factor=4.0)
     try:

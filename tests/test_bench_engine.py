@@ -40,7 +40,7 @@ def test_bench_engine_is_registered() -> None:
 
 
 def test_steady_gaps_leave_out_the_admission_of_later_streams() -> None:
-    from stallfree.bench.serve import RequestResult
+    from stallfree.loadgen.stream import RequestResult
 
     def stream(started: float, ttft_ms: float, itl_ms: list[float]) -> bench_engine.Stream:
         result = RequestResult(0, 0, len(itl_ms) + 1, 0.0)

@@ -23,7 +23,7 @@ def test_breakdown_rows_split_the_forward_and_count_weight_bytes(tmp_path, capsy
 
 
 def test_weight_bytes_count_every_dense_projection_and_the_tied_head():
-    from stallfree.node_daemon.engine.config import ModelConfig
+    from stallfree.node_daemon.models.config import ModelConfig
     from stallfree.node_daemon.models.loader import load_model
 
     model = load_model(ModelConfig(model="tiny")).model

@@ -12,10 +12,13 @@ import httpx
 import pytest
 
 from stallfree.bench import serve as bench_serve
+from stallfree.loadgen.prompts import PromptBuilder
+from stallfree.loadgen.run import summarize_results
+from stallfree.loadgen.stream import RequestResult
 from stallfree.node_daemon.sim.backend import build_cost_model
 from stallfree.simulator.latency_summary import SLOs
 from stallfree.simulator.workload import RequestSpec
-from stallfree.operator.local.daemons import free_port
+from stallfree.net import free_port
 
 
 @pytest.fixture(scope="module")
@@ -122,21 +125,21 @@ def test_bad_input_is_refused_before_any_load(capsys):
 
 
 def test_prompt_builder_hits_lengths_and_keeps_prefixes_shared():
-    builder = bench_serve.PromptBuilder(chars_per_token=1.0)
+    builder = PromptBuilder(chars_per_token=1.0)
     a = builder.prompt(RequestSpec(0.0, 300, 4, shared_prefix_len=100), 0)
     b = builder.prompt(RequestSpec(0.0, 300, 4, shared_prefix_len=100), 1)
     assert len(a) == len(b) == 301  # prefix, a space, the rest
     assert a[:100] == b[:100] and a[101:] != b[101:]
     with pytest.raises(ValueError, match="chars_per_token"):
-        bench_serve.PromptBuilder(chars_per_token=0)
+        PromptBuilder(chars_per_token=0)
 
 
 def test_summary_percentiles_and_goodput():
-    results = [bench_serve.RequestResult(i, 10, 5, 0.0, sent_s=0.0, ok=True, ttft_ms=10.0 * (i + 1),
+    results = [RequestResult(i, 10, 5, 0.0, sent_s=0.0, ok=True, ttft_ms=10.0 * (i + 1),
                                          tpot_ms=5.0, e2e_ms=100.0, itl_ms=[5.0] * 4, output_tokens=5)
                for i in range(10)]
-    results.append(bench_serve.RequestResult(10, 10, 5, 0.0, error="HTTP 500: boom"))
-    summary = bench_serve.summarize_results(results, 1.0, SLOs(ttft_ms=50.0))
+    results.append(RequestResult(10, 10, 5, 0.0, error="HTTP 500: boom"))
+    summary = summarize_results(results, 1.0, SLOs(ttft_ms=50.0))
     assert summary["completed"] == 10 and summary["failed"] == 1
     assert summary["ttft_ms"]["p50"] == 50.0 and summary["ttft_ms"]["max"] == 100.0
     assert summary["slo_attainment"] == 0.5

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from stallfree.node_daemon.engine import cpu_threads
+from stallfree.kernels import cpu_threads
 
 
 def test_cgroup_v2_quota_is_read_and_max_means_unlimited(tmp_path):

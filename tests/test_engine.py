@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from stallfree.contracts import Ceilings, Tuning, TuningError
-from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.node_daemon.engine.engine import LLMEngine
 from stallfree.node_daemon.engine.engine_protocol import IterationRecord, RequestOutput
 from stallfree.node_daemon.engine.output_length import OutputLengthEstimate

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from stallfree.contracts import Ceilings, Tuning
-from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.node_daemon.engine.engine import LLMEngine
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from test_llama_model import dense_llama_logits

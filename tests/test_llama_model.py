@@ -10,7 +10,8 @@ import torch
 from model_helpers import make_request, prefill_all_rows, relative_error, step, tiny_runner
 from stallfree.kernels.attention import AttentionMetadata
 from stallfree.kernels.torch_reference import TorchReferenceBackend, paged_attention, write_kv
-from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+from stallfree.node_daemon.engine.config import CacheConfig
+from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.node_daemon.engine.model_runner import ModelRunner
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
 from stallfree.node_daemon.models.loader import LoadedModel

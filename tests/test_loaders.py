@@ -10,7 +10,8 @@ import torch
 
 from model_helpers import (ENGLISH_PASSAGE, greedy_decode, make_request, prefill_all_rows, relative_error,
                            smollm2_runner, smollm2_tokenizer)
-from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+from stallfree.node_daemon.engine.config import CacheConfig
+from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.node_daemon.engine.model_runner import ModelRunner
 from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path, unpermute_rope_rows
 from stallfree.node_daemon.models.hf_loader import save_hf_folder
@@ -268,7 +269,7 @@ def test_smollm2_predicts_english_prose_well():
 def test_cpu_bfloat16_models_prepack_dense_weights_with_the_same_logits():
     import torch
 
-    from stallfree.node_daemon.engine.config import ModelConfig
+    from stallfree.node_daemon.models.config import ModelConfig
     from stallfree.node_daemon.models.layers import Linear
     from stallfree.node_daemon.models.loader import load_model
 

@@ -6,7 +6,8 @@ import torch
 
 import stallfree.node_daemon.engine.model_runner as model_runner
 from model_helpers import make_request, prefill_all_rows, step, tiny_runner
-from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+from stallfree.node_daemon.engine.config import CacheConfig
+from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.node_daemon.engine.model_runner import ModelRunner
 from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from stallfree.contracts import Profile, ProfilePoint
-from stallfree.node_daemon.engine import profiler
-from stallfree.node_daemon.engine.profile_cache import CACHE_ENV, ProfileCache, cache_key, default_cache_dir, \
+from stallfree.node_daemon.measure import profiler
+from stallfree.node_daemon.measure.profile_cache import CACHE_ENV, ProfileCache, cache_key, default_cache_dir, \
     file_identity, profile_key
-from stallfree.node_daemon.engine.profiler import ProfileSettings
-from stallfree.cli.serve import _startup_profile, build_llm_engine, parse_options
+from stallfree.node_daemon.measure.profiler import ProfileSettings
+from stallfree.cli.serve import parse_options
+from stallfree.node_daemon.daemon import _startup_profile, build_llm_engine
 
 PROFILE = Profile(device="cpu", decode_only=[ProfilePoint(1, 1, 3.0)],
                   mixed=[ProfilePoint(64, 4, 5.0), ProfilePoint(128, 4, 8.5)])

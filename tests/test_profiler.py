@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from stallfree.contracts import Ceilings, Profile, ProfilePoint, Tuning, min_budget_for
-from stallfree.node_daemon.engine.profiler import (SLO_MARGIN, ProfileSettings, budget_within, curve_problems,
+from stallfree.node_daemon.measure.profiler import (SLO_MARGIN, ProfileSettings, budget_within, curve_problems,
                                                   measure_profile, predict_ms, run_profile, starting_tuning,
                                                   suggest_token_budget, suspect_points)
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
-from stallfree.cli.serve import build_llm_engine, parse_options
+from stallfree.cli.serve import parse_options
+from stallfree.node_daemon.daemon import build_llm_engine
 
 
 class CountingObserver:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from model_helpers import make_request, prefill_all_rows, relative_error, smollm2_runner, smollm2_tokenizer, greedy_decode
-from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+from stallfree.node_daemon.engine.config import CacheConfig
+from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.node_daemon.engine.model_runner import ModelRunner
 from stallfree.node_daemon.models.quantized import Int4Weight, decode_blocks, stack_parts
 

@@ -12,7 +12,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from stallfree.operator.local.daemons import free_port
+from stallfree.net import free_port
 from server_helpers import ADMIN_TOKEN, running_daemon
 
 SIM_ARGS = ["--backend", "sim", "--model", "llama-3-8b", "--hardware", "h100", "--num-kv-blocks", "1024",

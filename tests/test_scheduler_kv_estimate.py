@@ -200,7 +200,8 @@ def test_bad_estimate_parameters_are_refused():
 
 def test_the_engine_reports_reserved_kv_and_evicted_blocks_each_iteration():
     from stallfree.contracts import Ceilings, Tuning
-    from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from stallfree.node_daemon.models.config import ModelConfig
     from stallfree.node_daemon.engine.engine import LLMEngine
 
     class Recorder:

@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from stallfree.contracts import Profile, Tuning, WindowStats
-from stallfree.node_daemon.engine.profiler import starting_tuning, suggest_token_budget
+from stallfree.node_daemon.measure.profiler import starting_tuning, suggest_token_budget
 
 from server_helpers import LiveDaemon, running_daemon
 

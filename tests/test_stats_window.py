@@ -10,7 +10,7 @@ from stallfree.contracts import Ceilings, Tuning, WindowStats
 from stallfree.node_daemon.engine.engine_protocol import IterationRecord
 from stallfree.node_daemon.engine.request import Request, RequestStatus
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
-from stallfree.node_daemon.engine.stats_window import StatsWindow, percentiles_ms
+from stallfree.node_daemon.measure.stats_window import StatsWindow, percentiles_ms
 
 
 class Clock:

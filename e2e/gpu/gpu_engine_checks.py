@@ -11,7 +11,8 @@ from gpu_timing import wall_ms
 def engine_timing(backends: dict, device, ceilings: dict, args, report, rows: list[dict]) -> None:
     import torch
 
-    from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+    from stallfree.node_daemon.engine.config import CacheConfig
+    from stallfree.node_daemon.models.config import ModelConfig
     from stallfree.node_daemon.engine.cuda_graphs import DecodeCudaGraphs
     from stallfree.node_daemon.engine.model_executor import ModelExecutor
     from stallfree.node_daemon.engine.model_runner import ModelRunner
@@ -92,7 +93,8 @@ def dry_run(args, report: Report) -> None:
 
     from stallfree.kernels import torch_reference
     from stallfree.kernels.flashinfer_index import build_paged_kv_indices
-    from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
+    from stallfree.node_daemon.engine.config import CacheConfig
+    from stallfree.node_daemon.models.config import ModelConfig
     from stallfree.node_daemon.engine.cuda_graphs import graph_batch_sizes
     from stallfree.node_daemon.engine.model_runner import ModelRunner
     from stallfree.node_daemon.models.llama import LlamaForCausalLM

@@ -5,7 +5,8 @@ commands (add, abort, tuning) to the engine thread through a deque and wake it w
 thread applies them between iterations, runs `LLMEngine.step()`, and hands each iteration's outputs
 back in one `call_soon_threadsafe` per event loop. With nothing to do it sleeps on the event (no
 spinning), or runs a task handed to `when_idle` (the start-up profile measured again), which stops at
-the next iteration when a command arrives. A slow turn is logged with its cause (stall_watch.py). An exception in a step fails every in-flight request with finish_reason "error" and its
+the next iteration when a command arrives. Each turn is reported to a `TurnWatch` (the daemon hands in
+measure/stall_watch.py's, which logs a slow turn with its cause). An exception in a step fails every in-flight request with finish_reason "error" and its
 message, logs the traceback, and the loop carries on for new requests.
 """
 from __future__ import annotations
@@ -16,15 +17,37 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from stallfree.contracts import Ceilings, Tuning, validate_tuning
 from stallfree.node_daemon.engine.engine import LLMEngine
 from stallfree.node_daemon.engine.engine_protocol import RequestOutput
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
-from stallfree.node_daemon.engine.stall_watch import StallWatch
 
 log = logging.getLogger(__name__)
+
+
+class TurnWatch(Protocol):
+    """Told of every turn of the engine loop (commands, one step, the hand-off); `end` returns True for a stall."""
+
+    def begin(self) -> Any: ...
+
+    def end(self, began: Any, commands_s: float, step_s: float, deliver_s: float, tokens: int) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class _NoWatch:
+    """The default: nothing watches the turns (tests, benchmarks); the daemon hands in a StallWatch."""
+
+    def begin(self) -> None:
+        return None
+
+    def end(self, began: Any, commands_s: float, step_s: float, deliver_s: float, tokens: int) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
 
 
 class EngineDeadError(RuntimeError):
@@ -38,7 +61,7 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, model_name: str | None = None) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str | None = None, watch: TurnWatch | None = None) -> None:
         self.engine = engine
         self.model_name: str = model_name or engine.config.model.model
         self.max_model_len: int = engine.max_model_len
@@ -49,7 +72,7 @@ class AsyncEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._idle_task: tuple[float, Callable[..., float | None]] | None = None
-        self.stall_watch = StallWatch(threads=_compute_threads())
+        self.stall_watch: TurnWatch = watch or _NoWatch()
         self._thread = threading.Thread(target=self._run, name="stallfree-engine", daemon=True)
         self._thread.start()
 
@@ -168,6 +191,7 @@ class AsyncEngine:
         clock = time.perf_counter
         try:
             while True:
+                turn = clock()
                 began = watch.begin()
                 self._apply_commands()
                 if self._stopping:
@@ -175,7 +199,7 @@ class AsyncEngine:
                 if not engine.has_unfinished():
                     self._idle()
                     continue
-                commands_s = clock() - began[0]
+                commands_s = clock() - turn
                 try:
                     outputs = engine.step()
                 except Exception as exc:  # noqa: BLE001 - the requests must learn why they ended
@@ -184,7 +208,7 @@ class AsyncEngine:
                 stepped = clock()
                 if outputs:
                     self._deliver(outputs)
-                watch.end(began, commands_s, stepped - began[0] - commands_s, clock() - stepped,
+                watch.end(began, commands_s, stepped - turn - commands_s, clock() - stepped,
                           engine.last_num_scheduled_tokens)
         except BaseException as exc:  # noqa: BLE001 - a dead loop must not leave callers waiting
             log.exception("engine loop died")
@@ -277,15 +301,6 @@ class AsyncEngine:
             outputs.append(RequestOutput(request_id, [], "", True, reason, prompt_len, out_len, error=error))
         if outputs:
             self._deliver(outputs)
-
-
-def _compute_threads() -> int:
-    try:
-        import torch
-
-        return torch.get_num_threads()
-    except ImportError:
-        return 1
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:

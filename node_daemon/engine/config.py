@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stallfree.contracts import Ceilings, Tuning
+from stallfree.node_daemon.models.config import ModelConfig
 
 
 @dataclass
@@ -27,19 +28,6 @@ class CacheConfig:
     num_blocks: int = 0  # 0: size from memory (kv_memory_fraction of free device memory, or a CPU default)
     kv_memory_fraction: float = 0.9
     enable_prefix_caching: bool = True
-
-
-@dataclass
-class ModelConfig:
-    # A name from models/shapes.py (random weights), "smollm2-135m" (embedded GGUF), a HF folder or a .gguf path.
-    model: str = "smollm2-135m"
-    device: str = "cpu"
-    dtype: str = "float32"  # the CLIs default to auto: bfloat16 on CPUs with AVX512-BF16/AMX and on CUDA
-    attention_backend: str = "auto"  # auto | cpu | torch | triton | flashinfer
-    # torch CPU threads: None leaves torch as it is; 0 takes the cores given (affinity, cgroup quota).
-    threads: int | None = None
-    max_model_len: int | None = None  # None: the model's own context
-    seed: int = 0
 
 
 @dataclass

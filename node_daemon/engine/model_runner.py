@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from stallfree.kernels.attention import AttentionBackend, AttentionMetadata, select_backend
-from stallfree.node_daemon.engine.config import CacheConfig, ModelConfig
-from stallfree.node_daemon.engine.cpu_threads import apply_threads
+from stallfree.node_daemon.engine.config import CacheConfig
+from stallfree.node_daemon.models.config import ModelConfig
+from stallfree.kernels.cpu_threads import apply_threads
 from stallfree.node_daemon.models.llama import KVCache
 from stallfree.node_daemon.models.loader import LoadedModel, load_model
 from stallfree.node_daemon.engine.request import Request

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stallfree.node_daemon.engine.config import ModelConfig
+from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
 from stallfree.shapes import RANDOM_PREFIX, SHAPES, ModelShape, get_shape
 

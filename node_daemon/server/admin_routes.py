@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from stallfree.contracts import Tuning, TuningError, validate_tuning
-from stallfree.node_daemon.engine.profiler import suggest_token_budget
+from stallfree.node_daemon.measure.profiler import suggest_token_budget
 from stallfree.node_daemon.server.app import get_daemon
 from stallfree.node_daemon.server.errors import APIError
 

@@ -27,7 +27,7 @@ from stallfree.node_daemon.server.body_guard import BodyGuardMiddleware
 from stallfree.node_daemon.server.body_limit import BodyLimitMiddleware
 from stallfree.node_daemon.server.drain import DrainState
 from stallfree.node_daemon.server.errors import APIError, install_error_handlers
-from stallfree.node_daemon.engine.stats_window import StatsWindow
+from stallfree.node_daemon.measure.stats_window import StatsWindow
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0

@@ -2,7 +2,7 @@
 
 Every series is named `stallfree_*` and carries a `model_name` label (vLLM's name, so its dashboards port).
 Latency histograms have buckets below 10 ms because TPOT SLOs are set in milliseconds; control decisions
-still use the exact percentiles of stats_window.py, never these buckets. Label children are resolved once
+still use the exact percentiles of measure/stats_window.py, never these buckets. Label children are resolved once
 here so the per-token path is a single observe() with no label lookup.
 
 The occupancy gauges (running, waiting, partial prefills, KV usage and reservation) are read from the

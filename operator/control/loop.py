@@ -1,7 +1,7 @@
 """One InferenceService's control loop: observe -> decide (tuner, scaler) -> act, and report.
 
 The loop does no I/O of its own: an `Observer` reads the replicas and an `Actuator` acts on them, so the
-same loop drives Kubernetes (k8s_actuator.py), the local runtime and the virtual-time simulation. Its
+same loop drives Kubernetes (reconcile/k8s_actuator.py), the local runtime and the virtual-time simulation. Its
 memory is a `ControlState` that serialises into the service's status: a restarted operator resumes
 from it (cooldowns, windows, learned TPOT limits) and does not scale twice.
 

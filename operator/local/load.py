@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterable
 
 import httpx
 
-from stallfree.bench.serve import PromptBuilder, RequestResult, send_request, streaming_body
+from stallfree.loadgen.prompts import PromptBuilder
+from stallfree.loadgen.stream import RequestResult, send_request, streaming_body
 from stallfree.simulator.latency_summary import summarize
 
 

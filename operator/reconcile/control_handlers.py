@@ -32,7 +32,7 @@ from stallfree.operator.api import conditions as cond
 from stallfree.operator.api import spec as s
 from stallfree.operator.control.loop import ControlLoop, ControlState, StepResult
 from stallfree.operator.control.policy import ControlPolicy
-from stallfree.operator.control.k8s_actuator import KubernetesActuator, read_admin_token, replica_targets
+from stallfree.operator.reconcile.k8s_actuator import KubernetesActuator, read_admin_token, replica_targets
 from stallfree.operator.reconcile.kube import Kube
 from stallfree.operator.control.observe import Observer
 from stallfree.operator.control.observe_http import HttpObserver

@@ -9,6 +9,7 @@ import asyncio
 
 import uvicorn
 
+from stallfree.net import free_port
 from stallfree.operator.router.proxy import Router, RouterConfig, create_app
 from stallfree.operator.router.replicas import ReplicaPool
 
@@ -27,8 +28,6 @@ class InProcessRouter:
 
     async def start(self) -> str:
         if not self.port:
-            from stallfree.operator.local.daemons import free_port
-
             self.port = free_port()
         await self.router.start()
         self._server = uvicorn.Server(uvicorn.Config(create_app(self.router), host=self.host, port=self.port,

@@ -19,6 +19,16 @@ from collections import deque
 log = logging.getLogger("stallfree.engine.stall")
 
 
+def compute_threads() -> int:
+    """torch's CPU threads (1 without torch): what an unimpeded engine process keeps busy."""
+    try:
+        import torch
+
+        return torch.get_num_threads()
+    except ImportError:
+        return 1
+
+
 class StallWatch:
     def __init__(self, min_s: float = 0.5, factor: float = 4.0, history: int = 64, threads: int = 1) -> None:
         self.min_s = min_s

@@ -1,0 +1,338 @@
+"""The serving daemon's start-up (`stallfree serve` parses its flags in cli/serve.py and calls `run`).
+
+The HTTP server answers at once (/health 200, /ready 503 "loading model"); a start-up thread
+loads the model (or builds the sim backend), reads this engine's profile from the profile cache or
+measures it within --profile-max-seconds (node_daemon/measure/profiler.py, profile_cache.py), picks the
+starting token budget from --tpot-slo-ms when --token-budget is auto, has the scheduler cut prefill chunks over
+a long prefix to the budget's iteration time (node_daemon/engine/iteration_cost.py), and starts the engine loop;
+/ready turns 200 then. Each step logs a "start-up:" line with its duration. A start-up failure ends the daemon
+(`run` returns it).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from stallfree.contracts import Ceilings, Tuning
+
+log = logging.getLogger("stallfree.serve")
+
+
+@dataclass
+class ServeOptions:
+    """The parsed command line, checked; what the start-up thread and the app need."""
+
+    args: argparse.Namespace
+    ceilings: Ceilings
+    tuning: Tuning  # the starting tuning (budget may still move to the profile's choice)
+    auto_budget: bool
+    served_model_name: str
+    admin_token: str | None
+    api_key: str | None
+
+
+def engine_config(opts: ServeOptions):
+    from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from stallfree.node_daemon.models.config import ModelConfig
+
+    a = opts.args
+    return EngineConfig(
+        model=ModelConfig(model=a.model, device=a.device, dtype=a.dtype, attention_backend=a.attention_backend,
+                          max_model_len=a.max_model_len, seed=a.seed, threads=a.threads),
+        cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_kv_blocks, kv_memory_fraction=a.kv_memory_fraction,
+                          enable_prefix_caching=not a.no_prefix_caching),
+        scheduler=SchedulerConfig(ceilings=opts.ceilings, tuning=opts.tuning, policy=a.policy,
+                                  max_model_len=a.max_model_len or 2048),
+        backend=a.backend,
+    )
+
+
+def build_llm_engine(opts: ServeOptions, observer: Any):
+    """The synchronous engine over the real model or the sim backend; returns (engine, device name)."""
+    from stallfree.node_daemon.engine.engine import LLMEngine
+
+    config = engine_config(opts)
+    a = opts.args
+    if a.backend == "sim":
+        from stallfree.node_daemon.sim.backend import (build_cost_model, build_sim_executor, resolve_shape,
+                                                       sim_num_kv_blocks, sim_tokenizer)
+
+        dtype = "bfloat16" if a.dtype == "auto" else a.dtype
+        cost_model = build_cost_model(a.model, a.hardware, dtype, tflops=a.tflops, hbm_tbps=a.hbm_tbps,
+                                      overhead_ms=a.overhead_ms)
+        if not config.cache.num_blocks:
+            config.cache.num_blocks = sim_num_kv_blocks(cost_model, a.block_size, a.kv_memory_fraction)
+        shape = resolve_shape(a.model)
+        config.model.max_model_len = a.max_model_len or shape.max_position_embeddings
+        config.scheduler.max_model_len = config.model.max_model_len
+        executor = build_sim_executor(cost_model)
+        engine = LLMEngine(config, executor=executor, tokenizer=sim_tokenizer(shape), observer=observer)
+        return engine, f"sim:{cost_model.hardware.name}"
+    engine = LLMEngine(config, observer=observer)
+    device = engine.executor.runner.device
+    if device.type == "cuda":
+        import torch
+
+        return engine, f"cuda:{torch.cuda.get_device_name(device)}"
+    return engine, "cpu"
+
+
+def start_engine(opts: ServeOptions, daemon) -> None:
+    """Load, profile, tune, start the engine loop; then the daemon is ready. Runs in the start-up thread.
+
+    Every step logs a progress line with its duration; /ready stays false until the last one."""
+    import gc
+    import time
+
+    from stallfree.node_daemon.engine.async_engine import AsyncEngine
+    from stallfree.node_daemon.engine.observers import FanoutObserver
+    from stallfree.node_daemon.engine.iteration_cost import OnlineIterationCost, prior_per_prefix_pair
+    from stallfree.node_daemon.measure.profiler import SLO_MARGIN, starting_tuning
+    from stallfree.node_daemon.measure.stall_watch import StallWatch, compute_threads
+    from stallfree.node_daemon.server.app import LiveCounts
+
+    started = time.monotonic()
+    daemon.starting = "loading model"
+    log.info("start-up: loading %s (%s backend)", opts.args.model, opts.args.backend)
+    engine, device = build_llm_engine(opts, FanoutObserver(daemon.metrics, daemon.stats))
+    log.info("start-up: model loaded on %s in %.1f s", device, time.monotonic() - started)
+    # What load made lives as long as the process: out of the collector's way, so no full collection
+    # walks it while serving (a pause of the engine thread that no log would explain).
+    gc.collect()
+    gc.freeze()
+    retry = None
+    if not opts.args.no_profile:
+        daemon.starting = "profiling"
+        daemon.profile, retry = _startup_profile(opts, engine, device)
+    if opts.auto_budget and opts.args.tpot_slo_ms is not None and daemon.profile is not None and daemon.profile.mixed:
+        tuning = starting_tuning(daemon.profile, opts.args.tpot_slo_ms, engine.ceilings, engine.get_tuning())
+        engine.set_tuning(tuning)
+        predicted = _predicted_ms(daemon.profile, tuning.token_budget)
+        log.info("start-up: TPOT SLO %.1f ms: starting token budget %d, max_num_seqs %d (predicted iteration "
+                 "%.1f ms)", opts.args.tpot_slo_ms, tuning.token_budget, tuning.max_num_seqs, predicted)
+        if predicted > opts.args.tpot_slo_ms:
+            log.warning("start-up: even the smallest budget's iteration (%.1f ms predicted) misses the TPOT SLO "
+                        "%.1f ms on this engine", predicted, opts.args.tpot_slo_ms)
+    scheduler, kv_cache = engine.scheduler, engine.kv_cache
+    if (daemon.profile is not None and daemon.profile.mixed and opts.args.backend == "model"
+            and not opts.args.no_prefix_cut):
+        # A chunk of a long prompt's tail attends to all of it: cut it so the iteration stays as long as the
+        # budget means, by what served iterations show a cached prefix costs (the profile cannot see it).
+        target = SLO_MARGIN * opts.args.tpot_slo_ms if opts.args.tpot_slo_ms is not None else None
+        shape = engine.executor.loaded.shape
+        scheduler.set_prefix_cost(OnlineIterationCost(daemon.profile, target,
+                                                      prior_per_prefix_pair(daemon.profile, shape)))
+        log.info("start-up: prefill chunks over a cached prefix are cut to the budget's iteration time%s (the "
+                 "prefix's cost learned from served iterations)",
+                 f" and to {target:.0f} ms (the TPOT SLO's iteration target)" if target else "")
+    daemon.vocab_size = engine.vocab_size
+    daemon.kv_capacity_tokens = kv_cache.num_blocks * kv_cache.block_size
+    daemon.max_chars_per_token = max_chars_per_token(engine.tokenizer)
+    num_blocks = kv_cache.num_blocks
+    # Blocks in use plus those admitted requests may still take (by the output-length estimate).
+    daemon.live_counts = lambda: LiveCounts(
+        scheduler.num_waiting, scheduler.num_running, kv_cache.usage, scheduler.num_partial_prefills,
+        scheduler.kv_reserved)
+    daemon.metrics.set_tuning(engine.get_tuning())
+    ceilings, a = engine.ceilings, opts.args
+    daemon.metrics.set_engine_config({
+        "backend": a.backend, "device": device, "dtype": _engine_dtype(engine, a.dtype),
+        "attention_backend": a.attention_backend, "block_size": kv_cache.block_size, "num_kv_blocks": num_blocks,
+        "max_model_len": engine.max_model_len, "max_token_budget": ceilings.max_token_budget,
+        "max_num_seqs": ceilings.max_num_seqs, "policy": a.policy, "prefix_caching": not a.no_prefix_caching})
+    gc.freeze()  # the profile's leftovers too
+    async_engine = AsyncEngine(engine, opts.served_model_name, watch=StallWatch(threads=compute_threads()))
+    if retry is not None:
+        async_engine.when_idle(retry.delay_s, lambda eng, stop: retry(daemon, eng, stop))
+    daemon.engine_error = lambda: None if async_engine.is_running else "the engine loop is not running"
+    daemon.engine = async_engine
+    daemon.starting = None
+    log.info("start-up: ready in %.1f s (%.1f s since the process started): serving %s on %s (max_model_len %d, "
+             "%d KV blocks of %d)", time.monotonic() - started, _process_age_s(), opts.served_model_name, device,
+             engine.max_model_len, kv_cache.num_blocks, kv_cache.block_size)
+
+
+def _engine_dtype(engine, requested: str) -> str:
+    """The dtype the model runs in (the loaded model's when there is one)."""
+    runner = getattr(engine.executor, "runner", None)
+    dtype = getattr(getattr(runner, "loaded", None), "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else requested
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """The longest text one token stands for, so a prompt's length bounds its token count from below."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None:
+        return None
+    longest = max((len(token) for token in backend.get_vocab(with_added_tokens=True)), default=0)
+    if longest < 1:
+        return None
+    # A normalizer may shrink text (NFC composes characters): a wide margin, never a refused prompt that fits.
+    return longest * (4 if backend.normalizer is not None else 1)
+def _predicted_ms(profile, budget: int) -> float:
+    from stallfree.node_daemon.measure.profiler import predict_ms
+
+    return predict_ms(profile.mixed, budget)
+
+
+def _process_age_s() -> float:
+    """Seconds since this process started (interpreter start and imports included), from /proc."""
+    import os
+    import time
+
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def _startup_profile(opts: ServeOptions, engine, device: str):
+    """The profile from the cache, else measured within the time budget; and a retry when it is not trusted."""
+    from stallfree.node_daemon.measure.profile_cache import ProfileCache, profile_key
+    from stallfree.node_daemon.measure.profiler import ProfileSettings, run_profile
+
+    a = opts.args
+    settings = ProfileSettings(max_seconds=a.profile_max_seconds, progress=lambda line: log.info("start-up: %s", line))
+    cache = None if a.no_profile_cache else ProfileCache(a.profile_cache_dir)
+    key = profile_key(engine, device, settings) if cache is not None else None
+    if cache is not None:
+        cached, why = cache.load(key)
+        if cached is not None:
+            log.info("start-up: %s (%d mixed points, %d decode-only)", why, len(cached.mixed), len(cached.decode_only))
+            return cached, None
+        log.info("start-up: %s: measuring (time budget %g s)", why, a.profile_max_seconds)
+    run = run_profile(engine, device, settings)
+    log.info("start-up: profile on %s in %.1f s: %s", device, run.seconds,
+             ", ".join(f"{p.tokens} tok {p.iteration_ms:.1f} ms" for p in run.profile.mixed) or "no mixed point")
+    if run.trusted:
+        if cache is not None:
+            path = cache.store(key, run.profile, {"seconds": run.seconds, "cpu_share": run.cpu_share})
+            if path is not None:
+                log.info("start-up: profile cached at %s", path)
+        return run.profile, None
+    log.warning("start-up: the profile is not trusted (%s): served with, not cached; measured again when idle",
+                "; ".join(run.warnings) or "stopped early")
+    return run.profile, _Remeasure(settings, cache, key, device)
+
+
+class _Remeasure:
+    """Measure the profile again on the idle engine thread until one run is trusted (then cache it).
+
+    A request arriving mid-run stops it at the next iteration (should_stop), so serving waits at most
+    one profile iteration; backs off (x2) between tries, gives up after `tries`."""
+
+    def __init__(self, settings, cache, key, device: str, delay_s: float = 30.0, tries: int = 5) -> None:
+        self.settings, self.cache, self.key, self.device = settings, cache, key, device
+        self.delay_s, self.tries = delay_s, tries
+
+    def __call__(self, daemon, engine, should_stop) -> float | None:
+        """Runs on the engine thread; returns the delay before the next try, or None when done."""
+        import dataclasses
+        import os
+
+        from stallfree.node_daemon.measure.profiler import run_profile
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if os.getloadavg()[0] > cores:  # still busy: measuring now would only be wrong again, and slow
+            return self.delay_s
+        self.tries -= 1
+        settings = dataclasses.replace(self.settings, should_stop=should_stop, progress=None)
+        run = run_profile(engine, self.device, settings)
+        if run.trusted:
+            daemon.profile = run.profile
+            where = self.cache.store(self.key, run.profile, {"seconds": run.seconds, "cpu_share": run.cpu_share}) \
+                if self.cache is not None else None
+            log.info("profile re-measured while idle in %.1f s: %s%s", run.seconds,
+                     ", ".join(f"{p.tokens} tok {p.iteration_ms:.1f} ms" for p in run.profile.mixed),
+                     f" (cached at {where})" if where else "")
+            return None
+        log.info("profile re-measure %s (%s)", "interrupted by a request" if run.stopped else "still not trusted",
+                 "; ".join(run.warnings) or "stopped")
+        if self.tries <= 0:
+            log.warning("profile: giving up re-measuring; the start-up profile stays (not cached)")
+            return None
+        self.delay_s *= 2
+        return self.delay_s
+
+
+def build_daemon(opts: ServeOptions):
+    """The Daemon (not started) and its FastAPI app."""
+    from stallfree.node_daemon.server.metrics import EngineMetrics
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stallfree.node_daemon.server.app import Daemon, create_app
+    from stallfree.node_daemon.server.auth import Auth
+    from stallfree.node_daemon.server.backpressure import AdmissionControl
+    from stallfree.node_daemon.server.drain import DrainState
+    from stallfree.node_daemon.measure.stats_window import StatsWindow
+
+    a = opts.args
+    stats = StatsWindow(a.stats_window_s)
+    daemon = Daemon(
+        metrics=EngineMetrics(opts.served_model_name),
+        stats=stats,
+        admission=AdmissionControl(a.max_queue_requests, a.max_queue_tokens, stats.prefill_tokens_per_s),
+        drain=DrainState(a.drain_timeout_s),
+        auth=Auth(opts.admin_token, opts.api_key),
+        served_model_name=opts.served_model_name,
+        tpot_slo_ms=a.tpot_slo_ms,
+        starting="loading model",
+        text_workers=ThreadPoolExecutor(a.text_workers, thread_name_prefix="stallfree-text"),
+    )
+    return daemon, create_app(daemon, max_body_bytes=a.max_body_bytes, body_timeout_s=a.body_timeout_s)
+
+
+def uvicorn_config(opts: ServeOptions, daemon, app):
+    """uvicorn over the daemon's app with the connection limits (header deadline, connection cap)."""
+    import uvicorn
+
+    from stallfree.node_daemon.server.connections import limited_h11_protocol
+
+    a = opts.args
+    protocol = limited_h11_protocol(a.header_timeout_s, a.max_connections, daemon.metrics.record_error)
+    return uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False, http=protocol,
+                          timeout_graceful_shutdown=5, lifespan="off")
+
+
+async def abort_in_flight(daemon, request_id: str) -> None:
+    if daemon.engine is not None:
+        await daemon.engine.abort(request_id)
+
+
+def run(opts: ServeOptions) -> BaseException | None:
+    """Serve until stopped (SIGTERM drains): the HTTP server at once, the engine from a start-up thread.
+
+    Returns the start-up failure, if there was one (the server stops then)."""
+    import prometheus_client
+
+    from stallfree.node_daemon.server.drain import DrainingServer
+
+    prometheus_client.disable_created_metrics()  # no *_created series: one fewer sample per metric per scrape
+
+    daemon, app = build_daemon(opts)
+    server = DrainingServer(uvicorn_config(opts, daemon, app), daemon.drain, lambda rid: abort_in_flight(daemon, rid))
+    failure: list[BaseException] = []
+
+    def start_up() -> None:
+        try:
+            start_engine(opts, daemon)
+        except BaseException as exc:  # noqa: BLE001 - any start-up failure ends the daemon with status 1
+            log.error("start-up failed: %s: %s", type(exc).__name__, exc, exc_info=not isinstance(exc, ValueError))
+            failure.append(exc)
+            server.should_exit = True
+
+    threading.Thread(target=start_up, name="stallfree-startup", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        engine = daemon.engine
+        if engine is not None:
+            engine.shutdown_sync()
+    return failure[0] if failure else None
