@@ -91,6 +91,7 @@ class Router:
         self.queue: FlowQueue[int] = FlowQueue(config.flow)
         self._waiters: dict[int, tuple[asyncio.Future, RequestInfo, list[int], int]] = {}
         self._next_key = 0
+        self.arrived_prompt_tokens = 0  # a counter: the control loop takes its rate between two reads
         self._ticker: asyncio.Task | None = None
         pool._on_change = self._replica_changed
 
@@ -153,6 +154,16 @@ class Router:
                 self._unreserve(replica, info.prompt_tokens)
         self._queue_gauges()
 
+    def queue_status(self) -> dict:
+        now = time.perf_counter()
+        oldest = self.queue.oldest_arrival_s()
+        return {"depth": len(self.queue), "queued_prompt_tokens": self.queue.queued_prompt_tokens,
+                "oldest_wait_ms": 0.0 if oldest is None else (now - oldest) * 1000.0,
+                "arrivals": self.queue.arrivals, "arrived_prompt_tokens": self.arrived_prompt_tokens,
+                "rejected": self.queue.rejected, "cancelled": self.queue.cancelled,
+                "dispatched": self.queue.dispatched, "max_queued": self.config.flow.max_queued,
+                "dispatch_wait_ms": self.config.flow.dispatch_wait_ms}
+
     def _queue_gauges(self) -> None:
         self.metrics.queue_depth.set(len(self.queue))
         self.metrics.queue_prompt_tokens.set(self.queue.queued_prompt_tokens)
@@ -170,6 +181,7 @@ class Router:
                               "retry shortly", "queue_full", kind="rate_limit_error")
         if not front:
             self.metrics.arrivals.inc()
+            self.arrived_prompt_tokens += info.prompt_tokens
         self._waiters[key] = (future, info, hashes, seq)
         self.dispatch()
         if not future.done():
@@ -438,8 +450,14 @@ def create_app(router: Router) -> FastAPI:
             view = r.view()
             out[r.name] = {"url": r.url, "healthy": r.healthy, "reason": r.reason, "outstanding": r.outstanding,
                            "queued_prefill_tokens": view.queued_prefill_tokens,
-                           "prefill_tokens_per_ms": view.prefill_tokens_per_ms, "step_ms": view.step_ms}
+                           "prefill_tokens_per_ms": view.prefill_tokens_per_ms, "step_ms": view.step_ms,
+                           "max_num_seqs": view.max_num_seqs}
         return JSONResponse(out)
+
+    @app.get("/router/queue")
+    async def queue() -> JSONResponse:
+        """The flow-control queue, as the control loop reads it (observe_router.py)."""
+        return JSONResponse(router.queue_status())
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def v1(request: Request, path: str) -> Response:
