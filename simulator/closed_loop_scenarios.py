@@ -256,13 +256,15 @@ def summarize_scale_out(scenario: Scenario, run: ClosedLoopRun) -> tuple[dict[st
     capacity = measured_capacity(scenario, tuning)
     demand = high.rate * _mean_length(high.prompt_len)
     target = demand / capacity if capacity else None
-    reached = next((t for t, _, n in changes if n == final_high), None) if final_high else None
+    # The count the high load settled at, first reached (a drained burst's surplus may step down to it later).
+    reached = next((t for t, _, n in changes if n >= final_high), None) if final_high else None
     # Replicas sized in beside the demand because their own queue drains only through them (scaler.py).
     busy = max((s.scale.busy_replicas for s in run.steps if s.scale.kind == SCALED_UP), default=0)
     window = policy.scaling.scale_up_stabilization_s
-    directions = [1 if n > c else -1 for _, c, n in changes]
+    directions = [1 if n > c else -1 for _, c, n in changes]  # consecutive steps down are one direction
     reversals = sum(1 for a, b in zip(directions, directions[1:]) if a != b)
-    first_down = downs[0][0] if downs else None
+    # Scale-in after the load drop (steps down while the high load lasts shed a drained backlog's surplus).
+    first_down = next((t for t, c, n in downs if t > low.start_s), None)
     summary = {
         "demand_prompt_tokens_per_s": round(demand),
         "measured_capacity_per_replica_tokens_per_s": round(capacity),
