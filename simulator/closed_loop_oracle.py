@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from stallfree.contracts import Tuning, min_budget_for
 from stallfree.simulator.closed_loop import LoadPhase, VirtualCluster, poisson_arrivals
 from stallfree.simulator.closed_loop_judge import SLOS, WINDOW_FRACTION
+from stallfree.simulator.speed import SpeedSchedule
 from stallfree.simulator.virtual_replica import VirtualReplica
 from stallfree.operator.control.observe import too_few_samples
 
@@ -30,7 +31,7 @@ WARMUP_S, STEADY_S = 30.0, 120.0
 
 
 def oracle(scenario: "Scenario") -> dict[str, Any]:
-    phases = sorted(scenario.phases, key=lambda p: p.start_s)
+    phases = _split_at_speed_change(scenario)
     rows, minutes = [], 0.0
     weighted: dict[str, float] = {name: 0.0 for name, *_ in SLOS}
     infeasible: set[str] = set()
@@ -86,10 +87,11 @@ def fewest_replicas(scenario: "Scenario", phase: LoadPhase) -> tuple[int, int, d
     demand = phase.rate * _mean(phase.prompt_len)
     for n in range(max(1, scaling.min_replicas), scaling.max_replicas + 1):
         for budget in _budgets(scenario):
-            if demand > n * _prefill_bound(scenario, budget) and n < scaling.max_replicas:
+            bound = _prefill_bound(scenario, budget) * scenario.cluster.speed.at(phase.start_s)
+            if demand > n * bound and n < scaling.max_replicas:
                 continue  # more prompt tokens than n replicas can prefill even without decodes: a sure miss
             fractions = _steady(scenario, phase.rate, n, phase.prompt_len.describe(), phase.output_len.describe(),
-                                budget)
+                                budget, phase.start_s)
             if min(fractions.values()) >= WINDOW_FRACTION:
                 return n, budget, fractions
             if n == scaling.max_replicas and (best is None or rank(fractions) > rank(best[2])):
@@ -130,14 +132,29 @@ def _prefill_bound(scenario: "Scenario", budget: int) -> float:
     return budget / (ms / 1000.0) if ms > 0 else float("inf")
 
 
+def _split_at_speed_change(scenario: "Scenario") -> list[LoadPhase]:
+    """The load phases, one more where the replicas' true speed changes (the oracle knows it does)."""
+    phases = sorted(scenario.phases, key=lambda p: p.start_s)
+    change = scenario.cluster.speed.change_at_s
+    if change is None or change >= scenario.duration_s:
+        return phases
+    current = next((p for p in reversed(phases) if p.start_s <= change), None)
+    if current is None or any(p.start_s == change for p in phases):
+        return phases
+    return sorted(phases + [replace(current, start_s=change, label=f"{current.label} (speed changes)")],
+                  key=lambda p: p.start_s)
+
+
 def _steady(scenario: "Scenario", rate: float, replicas: int, prompt: str, output: str,
-            budget: int) -> dict[str, float]:
-    return dict(_steady_cached(scenario.name, scenario.seed, round(rate, 6), replicas, prompt, output, budget))
+            budget: int, start_s: float = 0.0) -> dict[str, float]:
+    speed = scenario.cluster.speed.at(start_s)  # the truth over this phase, which the controller must learn
+    return dict(_steady_cached(scenario.name, scenario.seed, round(rate, 6), replicas, prompt, output, budget,
+                               speed))
 
 
 @lru_cache(maxsize=None)
 def _steady_cached(name: str, seed: int, rate: float, replicas: int, prompt: str, output: str,
-                   budget: int) -> tuple[tuple[str, float], ...]:
+                   budget: int, speed: float = 1.0) -> tuple[tuple[str, float], ...]:
     from stallfree.simulator.closed_loop_scenarios import SCENARIOS  # the scenario by name (cache key)
     from stallfree.simulator.workload import parse_length
 
@@ -146,7 +163,7 @@ def _steady_cached(name: str, seed: int, rate: float, replicas: int, prompt: str
     while min_budget_for(tuning.max_num_seqs) > budget and tuning.max_num_seqs > 1:
         tuning = replace(tuning, max_num_seqs=tuning.max_num_seqs - 1)
     window, slo = scenario.policy.window_s, scenario.policy.slo
-    cluster = VirtualCluster(replace(scenario.cluster, start_tuning=tuning,
+    cluster = VirtualCluster(replace(scenario.cluster, start_tuning=tuning, speed=SpeedSchedule(speed),
                                      queue_wait_slo_ms=scenario.cluster.queue_wait_slo_ms or slo.queue_wait_p99_ms),
                              window, replicas)
     phase = LoadPhase(0.0, rate, parse_length(prompt), parse_length(output))

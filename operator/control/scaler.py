@@ -44,6 +44,7 @@ from typing import Any, Sequence
 from stallfree.operator.control.policy import ScalingPolicy
 
 SCALED_UP, SCALED_DOWN, HOLD = "scaled_up", "scaled_down", "hold"
+RISING = 1.1  # demand this much above the scale-down window's first: still rising, no scale-in
 NO_INFORMATION = -1  # a step that could not recommend (an unknown replica): neither for nor against scale-in
 
 
@@ -92,6 +93,8 @@ class ScalerState:
     last_queues: tuple[tuple[str, int, float], ...] = ()
     # Replicas missing an SLO only while they drain a backlog of their own (until they meet every SLO again).
     draining_alone: tuple[str, ...] = ()
+    # (time, demand) over the scale-down window: no scale-in while the demand is still rising (a ramp).
+    demand_history: tuple[tuple[float, float], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,6 +107,7 @@ class ScalerState:
         data["startup_s"] = tuple(float(x) for x in data.get("startup_s", ()))
         data["last_queues"] = tuple((str(n), int(w), float(q)) for n, w, q in data.get("last_queues", ()))
         data["draining_alone"] = tuple(str(n) for n in data.get("draining_alone", ()))
+        data["demand_history"] = tuple((float(t), float(d)) for t, d in data.get("demand_history", ()))
         return cls(**data)
 
     def expected_startup_s(self, default: float) -> float:
@@ -234,7 +238,13 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
                                  f"queue wait or TTFT breach, but the demand fits {current} replicas ({figures}) "
                                  f"and the queues shrink ({waiting} waiting)",
                                  True, demand, capacity), replace(state, recommendations=recs)
-        desired = min(policy.max_replicas, max(current + 1, need))
+        if need <= current:
+            # Sized for the demand and the backlog, the count already covers both: what still breaches is
+            # the backlog on its way out through replicas just ready. One more would only be paid for.
+            return ScaleDecision(current, current, HOLD, "count_covers_demand",
+                                 f"queue wait or TTFT breach, but {current} replicas cover the demand and the "
+                                 f"backlog ({figures})", True, demand, capacity), replace(state, recommendations=recs)
+        desired = min(policy.max_replicas, need)
         if desired == current:
             return ScaleDecision(current, current, HOLD, "at_max_replicas",
                                  f"prefill capacity exhausted ({figures}) but maxReplicas is {policy.max_replicas}",
@@ -266,7 +276,10 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
     if backlog.breaching:
         misses.append("the router's queue")  # scale-in would strand queued work
     recommendation = current
-    if not misses:
+    history = tuple((t, d) for t, d in state.demand_history if t > now - policy.scale_down_stabilization_s)
+    state = replace(state, demand_history=history + ((now, sizing_demand),))
+    rising = bool(history) and sizing_demand > RISING * history[0][1]
+    if not misses and not rising:
         fits = math.ceil(sizing_demand / (capacity * policy.scale_down_utilisation)) if sizing_demand > 0 else 1
         recommendation = min(current, max(policy.min_replicas, fits + len(alone)))
     recs = _keep(state, now, policy, recommendation)
@@ -281,6 +294,9 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
                        False, state, now, demand, capacity)
     if misses:
         reason, message = "scale_in_blocked", f"no scale-in: {', '.join(misses)} miss(es) an SLO"
+    elif rising:
+        reason, message = "demand_rising", (f"no scale-in while the demand rises ({history[0][1]:.0f} -> "
+                                            f"{sizing_demand:.0f} prompt tok/s over the scale-down window)")
     elif recommendation < current:
         reason, message = "stabilizing", (f"the load fits {recommendation} replicas ({figures}); waiting out the "
                                           f"{policy.scale_down_stabilization_s:g}s stabilization window")
@@ -313,7 +329,8 @@ def _decide(current: int, desired: int, kind: str, reason: str, message: str, ex
     recs = state.recommendations if direction < 0 and state.recommendations else ((now, desired),)
     new_state = ScalerState(last_scale_at=now, last_direction=direction, recommendations=recs,
                             starting_since=state.starting_since, startup_s=state.startup_s,
-                            last_step_at=state.last_step_at, last_queues=state.last_queues)
+                            last_step_at=state.last_step_at, last_queues=state.last_queues,
+                            demand_history=state.demand_history)
     return ScaleDecision(current, desired, kind, reason, message, exhausted, demand, capacity), new_state
 
 
