@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "iteration": ("stallfree.bench.iteration", "host (input prep + sampling) vs forward time per decode iteration"),
     "soak": ("stallfree.bench.soak", "thousands of requests, cancellations and a kill across local replicas"),
     "kv-estimate": ("stallfree.bench.kv_estimate", "chats without max_tokens run together; a 2-token request behind them"),
+    "hostile": ("stallfree.bench.hostile", "streams' gaps and /health while 1.33M token ids or 100k messages arrive"),
 }
 
 

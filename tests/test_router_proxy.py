@@ -150,6 +150,22 @@ def test_no_ready_replica_is_a_clear_503():
         process.wait(timeout=10)
 
 
+def test_no_redirect_is_built_from_the_host_header():
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "stallfree.cli", "router", "--replicas",
+                                f"http://127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", str(port),
+                                "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers(url), 20)
+        for path in ("/health/", "/ready/", "/metrics/"):
+            response = httpx.get(url + path, headers={"Host": "evil.example"}, timeout=10)
+            assert response.status_code == 404 and "evil.example" not in str(response.headers), response.headers
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
 def test_a_client_that_leaves_aborts_the_request_on_the_replica(two_daemons):
     a, b = two_daemons
     with router([a.url], "--policy", "slo-aware") as url:

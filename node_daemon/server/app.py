@@ -25,6 +25,7 @@ from stallfree.node_daemon.server.auth import Auth
 from stallfree.node_daemon.server.backpressure import AdmissionControl
 from stallfree.node_daemon.server.body_guard import BodyGuardMiddleware
 from stallfree.node_daemon.server.body_limit import BodyLimitMiddleware
+from stallfree.node_daemon.server.connections import CONNECTIONS_FULL
 from stallfree.node_daemon.server.drain import DrainState
 from stallfree.node_daemon.server.errors import APIError, install_error_handlers
 from stallfree.node_daemon.measure.stats_window import StatsWindow
@@ -113,17 +114,22 @@ def create_app(daemon: Daemon, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     from stallfree.node_daemon.server.openai_routes import router as openai_router
 
     # The OpenAPI schema is served (clients and fuzzers read it); the interactive docs pages are not.
-    app = FastAPI(title="stallfree daemon", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    # No trailing-slash redirects: Starlette builds their Location from the client's Host header (an open
+    # redirect); "/health/" is a 404 like any unknown path.
+    app = FastAPI(title="stallfree daemon", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  redirect_slashes=False)
     app.state.daemon = daemon
     install_error_handlers(app, daemon.metrics.record_error)
     daemon.metrics.bind_live(daemon.live_counts_now)
     # The last added runs first: the size cap, then the body deadline and JSON checks.
     app.add_middleware(BodyGuardMiddleware, body_timeout_s=body_timeout_s, on_refused=daemon.metrics.record_error)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes,
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, drain_timeout_s=body_timeout_s,
                        on_refused=lambda: daemon.metrics.record_error("too_large"))
     app.include_router(openai_router)
     app.include_router(admin_router)
 
+    # Both probes answer even past the connection cap (connections.py keeps slots for them); only readiness
+    # reports the cap: a full daemon is alive, and should get no new work.
     @app.get("/health")
     async def health() -> JSONResponse:
         error = daemon.engine_error() if daemon.engine is not None else None
@@ -132,8 +138,10 @@ def create_app(daemon: Daemon, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
-    async def ready() -> JSONResponse:
+    async def ready(request: Request) -> JSONResponse:
         reason = daemon.not_ready_reason()
+        if reason is None and request.scope.get(CONNECTIONS_FULL):
+            reason = "connections full: this server holds its maximum of open connections"
         if reason is not None:
             return JSONResponse({"ready": False, "reason": reason}, status_code=503)
         return JSONResponse({"ready": True})

@@ -19,14 +19,18 @@ from stallfree.node_daemon.server import choices, protocol
 from stallfree.node_daemon.server.app import Daemon, get_daemon
 from stallfree.node_daemon.server.errors import APIError
 from stallfree.node_daemon.server.generation import Generation, admit, router_wait_s
+from stallfree.node_daemon.server.parsed_body import ParsedBodyRoute
 from stallfree.node_daemon.server.streaming import ChunkRenderer, SSEResponse, stream_events
 
-router = APIRouter()
+# Each route validates the body the body guard parsed (off the event loop when large): parsed_body.py.
+router = APIRouter(route_class=ParsedBodyRoute)
 
 # OpenAI's default for the legacy completions endpoint; chat defaults to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Texts longer than this are counted in pieces of this size before they are tokenized whole.
 PIECE_CHARS = 1 << 16
+# What one message adds to a chat's templating work, in characters (64 short messages leave the event loop).
+TEMPLATE_CHARS_PER_MESSAGE = 128
 
 
 def require_api_key(request: Request) -> None:
@@ -72,7 +76,9 @@ async def create_chat_completion(body: protocol.ChatCompletionRequest, request: 
     messages = body.chat_messages()
     size = sum(len(m["content"]) for m in messages)
     _check_text_length(daemon, size, "messages")
-    prompt_ids = await daemon.text_work(size, _template_and_encode, daemon, messages)
+    # The template costs per message too: a chat of many short messages is templated on a text worker as well.
+    work = size + len(messages) * TEMPLATE_CHARS_PER_MESSAGE
+    prompt_ids = await daemon.text_work(work, _template_and_encode, daemon, messages)
     return await _serve(daemon, request, body, prompt_ids, chat=True)
 
 
@@ -136,6 +142,11 @@ def _template_and_encode(daemon: Daemon, messages: list[dict[str, str]]) -> list
 
 
 def _check_token_ids(daemon: Daemon, ids: list[int]) -> list[int]:
+    context = daemon.require_engine().max_model_len
+    if len(ids) >= context:  # before the vocabulary check walks them all
+        raise APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
+                       f"{len(ids)} tokens; no room is left for output. Shorten the prompt.",
+                       param="prompt", code="context_length_exceeded")
     vocab = daemon.vocab_size
     if vocab is not None:
         bad = next((t for t in ids if not 0 <= t < vocab), None)

@@ -422,7 +422,8 @@ def _passthrough(response: httpx.Response, body: bytes) -> Response:
 
 
 def create_app(router: Router) -> FastAPI:
-    app = FastAPI(title="stallfree router", docs_url=None, redoc_url=None, openapi_url=None)
+    # No trailing-slash redirects: their Location would be built from the client's Host header.
+    app = FastAPI(title="stallfree router", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.state.router = router
 
     @app.get("/health")
