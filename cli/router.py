@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     fc.add_argument("--queue-wait-slo-ms", type=float, default=None,
                     help="the service's p99 queue-wait SLO: a request is dispatched once a replica's queued prefill "
                          "drains within 25%% of it (default without it: 500 ms)")
+    fc.add_argument("--no-flow-control", action="store_true",
+                    help="send every request to a replica at once (no router queue; for comparisons)")
     fc.add_argument("--max-queued", type=int, default=1024, help="requests waiting at most; more are answered 429")
     fc.add_argument("--queue-timeout-s", type=float, default=60.0,
                     help="a request still queued after this long is answered 503")
@@ -73,7 +75,7 @@ async def serve(args: argparse.Namespace, admin_token: str | None) -> None:
                           block_tokens=args.affinity_block_tokens,
                           margin=AffinityMargin(absolute_ms=args.affinity_margin_ms), seed=args.seed,
                           flow=FlowConfig(dispatch_wait_ms(args.queue_wait_slo_ms), args.max_queued),
-                          queue_timeout_s=args.queue_timeout_s)
+                          queue_timeout_s=args.queue_timeout_s, flow_control=not args.no_flow_control)
     router = Router(pool, config)
     await router.start()
     tasks = []

@@ -74,6 +74,7 @@ class RouterConfig:
     connect_timeout_s: float = 1.0
     seed: int = 0
     flow: FlowConfig = FlowConfig()
+    flow_control: bool = True  # False: every request goes to a replica at once (the router before its queue)
     queue_timeout_s: float = 60.0  # a request waiting longer than this in the queue is answered 503
     dispatch_tick_s: float = 0.05  # queue re-checked this often (stats polls, slots freed), besides events
 
@@ -250,7 +251,7 @@ class Router:
         url_path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         tried: set[str] = set()
         last_refusal: RetryElsewhere | None = None
-        queued = request.method == "POST"
+        queued = request.method == "POST" and self.config.flow_control
         self.counter += 1  # once per request: a retry must not shift round-robin's order
         seq = self.counter
         for attempt in range(2):
