@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import re
 import socket
@@ -37,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from stallfree.contracts import percentile
 from stallfree.loadgen.prompts import PromptBuilder
 from stallfree.loadgen.stream import RequestResult, send_request, streaming_body
 
@@ -233,9 +233,7 @@ async def run_landing(url: str, model: str, stream_prompts: list[str], long_prom
 
 
 def _rank(ordered: list[float], q: float) -> float | None:
-    if not ordered:
-        return None
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]  # nearest rank
+    return percentile(ordered, q) if ordered else None
 
 
 def _gaps(streams: list[Stream]) -> list[float]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
 import subprocess
@@ -25,6 +24,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from stallfree.bench.daemon_process import stop, wait_ready
+from stallfree.contracts import percentile
 from stallfree.net import free_port
 
 
@@ -51,12 +51,8 @@ def _percentiles(samples: list[float]) -> dict[str, float | int | None]:
     if not samples:
         return {"count": 0, "p50": None, "p90": None, "p99": None, "max": None}
     ordered = sorted(samples)
-    n = len(ordered)
-
-    def rank(q: float) -> float:
-        return ordered[max(0, math.ceil(q * n) - 1)]
-
-    return {"count": n, "p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "max": ordered[-1]}
+    return {"count": len(ordered), "p50": percentile(ordered, 0.5), "p90": percentile(ordered, 0.9),
+            "p99": percentile(ordered, 0.99), "max": ordered[-1]}
 
 
 async def _one_stream(host: str, port: int, model: str, prompt: list[int], max_tokens: int) -> dict:

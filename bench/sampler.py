@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stallfree.contracts import percentile
 from stallfree.node_daemon.engine.sampler import Sampler
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 
@@ -98,7 +99,7 @@ class _Mix:
         if not self.supported:
             return None
         times = sorted(self.times)
-        return {"median_us": statistics.median(times), "p90_us": times[int(0.9 * (len(times) - 1))]}
+        return {"median_us": statistics.median(times), "p90_us": percentile(times, 0.9)}
 
 
 def _time_batch(batch: int, vocab: int, warmup: int, steps: int, device: torch.device) -> dict[str, dict | None]:

@@ -14,7 +14,7 @@ import statistics
 import sys
 import time
 
-from stallfree.contracts import Ceilings, Tuning
+from stallfree.contracts import Ceilings, Tuning, percentile
 from stallfree.node_daemon.engine.config import SchedulerConfig
 from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
 from stallfree.node_daemon.engine.request import Request
@@ -42,12 +42,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--output", help="also write the JSON figures to this file")
     return p.parse_args(argv)
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an already sorted list."""
-    index = max(0, min(len(sorted_values) - 1, int(round(q / 100 * len(sorted_values) + 0.5)) - 1))
-    return sorted_values[index]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -102,11 +96,11 @@ def run(args: argparse.Namespace) -> dict:
     update_us.sort()
     return {
         "median_us": round(statistics.median(schedule_us), 2),
-        "p99_us": round(_percentile(schedule_us, 99), 2),
-        "p90_us": round(_percentile(schedule_us, 90), 2),
+        "p99_us": round(percentile(schedule_us, 0.99), 2),
+        "p90_us": round(percentile(schedule_us, 0.90), 2),
         "update_median_us": round(statistics.median(update_us), 2),
-        "update_p90_us": round(_percentile(update_us, 90), 2),
-        "update_p99_us": round(_percentile(update_us, 99), 2),
+        "update_p90_us": round(percentile(update_us, 0.90), 2),
+        "update_p99_us": round(percentile(update_us, 0.99), 2),
         "add_request_median_us": round(statistics.median(add_us[-args.steps:]), 2),
         "steps": args.steps,
         "mean_running": round(statistics.fmean(running), 1),

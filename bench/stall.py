@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
-from stallfree.contracts import Ceilings, Tuning, min_budget_for
+from stallfree.contracts import Ceilings, Tuning, min_budget_for, percentile
 
 LONG_TEXT = (
     "Chunked prefill splits a long prompt into pieces that fit a fixed token budget per iteration, so "
@@ -45,13 +44,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--output", default=None, help="JSON file (default runs/bench_stall-<time>.json)")
     return p.parse_args(argv)
-
-
-def _percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
 
 
 def _long_prompt(tokenizer, n: int) -> list[int]:
@@ -124,7 +116,7 @@ def run_mode(executor, tokenizer, args: argparse.Namespace, budget: int, max_num
     return {
         "token_budget": budget,
         "max_gap_ms": round(max(gaps_ms), 2),
-        "p99_gap_ms": round(_percentile(gaps_ms, 99), 2),
+        "p99_gap_ms": round(percentile(sorted(gaps_ms), 0.99), 2),
         "ttft_ms": round((first_token - arrival) * 1000, 2),  # type: ignore[operator]
         "iterations_to_first_token": iterations_to_first_token,
         "decode_tokens_during_prefill": during,

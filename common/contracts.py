@@ -5,11 +5,17 @@ these exact shapes on /admin/tuning, /admin/stats and /admin/profile. Nothing he
 """
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from functools import cached_property
+from typing import Any, Iterable, Sequence
 
 # A budget must leave real room for prefill after every running decode took its one token.
 MIN_PREFILL_HEADROOM_TOKENS = 32
+# A starting budget's iteration fits this share of the TPOT target: the profile is the fastest of its runs, and
+# served iterations also carry longer contexts, noise and the p99 (not the typical) gap. Daemon and tuner alike.
+SLO_MARGIN = 0.8
 
 
 class TuningError(ValueError):
@@ -77,6 +83,18 @@ def validate_tuning(tuning: Tuning, ceilings: Ceilings) -> None:
         raise TuningError("long_prefill_threshold must be 0 (no cap) or positive")
 
 
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The exact nearest-rank percentile of already sorted values; q is a fraction in [0, 1] (0.99 for p99).
+
+    Nearest rank, not interpolation: a p99 is a latency some request really saw. Every percentile in the
+    project (the stats window, the simulator's judge, the benchmarks) is this one."""
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q is a fraction in [0, 1], got {q}")
+    if len(sorted_values) == 0:
+        raise ValueError("percentile of no samples")
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+
+
 @dataclass(frozen=True)
 class Percentiles:
     """Exact percentiles over the samples of one window, in milliseconds."""
@@ -129,6 +147,81 @@ class WindowStats:
 
 
 @dataclass(frozen=True)
+class Curve:
+    """y against x, piecewise linear through measured points: every prediction made from a profile.
+
+    The end rule:
+    - between two points: the straight line through them;
+    - at or below the first point: the first point's y (fewer tokens than the smallest measured never
+      cost less: an iteration's fixed part dominates there);
+    - past the last point: along the last segment, from the origin to the point when there is only
+      one (cost grows as it last grew), and never below zero.
+    """
+
+    xs: tuple[float, ...]
+    ys: tuple[float, ...]
+
+    @classmethod
+    def through(cls, points: Iterable[tuple[float, float]]) -> "Curve":
+        """The curve through (x, y) points in any order; of points sharing an x, the first is kept."""
+        xs: list[float] = []
+        ys: list[float] = []
+        for x, y in sorted(points, key=lambda point: point[0]):
+            if not xs or x > xs[-1]:
+                xs.append(x)
+                ys.append(y)
+        if not xs:
+            raise ValueError("a curve needs at least one point")
+        return cls(tuple(xs), tuple(ys))
+
+    def at(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if x <= xs[0]:
+            return ys[0]
+        i = bisect_left(xs, x)  # xs[i - 1] < x <= xs[i]
+        if i < len(xs):
+            x0, y0 = xs[i - 1], ys[i - 1]
+            return y0 + (x - x0) / (xs[i] - x0) * (ys[i] - y0)
+        x0, y0 = (xs[-2], ys[-2]) if len(xs) > 1 else (0.0, 0.0)
+        slope = (ys[-1] - y0) / (xs[-1] - x0) if xs[-1] > x0 else 0.0
+        return max(0.0, ys[-1] + slope * (x - xs[-1]))
+
+    def largest_point_within(self, bound: float) -> float | None:
+        """The largest measured x whose y is within the bound; None when no point is."""
+        fitting = [x for x, y in zip(self.xs, self.ys) if y <= bound]
+        return fitting[-1] if fitting else None
+
+    def largest_x_within(self, bound: float, lo: int, hi: int) -> int | None:
+        """The largest integer x in [lo, hi] with at(x) <= bound; None when there is none.
+
+        Exact on any curve, monotone or not: each piece (past the last point, each segment, at or below
+        the first point) is linear, so monotone; the pieces are searched from the right."""
+        if lo > hi:
+            return None
+        edges = [math.floor(x) for x in self.xs]
+        pieces = [(edges[-1] + 1, hi)]
+        pieces += [(edges[i - 1] + 1, edges[i]) for i in range(len(edges) - 1, 0, -1)]
+        pieces.append((lo, edges[0]))
+        for left, right in pieces:
+            left, right = max(left, lo), min(right, hi)
+            if left > right:
+                continue
+            if self.at(right) <= bound:
+                return right
+            if self.at(left) > bound:
+                continue  # nothing on this piece fits
+            fits, over = left, right  # rising here: bisect for the last x that fits
+            while over - fits > 1:
+                mid = (fits + over) // 2
+                if self.at(mid) <= bound:
+                    fits = mid
+                else:
+                    over = mid
+            return fits
+        return None
+
+
+@dataclass(frozen=True)
 class ProfilePoint:
     """One measured (or predicted) iteration: how long `tokens` took with `num_decodes` of them decodes."""
 
@@ -156,41 +249,36 @@ class Profile:
             mixed=[ProfilePoint(**p) for p in data.get("mixed", [])],
         )
 
-    def iteration_ms_at(self, tokens: int) -> float:
-        """Linear interpolation over the mixed curve (clamped extrapolation at the ends)."""
-        points = sorted(self.mixed, key=lambda p: p.tokens)
-        if not points:
+    # Built once per profile (the fields are never changed after it is made; the scheduler reads these per step).
+    @cached_property
+    def mixed_curve(self) -> Curve:
+        """Iteration time against tokens per iteration (the mixed points)."""
+        if not self.mixed:
             raise ValueError("profile has no mixed points")
-        if tokens <= points[0].tokens:
-            return points[0].iteration_ms
-        for lo, hi in zip(points, points[1:]):
-            if tokens <= hi.tokens:
-                frac = (tokens - lo.tokens) / max(1, hi.tokens - lo.tokens)
-                return lo.iteration_ms + frac * (hi.iteration_ms - lo.iteration_ms)
-        lo, hi = points[-2:] if len(points) > 1 else (points[0], points[0])
-        slope = (hi.iteration_ms - lo.iteration_ms) / max(1, hi.tokens - lo.tokens)
-        return hi.iteration_ms + slope * (tokens - hi.tokens)
+        return Curve.through((p.tokens, p.iteration_ms) for p in self.mixed)
 
-    def decode_ms_at(self, num_decodes: int) -> float:
-        """The decode-only iteration for a batch of `num_decodes` (linear between points, along the end
-        segment beyond them); without decode-only points, the mixed curve at that many tokens."""
-        points = sorted((p.num_decodes, p.iteration_ms) for p in self.decode_only)
-        if not points:
-            return self.iteration_ms_at(num_decodes)
-        if num_decodes <= points[0][0]:
-            return points[0][1]
-        for (n0, ms0), (n1, ms1) in zip(points, points[1:]):
-            if num_decodes <= n1:
-                return ms0 + (num_decodes - n0) / max(1, n1 - n0) * (ms1 - ms0)
-        (n0, ms0), (n1, ms1) = points[-2:] if len(points) > 1 else (points[0], points[0])
-        return ms1 + (ms1 - ms0) / max(1, n1 - n0) * (num_decodes - n1)
+    @cached_property
+    def decode_curve(self) -> Curve:
+        """Decode-only iteration time against decodes in the batch; the mixed curve without decode-only points."""
+        if not self.decode_only:
+            return self.mixed_curve
+        return Curve.through((p.num_decodes, p.iteration_ms) for p in self.decode_only)
+
+    def iteration_ms_at(self, tokens: float) -> float:
+        """An iteration of `tokens` tokens, on the mixed curve (Curve's end rule)."""
+        return self.mixed_curve.at(tokens)
+
+    def decode_ms_at(self, num_decodes: float) -> float:
+        """The decode-only iteration for a batch of `num_decodes` (Curve's end rule); without decode-only
+        points, the mixed curve at that many tokens."""
+        return self.decode_curve.at(num_decodes)
 
     def budget_for(self, iteration_target_ms: float, lo: int = 1, hi: int = 1 << 16) -> int:
-        """Sarathi-Serve's recipe: the largest token budget whose iteration time fits the target."""
-        best = None
-        for point in sorted(self.mixed, key=lambda p: p.tokens):
-            if point.iteration_ms <= iteration_target_ms:
-                best = point.tokens
-        if best is None:
-            best = min(p.tokens for p in self.mixed)
-        return max(lo, min(hi, best))
+        """The one budget rule (Sarathi-Serve's recipe), for the daemon's start, the tuner's and every judge: the
+        largest measured budget whose iteration fits the target, else the smallest measured one (below it the
+        curve is flat: a smaller budget is predicted no faster), kept in [lo, hi].
+
+        Measured points only, never a budget between or past them: what was timed, not what a line says."""
+        curve = self.mixed_curve
+        best = curve.largest_point_within(iteration_target_ms)
+        return max(lo, min(hi, int(curve.xs[0] if best is None else best)))

@@ -90,7 +90,8 @@ def start_engine(opts: ServeOptions, daemon) -> None:
     from stallfree.node_daemon.engine.async_engine import AsyncEngine
     from stallfree.node_daemon.engine.observers import FanoutObserver
     from stallfree.node_daemon.engine.iteration_cost import OnlineIterationCost, prior_per_prefix_pair
-    from stallfree.node_daemon.measure.profiler import SLO_MARGIN, starting_tuning
+    from stallfree.contracts import SLO_MARGIN
+    from stallfree.node_daemon.measure.profiler import starting_tuning
     from stallfree.node_daemon.measure.stall_watch import StallWatch, compute_threads
     from stallfree.node_daemon.server.app import LiveCounts
 
@@ -110,7 +111,7 @@ def start_engine(opts: ServeOptions, daemon) -> None:
     if opts.auto_budget and opts.args.tpot_slo_ms is not None and daemon.profile is not None and daemon.profile.mixed:
         tuning = starting_tuning(daemon.profile, opts.args.tpot_slo_ms, engine.ceilings, engine.get_tuning())
         engine.set_tuning(tuning)
-        predicted = _predicted_ms(daemon.profile, tuning.token_budget)
+        predicted = daemon.profile.iteration_ms_at(tuning.token_budget)
         log.info("start-up: TPOT SLO %.1f ms: starting token budget %d, max_num_seqs %d (predicted iteration "
                  "%.1f ms)", opts.args.tpot_slo_ms, tuning.token_budget, tuning.max_num_seqs, predicted)
         if predicted > opts.args.tpot_slo_ms:
@@ -172,10 +173,6 @@ def max_chars_per_token(tokenizer) -> int | None:
         return None
     # A normalizer may shrink text (NFC composes characters): a wide margin, never a refused prompt that fits.
     return longest * (4 if backend.normalizer is not None else 1)
-def _predicted_ms(profile, budget: int) -> float:
-    from stallfree.node_daemon.measure.profiler import predict_ms
-
-    return predict_ms(profile.mixed, budget)
 
 
 def _process_age_s() -> float:

@@ -1,16 +1,10 @@
 """Latency summaries shared by the simulator and the benchmark client: exact percentiles and goodput."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Exact nearest-rank percentile (q in [0, 1]) of already sorted values."""
-    if not sorted_values:
-        raise ValueError("percentile of no samples")
-    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+from stallfree.contracts import percentile
 
 
 def summarize(values: Iterable[float]) -> dict[str, float | int | None]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from stallfree.contracts import percentile
+
 
 class LengthDist(Protocol):
     def sample(self, rng: random.Random) -> int: ...
@@ -284,8 +286,7 @@ def _observed(lengths: list[int]) -> str:
     if not lengths:
         return "none"
     ordered = sorted(lengths)
-    rank = lambda q: ordered[max(0, math.ceil(q * len(ordered)) - 1)]  # noqa: E731 - nearest rank
-    return f"median {rank(0.5)} / p90 {rank(0.9)} (trace)"
+    return f"median {percentile(ordered, 0.5)} / p90 {percentile(ordered, 0.9)} (trace)"
 
 
 def prompt_token_ids(request: RequestSpec, index: int, vocab_lo: int, vocab_hi: int) -> list[int]:

@@ -4,10 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stallfree.contracts import Ceilings, Profile, ProfilePoint, Tuning, min_budget_for
-from stallfree.node_daemon.measure.profiler import (SLO_MARGIN, ProfileSettings, budget_within, curve_problems,
-                                                  measure_profile, predict_ms, run_profile, starting_tuning,
-                                                  suggest_token_budget, suspect_points)
+from stallfree.contracts import SLO_MARGIN, Ceilings, Profile, ProfilePoint, Tuning, min_budget_for
+from stallfree.node_daemon.measure.profiler import (ProfileSettings, curve_problems, measure_profile, run_profile,
+                                                  starting_tuning, suggest_token_budget, suspect_points)
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.cli.serve import parse_options
 from stallfree.node_daemon.daemon import build_llm_engine
@@ -95,8 +94,8 @@ PROFILE = Profile(device="test", mixed=[ProfilePoint(64, 16, 5.0), ProfilePoint(
 
 def test_suggested_budget_is_the_largest_that_fits() -> None:
     ceilings = Ceilings(max_token_budget=2048, max_num_seqs=256)
-    # Interpolated between measured points, not only at them: 15 ms lies between 256 (14) and 512 (30).
-    assert suggest_token_budget(PROFILE, 15.0, ceilings, max_num_seqs=16) == 272
+    # A measured point, never one between them (the tuner's rule too): 15 ms lies between 256 (14) and 512 (30).
+    assert suggest_token_budget(PROFILE, 15.0, ceilings, max_num_seqs=16) == 256
     assert suggest_token_budget(PROFILE, 14.0, ceilings, max_num_seqs=16) == 256
     assert suggest_token_budget(PROFILE, 30.0, ceilings, max_num_seqs=16) == 512
     assert suggest_token_budget(PROFILE, 1000.0, Ceilings(max_token_budget=300), max_num_seqs=16) == 300
@@ -106,26 +105,24 @@ def test_suggested_budget_is_the_largest_that_fits() -> None:
         suggest_token_budget(Profile(device="x"), 10.0, ceilings, 8)
 
 
-def test_budget_fits_its_target_on_the_predicted_curve() -> None:
+def test_the_starting_budget_is_the_largest_measured_point_within_the_margin() -> None:
     ceilings = Ceilings(max_token_budget=2048, max_num_seqs=256)
-    for target in (4.0, 6.0, 9.0, 20.0, 45.0):
-        budget = budget_within(PROFILE, target, lo=1, hi=2048)
-        assert predict_ms(PROFILE.mixed, budget) <= target < predict_ms(PROFILE.mixed, budget + 1)
-    # Below the first point the curve is extrapolated (not clamped to 64 tokens' time).
-    assert predict_ms(PROFILE.mixed, 32) < 5.0
-    assert starting_tuning(PROFILE, 100.0, ceilings, Tuning()).token_budget == 512 + (80 - 30) * 16  # past the end
-    assert starting_tuning(PROFILE, 1000.0, ceilings, Tuning()).token_budget == ceilings.max_token_budget
+    for slo, budget in ((100.0, 512), (1000.0, 512), (18.0, 256), (15.0, 128), (10.0, 128)):
+        assert starting_tuning(PROFILE, slo, ceilings, Tuning()).token_budget == budget
+        assert PROFILE.iteration_ms_at(budget) <= SLO_MARGIN * slo  # what was measured there fits
+    # Never past the largest measured point, however loose the SLO: the ceiling only caps it.
+    assert starting_tuning(PROFILE, 1000.0, Ceilings(max_token_budget=300), Tuning()).token_budget == 300
 
 
 def test_starting_tuning_keeps_a_margin_and_lowers_max_num_seqs_when_tight() -> None:
     ceilings = Ceilings(max_token_budget=2048, max_num_seqs=256)
     roomy = starting_tuning(PROFILE, 15.0, ceilings, Tuning(max_num_seqs=64, max_partial_prefills=2))
-    # 0.8 x 15 ms = 12 ms: between 128 (8 ms) and 256 (14 ms).
-    assert predict_ms(PROFILE.mixed, roomy.token_budget) <= SLO_MARGIN * 15.0
-    assert (roomy.token_budget, roomy.max_num_seqs, roomy.max_partial_prefills) == (213, 64, 2)
+    # 0.8 x 15 ms = 12 ms: 128 (8 ms) fits, 256 (14 ms) does not; 64 decodes leave prefill room at 128.
+    assert (roomy.token_budget, roomy.max_num_seqs, roomy.max_partial_prefills) == (128, 64, 2)
+    # 0.8 x 6 ms is under the smallest point's 5 ms: nothing fits, so the smallest measured budget (the curve is
+    # flat below it: a smaller one would be predicted no faster), with max_num_seqs down to leave it prefill room.
     tight = starting_tuning(PROFILE, 6.0, ceilings, Tuning(max_num_seqs=64))
-    assert min_budget_for(tight.max_num_seqs) <= tight.token_budget
-    assert predict_ms(PROFILE.mixed, tight.token_budget) <= SLO_MARGIN * 6.0 + 1e-9 or tight.max_num_seqs == 1
+    assert (tight.token_budget, tight.max_num_seqs) == (64, 32) and min_budget_for(32) == 64
 
 
 def test_time_cap_stops_the_sweep_and_still_cleans_up(one_thread) -> None:
@@ -219,4 +216,8 @@ def test_a_busy_curve_that_stays_wrong_is_not_trusted(one_thread) -> None:
 def test_a_slow_engine_keeps_serving_several_streams_under_a_tight_slo() -> None:
     slow = Profile(device="cpu", mixed=[ProfilePoint(64, 4, 200.0), ProfilePoint(128, 4, 350.0)])
     tuning = starting_tuning(slow, 150.0, Ceilings(), Tuning(max_num_seqs=64))
+    assert (tuning.token_budget, tuning.max_num_seqs) == (64, 32)  # the smallest point, with room beside 32
+    # A smaller first point would take max_num_seqs lower, but never under MIN_STARTING_SEQS (8).
+    tiny = Profile(device="cpu", mixed=[ProfilePoint(16, 4, 200.0), ProfilePoint(64, 4, 350.0)])
+    tuning = starting_tuning(tiny, 150.0, Ceilings(), Tuning(max_num_seqs=64))
     assert tuning.max_num_seqs == 8 and tuning.token_budget == min_budget_for(8)

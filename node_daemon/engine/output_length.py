@@ -16,6 +16,8 @@ import math
 from bisect import bisect_left, insort
 from collections import deque
 
+from stallfree.contracts import percentile
+
 
 class OutputLengthEstimate:
     def __init__(self, initial: int = 256, floor: int = 64, margin: float = 1.5, quantile: float = 0.9,
@@ -57,5 +59,5 @@ class OutputLengthEstimate:
         if len(lengths) > self._window:
             del ordered[bisect_left(ordered, lengths.popleft())]
         self.num_observed += 1
-        high = ordered[max(0, math.ceil(self.quantile * len(ordered)) - 1)]
+        high = percentile(ordered, self.quantile)
         self._tokens = max(self.floor, math.ceil(high * self.margin))

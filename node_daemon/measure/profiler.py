@@ -12,7 +12,7 @@ Bounded by a time budget, whatever the model's speed: points run cheapest first 
 the decode-only one), and before each point its cost is predicted from the points already measured
 (a straight line through them); a point that would not fit in what is left is skipped, and no step
 starts past the deadline. Between measured points the curve is interpolated, past them extrapolated
-along the last segment (contracts.Profile.iteration_ms_at), so a few points serve every budget.
+along the last segment (contracts.Curve's end rule), so a few points serve every budget.
 
 A busy machine must not pass for a slow engine: each point runs `repeats` times and keeps the fastest;
 a curve that is not monotone (more tokens faster), or jumps more than a straight line allows, has its
@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from stallfree.contracts import Ceilings, Profile, ProfilePoint, Tuning, min_budget_for
+from stallfree.contracts import SLO_MARGIN, Ceilings, Curve, Profile, ProfilePoint, Tuning, min_budget_for
 from stallfree.node_daemon.engine.engine import LLMEngine
 from stallfree.node_daemon.engine.engine_protocol import IterationRecord
 from stallfree.node_daemon.engine.request import Request
@@ -44,8 +44,6 @@ JUMP_TOLERANCE = 1.5
 MIN_CPU_SHARE = 0.6
 # The SLO never lowers max_num_seqs below this (a daemon that runs one request at a time is not serving).
 MIN_STARTING_SEQS = 8
-# The starting budget leaves this share of the TPOT target for what the profile does not see.
-SLO_MARGIN = 0.8
 
 
 @dataclass
@@ -107,17 +105,8 @@ def _doubling(start: int, stop: int) -> list[int]:
 
 
 def predict_ms(points: list[ProfilePoint], tokens: int) -> float:
-    """Piecewise-linear through the points, extrapolated along the end segments (both ends)."""
-    points = sorted(points, key=lambda p: p.tokens)
-    if len(points) == 1:
-        only = points[0]
-        return only.iteration_ms * max(tokens, 1) / max(only.tokens, 1)  # through the origin: pessimistic
-    if tokens <= points[0].tokens:
-        lo, hi = points[0], points[1]
-    else:
-        lo, hi = next(((a, b) for a, b in zip(points, points[1:]) if tokens <= b.tokens), (points[-2], points[-1]))
-    slope = (hi.iteration_ms - lo.iteration_ms) / max(1, hi.tokens - lo.tokens)
-    return max(lo.iteration_ms + slope * (tokens - lo.tokens), 1e-3)
+    """The iteration time of `tokens` on the curve through the points measured so far (Curve's end rule)."""
+    return Curve.through((p.tokens, p.iteration_ms) for p in points).at(tokens)
 
 
 class _Profiler:
@@ -401,26 +390,12 @@ def measure_profile(engine: LLMEngine, device: str, settings: ProfileSettings | 
     return run_profile(engine, device, settings).profile
 
 
-def budget_within(profile: Profile, iteration_target_ms: float, lo: int, hi: int) -> int:
-    """The largest budget in [lo, hi] whose predicted iteration (interpolated over the mixed curve) fits."""
+def suggest_token_budget(profile: Profile, tpot_slo_ms: float, ceilings: Ceilings, max_num_seqs: int) -> int:
+    """Sarathi-Serve's recipe (Profile.budget_for): the largest measured budget whose iteration time fits the
+    TPOT target, kept between max_num_seqs' prefill floor and the ceiling."""
     if not profile.mixed:
         raise ValueError("the profile has no mixed points to choose a budget from")
-    lo, hi = max(1, lo), max(1, hi)
-    if predict_ms(profile.mixed, lo) > iteration_target_ms:
-        return lo
-    while lo < hi:  # predict_ms is monotone on a monotone curve; bisect for the last budget that fits
-        mid = (lo + hi + 1) // 2
-        if predict_ms(profile.mixed, mid) <= iteration_target_ms:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def suggest_token_budget(profile: Profile, tpot_slo_ms: float, ceilings: Ceilings, max_num_seqs: int) -> int:
-    """Sarathi-Serve's recipe: the largest budget whose iteration time fits the TPOT target,
-    kept between max_num_seqs' prefill floor and the ceiling."""
-    return budget_within(profile, tpot_slo_ms, lo=min_budget_for(max_num_seqs), hi=ceilings.max_token_budget)
+    return profile.budget_for(tpot_slo_ms, lo=min_budget_for(max_num_seqs), hi=ceilings.max_token_budget)
 
 
 def starting_tuning(profile: Profile, tpot_slo_ms: float, ceilings: Ceilings, tuning: Tuning,
@@ -431,8 +406,9 @@ def starting_tuning(profile: Profile, tpot_slo_ms: float, ceilings: Ceilings, tu
     iterations also carry longer contexts and noise, and the p99 gap (not the typical one) must hold.
     When even the floor for `tuning.max_num_seqs` would overrun it, max_num_seqs comes down so the
     budget can (a budget must leave prefill room beside every decode), but not below MIN_STARTING_SEQS:
-    past that the engine is too slow for the target, and the caller says so (predict_ms of the budget)."""
-    budget = budget_within(profile, margin * tpot_slo_ms, lo=1, hi=ceilings.max_token_budget)
+    past that the engine is too slow for the target, and the caller says so (the budget's predicted iteration).
+    The budget is the tuner's start too: the same rule (Profile.budget_for) at the same share of the target."""
+    budget = profile.budget_for(margin * tpot_slo_ms, lo=1, hi=ceilings.max_token_budget)
     max_num_seqs = min(tuning.max_num_seqs, ceilings.max_num_seqs)
     floor = min(max_num_seqs, MIN_STARTING_SEQS)
     while max_num_seqs > floor and min_budget_for(max_num_seqs) > budget:

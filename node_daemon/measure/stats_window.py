@@ -8,7 +8,6 @@ append.
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
@@ -16,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from stallfree.contracts import Ceilings, Percentiles, Tuning, WindowStats
+from stallfree.contracts import Ceilings, Percentiles, Tuning, WindowStats, percentile
 from stallfree.node_daemon.engine.engine_protocol import IterationRecord
 from stallfree.node_daemon.engine.request import Request
 
@@ -29,7 +28,7 @@ def percentiles_ms(samples_s: list[float]) -> Percentiles:
     ordered = np.sort(np.asarray(samples_s, dtype=np.float64))  # releases the GIL while it sorts
 
     def rank(q: float) -> float:
-        return float(ordered[max(0, math.ceil(q * n) - 1)]) * 1000.0
+        return float(percentile(ordered, q)) * 1000.0
 
     return Percentiles(count=n, p50=rank(0.50), p90=rank(0.90), p99=rank(0.99), max=float(ordered[-1]) * 1000.0)
 

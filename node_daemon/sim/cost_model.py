@@ -196,25 +196,10 @@ class ProfileCostModel:
         if not profile.mixed:
             raise ValueError("a profile cost model needs at least one mixed point")
         self.profile = profile
-        self._decode = sorted((p.num_decodes, p.iteration_ms) for p in profile.decode_only)
 
     def predict_ms(self, decode_context_lens: Sequence[int], prefill_chunks: Sequence[tuple[int, int]]) -> float:
         num_decodes = len(decode_context_lens)
         if not prefill_chunks:
-            if not num_decodes:
-                return 0.0
-            if self._decode:
-                return _interpolate(self._decode, num_decodes)
-        tokens = num_decodes + sum(n for _, n in prefill_chunks)
-        return self.profile.iteration_ms_at(tokens)
-
-
-def _interpolate(points: list[tuple[int, float]], x: int) -> float:
-    """Piecewise-linear through sorted (x, y) points, extended linearly past the ends (never below zero)."""
-    if len(points) == 1:
-        return points[0][1]
-    for i in range(1, len(points)):
-        if x <= points[i][0] or i == len(points) - 1:
-            (x0, y0), (x1, y1) = points[i - 1], points[i]
-            return max(0.0, y0 + (y1 - y0) * (x - x0) / max(1, x1 - x0))
-    return points[-1][1]
+            # decode_ms_at falls back to the mixed curve at that many tokens without decode-only points.
+            return self.profile.decode_ms_at(num_decodes) if num_decodes else 0.0
+        return self.profile.iteration_ms_at(num_decodes + sum(n for _, n in prefill_chunks))

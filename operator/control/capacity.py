@@ -75,13 +75,4 @@ def decode_ms_at(profile: Profile, num_decodes: int) -> float:
 
 def largest_decodes_within(profile: Profile, target_ms: float, cal: float, lo: int, hi: int) -> int | None:
     """Largest batch of decodes in [lo, hi] whose calibrated decode-only iteration fits `target_ms`."""
-    if hi < lo or cal * decode_ms_at(profile, lo) > target_ms:
-        return None
-    good, bad = lo, hi + 1
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        if cal * decode_ms_at(profile, mid) <= target_ms:
-            good = mid
-        else:
-            bad = mid
-    return good
+    return profile.decode_curve.largest_x_within(target_ms / cal, lo, hi)

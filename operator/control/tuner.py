@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
-from stallfree.contracts import Profile, Tuning, WindowStats, min_budget_for
+from stallfree.contracts import SLO_MARGIN, Profile, Tuning, WindowStats, min_budget_for
 from stallfree.operator.control.capacity import FULL_UTILISATION, calibration, decode_ms_at, largest_decodes_within
 from stallfree.operator.control.feasibility import Feasibility
 from stallfree.operator.control.policy import ControlPolicy, TuningBounds
@@ -45,7 +45,7 @@ SEQS_LOWERED, SEQS_RAISED = "max_num_seqs_lowered", "max_num_seqs_raised"
 
 @dataclass(frozen=True)
 class TunerConfig:
-    start_fraction: float = 0.8
+    start_fraction: float = SLO_MARGIN  # the daemon starts at the same share (Profile.budget_for: one rule)
     decrease_target: float = 0.75
     decrease_min: float = 0.5
     decrease_max: float = 0.85

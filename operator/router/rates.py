@@ -24,17 +24,7 @@ def prefill_tokens_per_ms(profile: Profile | None, stats: WindowStats | None) ->
 def decode_step_ms(profile: Profile | None, stats: WindowStats | None) -> float:
     """The iteration a first token leaves with: decode-only at the running count, or the measured mean."""
     if stats is not None and profile is not None and profile.decode_only:
-        points = sorted(profile.decode_only, key=lambda p: p.num_decodes)
-        running = max(1, stats.num_running)
-        lo = points[0]
-        for hi in points:
-            if hi.num_decodes >= running:
-                if hi is lo or hi.num_decodes == lo.num_decodes:
-                    return hi.iteration_ms
-                frac = (running - lo.num_decodes) / (hi.num_decodes - lo.num_decodes)
-                return lo.iteration_ms + frac * (hi.iteration_ms - lo.iteration_ms)
-            lo = hi
-        return points[-1].iteration_ms
+        return profile.decode_ms_at(max(1, stats.num_running))
     if stats is not None and stats.mean_iteration_ms:
         return stats.mean_iteration_ms
     return FALLBACK_STEP_MS
