@@ -44,8 +44,6 @@ from typing import Any, Sequence
 from stallfree.operator.control.policy import ScalingPolicy
 
 SCALED_UP, SCALED_DOWN, HOLD = "scaled_up", "scaled_down", "hold"
-RISING = 1.1  # the window's later half this much above its earlier half: the demand still rises
-HOLD_WHILE_RISING = False  # measured: holding scale-in on a rising demand cost more than the reversal it saves
 NO_INFORMATION = -1  # a step that could not recommend (an unknown replica): neither for nor against scale-in
 
 
@@ -94,8 +92,9 @@ class ScalerState:
     last_queues: tuple[tuple[str, int, float], ...] = ()
     # Replicas missing an SLO only while they drain a backlog of their own (until they meet every SLO again).
     draining_alone: tuple[str, ...] = ()
-    # (time, demand) over the scale-down window: no scale-in while the demand is still rising (a ramp).
-    demand_history: tuple[tuple[float, float], ...] = ()
+    # Replicas the last scale-up added only to drain the backlog (beyond the demand's count): they go once
+    # the backlog is drained and every SLO is met again, without waiting out the scale-down window.
+    drain_surplus: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,7 +107,7 @@ class ScalerState:
         data["startup_s"] = tuple(float(x) for x in data.get("startup_s", ()))
         data["last_queues"] = tuple((str(n), int(w), float(q)) for n, w, q in data.get("last_queues", ()))
         data["draining_alone"] = tuple(str(n) for n in data.get("draining_alone", ()))
-        data["demand_history"] = tuple((float(t), float(d)) for t, d in data.get("demand_history", ()))
+
         return cls(**data)
 
     def expected_startup_s(self, default: float) -> float:
@@ -247,9 +246,12 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
             return ScaleDecision(current, current, HOLD, "at_max_replicas",
                                  f"prefill capacity exhausted ({figures}) but maxReplicas is {policy.max_replicas}",
                                  True, demand, capacity), replace(state, recommendations=recs)
+        for_demand = len(serving_unknown) + busy + math.ceil(sizing_demand / (capacity * policy.scale_up_utilisation)) \
+            if capacity else desired
         decision, new_state = _decide(current, desired, SCALED_UP, "capacity_exhausted",
                                       f"prefill capacity exhausted ({figures}): {current} -> {desired} replicas",
                                       True, state, now, demand, capacity)
+        new_state = replace(new_state, drain_surplus=max(0, desired - for_demand))  # all of the count beyond demand
         return replace(decision, busy_replicas=busy, short_demand_tokens_per_s=sizing_demand), new_state
 
     # Not exhausted: does the load fit fewer replicas, for a whole window?
@@ -274,14 +276,23 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
     if backlog.breaching:
         misses.append("the router's queue")  # scale-in would strand queued work
     recommendation = current
-    history = tuple((t, d) for t, d in state.demand_history if t > now - policy.scale_down_stabilization_s)
-    state = replace(state, demand_history=history + ((now, sizing_demand),))
-    rising = _rising(history + ((now, sizing_demand),), policy.scale_down_stabilization_s)
-    if not misses and not (rising and HOLD_WHILE_RISING):
+    if not misses:
         fits = math.ceil(sizing_demand / (capacity * policy.scale_down_utilisation)) if sizing_demand > 0 else 1
         recommendation = min(current, max(policy.min_replicas, fits + len(alone)))
     recs = _keep(state, now, policy, recommendation)
     state = replace(state, recommendations=recs)
+    if state.drain_surplus and not misses and not backlog.queued_requests and not alone \
+            and all(r.num_waiting <= 1 for r in known):
+        # The backlog the surplus was sized to drain is gone: back to the demand's count at once (those
+        # replicas were never demand; the scale-down window guards against demand that comes back).
+        target = max(policy.min_replicas, current - state.drain_surplus, recommendation)
+        if target < current:
+            decision, new_state = _decide(current, target, SCALED_DOWN, "backlog_drained",
+                                          f"the backlog is drained and every SLO met: the {current - target} "
+                                          f"replica(s) added to drain it go ({figures}): {current} -> {target}",
+                                          False, state, now, demand, capacity)
+            return decision, replace(new_state, drain_surplus=0)
+        state = replace(state, drain_surplus=0)
     stabilized, covered = _stabilized(recs, now, policy)
     since_change = state.last_scale_at is None or state.last_direction < 0 or \
         now - state.last_scale_at >= policy.scale_down_stabilization_s * 0.999
@@ -292,26 +303,12 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
                        False, state, now, demand, capacity)
     if misses:
         reason, message = "scale_in_blocked", f"no scale-in: {', '.join(misses)} miss(es) an SLO"
-    elif rising and HOLD_WHILE_RISING:
-        reason, message = "demand_rising", (f"no scale-in while the demand rises (the scale-down window's later half "
-                                            f"above its earlier half; {sizing_demand:.0f} prompt tok/s now)")
     elif recommendation < current:
         reason, message = "stabilizing", (f"the load fits {recommendation} replicas ({figures}); waiting out the "
                                           f"{policy.scale_down_stabilization_s:g}s stabilization window")
     else:
         reason, message = "load_fits", f"{current} replicas carry the load ({figures})"
     return ScaleDecision(current, current, HOLD, reason, message, False, demand, capacity), state
-
-
-def _rising(history: tuple[tuple[float, float], ...], window_s: float) -> bool:
-    """The demand still rises: the later half of the window's demand above its earlier half by RISING. A step
-    (up or down) settles within half a window; a ramp does not."""
-    if len(history) < 4 or history[-1][0] - history[0][0] < 0.5 * window_s:
-        return False
-    middle = (history[0][0] + history[-1][0]) / 2
-    early = [d for t, d in history if t <= middle]
-    late = [d for t, d in history if t > middle]
-    return bool(early and late) and sum(late) / len(late) > RISING * sum(early) / len(early)
 
 
 def _track_startup(state: ScalerState, loads: Sequence[ReplicaLoad], now: float) -> ScalerState:
@@ -339,7 +336,7 @@ def _decide(current: int, desired: int, kind: str, reason: str, message: str, ex
     new_state = ScalerState(last_scale_at=now, last_direction=direction, recommendations=recs,
                             starting_since=state.starting_since, startup_s=state.startup_s,
                             last_step_at=state.last_step_at, last_queues=state.last_queues,
-                            demand_history=state.demand_history)
+                            drain_surplus=state.drain_surplus)
     return ScaleDecision(current, desired, kind, reason, message, exhausted, demand, capacity), new_state
 
 
