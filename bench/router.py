@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         args.duration_s = min(args.duration_s, 12.0 if args.faults else 6.0)
         args.profile_seconds = min(args.profile_seconds, 3.0)
         args.itl_streams, args.itl_tokens, args.itl_rounds = min(args.itl_streams, 8), min(args.itl_tokens, 16), 1
-        policies = tuple(p for p in policies if p in ("slo-aware", "round-robin")) or policies[:1]
+        policies = tuple(p for p in policies if p in ("slo-aware", "round-robin", "slo-aware-immediate")) or policies[:1]
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="stallfree-bench-router-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     payload: dict[str, Any] = {"model": MODEL,

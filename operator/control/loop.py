@@ -16,6 +16,7 @@ from typing import Any, Protocol, Sequence
 from stallfree.contracts import Tuning, WindowStats
 from stallfree.operator.control.capacity import prefill_capacity_tokens_per_s
 from stallfree.operator.control.feasibility import LABELS, Feasibility, assess
+from stallfree.operator.control.learned_speed import LearnedSpeed
 from stallfree.operator.control.policy import ControlPolicy
 from stallfree.operator.control.observe import (Observer, QueueObservation, QueueSource, ReplicaObservation,
                                                ReplicaTarget)
@@ -63,6 +64,7 @@ class ControlState:
     feasible_pending: str | None = None  # a different verdict seen lately ...
     feasible_pending_steps: int = 0  # ... for this many consecutive steps
     demand_smoothed: float | None = None  # prompt tokens/s, smoothed over steps (feasibility's demand)
+    speeds: dict[str, LearnedSpeed] = field(default_factory=dict)  # each replica's, learned from its windows
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,6 +78,7 @@ class ControlState:
             "feasible_pending": self.feasible_pending,
             "feasible_pending_steps": self.feasible_pending_steps,
             "demand_smoothed": self.demand_smoothed,
+            "speeds": {name: s.to_dict() for name, s in self.speeds.items()},
         }
 
     @classmethod
@@ -93,6 +96,7 @@ class ControlState:
             feasible_pending=data.get("feasible_pending"),
             feasible_pending_steps=int(data.get("feasible_pending_steps") or 0),
             demand_smoothed=data.get("demand_smoothed"),
+            speeds={name: LearnedSpeed.from_dict(s) for name, s in (data.get("speeds") or {}).items()},
         )
 
 
@@ -168,6 +172,7 @@ class ControlLoop:
         policy, state = self.policy, self.state
         observations = await self.observer.observe(targets, now)
         queue = await self._observe_queue(now)
+        observations, speeds = _learn_speeds(observations, state.speeds)
         names = {o.name for o in observations}
         tuners = {name: s for name, s in state.tuners.items() if name in names}  # replicas gone: forgotten
         failures: list[str] = []
@@ -240,7 +245,7 @@ class ControlLoop:
                                   last_step_at=now, feasible_reason=reported, feasible_pending=pending,
                                   feasible_pending_steps=pending_steps,
                                   demand_smoothed=feasibility.demand_tokens_per_s if feasibility.known
-                                  else state.demand_smoothed)
+                                  else state.demand_smoothed, speeds=speeds)
         conditions = [slo_condition(observations, policy), capacity_condition(scale), feasible]
         return StepResult(now, observations, decisions, scale, conditions, failures, self.state, feasibility, queue)
 
@@ -257,6 +262,18 @@ class ControlLoop:
             await self.actuator.record_event(reason, message, warning)
         except Exception:  # noqa: BLE001 - an event that cannot be recorded must not stop the loop
             pass
+
+
+def _learn_speeds(observations: Sequence[ReplicaObservation], speeds: dict[str, LearnedSpeed]
+                  ) -> tuple[list[ReplicaObservation], dict[str, LearnedSpeed]]:
+    """Each observation with its profile scaled by the speed learned from its windows (this one's included);
+    replicas gone are forgotten, a restarted one keeps its name's speed (same node, same neighbours)."""
+    out, learned = [], {}
+    for obs in observations:
+        speed = speeds.get(obs.name, LearnedSpeed()).updated(obs.stats, obs.profile)
+        learned[obs.name] = speed
+        out.append(replace(obs, profile=speed.apply(obs.profile)))
+    return out, learned
 
 
 def router_backlog(queue: QueueObservation | None, policy: ControlPolicy) -> RouterBacklog | None:

@@ -24,6 +24,7 @@ from typing import Sequence
 
 from stallfree.contracts import Profile, WindowStats
 from stallfree.operator.control.capacity import decode_ms_at
+from stallfree.operator.control.learned_speed import scaled
 from stallfree.operator.local.load import LoadPhase
 
 # p99 TPOT is a per-request mean: a reply decodes beside a long prompt's prefill for as many iterations as that
@@ -185,11 +186,3 @@ def calibrate(windows: Sequence[WindowStats], profile: Profile,
     if not factors:
         return Calibration(1.0, 0, long_prompt_factor=long_prompt_factor)
     return Calibration(statistics.median(factors), len(factors), (min(factors), max(factors)), long_prompt_factor)
-
-
-def scaled(profile: Profile, factor: float, mixed_factor: float | None = None) -> Profile:
-    """The profile with every decode-only iteration `factor` x as long and every mixed one `mixed_factor` x
-    (default `factor`): what a calibration says this machine does now."""
-    mixed = factor if mixed_factor is None else mixed_factor
-    return replace(profile, decode_only=[replace(p, iteration_ms=factor * p.iteration_ms) for p in profile.decode_only],
-                   mixed=[replace(p, iteration_ms=mixed * p.iteration_ms) for p in profile.mixed])
