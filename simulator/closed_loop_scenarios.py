@@ -41,6 +41,7 @@ from stallfree.simulator.closed_loop import ClosedLoopRun, ClusterSpec, LoadPhas
 from stallfree.simulator.speed import SpeedSchedule
 from stallfree.simulator.closed_loop_judge import OVER_ORACLE, judge
 from stallfree.simulator.closed_loop_oracle import oracle
+from stallfree.operator.control.loop import counts_as_known
 from stallfree.operator.control.policy import ControlPolicy, ScalingPolicy, SLOTargets, drain_target_s
 from stallfree.operator.control.scaler import SCALED_DOWN, SCALED_UP
 from stallfree.operator.control.timeline import budget_reversals, timeline
@@ -325,7 +326,7 @@ def summarize_unknown_replica(scenario: Scenario, run: ClosedLoopRun) -> tuple[d
     rests_on_known_only = all(
         s.scale.demand_tokens_per_s is None or math.isclose(
             s.scale.demand_tokens_per_s,
-            sum(o.stats.prompt_tokens_per_s for o in s.observations if o.known and o.stats is not None),
+            sum(o.stats.prompt_tokens_per_s for o in s.observations if counts_as_known(o)),
             rel_tol=1e-9, abs_tol=1e-6)
         for s in steps)
     quiet = [s for s in steps if s.time <= scenario.phases[1].start_s]

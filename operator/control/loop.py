@@ -398,6 +398,11 @@ def _replica_load(obs: ReplicaObservation, decision: TuningDecision, policy: Con
                        prefill_tokens_per_s=stats.prefill_tokens_per_s)
 
 
+def counts_as_known(obs: ReplicaObservation) -> bool:
+    """What the scaler reads as a known replica: a known one, or a sparse one (readable, lightly loaded)."""
+    return obs.stats is not None and (obs.known or _sparse(obs))
+
+
 def _sparse(obs: ReplicaObservation) -> bool:
     """Readable, ready, nothing queued, too few requests for percentiles: lightly loaded, not unknown, to the
     scaler (its demand and queue are measured; the few latencies it has still count). Without this a

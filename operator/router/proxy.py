@@ -37,6 +37,8 @@ log = logging.getLogger("stallfree.router")
 
 # Statuses that mean "this replica, not this request": worth one more try elsewhere.
 RETRY_STATUSES = frozenset({502, 503, 504})
+# A request that failed before its first byte (nothing reached the client) is sent again, each time elsewhere.
+MAX_ATTEMPTS = 3
 QUEUE_HEADER = "x-stallfree-router-queue-ms"  # ms the request waited in the router's queue (daemons add it)
 # Hop-by-hop and length headers are the router's own business on each leg.
 _DROP_HEADERS = frozenset({"host", "x-stallfree-router-queue-ms", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
@@ -76,6 +78,7 @@ class RouterConfig:
     flow: FlowConfig = FlowConfig()
     flow_control: bool = True  # False: every request goes to a replica at once (the router before its queue)
     queue_timeout_s: float = 60.0  # a request waiting longer than this in the queue is answered 503
+    no_replica_wait_s: float = 5.0  # with no replica healthy this long, a queued request is answered 503 at once
     dispatch_tick_s: float = 0.05  # queue re-checked this often (stats polls, slots freed), besides events
 
 
@@ -94,6 +97,7 @@ class Router:
         self._next_key = 0
         self.arrived_prompt_tokens = 0  # a counter: the control loop takes its rate between two reads
         self._ticker: asyncio.Task | None = None
+        self._last_healthy_at = time.perf_counter()  # when some replica was last seen healthy
         pool._on_change = self._replica_changed
 
     async def start(self) -> None:
@@ -124,6 +128,8 @@ class Router:
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(self.config.dispatch_tick_s)
+            if self.pool.healthy():
+                self._last_healthy_at = time.perf_counter()
             if len(self.queue):
                 self.dispatch()
 
@@ -134,6 +140,7 @@ class Router:
         healthy = self.pool.healthy()
         if not healthy:
             return
+        self._last_healthy_at = time.perf_counter()
         names = [r.name for r in healthy]
         for r in healthy:  # the table forgets what each replica's own KV cache cannot hold
             if r.stats is not None:
@@ -185,29 +192,44 @@ class Router:
             self.arrived_prompt_tokens += info.prompt_tokens
         self._waiters[key] = (future, info, hashes, seq)
         self.dispatch()
-        if not future.done():
-            self._queue_gauges()
-            left = asyncio.ensure_future(_client_left(request))
-            try:
-                await asyncio.wait((future, left), timeout=max(0.0, self.config.queue_timeout_s
-                                                                - (time.perf_counter() - received)),
+        if future.done():
+            return future.result()
+        self._queue_gauges()
+        left = asyncio.ensure_future(_client_left(request))
+        outcome = "dispatched"
+        try:
+            while not future.done():
+                now = time.perf_counter()
+                if now - received >= self.config.queue_timeout_s:
+                    outcome = "timeout"
+                    break
+                if not self.pool.healthy() and now - self._last_healthy_at >= self.config.no_replica_wait_s:
+                    outcome = "no_replica"  # every replica down for a while: say so rather than hold the client
+                    break
+                await asyncio.wait((future, left), timeout=min(0.25, self.config.queue_timeout_s - (now - received)),
                                    return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                left.cancel()
-            if not future.done():
-                future.cancel()
-                self._waiters.pop(key, None)
-                gone = self.queue.cancel(key)
-                self._queue_gauges()
-                if left.done() and not left.cancelled():
-                    self.metrics.queue_cancelled.inc()
-                    return Response(status_code=499)  # nobody reads it: the client is gone
-                if gone:
-                    self.queue.cancelled -= 1  # a timeout, not a client leaving
-                self.metrics.queue_timeouts.inc()
-                return error_json(503, f"no replica could start the request within {self.config.queue_timeout_s:g}s "
-                                  "in the router's queue", "queue_timeout")
-        return future.result()
+                if left.done() and not future.done():
+                    outcome = "left"
+                    break
+        finally:
+            left.cancel()
+        if future.done() and not future.cancelled():
+            return future.result()
+        future.cancel()
+        self._waiters.pop(key, None)
+        gone = self.queue.cancel(key)
+        self._queue_gauges()
+        if outcome == "left":
+            self.metrics.queue_cancelled.inc()
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        if gone:
+            self.queue.cancelled -= 1  # not a client leaving
+        if outcome == "no_replica":
+            self.metrics.unroutable.inc()
+            return error_json(503, "no replica is ready to take requests; retry shortly", "no_ready_replica")
+        self.metrics.queue_timeouts.inc()
+        return error_json(503, f"no replica could start the request within {self.config.queue_timeout_s:g}s "
+                          "in the router's queue", "queue_timeout")
 
     def _reserve(self, replica: Replica, tokens: int) -> None:
         # Counted at dispatch, before any await: the next dispatch sees this request on its replica.
@@ -254,9 +276,7 @@ class Router:
         queued = request.method == "POST" and self.config.flow_control
         self.counter += 1  # once per request: a retry must not shift round-robin's order
         seq = self.counter
-        for attempt in range(2):
-            if queued and not self.pool.healthy() and not attempt:
-                break  # nothing could take it: refuse at once (Retry-After) rather than hold the client
+        for attempt in range(MAX_ATTEMPTS):
             if queued:
                 picked = await self._wait_in_queue(request, info, received, seq, frozenset(tried), front=attempt > 0)
                 if isinstance(picked, Response):
