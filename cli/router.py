@@ -30,6 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--affinity-margin-ms", type=float, default=50.0,
                      help="a cache-warm replica wins while its predicted TTFT is within this (or 25%%) of the best")
     pol.add_argument("--seed", type=int, default=0, help="seed of the random policy")
+    fc = p.add_argument_group("flow control (requests wait in the router's queue, not on a replica)")
+    fc.add_argument("--queue-wait-slo-ms", type=float, default=None,
+                    help="the service's p99 queue-wait SLO: a request is dispatched once a replica's queued prefill "
+                         "drains within 25%% of it (default without it: 500 ms)")
+    fc.add_argument("--no-flow-control", action="store_true",
+                    help="send every request to a replica at once (no router queue; for comparisons)")
+    fc.add_argument("--max-queued", type=int, default=1024, help="requests waiting at most; more are answered 429")
+    fc.add_argument("--queue-timeout-s", type=float, default=60.0,
+                    help="a request still queued after this long is answered 503")
     hl = p.add_argument_group("health")
     hl.add_argument("--poll-interval-s", type=float, default=0.25, help="how often each replica's /ready and stats are read")
     hl.add_argument("--health-timeout-s", type=float, default=0.5, help="a replica slower than this is unhealthy")
@@ -56,6 +65,7 @@ async def serve(args: argparse.Namespace, admin_token: str | None) -> None:
     import uvicorn
 
     from stallfree.operator.router.discovery import EndpointSliceDiscovery
+    from stallfree.operator.router.flow_control import FlowConfig, dispatch_wait_ms
     from stallfree.operator.router.pick import AffinityMargin
     from stallfree.operator.router.proxy import Router, RouterConfig, create_app
     from stallfree.operator.router.replicas import ReplicaPool
@@ -63,7 +73,9 @@ async def serve(args: argparse.Namespace, admin_token: str | None) -> None:
     pool = ReplicaPool(admin_token, poll_interval_s=args.poll_interval_s, timeout_s=args.health_timeout_s)
     config = RouterConfig(policy=args.policy, chars_per_token=args.chars_per_token,
                           block_tokens=args.affinity_block_tokens,
-                          margin=AffinityMargin(absolute_ms=args.affinity_margin_ms), seed=args.seed)
+                          margin=AffinityMargin(absolute_ms=args.affinity_margin_ms), seed=args.seed,
+                          flow=FlowConfig(dispatch_wait_ms(args.queue_wait_slo_ms), args.max_queued),
+                          queue_timeout_s=args.queue_timeout_s, flow_control=not args.no_flow_control)
     router = Router(pool, config)
     await router.start()
     tasks = []
@@ -92,9 +104,11 @@ def main(argv: list[str]) -> int:
             raise ValueError("pass exactly one of --replicas (URLs) or --service (EndpointSlices in a cluster)")
         if args.replicas:
             replica_urls(args.replicas)
-        for flag in ("chars_per_token", "poll_interval_s", "health_timeout_s"):
+        for flag in ("chars_per_token", "poll_interval_s", "health_timeout_s", "queue_timeout_s", "max_queued"):
             if not getattr(args, flag) > 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+        if args.queue_wait_slo_ms is not None and not args.queue_wait_slo_ms > 0:
+            raise ValueError("--queue-wait-slo-ms must be positive")
         if args.affinity_block_tokens < 1 or args.affinity_margin_ms < 0:
             raise ValueError("--affinity-block-tokens must be positive and --affinity-margin-ms >= 0")
         if not 0 < args.port < 65536:

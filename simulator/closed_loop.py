@@ -2,23 +2,30 @@
 
 A `VirtualCluster` stands where a Deployment would: replicas are VirtualReplicas (the real scheduler and
 KV manager on the cost model), a new one becomes ready `startup_s` after it was asked for, a removed one
-stops receiving requests and drains before it goes. Load arrives as Poisson phases, each request sent to
-the ready replica with the fewest outstanding requests. Every control interval the real `ControlLoop` (tuner,
+stops receiving requests and drains before it goes. Load arrives as Poisson phases into the router's queue
+(virtual_router.py: the real router's flow control), which dispatches each request once a ready replica can
+start it soon (`router="immediate"`: at once to the replica with the fewest outstanding requests, the
+balancer before flow control). A replica's true speed may differ from the profile it reports (speed.py),
+and replicas may alternate between GPU models (a mixed fleet). Every control interval the real `ControlLoop` (tuner,
 scaler) observes through `VirtualObserver` and acts through `VirtualActuator`, the same Observer and
 Actuator seams that Kubernetes and the local runtime plug into.
 """
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from stallfree.contracts import Ceilings, Profile, Tuning
+from stallfree.simulator.speed import SlowedCostModel, SpeedSchedule
 from stallfree.simulator.virtual_replica import VirtualReplica
+from stallfree.simulator.virtual_router import QueueSnapshot, VirtualRouter
+from stallfree.operator.router.flow_control import FlowConfig, dispatch_wait_ms
 from stallfree.simulator.workload import LengthDist
 from stallfree.operator.control.loop import ControlLoop, StepResult
 from stallfree.operator.control.policy import ControlPolicy
-from stallfree.operator.control.observe import NOT_READY, ReplicaObservation, ReplicaTarget, classify
+from stallfree.operator.control.observe import (NOT_READY, QueueObservation, ReplicaObservation, ReplicaTarget,
+                                               classify)
 
 
 @dataclass(frozen=True)
@@ -41,12 +48,20 @@ class ClusterSpec:
     start_tuning: Tuning = field(default_factory=Tuning)  # the daemons' start-up flags
     max_model_len: int = 8192
     startup_s: float = 20.0  # asked for -> ready
+    speed: SpeedSchedule = SpeedSchedule()  # true speed over the profile's, every replica
+    hardware_mix: tuple[str, ...] = ()  # replica i runs on hardware_mix[i % len] (a mixed fleet); () = hardware
+    router: str = "queue"  # queue: the router's flow control; immediate: least-outstanding at arrival
+    queue_wait_slo_ms: float | None = None  # what the router's dispatch share is taken of
+
+    def hardware_of(self, index: int) -> str:
+        return self.hardware_mix[index % len(self.hardware_mix)] if self.hardware_mix else self.hardware
 
 
 @dataclass
 class _Slot:
     replica: VirtualReplica
     ready_at: float
+    index: int = 0
     draining: bool = False
 
 
@@ -58,6 +73,10 @@ class VirtualCluster:
         self.desired = 0
         self._next_index = 0
         self._profiles: dict[str, Profile] = {}
+        if spec.router not in ("queue", "immediate"):
+            raise ValueError(f"unknown router {spec.router!r}: queue or immediate")
+        self.router = VirtualRouter(FlowConfig(dispatch_wait_ms(spec.queue_wait_slo_ms)), self.profile, window_s)
+        self._router_t = now
         self.scale_to(replicas, now, ready_now=True)
 
     # -- the Deployment's verbs --------------------------------------------------------------------------
@@ -65,9 +84,10 @@ class VirtualCluster:
         """New replicas start (ready after startup_s); surplus ones, newest first, drain and then go."""
         serving = [name for name, slot in self.slots.items() if not slot.draining]
         for _ in range(replicas - len(serving)):
-            name = f"r{self._next_index}"
+            name, index = f"r{self._next_index}", self._next_index
             self._next_index += 1
-            self.slots[name] = _Slot(self._new_replica(name, now), now if ready_now else now + self.spec.startup_s)
+            self.slots[name] = _Slot(self._new_replica(name, index, now), now if ready_now else now + self.spec.startup_s,
+                                     index)
         for name in serving[replicas:] if replicas < len(serving) else ():
             self.slots[name].draining = True
         self.desired = replicas
@@ -75,21 +95,26 @@ class VirtualCluster:
     def restart(self, name: str, now: float) -> None:
         """The replica's process dies and comes back with its start-up flags (queued work is lost)."""
         slot = self.slots[name]
-        slot.replica = self._new_replica(name, now)
+        slot.replica = self._new_replica(name, slot.index, now)
         slot.ready_at = now
         self._profiles.pop(name, None)
+        self.router.forget([name])
 
-    def _new_replica(self, name: str, now: float) -> VirtualReplica:
+    def _new_replica(self, name: str, index: int, now: float) -> VirtualReplica:
         spec = self.spec
-        return VirtualReplica.for_model(spec.model, spec.hardware, tuning=spec.start_tuning, ceilings=spec.ceilings,
-                                        max_model_len=spec.max_model_len, dtype=spec.dtype, name=name,
-                                        stats_window_s=self.window_s, start_time=now)
+        replica = VirtualReplica.for_model(spec.model, spec.hardware_of(index), tuning=spec.start_tuning,
+                                           ceilings=spec.ceilings, max_model_len=spec.max_model_len, dtype=spec.dtype,
+                                           name=name, stats_window_s=self.window_s, start_time=now)
+        if not spec.speed.nominal:  # its clock runs at the true speed; its profile stays the nominal curve
+            replica.executor.cost_model = SlowedCostModel(replica.cost_model, spec.speed, replica.clock)
+        return replica
 
     def reap(self) -> list[str]:
         """Remove drained replicas (nothing waiting, running or yet to arrive)."""
         gone = [name for name, slot in self.slots.items() if slot.draining and _idle(slot.replica)]
         for name in gone:
             del self.slots[name]
+        self.router.forget(gone)
         return gone
 
     # -- traffic --------------------------------------------------------------------------------------------
@@ -97,22 +122,48 @@ class VirtualCluster:
         return [name for name, slot in self.slots.items() if not slot.draining and slot.ready_at <= now]
 
     def submit(self, arrivals: Sequence[tuple[float, int, int]], now: float) -> int:
-        """Route each (arrival time, prompt_len, max_tokens) to the ready replica with the fewest requests
-        outstanding at that moment (a least-request balancer, as LLM gateways use)."""
-        names = self.routable(now)
-        if not names:
-            return 0
-        replicas = [self.slots[name].replica for name in names]
+        """Each (arrival time, prompt_len, max_tokens) into the router's queue at its time, dispatched as the
+        router would (`router="immediate"`: at once to the ready replica with the fewest outstanding requests,
+        a least-request balancer)."""
+        if self.spec.router == "immediate":
+            names = self.routable(now)
+            if not names:
+                return 0
+            replicas = [self.slots[name].replica for name in names]
+            for arrival, prompt_len, max_tokens in arrivals:
+                for replica in replicas:
+                    replica.advance_to(arrival)
+                target = min(replicas, key=_outstanding)
+                target.submit(prompt_len, max_tokens, arrival)
+            return len(arrivals)
+        accepted = 0
         for arrival, prompt_len, max_tokens in arrivals:
-            for replica in replicas:
-                replica.advance_to(arrival)
-            target = min(replicas, key=_outstanding)
-            target.submit(prompt_len, max_tokens, arrival)
-        return len(arrivals)
+            self.advance_to(arrival)
+            accepted += self.router.arrive(arrival, prompt_len, max_tokens)
+            self._dispatch(arrival)
+        return accepted
 
     def advance_to(self, t: float) -> None:
+        """Virtual time to `t`; while requests wait in the router's queue, it re-checks every tick."""
+        router = self.router
+        while len(router.queue) and self._router_t + router.tick_s < t:
+            self._router_t += router.tick_s
+            self._advance_replicas(self._router_t)
+            self._dispatch(self._router_t)
+        self._advance_replicas(t)
+        self._router_t = max(self._router_t, t)
+
+    def _advance_replicas(self, t: float) -> None:
         for slot in self.slots.values():
             slot.replica.advance_to(t)
+
+    def _dispatch(self, now: float) -> None:
+        names = self.routable(now)
+        if names:
+            self.router.dispatch(now, {name: self.slots[name].replica for name in names})
+
+    def queue_snapshot(self, now: float) -> QueueSnapshot:
+        return self.router.snapshot(now)
 
     # -- what the control loop sees -----------------------------------------------------------------------
     def targets(self, now: float) -> list[ReplicaTarget]:
@@ -155,6 +206,14 @@ class VirtualObserver:
                 stats = replica.window_stats(now)
                 observations.append(classify(target, stats, self.cluster.profile(target.name), self.min_samples))
         return observations
+
+    async def observe_queue(self, now: float) -> QueueObservation | None:
+        """The router's queue (none with immediate dispatch: nothing waits there)."""
+        if self.cluster.spec.router != "queue":
+            return None
+        q = self.cluster.queue_snapshot(now)
+        return QueueObservation(q.depth, q.queued_prompt_tokens, q.oldest_wait_s * 1000.0,
+                                q.arrival_prompt_tokens_per_s, q.recent_prompt_tokens, q.recent_requests, q.recent_s)
 
 
 class VirtualActuator:
@@ -218,10 +277,12 @@ class ClosedLoopDriver:
                  replicas: int = 1, unreadable: Sequence[str] = (), seed: int = 0) -> None:
         self.policy = policy
         self.phases = list(phases)
+        if cluster_spec.queue_wait_slo_ms is None:  # the router dispatches against the service's SLO
+            cluster_spec = replace(cluster_spec, queue_wait_slo_ms=policy.slo.queue_wait_p99_ms)
         self.cluster = VirtualCluster(cluster_spec, policy.window_s, replicas)
         self.observer = VirtualObserver(self.cluster, policy.min_samples, unreadable)
         self.actuator = VirtualActuator(self.cluster)
-        self.loop = ControlLoop(policy, self.observer, self.actuator)
+        self.loop = ControlLoop(policy, self.observer, self.actuator, queue_source=self.observer)
         self.rng = random.Random(seed)
         self.t = 0.0
         self.submitted = 0

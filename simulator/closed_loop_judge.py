@@ -85,14 +85,19 @@ def _episodes(known: list[tuple[float, float]], limit: float) -> list[tuple[floa
 
 
 def _ready_times(rows: Sequence[dict[str, Any]]) -> list[float]:
-    """When the replicas of each scale-up were all ready (ready count reached the count asked for)."""
+    """When the replicas of each scale-up were all ready: the service runs the count asked for (or what a later
+    decision lowered it to) and that many are ready. Not at the step that asked: its row still shows the old
+    count, every one of them ready."""
     times, waiting_for = [], None
     for r in rows:
         if r["desired_replicas"] > r["replicas"]:
             waiting_for = r["desired_replicas"]
-        if waiting_for is not None and r["ready_replicas"] >= min(waiting_for, r["replicas"]):
-            times.append(r["t"])
-            waiting_for = None
+            continue
+        if waiting_for is not None:
+            target = min(waiting_for, r["desired_replicas"])
+            if r["replicas"] >= target and r["ready_replicas"] >= target:
+                times.append(r["t"])
+                waiting_for = None
     return times
 
 

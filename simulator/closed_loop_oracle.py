@@ -4,9 +4,11 @@ It knows the future (each load phase's rate and lengths, from the scenario) and 
 phase needs ready the moment it starts. For each phase it searches the smallest count n (within the
 scenario's replica bounds) and a budget from the replica's own profile such that n replicas carrying
 the phase's Poisson arrivals on the same cost model, routed as the cluster routes them (VirtualCluster:
-least outstanding requests), keep >= 95% of their steady-state windows within every SLO, judged as the
-run is: the worst replica's p99 per window. Start-up and drain are free to it. Its replica-minutes are
-the yardstick for the controller's; an SLO the oracle cannot meet at maxReplicas is infeasible there.
+the router's queue), keep >= 95% of their steady-state windows within every SLO, judged as the run is:
+the worst replica's p99 per window. It pays what the spec makes any controller pay: replicas are asked
+for the start-up time before their phase and kept the scale-down stabilization window after it. Its
+replica-minutes are the yardstick for the controller's; an SLO the oracle cannot meet at maxReplicas is
+infeasible there. It knows the true speed of the replicas (speed.py), which the controller does not.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from stallfree.contracts import Tuning, min_budget_for
 from stallfree.simulator.closed_loop import LoadPhase, VirtualCluster, poisson_arrivals
 from stallfree.simulator.closed_loop_judge import SLOS, WINDOW_FRACTION
+from stallfree.simulator.speed import SpeedSchedule
 from stallfree.simulator.virtual_replica import VirtualReplica
 from stallfree.operator.control.observe import too_few_samples
 
@@ -28,7 +31,7 @@ WARMUP_S, STEADY_S = 30.0, 120.0
 
 
 def oracle(scenario: "Scenario") -> dict[str, Any]:
-    phases = sorted(scenario.phases, key=lambda p: p.start_s)
+    phases = _split_at_speed_change(scenario)
     rows, minutes = [], 0.0
     weighted: dict[str, float] = {name: 0.0 for name, *_ in SLOS}
     infeasible: set[str] = set()
@@ -45,10 +48,30 @@ def oracle(scenario: "Scenario") -> dict[str, Any]:
                 infeasible.add(name)
         rows.append({"start_s": phase.start_s, "seconds": span, "replicas": n, "token_budget": budget,
                      "window_fraction": fractions, "label": phase.label})
+    minutes = paid_replica_minutes(rows, scenario.cluster.startup_s, scenario.policy.scaling.scale_down_stabilization_s,
+                                   scenario.duration_s)
     total = sum(r["seconds"] for r in rows) or 1.0
     fraction = {name: round(v / total, 3) for name, v in weighted.items()}
     return {"replica_minutes": round(minutes, 2), "slo_window_fraction": min(fraction.values()),
             "window_fraction": fraction, "infeasible": sorted(infeasible), "phases": rows}
+
+
+def paid_replica_minutes(rows: list[dict[str, Any]], startup_s: float, stabilization_s: float,
+                         duration_s: float) -> float:
+    """Replica-minutes the oracle pays: a phase's count asked for `startup_s` before it starts (ready the
+    moment it starts) and kept `stabilization_s` after it ends (the spec's scale-down window), as the
+    controller pays them. Replicas cost from the run's start at the earliest."""
+    step, paid = 1.0, 0.0
+    t = 0.0
+    while t < duration_s:
+        need = 0
+        for r in rows:
+            start, end = r["start_s"], r["start_s"] + r["seconds"]
+            if start - startup_s <= t < end + stabilization_s or start <= t < end:
+                need = max(need, r["replicas"])
+        paid += need * step
+        t += step
+    return round(paid / 60.0, 2)
 
 
 def fewest_replicas(scenario: "Scenario", phase: LoadPhase) -> tuple[int, int, dict[str, float]]:
@@ -64,10 +87,11 @@ def fewest_replicas(scenario: "Scenario", phase: LoadPhase) -> tuple[int, int, d
     demand = phase.rate * _mean(phase.prompt_len)
     for n in range(max(1, scaling.min_replicas), scaling.max_replicas + 1):
         for budget in _budgets(scenario):
-            if demand > n * _prefill_bound(scenario, budget) and n < scaling.max_replicas:
+            bound = _prefill_bound(scenario, budget) * scenario.cluster.speed.at(phase.start_s)
+            if demand > n * bound and n < scaling.max_replicas:
                 continue  # more prompt tokens than n replicas can prefill even without decodes: a sure miss
             fractions = _steady(scenario, phase.rate, n, phase.prompt_len.describe(), phase.output_len.describe(),
-                                budget)
+                                budget, phase.start_s)
             if min(fractions.values()) >= WINDOW_FRACTION:
                 return n, budget, fractions
             if n == scaling.max_replicas and (best is None or rank(fractions) > rank(best[2])):
@@ -108,14 +132,29 @@ def _prefill_bound(scenario: "Scenario", budget: int) -> float:
     return budget / (ms / 1000.0) if ms > 0 else float("inf")
 
 
+def _split_at_speed_change(scenario: "Scenario") -> list[LoadPhase]:
+    """The load phases, one more where the replicas' true speed changes (the oracle knows it does)."""
+    phases = sorted(scenario.phases, key=lambda p: p.start_s)
+    change = scenario.cluster.speed.change_at_s
+    if change is None or change >= scenario.duration_s:
+        return phases
+    current = next((p for p in reversed(phases) if p.start_s <= change), None)
+    if current is None or any(p.start_s == change for p in phases):
+        return phases
+    return sorted(phases + [replace(current, start_s=change, label=f"{current.label} (speed changes)")],
+                  key=lambda p: p.start_s)
+
+
 def _steady(scenario: "Scenario", rate: float, replicas: int, prompt: str, output: str,
-            budget: int) -> dict[str, float]:
-    return dict(_steady_cached(scenario.name, scenario.seed, round(rate, 6), replicas, prompt, output, budget))
+            budget: int, start_s: float = 0.0) -> dict[str, float]:
+    speed = scenario.cluster.speed.at(start_s)  # the truth over this phase, which the controller must learn
+    return dict(_steady_cached(scenario.name, scenario.seed, round(rate, 6), replicas, prompt, output, budget,
+                               speed))
 
 
 @lru_cache(maxsize=None)
 def _steady_cached(name: str, seed: int, rate: float, replicas: int, prompt: str, output: str,
-                   budget: int) -> tuple[tuple[str, float], ...]:
+                   budget: int, speed: float = 1.0) -> tuple[tuple[str, float], ...]:
     from stallfree.simulator.closed_loop_scenarios import SCENARIOS  # the scenario by name (cache key)
     from stallfree.simulator.workload import parse_length
 
@@ -124,15 +163,27 @@ def _steady_cached(name: str, seed: int, rate: float, replicas: int, prompt: str
     while min_budget_for(tuning.max_num_seqs) > budget and tuning.max_num_seqs > 1:
         tuning = replace(tuning, max_num_seqs=tuning.max_num_seqs - 1)
     window, slo = scenario.policy.window_s, scenario.policy.slo
-    cluster = VirtualCluster(replace(scenario.cluster, start_tuning=tuning), window, replicas)
+    cluster = VirtualCluster(replace(scenario.cluster, start_tuning=tuning, speed=SpeedSchedule(speed),
+                                     queue_wait_slo_ms=scenario.cluster.queue_wait_slo_ms or slo.queue_wait_p99_ms),
+                             window, replicas)
     phase = LoadPhase(0.0, rate, parse_length(prompt), parse_length(output))
     rng = random.Random(seed + 7)
-    cluster.submit(poisson_arrivals(phase, 0.0, WARMUP_S + STEADY_S, rng), 0.0)
+    arrivals = poisson_arrivals(phase, 0.0, WARMUP_S + STEADY_S, rng)
     within = {name: [0, 0] for name, *_ in SLOS}
+    t, sent = 0.0, 0
+
+    def until(end: float) -> None:  # arrivals up to `end` through the cluster's router, then time to `end`
+        nonlocal sent
+        batch = [a for a in arrivals[sent:] if a[0] <= end]
+        sent += len(batch)
+        cluster.submit(batch, end)
+        cluster.advance_to(end)
+
+    until(WARMUP_S)
     t = WARMUP_S
     while t + window <= WARMUP_S + STEADY_S + 1e-9:
         t += window
-        cluster.advance_to(t)
+        until(t)
         stats = [slot.replica.window_stats(t) for slot in cluster.slots.values()]
         stats = [s for s in stats if too_few_samples(s, scenario.policy.min_samples) is None]  # known ones
         for name, attr, limit in (("tpot", "tpot_ms", slo.tpot_p99_ms),
@@ -143,7 +194,7 @@ def _steady_cached(name: str, seed: int, rate: float, replicas: int, prompt: str
                 within[name][1] += 1
                 within[name][0] += max(values) <= limit
     # Work still queued at the end is windows not yet judged: a growing backlog fails queue wait and TTFT.
-    waiting = sum(slot.replica.num_waiting for slot in cluster.slots.values())
+    waiting = sum(slot.replica.num_waiting for slot in cluster.slots.values()) + len(cluster.router.queue)
     if waiting > max(2, rate * window):
         within["queue_wait"][0] = within["ttft"][0] = 0
     return tuple((name, (ok / n) if n else 1.0) for name, (ok, n) in within.items())

@@ -15,6 +15,13 @@ whole timeline and a summary of the figures its claim rests on; `check` says whe
 - unknown-replica: one of two replicas cannot be read; no scaling decision rests on it and the status
   says so; when load rises, the scale-up is sized from the readable replica alone.
 - burst: 10x the demand for 60 s, then back; ramp: demand doubling over 10 minutes.
+- A profile that can be wrong (speed.py): slow (every replica at x0.7 the speed its profile says), fast
+  (x1.4), neighbour (x1.0, then x0.6 from t=600 s: a noisy neighbour) and mixed-fleet (a100 and h100
+  replicas in one service). The controller reads each replica's profile and learns the truth from its
+  windows; the oracle knows it.
+
+Every scenario must meet every goal (closed_loop_judge.py); `ok` is its checks and its goals together, so
+`stallfree control --scenario all` exits non-zero when any scenario misses any goal.
 
 Every scenario is also judged on every SLO it declares (closed_loop_judge.py: windows within, restore
 times after the replicas are ready, reversals) and set against an offline oracle (closed_loop_oracle.py:
@@ -31,8 +38,10 @@ from stallfree.contracts import Ceilings, Tuning
 from stallfree.simulator.virtual_replica import VirtualReplica
 from stallfree.simulator.workload import parse_length
 from stallfree.simulator.closed_loop import ClosedLoopRun, ClusterSpec, LoadPhase, poisson_arrivals, run_closed_loop
+from stallfree.simulator.speed import SpeedSchedule
 from stallfree.simulator.closed_loop_judge import OVER_ORACLE, judge
 from stallfree.simulator.closed_loop_oracle import oracle
+from stallfree.operator.control.loop import counts_as_known
 from stallfree.operator.control.policy import ControlPolicy, ScalingPolicy, SLOTargets, drain_target_s
 from stallfree.operator.control.scaler import SCALED_DOWN, SCALED_UP
 from stallfree.operator.control.timeline import budget_reversals, timeline
@@ -63,7 +72,13 @@ class ScenarioResult:
 
     @property
     def ok(self) -> bool:
-        return all(self.checks.values())
+        """Its own checks and every goal (no goal is excused: a missed one fails the run)."""
+        return all(self.checks.values()) and all(self.judged.get("goals", {}).values())
+
+    @property
+    def missed(self) -> list[str]:
+        return [f"check {k}" for k, v in self.checks.items() if not v] + \
+            [f"goal {k}" for k, v in self.judged.get("goals", {}).items() if not v]
 
     def to_dict(self) -> dict[str, Any]:
         s = self.scenario
@@ -81,6 +96,7 @@ class ScenarioResult:
             "summary": self.summary,
             "checks": self.checks,
             "ok": self.ok,
+            "missed": self.missed,
             "replica_minutes": self.judged.get("replica_minutes"),
             "replica_minutes_over_oracle": self.oracle.get("replica_minutes_over_oracle"),
             "slo_window_fraction": self.judged.get("slo_window_fraction"),
@@ -241,13 +257,15 @@ def summarize_scale_out(scenario: Scenario, run: ClosedLoopRun) -> tuple[dict[st
     capacity = measured_capacity(scenario, tuning)
     demand = high.rate * _mean_length(high.prompt_len)
     target = demand / capacity if capacity else None
-    reached = next((t for t, _, n in changes if n == final_high), None) if final_high else None
+    # The count the high load settled at, first reached (a drained burst's surplus may step down to it later).
+    reached = next((t for t, _, n in changes if n >= final_high), None) if final_high else None
     # Replicas sized in beside the demand because their own queue drains only through them (scaler.py).
     busy = max((s.scale.busy_replicas for s in run.steps if s.scale.kind == SCALED_UP), default=0)
     window = policy.scaling.scale_up_stabilization_s
-    directions = [1 if n > c else -1 for _, c, n in changes]
+    directions = [1 if n > c else -1 for _, c, n in changes]  # consecutive steps down are one direction
     reversals = sum(1 for a, b in zip(directions, directions[1:]) if a != b)
-    first_down = downs[0][0] if downs else None
+    # Scale-in after the load drop (steps down while the high load lasts shed a drained backlog's surplus).
+    first_down = next((t for t, c, n in downs if t > low.start_s), None)
     summary = {
         "demand_prompt_tokens_per_s": round(demand),
         "measured_capacity_per_replica_tokens_per_s": round(capacity),
@@ -308,7 +326,7 @@ def summarize_unknown_replica(scenario: Scenario, run: ClosedLoopRun) -> tuple[d
     rests_on_known_only = all(
         s.scale.demand_tokens_per_s is None or math.isclose(
             s.scale.demand_tokens_per_s,
-            sum(o.stats.prompt_tokens_per_s for o in s.observations if o.known and o.stats is not None),
+            sum(o.stats.prompt_tokens_per_s for o in s.observations if counts_as_known(o)),
             rel_tol=1e-9, abs_tol=1e-6)
         for s in steps)
     quiet = [s for s in steps if s.time <= scenario.phases[1].start_s]
@@ -365,6 +383,46 @@ def ramp() -> Scenario:
     )
 
 
+def wrong_profile(name: str, claim: str, speed: SpeedSchedule = SpeedSchedule(),
+                  hardware_mix: tuple[str, ...] = ()) -> Scenario:
+    """scale-out's service and load (light, beyond one replica, drop) on replicas whose truth differs
+    from the profile the loop reads."""
+    base = scale_out()
+    return Scenario(name, claim, replace(base.cluster, speed=speed, hardware_mix=hardware_mix), base.policy,
+                    base.phases, base.duration_s)
+
+
+def slow() -> Scenario:
+    return wrong_profile("slow", "every replica at x0.7 the speed its profile says: the loop learns it from its "
+                         "windows and meets the same goals", SpeedSchedule(0.7))
+
+
+def fast() -> Scenario:
+    return wrong_profile("fast", "every replica at x1.4 the speed its profile says: no replica-minutes wasted on a "
+                         "pessimistic profile", SpeedSchedule(1.4))
+
+
+def neighbour() -> Scenario:
+    return wrong_profile("neighbour", "a noisy neighbour: every replica slows to x0.6 at t=600 s, mid-load",
+                         SpeedSchedule(1.0, change_at_s=600, factor_after=0.6))
+
+
+def mixed_fleet() -> Scenario:
+    """Mistral-7B on alternating a100 and h100 replicas (about 12k and 26k prompt tok/s each at budget 512):
+    each is routed and counted at its own speed; a new replica's speed is not known before it is ready."""
+    prompt, output = parse_length(SCALE_OUT_PROMPT), parse_length(SCALE_OUT_OUTPUT)
+    base = scale_out()
+    return Scenario(
+        "mixed-fleet", "a100 and h100 replicas in one service: each routed and counted at its own speed",
+        replace(base.cluster, model="mistral-7b", dtype="bfloat16", hardware="a100", hardware_mix=("a100", "h100")),
+        base.policy,
+        [LoadPhase(0, 2.0, prompt, output, "light"),
+         LoadPhase(120, 16.0, prompt, output, "beyond two replicas' prefill capacity"),
+         LoadPhase(900, 6.0, prompt, output, "load drops")],
+        duration_s=1800,
+    )
+
+
 def summarize_load_change(scenario: Scenario, run: ClosedLoopRun) -> tuple[dict[str, Any], dict[str, bool]]:
     changes = [(s.time, s.scale.current, s.scale.desired) for s in run.steps if s.scale.changed]
     summary = {"scale_changes": [{"t": t, "from": c, "to": n} for t, c, n in changes],
@@ -382,6 +440,10 @@ SCENARIOS: dict[str, tuple[Callable[[], Scenario], Callable[..., tuple[dict[str,
     "unknown-replica": (unknown_replica, summarize_unknown_replica),
     "burst": (burst, summarize_load_change),
     "ramp": (ramp, summarize_load_change),
+    "slow": (slow, summarize_load_change),
+    "fast": (fast, summarize_load_change),
+    "neighbour": (neighbour, summarize_load_change),
+    "mixed-fleet": (mixed_fleet, summarize_load_change),
 }
 
 

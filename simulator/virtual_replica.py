@@ -276,6 +276,11 @@ class VirtualReplica:
         return len(self._arrivals)
 
     @property
+    def pending_prompt_tokens(self) -> int:
+        """Prompt tokens of submitted requests whose arrival time has not come yet."""
+        return sum(len(arrival[3]) for arrival in self._arrivals)
+
+    @property
     def num_iterations(self) -> int:
         return self.engine.num_iterations
 

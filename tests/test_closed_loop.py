@@ -17,6 +17,7 @@ def run_cli(tmp_path, scenario: str, plot: bool = False) -> dict:
     code = main(argv)
     result = json.loads(out.read_text())
     assert code == (0 if result["ok"] else 1)
+    assert result["ok"] == (all(result["checks"].values()) and all(result["judged"]["goals"].values()))
     return result
 
 
@@ -30,7 +31,7 @@ def reversals(kinds: list[str]) -> int:
 
 def test_tpot_step_recovers_within_three_intervals(tmp_path):
     result = run_cli(tmp_path, "tpot-step", plot=True)
-    assert result["ok"], result["checks"]
+    assert all(result["checks"].values()), result["checks"]
     timeline, slo = result["timeline"], result["slo"]["tpot_p99_ms"]
     step_s = result["load"][1]["start_s"]
     before = [r["p99_tpot_ms"] for r in timeline if r["t"] <= step_s]
@@ -47,7 +48,7 @@ def test_tpot_step_recovers_within_three_intervals(tmp_path):
 
 def test_small_budget_is_raised_ttft_halves_tpot_holds(tmp_path):
     result = run_cli(tmp_path, "small-budget")
-    assert result["ok"], result["checks"]
+    assert all(result["checks"].values()), result["checks"]
     timeline, slo = result["timeline"], result["slo"]
     budgets = [r["replica_detail"][0]["token_budget"] for r in timeline]
     assert budgets[0] == 64 and budgets[-1] > 2 * budgets[0]
@@ -61,7 +62,7 @@ def test_small_budget_is_raised_ttft_halves_tpot_holds(tmp_path):
 @pytest.mark.slow
 def test_scale_out_to_demand_over_capacity_then_stabilized_scale_in(tmp_path):
     result = run_cli(tmp_path, "scale-out")
-    assert result["ok"], result["checks"]
+    assert all(result["checks"].values()), result["checks"]
     s, timeline = result["summary"], result["timeline"]
     assert timeline[-1]["t"] >= 1800  # a 30-minute run
     target = s["demand_prompt_tokens_per_s"] / s["measured_capacity_per_replica_tokens_per_s"]
@@ -69,7 +70,8 @@ def test_scale_out_to_demand_over_capacity_then_stabilized_scale_in(tmp_path):
     ups = [r for r in timeline if r["desired_replicas"] > r["replicas"]]
     downs = [r for r in timeline if r["desired_replicas"] < r["replicas"]]
     assert 1 <= len(ups) <= 2 and ups[-1]["t"] - result["load"][1]["start_s"] <= 2 * 30 + 20
-    assert downs and downs[0]["t"] - result["load"][2]["start_s"] >= 300
+    after_drop = [r for r in downs if r["t"] > result["load"][2]["start_s"]]
+    assert after_drop and after_drop[0]["t"] - result["load"][2]["start_s"] >= 300
     assert downs[0]["t"] > ups[-1]["t"]  # up, then down, never back: no flapping
     counts = [r["desired_replicas"] for r in timeline]
     changes = [b - a for a, b in zip(counts, counts[1:]) if b != a]
@@ -80,7 +82,7 @@ def test_scale_out_to_demand_over_capacity_then_stabilized_scale_in(tmp_path):
 
 def test_unknown_replica_never_carries_a_scaling_decision(tmp_path):
     result = run_cli(tmp_path, "unknown-replica")
-    assert result["ok"], result["checks"]
+    assert all(result["checks"].values()), result["checks"]
     timeline = result["timeline"]
     for row in timeline:
         r1 = next(r for r in row["replica_detail"] if r["name"] == "r1")
@@ -123,7 +125,7 @@ def test_every_declared_slo_is_judged_beside_the_oracle(tmp_path, capsys):
 @pytest.mark.parametrize("scenario", ["burst", "ramp"])
 def test_burst_and_ramp_are_judged_on_every_slo(tmp_path, scenario):
     result = run_cli(tmp_path, scenario)
-    assert result["ok"], result["checks"]
+    assert all(result["checks"].values()), result["checks"]
     assert result["replica_minutes_over_oracle"] > 0 and 0 <= result["slo_window_fraction"] <= 1
     assert result["judged"]["goals"]["at_most_one_reversal_per_load_change"]
     assert result["oracle"]["replica_minutes"] > 0 and len(result["oracle"]["phases"]) >= 2

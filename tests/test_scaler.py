@@ -104,7 +104,7 @@ def test_no_known_replica_no_decision():
 
 
 def test_scale_in_waits_out_the_window_and_takes_its_largest_recommendation():
-    steps = [[quiet(f"r{i}", 0.3 * CAP) for i in range(4)]] * 29  # 1.2 replicas' demand: fits 2 at 70%
+    steps = [[quiet(f"r{i}", 0.3 * CAP) for i in range(4)]] * 29  # 1.2 replicas' demand: fits 2 at 85%
     decisions, state, current = run(steps, current=4)
     assert current == 4 and decisions[-1][1].reason == "stabilizing"
     decisions, state, current = run([[quiet(f"r{i}", 0.3 * CAP) for i in range(4)]] * 2, state=state, current=4,
@@ -114,7 +114,7 @@ def test_scale_in_waits_out_the_window_and_takes_its_largest_recommendation():
     busy_then_quiet = [[quiet(f"r{i}", 0.6 * CAP) for i in range(4)]] * 5 + \
         [[quiet(f"r{i}", 0.1 * CAP) for i in range(4)]] * 26
     decisions, _, current = run(busy_then_quiet, current=4)
-    assert current == 4  # 2.4 replicas' demand at 70% needed 4 within the last 300 s
+    assert current == 3  # 2.4 replicas' demand at 85% needed 3 within the last 300 s
 
 
 def test_scale_in_never_while_an_slo_is_missed():

@@ -140,6 +140,20 @@ def test_the_overload_is_sized_beyond_the_capacity_the_loop_measured():
     assert beyond_one_replica(plan, None) == next(p for p in plan.phases if p.label == "beyond one replica")
 
 
+def test_the_long_prompt_phase_is_sized_within_one_replica_from_the_same_figure():
+    from stallfree.operator.local.demo import WITHIN_ONE_REPLICA, sized_phase
+
+    plan = plan_demo(_profile(1.0), 512, 2048)
+    measured = 0.6 * plan.prefill_tokens_per_s
+    long = sized_phase(plan, "long prompts", measured)
+    beyond = sized_phase(plan, "beyond one replica", measured)
+    chat = plan.chat.rate_per_s * plan.chat.prompt_tokens
+    assert abs(long.rate_per_s * long.prompt_tokens + chat - WITHIN_ONE_REPLICA * measured) < 1e-6
+    assert long.rate_per_s * long.prompt_tokens + chat < measured  # one replica holds it: no second one yet
+    assert beyond.rate_per_s * beyond.prompt_tokens + chat > measured  # the next phase needs the second
+    assert sized_phase(plan, "long prompts", None) == next(p for p in plan.phases if p.label == "long prompts")
+
+
 def test_a_window_with_an_unknown_replica_does_not_restore_an_slo():
     rows = [_row(0, 50), _row(5, 300), _row(10, 80), _row(15, 90), _row(20, 70), _row(25, 60)]
     rows[2]["replica_detail"].append({"name": "r1", "known": False})  # only r0 known: its 80 ms says too little

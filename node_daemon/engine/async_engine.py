@@ -88,8 +88,10 @@ class AsyncEngine:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       sampling: SamplingParams, waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs until one is finished. Leaving early (break, cancel) aborts it.
+        `waited_s`: how long it already waited before it reached this daemon (the router's queue): its
+        arrival is that much earlier, so queue wait and TTFT count from the router's arrival.
 
         Bad input raises ValueError at the first iteration; nothing else in flight is disturbed.
         """
@@ -99,7 +101,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in flight")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._submit(("add", request_id, list(prompt_token_ids), sampling, time.monotonic()))
+        self._submit(("add", request_id, list(prompt_token_ids), sampling, time.monotonic() - max(0.0, waited_s)))
         finished = False
         try:
             while True:

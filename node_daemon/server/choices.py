@@ -29,7 +29,7 @@ _SEED_MODULUS = 1 << 64
 
 class Choices:
     def __init__(self, daemon: Daemon, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                 n: int, ticket: QueueTicket) -> None:
+                 n: int, ticket: QueueTicket, waited_s: float = 0.0) -> None:
         self.daemon = daemon
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -37,13 +37,14 @@ class Choices:
         self.samplings = [sampling if i == 0 or sampling.seed is None
                           else dataclasses.replace(sampling, seed=(sampling.seed + i) % _SEED_MODULUS)
                           for i in range(n)]
+        self.waited_s = waited_s
         self.generations: list[Generation] = [Generation(daemon, f"{request_id}-0", prompt_token_ids,
-                                                         self.samplings[0], ticket)]
+                                                         self.samplings[0], ticket, waited_s)]
 
     def _start_siblings(self) -> None:
         for i in range(1, self.n):
             self.generations.append(Generation(self.daemon, f"{self.request_id}-{i}", self.prompt_token_ids,
-                                               self.samplings[i], QueueTicket(0, queued=False)))
+                                               self.samplings[i], QueueTicket(0, queued=False), self.waited_s))
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) of every choice as they come, until all are finished; closes all on exit."""

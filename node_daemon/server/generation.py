@@ -29,14 +29,28 @@ def admit(daemon: Daemon, num_prompt_tokens: int) -> QueueTicket:
     return verdict
 
 
+ROUTER_QUEUE_HEADER = "x-stallfree-router-queue-ms"
+MAX_ROUTER_WAIT_S = 600.0  # a header is a client's word: bounded, it can only shift one request's own timings
+
+
+def router_wait_s(headers) -> float:
+    """Seconds the request waited in the router's queue (its header), 0 when absent or malformed."""
+    try:
+        value = float(headers.get(ROUTER_QUEUE_HEADER, "0")) / 1000.0
+    except ValueError:
+        return 0.0
+    return min(MAX_ROUTER_WAIT_S, value) if value > 0 else 0.0  # NaN and negatives: 0
+
+
 class Generation:
     def __init__(self, daemon: Daemon, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                 ticket: QueueTicket) -> None:
+                 ticket: QueueTicket, waited_s: float = 0.0) -> None:
         self.daemon = daemon
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
         self.ticket = ticket
+        self.waited_s = waited_s  # in the router's queue, before it came here
         self.finished = False
         self._closed = False
         daemon.drain.enter(request_id)
@@ -44,7 +58,8 @@ class Generation:
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for this request; closes the generation when iteration stops for any reason."""
         try:
-            async for out in self.daemon.engine.generate(self.request_id, self.prompt_token_ids, self.sampling):
+            async for out in self.daemon.engine.generate(self.request_id, self.prompt_token_ids, self.sampling,
+                                                      self.waited_s):
                 if self.ticket.queued and (out.num_output_tokens or out.finished):
                     self.daemon.admission.dequeue(self.ticket)
                 if out.finished:

@@ -18,7 +18,7 @@ from stallfree.node_daemon.engine.engine_protocol import RequestOutput
 from stallfree.node_daemon.server import choices, protocol
 from stallfree.node_daemon.server.app import Daemon, get_daemon
 from stallfree.node_daemon.server.errors import APIError
-from stallfree.node_daemon.server.generation import Generation, admit
+from stallfree.node_daemon.server.generation import Generation, admit, router_wait_s
 from stallfree.node_daemon.server.parsed_body import ParsedBodyRoute
 from stallfree.node_daemon.server.streaming import ChunkRenderer, SSEResponse, stream_events
 
@@ -202,7 +202,7 @@ async def _serve(daemon: Daemon, request: Request, body: protocol.SamplingFields
     ticket = admit(daemon, len(prompt_ids))
     if body.n > 1:
         return await _serve_choices(daemon, request, body, rid, prompt_ids, sampling, ticket, chat, echo)
-    generation = Generation(daemon, rid, prompt_ids, sampling, ticket)
+    generation = Generation(daemon, rid, prompt_ids, sampling, ticket, router_wait_s(request.headers))
     if body.stream:
         render = ChunkRenderer(rid, protocol.now_s(), daemon.served_model_name, chat, body.include_usage,
                                body.continuous_usage, logprobs=sampling.logprobs is not None, echo=echo)
@@ -254,7 +254,7 @@ def _render_logprobs(entries: list, chat: bool, echo: str | None) -> dict:
 async def _serve_choices(daemon: Daemon, request: Request, body: protocol.SamplingFields, rid: str,
                          prompt_ids: list[int], sampling, ticket, chat: bool, echo: str | None):
     """n > 1 (choices.py): one engine request per choice, the prompt's KV shared through the prefix cache."""
-    group = choices.Choices(daemon, rid, prompt_ids, sampling, body.n, ticket)
+    group = choices.Choices(daemon, rid, prompt_ids, sampling, body.n, ticket, router_wait_s(request.headers))
     if body.stream:
         render = ChunkRenderer(rid, protocol.now_s(), daemon.served_model_name, chat, body.include_usage,
                                body.continuous_usage, logprobs=sampling.logprobs is not None, echo=echo)

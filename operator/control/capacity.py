@@ -49,23 +49,29 @@ def calibration(stats: WindowStats, profile: Profile | None) -> float:
     decode-only curve, the rest with the mixed curve; the ratio carries what the profile does not see
     (long contexts, a busy machine) into every prediction made from it.
     """
+    seen = observed_calibration(stats, profile)
+    return 1.0 if seen is None else seen[1]
+
+
+def observed_calibration(stats: WindowStats, profile: Profile | None) -> tuple[str, float] | None:
+    """("decode" | "mixed", observed over predicted) when the window can tell, else None."""
     budget = stats.tuning.token_budget
     if profile is None or not profile.mixed or stats.iterations <= 0 or not stats.mean_iteration_ms or budget <= 0:
-        return 1.0
+        return None
     tokens = stats.budget_utilisation * budget
     if tokens < 1:
-        return 1.0
+        return None
     total_rate = stats.decode_tokens_per_s + stats.prefill_tokens_per_s
     decode_share = stats.decode_tokens_per_s / total_rate if total_rate > 0 else 0.0
     if decode_share >= 0.9 and profile.decode_only:
-        predicted = decode_ms_at(profile, max(1, round(tokens)))
+        kind, predicted = "decode", decode_ms_at(profile, max(1, round(tokens)))
     elif stats.budget_utilisation >= _CALIBRATE_ABOVE_UTILISATION:
-        predicted = profile.iteration_ms_at(round(tokens))
+        kind, predicted = "mixed", profile.iteration_ms_at(round(tokens))
     else:
-        return 1.0
+        return None
     if predicted <= 0:
-        return 1.0
-    return min(20.0, max(0.25, stats.mean_iteration_ms / predicted))
+        return None
+    return kind, min(20.0, max(0.25, stats.mean_iteration_ms / predicted))
 
 
 def decode_ms_at(profile: Profile, num_decodes: int) -> float:

@@ -67,9 +67,10 @@ DEMAND_WEIGHT = 0.4
 
 
 def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy,
-           previous_demand: float | None = None) -> Feasibility:
+           previous_demand: float | None = None, arrived_demand: float | None = None) -> Feasibility:
     """Feasibility of the service's SLOs from its known replicas (replicas share one profile).
-    `previous_demand`: the smoothed demand of earlier steps (prompt tokens/s), blended with this one's."""
+    `previous_demand`: the smoothed demand of earlier steps (prompt tokens/s), blended with this one's.
+    `arrived_demand`: prompt tokens/s the router saw arrive (its queue holds what replicas did not take yet)."""
     known = [o for o in observations if o.known and o.stats is not None]
     profiled = [o for o in known if o.profile is not None and o.profile.mixed]
     if not profiled:
@@ -100,6 +101,8 @@ def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy,
     serving = sum(1 for o in observations if o.ready)
     if known and serving > len(known):
         demand *= serving / len(known)  # unreadable replicas serve their share too
+    if arrived_demand is not None:
+        demand = max(demand, arrived_demand)  # replicas see only what was dispatched to them
     if previous_demand is not None:
         demand = DEMAND_WEIGHT * demand + (1 - DEMAND_WEIGHT) * previous_demand
     needed = max(1, math.ceil(demand / capacity)) if capacity and demand > 0 else (1 if capacity else None)

@@ -16,9 +16,12 @@ from typing import Any, Protocol, Sequence
 from stallfree.contracts import Tuning, WindowStats
 from stallfree.operator.control.capacity import prefill_capacity_tokens_per_s
 from stallfree.operator.control.feasibility import LABELS, Feasibility, assess
+from stallfree.operator.control.learned_speed import LearnedSpeed
 from stallfree.operator.control.policy import ControlPolicy
-from stallfree.operator.control.observe import Observer, ReplicaObservation, ReplicaTarget
-from stallfree.operator.control.scaler import ReplicaLoad, ScaleDecision, ScalerState, decide_replicas
+from stallfree.operator.control.observe import (Observer, QueueObservation, QueueSource, ReplicaObservation,
+                                               ReplicaTarget)
+from stallfree.operator.control.scaler import (ReplicaLoad, RouterBacklog, ScaleDecision, ScalerState,
+                                               decide_replicas)
 from stallfree.operator.control.tuner import REAPPLY, ReplicaTunerState, TunerConfig, TuningDecision, decide_tuning
 
 SLO_MET, CAPACITY_EXHAUSTED, SLO_FEASIBLE = "SLOMet", "PrefillCapacityExhausted", "SLOFeasible"
@@ -61,6 +64,7 @@ class ControlState:
     feasible_pending: str | None = None  # a different verdict seen lately ...
     feasible_pending_steps: int = 0  # ... for this many consecutive steps
     demand_smoothed: float | None = None  # prompt tokens/s, smoothed over steps (feasibility's demand)
+    speeds: dict[str, LearnedSpeed] = field(default_factory=dict)  # each replica's, learned from its windows
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +78,7 @@ class ControlState:
             "feasible_pending": self.feasible_pending,
             "feasible_pending_steps": self.feasible_pending_steps,
             "demand_smoothed": self.demand_smoothed,
+            "speeds": {name: s.to_dict() for name, s in self.speeds.items()},
         }
 
     @classmethod
@@ -91,6 +96,7 @@ class ControlState:
             feasible_pending=data.get("feasible_pending"),
             feasible_pending_steps=int(data.get("feasible_pending_steps") or 0),
             demand_smoothed=data.get("demand_smoothed"),
+            speeds={name: LearnedSpeed.from_dict(s) for name, s in (data.get("speeds") or {}).items()},
         )
 
 
@@ -104,6 +110,7 @@ class StepResult:
     failures: list[str]
     state: ControlState
     feasibility: Feasibility = Feasibility()
+    queue: QueueObservation | None = None  # the router's queue, where one is read
 
     @property
     def feasible_line(self) -> str:
@@ -151,9 +158,11 @@ class StepResult:
 
 class ControlLoop:
     def __init__(self, policy: ControlPolicy, observer: Observer, actuator: Actuator,
-                 state: ControlState | None = None, tuner_config: TunerConfig = TunerConfig()) -> None:
+                 state: ControlState | None = None, tuner_config: TunerConfig = TunerConfig(),
+                 queue_source: QueueSource | None = None) -> None:
         self.policy = policy
         self.observer = observer
+        self.queue_source = queue_source  # the router's queue (flow control), where requests wait
         self.actuator = actuator
         self.state = state or ControlState()
         self.tuner_config = tuner_config
@@ -162,10 +171,13 @@ class ControlLoop:
         """One control interval. `current_replicas`: the count the service is set to (spec.replicas)."""
         policy, state = self.policy, self.state
         observations = await self.observer.observe(targets, now)
+        queue = await self._observe_queue(now)
+        observations, speeds = _learn_speeds(observations, state.speeds)
         names = {o.name for o in observations}
         tuners = {name: s for name, s in state.tuners.items() if name in names}  # replicas gone: forgotten
         failures: list[str] = []
-        feasibility = assess(observations, policy, state.demand_smoothed)
+        feasibility = assess(observations, policy, state.demand_smoothed,
+                             queue.arrival_prompt_tokens_per_s if queue is not None else None)
 
         decisions: list[TuningDecision] = []
         for obs in observations:
@@ -191,7 +203,8 @@ class ControlLoop:
 
         loads = [_replica_load(o, d, policy, feasibility) for o, d in zip(observations, decisions)]
         scale, scaler_state = decide_replicas(loads, current_replicas, policy.scaling, state.scaler, now,
-                                              feasibility.capacity_tokens_per_s if feasibility.known else None)
+                                              feasibility.capacity_tokens_per_s if feasibility.known else None,
+                                              router_backlog(queue, policy))
         if scale.changed:
             try:
                 if policy.scaling.mode == "managed":
@@ -232,15 +245,50 @@ class ControlLoop:
                                   last_step_at=now, feasible_reason=reported, feasible_pending=pending,
                                   feasible_pending_steps=pending_steps,
                                   demand_smoothed=feasibility.demand_tokens_per_s if feasibility.known
-                                  else state.demand_smoothed)
+                                  else state.demand_smoothed, speeds=speeds)
         conditions = [slo_condition(observations, policy), capacity_condition(scale), feasible]
-        return StepResult(now, observations, decisions, scale, conditions, failures, self.state, feasibility)
+        return StepResult(now, observations, decisions, scale, conditions, failures, self.state, feasibility, queue)
+
+    async def _observe_queue(self, now: float) -> QueueObservation | None:
+        if self.queue_source is None:
+            return None
+        try:
+            return await self.queue_source.observe_queue(now)
+        except Exception:  # noqa: BLE001 - an unreadable router queue is no information, not a stop
+            return None
 
     async def _event(self, reason: str, message: str, warning: bool = False) -> None:
         try:
             await self.actuator.record_event(reason, message, warning)
         except Exception:  # noqa: BLE001 - an event that cannot be recorded must not stop the loop
             pass
+
+
+def _learn_speeds(observations: Sequence[ReplicaObservation], speeds: dict[str, LearnedSpeed]
+                  ) -> tuple[list[ReplicaObservation], dict[str, LearnedSpeed]]:
+    """Each observation with its profile scaled by the speed learned from its windows (this one's included);
+    replicas gone are forgotten, a restarted one keeps its name's speed (same node, same neighbours)."""
+    out, learned = [], {}
+    for obs in observations:
+        speed = speeds.get(obs.name, LearnedSpeed()).updated(obs.stats, obs.profile)
+        learned[obs.name] = speed
+        out.append(replace(obs, profile=speed.apply(obs.profile)))
+    return out, learned
+
+
+def router_backlog(queue: QueueObservation | None, policy: ControlPolicy) -> RouterBacklog | None:
+    """What the scaler reads of the router's queue: the demand it saw arrive and the work waiting there."""
+    if queue is None:
+        return None
+    recent = None
+    if queue.recent_s > 0 and queue.recent_requests > 0:
+        # One interval holds few arrivals: one Poisson standard deviation off, as the replicas' short window.
+        mean_prompt = queue.recent_prompt_tokens / queue.recent_requests
+        recent = max(0.0, (queue.recent_prompt_tokens - queue.recent_requests ** 0.5 * mean_prompt) / queue.recent_s)
+    return RouterBacklog(queued_requests=queue.depth, queued_prompt_tokens=queue.queued_prompt_tokens,
+                         arrival_prompt_tokens_per_s=queue.arrival_prompt_tokens_per_s,
+                         breaching=queue.oldest_wait_ms > policy.slo.queue_wait_p99_ms,
+                         recent_arrival_prompt_tokens_per_s=recent)
 
 
 def slo_condition(observations: Sequence[ReplicaObservation], policy: ControlPolicy) -> Condition:
@@ -348,6 +396,11 @@ def _replica_load(obs: ReplicaObservation, decision: TuningDecision, policy: Con
                        capacity_tokens_per_s=prefill_capacity_tokens_per_s(stats, obs.profile),
                        queued_prompt_tokens=stats.num_waiting * _mean_prompt(stats),
                        prefill_tokens_per_s=stats.prefill_tokens_per_s)
+
+
+def counts_as_known(obs: ReplicaObservation) -> bool:
+    """What the scaler reads as a known replica: a known one, or a sparse one (readable, lightly loaded)."""
+    return obs.stats is not None and (obs.known or _sparse(obs))
 
 
 def _sparse(obs: ReplicaObservation) -> bool:

@@ -44,6 +44,24 @@ class ReplicaObservation:
         return self.stats.tuning if self.stats is not None else None
 
 
+@dataclass(frozen=True)
+class QueueObservation:
+    """The router's queue as the control loop reads it (the router's /router/queue)."""
+
+    depth: int
+    queued_prompt_tokens: float
+    oldest_wait_ms: float
+    arrival_prompt_tokens_per_s: float  # over the stats window
+    # Over the last control interval: (prompt tokens, requests) that arrived, and its length.
+    recent_prompt_tokens: float = 0.0
+    recent_requests: int = 0
+    recent_s: float = 0.0
+
+
+class QueueSource(Protocol):
+    async def observe_queue(self, now: float) -> QueueObservation | None: ...
+
+
 class Observer(Protocol):
     async def observe(self, targets: Sequence[ReplicaTarget], now: float) -> list[ReplicaObservation]: ...
 

@@ -52,7 +52,7 @@ class ScalingPolicy:
     scale_down_stabilization_s: float = 300.0
     # Up: size for demand at this fraction of capacity. Down: the smaller count must carry the load at this fraction.
     scale_up_utilisation: float = 0.9
-    scale_down_utilisation: float = 0.7
+    scale_down_utilisation: float = 0.85
     # Scale-out drains the queued prefill work within this long (from_spec: tied to the queue-wait SLO).
     drain_target_s: float = 60.0
     # Demand beyond this multiple of the known capacity scales out without waiting out the stabilization.

@@ -14,7 +14,8 @@ The law, per control step (observation and previous state in, a decision with it
   decodes stay) to land at `decrease_target`, each step between x`decrease_min` and x`decrease_max`;
   the breached budget is remembered and later raises stay under it;
 - p99 TPOT under `raise_below` of the SLO while prefill is the bottleneck (queue wait or TTFT pressure,
-  the budget fully used): raise by at most x`raise_max`, to where the calibrated profile predicts
+  the budget fully used): raise by at most x`raise_max` (or straight to the budget feasibility says the TPOT
+  target allows, when that is more), to where the calibrated profile predicts
   `raise_target` of the SLO, never past the remembered breach;
 - between the two: hold (the dead band is the hysteresis that lets it settle);
 - max_num_seqs: down on preemptions or a full KV cache, up when queue wait presses, the sequence cap is
@@ -140,7 +141,8 @@ def decide_tuning(
     if state.last_change_at is not None and now - state.last_change_at < settle_s(stats, policy, config):
         return _hold(name, state, "settling", "the window's TPOT still holds requests that decoded before the "
                      "last change", state.at_ceiling), state
-    return _feedback(observation, stats, state, policy, bounds, now, config, tpot_target)
+    return _feedback(observation, stats, state, policy, bounds, now, config, tpot_target,
+                     feasibility.tpot_budget if feasibility is not None else None)
 
 
 def settle_s(stats: WindowStats, policy: ControlPolicy, config: TunerConfig = TunerConfig()) -> float:
@@ -179,7 +181,7 @@ def _start(stats: WindowStats, profile: Profile | None, policy: ControlPolicy, b
 
 def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerState, policy: ControlPolicy,
               bounds: TuningBounds, now: float, config: TunerConfig,
-              tpot_target: float) -> tuple[TuningDecision, ReplicaTunerState]:
+              tpot_target: float, tpot_budget: int | None = None) -> tuple[TuningDecision, ReplicaTunerState]:
     slo = policy.slo
     tuning = state.tuning
     profile = obs.profile if obs.profile is not None and obs.profile.mixed else None
@@ -235,7 +237,9 @@ def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerSt
         cap = bounds.max_token_budget
         if limit is not None:
             cap = min(cap, int(limit * config.limit_margin))
-        hi = min(cap, int(budget * config.raise_max))
+        # At most x raise_max a step, or straight to the budget feasibility says the TPOT target allows (the
+        # calibrated profile's): a budget far too small reaches it in one step, not in doublings.
+        hi = min(cap, max(int(budget * config.raise_max), tpot_budget or 0))
         lo = int(budget * config.min_raise) + 1
         candidate = None
         if tpot < config.raise_below * tpot_target and hi >= lo:

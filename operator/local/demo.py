@@ -24,6 +24,7 @@ from typing import Sequence
 
 from stallfree.contracts import Profile, WindowStats
 from stallfree.operator.control.capacity import decode_ms_at
+from stallfree.operator.control.learned_speed import scaled
 from stallfree.operator.local.load import LoadPhase
 
 # p99 TPOT is a per-request mean: a reply decodes beside a long prompt's prefill for as many iterations as that
@@ -105,16 +106,26 @@ def p99_tpot_beside_prefill(profile: Profile, budget: int, prompt_tokens: int,
 BEYOND_ONE_REPLICA = 1.3
 
 
-def beyond_one_replica(plan: DemoPlan, capacity_tokens_per_s: float | None) -> LoadPhase:
-    """The overload phase sized from one replica's prefill capacity as the control loop measured it (at the
-    budget its TPOT target allows, under this run's conditions); the plan's own phase when none was measured.
-    The chat load counts towards the demand."""
-    phase = next(p for p in plan.phases if p.label == "beyond one replica")
+# The long-prompt phase, as a share of the same figure: within one replica, so the second replica is asked
+# for in "beyond one replica" and not before.
+WITHIN_ONE_REPLICA = 0.6
+PHASE_SHARES = {"long prompts": WITHIN_ONE_REPLICA, "beyond one replica": BEYOND_ONE_REPLICA}
+
+
+def sized_phase(plan: DemoPlan, label: str, capacity_tokens_per_s: float | None) -> LoadPhase:
+    """A long-prompt phase sized from one replica's prefill capacity as the control loop measured it (at the
+    budget its TPOT target allows, under this run's conditions: the one figure feasibility and the scaler use
+    too); the plan's own phase when none was measured. The chat load counts towards the demand."""
+    phase = next(p for p in plan.phases if p.label == label)
     if not capacity_tokens_per_s or capacity_tokens_per_s <= 0:
         return phase
     chat_tokens = plan.chat.rate_per_s * plan.chat.prompt_tokens
-    long_tokens = max(0.0, BEYOND_ONE_REPLICA * capacity_tokens_per_s - chat_tokens)
+    long_tokens = max(0.0, PHASE_SHARES[label] * capacity_tokens_per_s - chat_tokens)
     return replace(phase, rate_per_s=long_tokens / phase.prompt_tokens)
+
+
+def beyond_one_replica(plan: DemoPlan, capacity_tokens_per_s: float | None) -> LoadPhase:
+    return sized_phase(plan, "beyond one replica", capacity_tokens_per_s)
 
 
 @dataclass(frozen=True)
@@ -175,11 +186,3 @@ def calibrate(windows: Sequence[WindowStats], profile: Profile,
     if not factors:
         return Calibration(1.0, 0, long_prompt_factor=long_prompt_factor)
     return Calibration(statistics.median(factors), len(factors), (min(factors), max(factors)), long_prompt_factor)
-
-
-def scaled(profile: Profile, factor: float, mixed_factor: float | None = None) -> Profile:
-    """The profile with every decode-only iteration `factor` x as long and every mixed one `mixed_factor` x
-    (default `factor`): what a calibration says this machine does now."""
-    mixed = factor if mixed_factor is None else mixed_factor
-    return replace(profile, decode_only=[replace(p, iteration_ms=factor * p.iteration_ms) for p in profile.decode_only],
-                   mixed=[replace(p, iteration_ms=mixed * p.iteration_ms) for p in profile.mixed])

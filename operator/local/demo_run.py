@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 from stallfree.contracts import Profile
 from stallfree.operator.control.policy import SLOTargets
-from stallfree.operator.local.demo import (Calibration, DemoPlan, beyond_one_replica, calibrate, plan_demo,
+from stallfree.operator.local.demo import (PHASE_SHARES, Calibration, DemoPlan, calibrate, plan_demo, sized_phase,
                                           predicted_prefill_ms, scaled)
 from stallfree.operator.local.load import LoadDriver, LoadPhase
 
@@ -78,7 +78,7 @@ class DemoRun:
         yield self.warmup
         self._calibrate()
         for phase in self.plan.phases[1:]:
-            if phase.label == "beyond one replica":
+            if phase.label in PHASE_SHARES:
                 phase = self._size_overload(phase)
             self.phases.append(phase)
             yield phase
@@ -137,7 +137,7 @@ class DemoRun:
         measured = [s.feasibility.capacity_tokens_per_s for s in self.runtime.steps[-CAPACITY_STEPS:]
                     if getattr(s, "feasibility", None) is not None and s.feasibility.capacity_tokens_per_s]
         capacity = statistics.median(measured) if measured else None
-        phase = beyond_one_replica(self.plan, capacity)
+        phase = sized_phase(self.plan, planned.label, capacity)
         if capacity is None:
             self.view.say(f"no measured prefill capacity yet: '{planned.label}' keeps the plan's rate")
         else:

@@ -116,8 +116,18 @@ class LocalRuntime:
         from stallfree.operator.router.local import InProcessRouter
         from stallfree.operator.router.proxy import RouterConfig
 
-        self.router = InProcessRouter(self.admin_token, RouterConfig(policy=policy))
+        from stallfree.operator.control.observe_router import RouterQueueSource
+        from stallfree.operator.router.flow_control import FlowConfig, dispatch_wait_ms
+
+        flow = FlowConfig(dispatch_wait_ms(self.policy.slo.queue_wait_p99_ms))
+        self.router = InProcessRouter(self.admin_token, RouterConfig(policy=policy, flow=flow))
         url = await self.router.start()
+        router = self.router.router
+
+        async def read_queue() -> dict:
+            return router.queue_status()
+
+        self.loop.queue_source = RouterQueueSource(read_queue, self.policy.window_s)  # its backlog, to the scaler
         await self.targets()
         await self.router.wait_ready()
         return url

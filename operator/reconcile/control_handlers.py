@@ -33,9 +33,11 @@ from stallfree.operator.api import spec as s
 from stallfree.operator.control.loop import ControlLoop, ControlState, StepResult
 from stallfree.operator.control.policy import ControlPolicy
 from stallfree.operator.reconcile.k8s_actuator import KubernetesActuator, read_admin_token, replica_targets
+from stallfree.operator.reconcile import render
 from stallfree.operator.reconcile.kube import Kube
 from stallfree.operator.control.observe import Observer
 from stallfree.operator.control.observe_http import HttpObserver
+from stallfree.operator.control.observe_router import RouterQueueSource, http_queue_reader
 from stallfree.operator.control.observe_prometheus import PrometheusObserver
 from stallfree.operator.control.operator_metrics import OperatorMetrics
 
@@ -102,7 +104,8 @@ async def control_step(memo: kopf.Memo, owner: dict[str, Any], spec: s.Inference
         raise kopf.TemporaryError("operator stopping", delay=TICK_S)
     token = memo.control_admin_token
     loop = ControlLoop(policy, observer_for(client, token, namespace, name, spec, policy),
-                       KubernetesActuator(kube, owner, client, token, targets, SCRAPE_TIMEOUT_S), state)
+                       KubernetesActuator(kube, owner, client, token, targets, SCRAPE_TIMEOUT_S), state,
+                       queue_source=queue_source_for(memo, client, namespace, name, spec, policy))
     result = await loop.step(targets, spec.replicas, now)
     memo.control_state = loop.state
     generation = owner["metadata"].get("generation")
@@ -111,6 +114,20 @@ async def control_step(memo: kopf.Memo, owner: dict[str, Any], spec: s.Inference
     await asyncio.to_thread(kube.update_status, namespace, name, status_fields(result), conditions)
     METRICS.record(namespace, name, result, policy)
     return result
+
+
+def queue_source_for(memo: kopf.Memo, client: httpx.AsyncClient, namespace: str, name: str,
+                     spec: s.InferenceServiceSpec, policy: ControlPolicy) -> RouterQueueSource | None:
+    """The router's queue (flow control) when the operator runs one for this service; kept across steps (its
+    arrival rate comes from two readings of the router's counters)."""
+    if spec.routing.mode != "slo-aware":
+        return None
+    sources = memo.setdefault("queue_sources", {})  # kopf.Memo is a dict
+    key = (namespace, name)
+    if key not in sources:
+        url = f"http://{render.router_name(name)}.{namespace}.svc:{render.ROUTER_PORT}"
+        sources[key] = RouterQueueSource(http_queue_reader(client, url, SCRAPE_TIMEOUT_S), policy.window_s)
+    return sources[key]
 
 
 def observer_for(client: httpx.AsyncClient, token: str | None, namespace: str, name: str,

@@ -32,4 +32,21 @@ class RouterMetrics:
         self.replicas_known = Gauge("stallfree_router_replicas", "Replicas known (healthy or not).", registry=reg)
         self.replica_healthy = Gauge("stallfree_router_replica_healthy", "1 while the replica takes requests.",
                                      ["replica"], registry=reg)
+        # Flow control (flow_control.py): requests wait here, not on a replica.
+        self.queue_depth = Gauge("stallfree_router_queue_depth", "Requests waiting in the router's queue.",
+                                 registry=reg)
+        self.queue_prompt_tokens = Gauge("stallfree_router_queue_prompt_tokens",
+                                         "Estimated prompt tokens of the requests waiting in the router's queue.",
+                                         registry=reg)
+        self.queue_wait = Histogram("stallfree_router_queue_wait_seconds",
+                                    "Router arrival to dispatch to a replica.", buckets=TTFT_BUCKETS, registry=reg)
+        self.arrivals = Counter("stallfree_router_arrivals", "Requests that reached the router's queue.",
+                                registry=reg)
+        self.queue_rejected = Counter("stallfree_router_queue_rejected",
+                                      "Requests refused with 429: the router's queue was full.", registry=reg)
+        self.queue_cancelled = Counter("stallfree_router_queue_cancelled",
+                                       "Requests whose client left while they waited in the router's queue.",
+                                       registry=reg)
+        self.queue_timeouts = Counter("stallfree_router_queue_timeouts",
+                                      "Requests that waited past the queue timeout (503).", registry=reg)
         self.in_flight = Gauge("stallfree_router_requests_in_flight", "Requests the router has open.", registry=reg)

@@ -29,6 +29,7 @@ class ReplicaView:
     outstanding: int  # requests the router has in flight on it
     cached_prefix_tokens: int = 0  # leading tokens of this prompt it recently took (likely in its prefix cache)
     home: bool = False  # rendezvous home of this prompt's first block
+    max_num_seqs: int | None = None  # its live running-set cap (flow control keeps outstanding below it)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import httpx
 
 from stallfree.contracts import Profile, WindowStats
 from stallfree.operator.router.pick import ReplicaView
+from stallfree.operator.control.capacity import prefill_capacity_tokens_per_s
 from stallfree.operator.router.rates import decode_step_ms, prefill_tokens_per_ms
 
 log = logging.getLogger("stallfree.router")
@@ -54,12 +55,24 @@ class Replica:
         return ReplicaView(
             name=self.name,
             queued_prefill_tokens=max(queued, self.pending_prefill),
-            prefill_tokens_per_ms=prefill_tokens_per_ms(self.profile, stats),
+            prefill_tokens_per_ms=replica_prefill_tokens_per_ms(self.profile, stats),
             step_ms=decode_step_ms(self.profile, stats),
             outstanding=self.outstanding,
             cached_prefix_tokens=cached_prefix_tokens,
             home=home,
+            max_num_seqs=stats.tuning.max_num_seqs if stats is not None else None,
         )
+
+
+def replica_prefill_tokens_per_ms(profile: Profile | None, stats: WindowStats | None) -> float:
+    """The control loop's capacity figure (its profile calibrated by the window's observed iterations), so
+    the router and the scaler agree on what a replica prefills; the profile's own rate when the window
+    cannot tell."""
+    if stats is not None:
+        calibrated = prefill_capacity_tokens_per_s(stats, profile)
+        if calibrated:
+            return calibrated / 1000.0
+    return prefill_tokens_per_ms(profile, stats)
 
 
 class ReplicaPool:

@@ -1,0 +1,56 @@
+"""The router's queue as the control loop reads it: `GET /router/queue` (or the in-process router's own).
+
+The router reports counters (requests and prompt tokens that arrived); rates come from two readings: over
+the stats window (the demand) and over the last control interval (the panic window's). A router that
+restarted (its counters went back) starts the readings afresh; one that cannot be read is no information.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Awaitable, Callable
+
+import httpx
+
+from stallfree.operator.control.observe import QueueObservation
+
+Reader = Callable[[], Awaitable[dict[str, Any] | None]]
+
+
+class RouterQueueSource:
+    def __init__(self, read: Reader, window_s: float) -> None:
+        self.read = read
+        self.window_s = window_s
+        self._readings: deque[tuple[float, int, float]] = deque()  # (time, arrivals, arrived prompt tokens)
+
+    async def observe_queue(self, now: float) -> QueueObservation | None:
+        status = await self.read()
+        if status is None:
+            return None
+        arrivals, tokens = int(status["arrivals"]), float(status["arrived_prompt_tokens"])
+        if self._readings and (arrivals < self._readings[-1][1] or tokens < self._readings[-1][2]):
+            self._readings.clear()  # the router restarted: its counters began again
+        self._readings.append((now, arrivals, tokens))
+        while len(self._readings) > 2 and self._readings[1][0] <= now - self.window_s:
+            self._readings.popleft()
+        first, last = self._readings[0], self._readings[-1]
+        span = last[0] - first[0]
+        rate = (last[2] - first[2]) / span if span > 0 else 0.0
+        previous = self._readings[-2] if len(self._readings) > 1 else last
+        return QueueObservation(depth=int(status["depth"]), queued_prompt_tokens=float(status["queued_prompt_tokens"]),
+                                oldest_wait_ms=float(status["oldest_wait_ms"]), arrival_prompt_tokens_per_s=rate,
+                                recent_prompt_tokens=last[2] - previous[2], recent_requests=last[1] - previous[1],
+                                recent_s=last[0] - previous[0])
+
+
+def http_queue_reader(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> Reader:
+    """Reads `base_url`/router/queue; None when the router cannot be reached or answers oddly."""
+    async def read() -> dict[str, Any] | None:
+        try:
+            response = await client.get(base_url.rstrip("/") + "/router/queue", timeout=timeout_s)
+            response.raise_for_status()
+            body = response.json()
+            return body if isinstance(body, dict) and "depth" in body else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    return read

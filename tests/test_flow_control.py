@@ -1,0 +1,69 @@
+"""The router's flow control (operator/router/flow_control.py): pure dispatch rules."""
+from __future__ import annotations
+
+from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued, admits, dispatch_wait_ms
+from stallfree.operator.router.pick import Choice, ReplicaView
+
+
+def view(name: str, queued: int = 0, rate: float = 1.0, outstanding: int = 0, seqs: int | None = 8) -> ReplicaView:
+    return ReplicaView(name, queued_prefill_tokens=queued, prefill_tokens_per_ms=rate, step_ms=10.0,
+                       outstanding=outstanding, max_num_seqs=seqs)
+
+
+def first(item, candidates):
+    return Choice(sorted(c.name for c in candidates)[0], None, "test")
+
+
+def test_a_replica_admits_while_its_queued_prefill_drains_within_the_share_of_the_slo():
+    config = FlowConfig(dispatch_wait_ms=dispatch_wait_ms(2000.0))  # 25% of 2 s: 500 ms
+    assert admits(view("a", queued=499, rate=1.0), config)
+    assert not admits(view("a", queued=501, rate=1.0), config)
+    assert admits(view("a", queued=0), config)  # idle: always
+
+
+def test_a_full_running_set_admits_nothing():
+    config = FlowConfig()
+    assert not admits(view("a", outstanding=8, seqs=8), config)
+    assert admits(view("a", outstanding=7, seqs=8), config)
+
+
+def test_requests_wait_in_arrival_order_and_a_ready_replica_takes_the_oldest():
+    queue: FlowQueue[int] = FlowQueue(FlowConfig(dispatch_wait_ms=100.0))
+    for key in range(3):
+        assert queue.push(Queued(key, float(key), 200))
+    # The only replica is busy past the wait: nothing goes, nothing is lost.
+    assert queue.dispatch([view("a", queued=1000)], first) == []
+    assert len(queue) == 3
+    # A new replica becomes ready: it takes from the shared queue at once, oldest first, and stops
+    # once its own queued prefill passes the wait (200 ms of work each at 1 token/ms: one only).
+    sent = queue.dispatch([view("a", queued=1000), view("b")], first)
+    assert [item.key for item, _ in sent] == [0]
+    assert [choice.name for _, choice in sent] == ["b"]
+    assert [q.key for q in queue] == [1, 2]
+
+
+def test_the_head_of_the_queue_is_never_overtaken():
+    queue: FlowQueue[int] = FlowQueue(FlowConfig(dispatch_wait_ms=100.0))
+    queue.push(Queued(0, 0.0, 5000))
+    queue.push(Queued(1, 1.0, 10))
+    sent = queue.dispatch([view("a", queued=50, rate=1.0, outstanding=7, seqs=8)], first)
+    assert [item.key for item, _ in sent] == [0]  # admitted on wait; then the slot cap stops the next
+    assert [q.key for q in queue] == [1]
+
+
+def test_the_queue_is_bounded_and_a_leaving_client_is_removed():
+    queue: FlowQueue[int] = FlowQueue(FlowConfig(max_queued=2))
+    assert queue.push(Queued(0, 0.0, 1)) and queue.push(Queued(1, 0.0, 1))
+    assert not queue.push(Queued(2, 0.0, 1))
+    assert queue.rejected == 1 and queue.arrivals == 3
+    assert queue.cancel(0) and not queue.cancel(0)
+    assert queue.cancelled == 1 and [q.key for q in queue] == [1]
+    assert queue.queued_prompt_tokens == 1
+
+
+def test_a_retry_keeps_its_place_and_prefers_another_replica():
+    queue: FlowQueue[int] = FlowQueue(FlowConfig(max_queued=1))
+    queue.push(Queued(0, 0.0, 1))
+    assert queue.push(Queued(9, -1.0, 1, exclude=frozenset({"a"})), front=True)  # past the bound: it was accepted
+    sent = queue.dispatch([view("a"), view("b")], first)
+    assert [(item.key, choice.name) for item, choice in sent] == [(9, "b"), (0, "a")]

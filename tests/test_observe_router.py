@@ -1,0 +1,34 @@
+"""The control loop's reading of the router's queue: rates from its counters, a restart, an unreadable router."""
+from __future__ import annotations
+
+import httpx
+
+from stallfree.operator.control.observe_router import RouterQueueSource, http_queue_reader
+
+
+def status(arrivals: int, tokens: float, depth: int = 0) -> dict:
+    return {"depth": depth, "queued_prompt_tokens": 100.0 * depth, "oldest_wait_ms": 50.0 * depth,
+            "arrivals": arrivals, "arrived_prompt_tokens": tokens}
+
+
+async def test_arrival_rates_come_from_the_counters_over_the_window_and_the_last_interval():
+    readings = iter([status(0, 0.0), status(10, 10_000.0), status(30, 40_000.0, depth=4), status(2, 500.0)])
+
+    async def read():
+        return next(readings)
+
+    source = RouterQueueSource(read, window_s=30.0)
+    assert (await source.observe_queue(0.0)).arrival_prompt_tokens_per_s == 0.0
+    await source.observe_queue(10.0)
+    q = await source.observe_queue(20.0)
+    assert q.arrival_prompt_tokens_per_s == 2000.0  # 40k tokens over 20 s
+    assert (q.recent_prompt_tokens, q.recent_requests, q.recent_s) == (30_000.0, 20, 10.0)
+    assert q.depth == 4 and q.queued_prompt_tokens == 400.0 and q.oldest_wait_ms == 200.0
+    restarted = await source.observe_queue(30.0)  # counters went back: a new router process
+    assert restarted.arrival_prompt_tokens_per_s == 0.0 and restarted.recent_requests == 0
+
+
+async def test_an_unreachable_router_is_no_information():
+    async with httpx.AsyncClient() as client:
+        read = http_queue_reader(client, "http://127.0.0.1:9", timeout_s=0.5)
+        assert await RouterQueueSource(read, 30.0).observe_queue(0.0) is None
