@@ -46,7 +46,8 @@ def serve_flags(args) -> list[str]:
 def serve_section(report: Report, args) -> None:
     import httpx
 
-    from stallfree.bench.daemon_process import free_port, stop, wait_ready
+    from stallfree.bench.daemon_process import stop, wait_ready
+    from stallfree.net import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
