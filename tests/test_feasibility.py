@@ -59,7 +59,8 @@ async def test_demand_beyond_max_replicas_names_the_slo_held_by_priority():
     heavy = [LoadPhase(0, 12.0, parse_length("uniform:2048:4096"), parse_length("uniform:16:48"))]
     driver = ClosedLoopDriver(CLUSTER, policy(40.0), heavy)
     results = [await driver.step() for _ in range(6)]
-    f = assess(results[-1].observations, policy(40.0))
+    # The demand as it arrived at the router (its queue holds what the replica did not take), as the loop passes it.
+    f = assess(results[-1].observations, policy(40.0), None, results[-1].queue.arrival_prompt_tokens_per_s)
     assert f.infeasible == ("queueWait", "ttft") and f.held == "tpot"
     assert "holding TPOT first (priority TPOT > queue wait > TTFT)" in f.message
     assert f.replicas_needed > 1 and f.capacity_tokens_per_s < f.demand_tokens_per_s
@@ -74,5 +75,5 @@ async def test_the_spec_priority_decides_which_slo_is_held(priority):
     p = replace(policy(40.0), slo_priority=priority)
     driver = ClosedLoopDriver(CLUSTER, p, heavy)
     results = [await driver.step() for _ in range(4)]
-    f = assess(results[-1].observations, p)
+    f = assess(results[-1].observations, p, None, results[-1].queue.arrival_prompt_tokens_per_s)
     assert f.held == "tpot" and "priority queue wait > TPOT > TTFT" in f.message
