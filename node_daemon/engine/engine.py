@@ -22,14 +22,14 @@ import time
 from typing import Callable, Sequence
 
 from stallfree.contracts import Ceilings, Tuning
-from stallfree.node_daemon.engine.config import EngineConfig
+from stallfree.node_daemon.engine.config import EngineConfig, SchedulerConfig
 from stallfree.node_daemon.text.detokenizer import IncrementalDetokenizer
 from stallfree.node_daemon.engine.engine_protocol import (EngineObserver, Executor, IterationRecord, RequestOutput,
                                                           TokenLogprob)
 from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
 from stallfree.node_daemon.engine.request import Request, RequestStatus
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
-from stallfree.node_daemon.engine.scheduler import IterationCostModel, Scheduler
+from stallfree.node_daemon.engine.scheduler import Scheduler
 from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
 from stallfree.node_daemon.text.tokenizer import Tokenizer, load_tokenizer
 
@@ -47,7 +47,7 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         observer: EngineObserver | None = None,
         *,
-        cost_model: IterationCostModel | None = None,
+        make_scheduler: Callable[[SchedulerConfig, KVCacheManager], Scheduler] = Scheduler,
         clock: Callable[[], float] = time.monotonic,
         detokenize: bool = True,
     ) -> None:
@@ -56,7 +56,8 @@ class LLMEngine:
         Another executor (the sim backend) brings its own `tokenizer`; its KV cache size and context come
         from the executor's num_blocks / max_model_len when it has them, else from the config.
         `detokenize=False` (the simulator: nobody reads the text) leaves the outputs' text empty unless a
-        request has stop strings, which need it.
+        request has stop strings, which need it. `make_scheduler` is how the simulator runs its baseline
+        policies (simulator/baseline_schedulers.py) in this same loop.
         """
         if executor is None:
             from stallfree.node_daemon.engine.model_executor import ModelExecutor
@@ -79,7 +80,7 @@ class LLMEngine:
         block_size = getattr(executor, "block_size", None) or config.cache.block_size
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache, cost_model)
+        self.scheduler = make_scheduler(scheduler_config, self.kv_cache)
         model_eos = tuple(loaded.eos_token_ids) if loaded is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(model_eos + tuple(tokenizer.eos_token_ids)))
         self.observer = observer

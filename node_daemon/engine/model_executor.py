@@ -23,9 +23,6 @@ class ModelExecutor:
         ceilings = config.scheduler.ceilings
         runner = ModelRunner(config.model, config.cache, max_num_tokens=ceilings.max_token_budget,
                              max_num_seqs=ceilings.max_num_seqs)
-        if config.scheduler.policy != "stall_free":
-            # The unchunked baselines run whole prompts: up to max(budget ceiling, context) tokens at once.
-            runner.max_num_tokens = max(runner.max_num_tokens, runner.max_model_len)
         return cls(runner)
 
     @property

@@ -8,8 +8,8 @@ prefills, long-prefill threshold) in this order:
 3. new requests first come, first served (preempted ones ahead of new ones), while budget, sequence
    slots, the partial-prefill cap and KV admission allow; the queue head blocks the rest (strict FCFS).
 
-Every prefill chunk is cut at the leftover budget, at `long_prefill_threshold` when set, and, when an
-iteration time target and a cost model are given, at the largest size whose predicted time fits.
+Every prefill chunk is cut at the leftover budget, at `long_prefill_threshold` when set, and over a long
+cached prefix to the budget's iteration time (set_prefix_cost).
 
 KV admission reserves a request's whole prompt (and outputs so far, after a preemption) plus an
 estimate of its output length (output_length.py: a running high quantile of this daemon's output
@@ -32,18 +32,15 @@ incomplete after this iteration. A prompt that completes within the iteration ne
 The engine calls `schedule()`, runs the model, then `update_from_output()` before the next
 `schedule()`. The scheduler never reads a clock: the engine (or the simulator) stamps times.
 
-Baseline policies (SchedulerConfig.policy), for the simulator's comparisons:
-- prefill_priority (vLLM before chunking, Orca): when a waiting request fits, the iteration runs whole
-  prompts only, FCFS, up to max(budget ceiling, max_model_len) tokens; running decodes pause for it.
-- decode_priority (FasterTransformer's request-level batching, Sarathi-Serve's "decode-prioritizing"):
-  an iteration is all-decode while anything runs; whole prompts are admitted only when nothing is
-  running, as one batch under the same token limit.
+This is the one policy the daemon serves. The simulator's baselines (prefill-priority, decode-priority,
+the iteration-time-target chunker) subclass it in simulator/baseline_schedulers.py, through `_schedule`
+(one iteration's policy) and `_chunk_size` (one prefill chunk's size).
 """
 from __future__ import annotations
 
 from bisect import insort
 from collections import deque
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from stallfree.contracts import Ceilings, Tuning, validate_tuning
 from stallfree.node_daemon.engine.config import SchedulerConfig
@@ -52,18 +49,9 @@ from stallfree.node_daemon.engine.output_length import OutputLengthEstimate
 from stallfree.node_daemon.engine.request import Request, RequestStatus
 from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
-POLICIES = ("stall_free", "prefill_priority", "decode_priority")
-
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH
-
-
-class IterationCostModel(Protocol):
-    """Predicted iteration time of a batch: decodes by context length (the new token included) and
-    prefill chunks as (prefix_len, num_tokens). The simulator's cost models satisfy it."""
-
-    def predict_ms(self, decode_context_lens: Sequence[int], prefill_chunks: Sequence[tuple[int, int]]) -> float: ...
 
 
 class PrefixCostModel(Protocol):
@@ -73,19 +61,15 @@ class PrefixCostModel(Protocol):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, cost_model: IterationCostModel | None = None,
-                 *, output_estimate: OutputLengthEstimate | None = None) -> None:
-        if config.policy not in POLICIES:
-            raise ValueError(f"unknown scheduling policy {config.policy!r}; choose one of {', '.join(POLICIES)}")
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, *,
+                 output_estimate: OutputLengthEstimate | None = None) -> None:
         validate_tuning(config.tuning, config.ceilings)
         self.config = config
         self.kv_cache = kv_cache
-        self.cost_model = cost_model
         # Output tokens reserved at admission for requests whose own bound is larger (per daemon, learned).
         self.output_estimate = output_estimate if output_estimate is not None else OutputLengthEstimate()
         self._tuning = config.tuning
         self._block_size = kv_cache.block_size
-        self._time_target = config.iteration_time_target_ms if cost_model is not None else None
         self.prefix_cost: PrefixCostModel | None = None
         self.waiting: deque[Request] = deque()  # preempted at the front, then new requests in arrival order
         # Running requests in admission order, and the same split into those that decode and those
@@ -209,46 +193,33 @@ class Scheduler:
         out = SchedulerOutput(token_budget=tuning.token_budget)
         while len(self.running) > tuning.max_num_seqs:  # max_num_seqs was lowered live
             self._preempt(self.running[-1], out)
-        policy = self.config.policy
-        if policy == "stall_free":
-            self._schedule_stall_free(out, tuning)
-        elif policy == "prefill_priority":
-            if out.preempted or not self._schedule_whole_prompts(out, tuning):
-                self._schedule_decodes(out, None)
-        elif self.running:  # decode_priority
-            self._schedule_decodes(out, None)
-        else:
-            self._schedule_whole_prompts(out, tuning)
+        self._schedule(out, tuning)
         return out
 
-    def _schedule_stall_free(self, out: SchedulerOutput, tuning: Tuning) -> None:
+    def _schedule(self, out: SchedulerOutput, tuning: Tuning) -> None:
+        """One stall-free iteration into `out` (a baseline policy overrides this)."""
         kv = self.kv_cache
-        timed = self._time_target is not None
-        decode_lens: list[int] | None = [] if timed else None
 
         # 1. Every running decode, one token each.
-        self._schedule_decodes(out, decode_lens)
+        self._schedule_decodes(out)
         chunks = out.chunks
         num_decodes = len(chunks)
         budget = tuning.token_budget - num_decodes
 
         # 2. The next chunk of every partial prefill, in admission order. A KV shortfall here preempts
         # the latest admitted partial prefill (decodes were all scheduled already).
-        prefill_chunks: list[tuple[int, int]] = []
         num_partial = 0
         prefilling = self._prefilling
         for request in prefilling:  # preemption only removes the tail
             start = request.num_computed_tokens
             remaining = request.num_tokens - start
-            n = self._chunk_size(remaining, budget, tuning, decode_lens, prefill_chunks, start)
+            n = self._chunk_size(remaining, budget, tuning, start, chunks)
             if n <= 0:
                 num_partial += 1
                 continue
             if not self._grow(request, n, out, prefilling):
                 break
             chunks.append(ScheduledChunk(request, start, n, True, n == remaining))
-            if timed:
-                prefill_chunks.append((start, n))
             budget -= n
             if n < remaining:
                 num_partial += 1
@@ -261,14 +232,12 @@ class Scheduler:
             request = waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit_tokens
-            n = self._chunk_size(remaining, budget, tuning, decode_lens, prefill_chunks, num_hit_tokens)
+            n = self._chunk_size(remaining, budget, tuning, num_hit_tokens, chunks)
             if n <= 0 or (n < remaining and num_partial >= tuning.max_partial_prefills):
                 break
             if not self._admit(request, hits, n):
                 break
             chunks.append(ScheduledChunk(request, num_hit_tokens, n, True, n == remaining))
-            if timed:
-                prefill_chunks.append((num_hit_tokens, n))
             budget -= n
             if n < remaining:
                 num_partial += 1
@@ -276,7 +245,7 @@ class Scheduler:
         out.num_prefill_tokens = tuning.token_budget - num_decodes - budget
         self._num_partial_prefills = num_partial
 
-    def _schedule_decodes(self, out: SchedulerOutput, decode_lens: list[int] | None) -> None:
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
         """One token for every running decode; a decode needs a new block only at a block boundary.
 
         `_decoding` is in admission order and the victim of a KV shortfall is the latest admitted
@@ -289,60 +258,19 @@ class Scheduler:
             if start >= len(request.block_ids) * block_size and not self._grow(request, 1, out, None):
                 break  # it preempted itself: it was the latest admitted, so the last decode
             chunks.append(ScheduledChunk(request, start, 1, False, True))
-            if decode_lens is not None:
-                decode_lens.append(start + 1)
         out.num_decode_tokens = len(chunks)
 
-    def _chunk_size(self, remaining: int, budget: int, tuning: Tuning, decode_lens: list[int] | None,
-                    prefill_chunks: list[tuple[int, int]], prefix_len: int) -> int:
-        """Tokens of this prefill to run now: the leftover budget, the long-prefill cap, the time target."""
+    def _chunk_size(self, remaining: int, budget: int, tuning: Tuning, prefix_len: int,
+                    chunks: list[ScheduledChunk]) -> int:
+        """Tokens of this prefill to run now: the leftover budget, the long-prefill cap, the prefix cut.
+
+        `chunks` is the iteration so far (the simulator's time-target baseline predicts its time)."""
         n = remaining if remaining < budget else budget
         if 0 < tuning.long_prefill_threshold < n:
             n = tuning.long_prefill_threshold
         if self.prefix_cost is not None and prefix_len > 0:
             n = self.prefix_cost.chunk_within_budget(n, tuning.token_budget - budget, prefix_len, tuning.token_budget)
-        if decode_lens is not None and n > 0:
-            n = self._fit_time_target(n, decode_lens, prefill_chunks, prefix_len)
         return n
-
-    def _fit_time_target(self, limit: int, decode_lens: list[int], prefill_chunks: list[tuple[int, int]],
-                         prefix_len: int) -> int:
-        """Largest chunk up to `limit` whose predicted iteration fits the target (bisection).
-
-        An iteration that would otherwise be empty takes at least one token, so a target below the
-        fixed overhead slows prefill down but never stops it.
-        """
-        predict = self.cost_model.predict_ms  # type: ignore[union-attr]
-        target = self._time_target
-        if predict(decode_lens, prefill_chunks + [(prefix_len, limit)]) <= target:
-            return limit
-        lo, hi = 0, limit  # lo fits (0: nothing), hi does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if predict(decode_lens, prefill_chunks + [(prefix_len, mid)]) <= target:
-                lo = mid
-            else:
-                hi = mid
-        if lo == 0 and not decode_lens and not prefill_chunks:
-            return 1
-        return lo
-
-    def _schedule_whole_prompts(self, out: SchedulerOutput, tuning: Tuning) -> bool:
-        """Admit whole prompts FCFS up to max(budget ceiling, max_model_len) tokens; True if any was."""
-        limit = max(self.config.ceilings.max_token_budget, self.config.max_model_len)
-        kv = self.kv_cache
-        waiting = self.waiting
-        num_tokens = 0
-        while waiting and len(self.running) < tuning.max_num_seqs:
-            request = waiting[0]
-            hits, num_hit_tokens = kv.get_computed_blocks(request)
-            n = request.num_tokens - num_hit_tokens
-            if num_tokens + n > limit or not self._admit(request, hits, n):
-                break
-            out.chunks.append(ScheduledChunk(request, num_hit_tokens, n, True, True))
-            num_tokens += n
-        out.num_prefill_tokens = num_tokens
-        return num_tokens > 0
 
     # ---- KV admission, growth and preemption -------------------------------------------------------
 
