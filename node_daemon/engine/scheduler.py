@@ -72,16 +72,15 @@ class Scheduler:
         self._block_size = kv_cache.block_size
         self.prefix_cost: PrefixCostModel | None = None
         self.waiting: deque[Request] = deque()  # preempted at the front, then new requests in arrival order
-        # Running requests in admission order, and the same split into those that decode and those
-        # still prefilling (both kept in admission order, so the latest admitted is always a tail).
-        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        # The running requests: those that decode and those still prefilling, each list in admission order
+        # (the hot loops walk one each; the latest admitted is one of the two tails).
         self._decoding: list[Request] = []
         self._prefilling: list[Request] = []
-        self._requests: dict[str, Request] = {}  # every unfinished request
-        self._admission: dict[str, int] = {}  # running request -> admission sequence number
+        # Running request -> (admission number, KV blocks reserved at admission); and the sum of the blocks
+        # running requests may still take under their reservations.
+        self._admitted: dict[str, tuple[int, int]] = {}
         self._num_admissions = 0
-        # KV blocks each running request reserved at admission, and the sum of what they may still take.
-        self._reserved_blocks: dict[str, int] = {}
         self._growth_blocks = 0
         self._num_partial_prefills = 0
         self.num_preemptions = 0
@@ -114,7 +113,13 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self._decoding) + len(self._prefilling)
+
+    @property
+    def running(self) -> list[Request]:
+        """The running requests in admission order (a new list)."""
+        admitted = self._admitted
+        return sorted(self._decoding + self._prefilling, key=lambda r: admitted[r.request_id][0])
 
     @property
     def num_partial_prefills(self) -> int:
@@ -191,8 +196,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         tuning = self._tuning
         out = SchedulerOutput(token_budget=tuning.token_budget)
-        while len(self.running) > tuning.max_num_seqs:  # max_num_seqs was lowered live
-            self._preempt(self.running[-1], out)
+        while self.num_running > tuning.max_num_seqs:  # max_num_seqs was lowered live
+            self._preempt(self._latest_admitted(), out)
         self._schedule(out, tuning)
         return out
 
@@ -227,8 +232,8 @@ class Scheduler:
         # 3. New (and preempted) requests, strictly first come, first served. Not after a preemption in
         # this iteration: KV is short, and the victim would only take back the room it just gave.
         waiting = self.waiting
-        running = self.running
-        while waiting and budget > 0 and len(running) < tuning.max_num_seqs and not out.preempted:
+        num_running = len(self._decoding) + len(prefilling)
+        while waiting and budget > 0 and num_running < tuning.max_num_seqs and not out.preempted:
             request = waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit_tokens
@@ -237,6 +242,7 @@ class Scheduler:
                 break
             if not self._admit(request, hits, n):
                 break
+            num_running += 1
             chunks.append(ScheduledChunk(request, num_hit_tokens, n, True, n == remaining))
             budget -= n
             if n < remaining:
@@ -249,7 +255,7 @@ class Scheduler:
         """One token for every running decode; a decode needs a new block only at a block boundary.
 
         `_decoding` is in admission order and the victim of a KV shortfall is the latest admitted
-        request (running[-1]): never one scheduled earlier in this loop, and the loop survives it.
+        request: never one scheduled earlier in this loop, and the loop survives it.
         """
         block_size = self._block_size
         chunks = out.chunks
@@ -282,7 +288,7 @@ class Scheduler:
         expected_outputs = max(self.output_estimate.tokens, 2 * request.num_output_tokens)
         reserve_tokens = max(request.num_tokens, min(final_kv_tokens, num_prompt + expected_outputs - 1))
         need = kv.blocks_to_admit(hits, reserve_tokens)
-        watermark = self.config.watermark_blocks if self.running else 0
+        watermark = self.config.watermark_blocks if self._admitted else 0
         if need + self._growth_blocks + watermark > kv.num_free_blocks:
             return False
         if not kv.allocate_slots(request, num_new_tokens, hits):
@@ -292,26 +298,23 @@ class Scheduler:
         request.num_computed_tokens = num_hit_tokens = len(hits) * self._block_size
         request.num_cached_tokens = min(num_hit_tokens, request.num_prompt_tokens)  # prompt tokens only
         reserved = kv.blocks_for(reserve_tokens)
-        request_id = request.request_id
-        self._reserved_blocks[request_id] = reserved
         self._growth_blocks += max(0, reserved - len(request.block_ids))
         self._num_admissions += 1
-        self._admission[request_id] = self._num_admissions
-        self.running.append(request)
+        self._admitted[request.request_id] = (self._num_admissions, reserved)
         self._prefilling.append(request)
         return True
 
     def _grow(self, request: Request, num_new_tokens: int, out: SchedulerOutput, pool: list[Request] | None) -> bool:
         """Room for a running request's next tokens, preempting if KV is short; False if it had to go itself.
 
-        The victim is the latest admitted request not yet scheduled in this iteration: the tail of
-        `running` while decodes are scheduled (pool None), the tail of `pool` (partial prefills) after.
+        The victim is the latest admitted request not yet scheduled in this iteration: the latest of all
+        while decodes are scheduled (pool None), the tail of `pool` (partial prefills) after.
         """
         kv = self.kv_cache
-        reserved = self._reserved_blocks[request.request_id]
+        reserved = self._admitted[request.request_id][1]
         before = len(request.block_ids)
         while not kv.allocate_slots(request, num_new_tokens):
-            victim = (self.running if pool is None else pool)[-1]
+            victim = self._latest_admitted() if pool is None else pool[-1]
             self._preempt(victim, out)
             if victim is request:
                 return False
@@ -331,16 +334,24 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request)
 
+    def _latest_admitted(self) -> Request:
+        """The running request admitted last: the later of the two lists' tails."""
+        decoding, prefilling = self._decoding, self._prefilling
+        if not decoding:
+            return prefilling[-1]
+        if prefilling:
+            admitted = self._admitted
+            if admitted[prefilling[-1].request_id][0] > admitted[decoding[-1].request_id][0]:
+                return prefilling[-1]
+        return decoding[-1]
+
     def _remove_running(self, request: Request) -> None:
-        """Take a running request out of the running lists and give back its reservation."""
-        request_id = request.request_id
-        self.running.remove(request)
+        """Take a running request out of its list and give back its reservation."""
         if self._prefilling and request in self._prefilling:
             self._prefilling.remove(request)
         else:
             self._decoding.remove(request)
-        del self._admission[request_id]
-        reserved = self._reserved_blocks.pop(request_id)
+        reserved = self._admitted.pop(request.request_id)[1]
         self._growth_blocks -= max(0, reserved - len(request.block_ids))
 
     # ---- after the model ran -----------------------------------------------------------------------
@@ -384,11 +395,11 @@ class Scheduler:
                 continue
             finished.append(request)
         if started_decoding:
-            admission = self._admission
+            admitted = self._admitted
             prefilling, decoding = self._prefilling, self._decoding
             for request in started_decoding:
                 prefilling.remove(request)
-                insort(decoding, request, key=lambda r: admission[r.request_id])
+                insort(decoding, request, key=lambda r: admitted[r.request_id][0])
         if finished:
             requests = self._requests
             observe = self.output_estimate.observe
