@@ -41,10 +41,10 @@ def test_a_chunk_that_reaches_the_newest_token_samples_and_the_others_do_not():
     s.add_request(make_request("a", 60))
     first, _ = step(s)
     assert [c.samples for c in first.chunks] == [False]
-    assert s.get_request("a").output_token_ids == [] and s.get_request("a").num_computed_tokens == 40
+    assert s.get_request("a").output_token_ids == () and s.get_request("a").num_computed_tokens == 40
     second, _ = step(s)
     assert [c.samples for c in second.chunks] == [True]
-    assert s.get_request("a").output_token_ids == [7]
+    assert s.get_request("a").output_token_ids == (7,)
 
 
 def test_long_prefill_threshold_caps_each_chunk():
@@ -170,7 +170,7 @@ def test_abort_between_schedule_and_update_skips_the_request():
     s.abort_request("a")
     finished = s.update_from_output(output, sample_tokens(output, lambda r: 7))
     assert finished == [] and s.get_request("a") is None
-    assert s.get_request("b").output_token_ids == [7]
+    assert s.get_request("b").output_token_ids == (7,)
     check_blocks_conserved(s)
 
 

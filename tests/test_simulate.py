@@ -260,7 +260,8 @@ from stallfree.node_daemon.sim.backend import sim_tokenizer  # noqa: E402
 
 def _batch() -> SchedulerOutput:
     decoding = Request("d", [1] * 100, SamplingParams(max_tokens=50))
-    decoding.output_token_ids = [65] * 9
+    for _ in range(9):
+        decoding.append_output_token(65)
     prefilling = Request("p", [2] * 300, SamplingParams(max_tokens=5))
     chunks = [ScheduledChunk(decoding, 108, 1, False, True), ScheduledChunk(prefilling, 0, 256, True, False)]
     return SchedulerOutput(chunks=chunks, num_decode_tokens=1, num_prefill_tokens=256, token_budget=512)

@@ -312,7 +312,7 @@ class LLMEngine:
         request.status = RequestStatus.FINISHED_ERROR
         self._release(request, self.clock())
         return RequestOutput(request.request_id, [], "", True, "error", request.num_prompt_tokens,
-                             len(request.output_token_ids), request.num_cached_tokens, error=message)
+                             request.num_output_tokens, request.num_cached_tokens, error=message)
 
     def _release(self, request: Request, now: float) -> None:
         request.finished_time = now

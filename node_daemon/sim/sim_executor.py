@@ -73,7 +73,7 @@ class SimExecutor:
             if chunk.samples:
                 request = chunk.request
                 request_id = request.request_id
-                position = len(request.output_token_ids)
+                position = request.num_output_tokens
                 if eos_after is not None:
                     sampled[request_id] = self.placeholder_token(request_id, position)
                     continue
