@@ -271,8 +271,9 @@ def test_sim_executor_charges_the_cost_models_time_in_virtual_or_real_time(cost,
     expected_ms = cost.predict_ms([109], [(0, 256)])
     clock = sim_executor.VirtualClock(5.0)
     executor = sim_executor.SimExecutor(cost, clock=clock)
-    sampled = executor.execute(_batch())
-    assert set(sampled) == {"d"}  # the partial prefill chunk samples nothing
+    executed = executor.execute(_batch())
+    assert set(executed.token_ids) == {"d"}  # the partial prefill chunk samples nothing
+    assert executed.logprobs == {}
     assert clock.now == pytest.approx(5.0 + expected_ms / 1000)
     slept: list[float] = []
     monkeypatch.setattr(sim_executor.time, "sleep", slept.append)

@@ -53,8 +53,8 @@ class LLMEngine:
     ) -> None:
         """Without an executor, load the model named by config.model and size the KV cache from it.
 
-        Another executor (the sim backend) brings its own `tokenizer`; its KV cache size and context come
-        from the executor's num_blocks / max_model_len when it has them, else from the config.
+        Another executor (the sim backend) brings its own `tokenizer`; the KV cache size and the context come
+        from the executor's num_blocks / max_model_len unless they are None, else from the config.
         `detokenize=False` (the simulator: nobody reads the text) leaves the outputs' text empty unless a
         request has stop strings, which need it. `make_scheduler` is how the simulator runs its baseline
         policies (simulator/baseline_schedulers.py) in this same loop.
@@ -65,19 +65,19 @@ class LLMEngine:
             executor = ModelExecutor.from_config(config)
         self.config = config
         self.executor = executor
-        loaded = getattr(executor, "loaded", None)
+        loaded = executor.loaded
         if tokenizer is None:
             if loaded is None:
                 raise ValueError("an executor without a loaded model needs a tokenizer")
             tokenizer = load_tokenizer(loaded)
         self.tokenizer = tokenizer
-        self.max_model_len: int = (getattr(executor, "max_model_len", None) or config.model.max_model_len
+        self.max_model_len: int = (executor.max_model_len or config.model.max_model_len
                                    or config.scheduler.max_model_len)
-        self.vocab_size: int = getattr(executor, "vocab_size", None) or tokenizer.vocab_size
-        num_blocks = getattr(executor, "num_blocks", None) or config.cache.num_blocks
+        self.vocab_size: int = executor.vocab_size or tokenizer.vocab_size
+        num_blocks = executor.num_blocks or config.cache.num_blocks
         if num_blocks < 1:
             raise ValueError("the KV cache size is unknown: give config.cache.num_blocks")
-        block_size = getattr(executor, "block_size", None) or config.cache.block_size
+        block_size = executor.block_size or config.cache.block_size
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = make_scheduler(scheduler_config, self.kv_cache)
@@ -87,7 +87,7 @@ class LLMEngine:
         self.clock = clock
         self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}  # every unfinished request
         self._detokenize = detokenize
-        self._free_executor_state = getattr(executor, "free", None)
+        self._free_executor_state = executor.free
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
         self.num_iterations = 0
         self._num_evictions = 0  # the KV cache's eviction count at the last iteration record
@@ -194,8 +194,8 @@ class LLMEngine:
                 request.first_scheduled_time = start
         failed: list[RequestOutput] = []
         try:
-            sampled = self.executor.execute(output)
-            logprobs = getattr(self.executor, "logprobs", None)  # rows that asked for logprobs (model executor)
+            executed = self.executor.execute(output)
+            sampled, logprobs = executed.token_ids, executed.logprobs
         except Exception as exc:  # noqa: BLE001 - find the request at fault; the others go on
             sampled, logprobs = self._execute_one_by_one(output, exc, failed)
         scheduler.update_from_output(output, sampled)  # appends tokens, finishes on EOS and length
@@ -295,8 +295,9 @@ class LLMEngine:
                                     num_prefill_tokens=chunk.num_tokens if chunk.is_prefill else 0,
                                     num_decode_tokens=0 if chunk.is_prefill else chunk.num_tokens)
             try:
-                sampled.update(self.executor.execute(alone))
-                logprobs.update(getattr(self.executor, "logprobs", None) or {})
+                executed = self.executor.execute(alone)
+                sampled.update(executed.token_ids)
+                logprobs.update(executed.logprobs)
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 failed.append(self._fail_request(chunk.request, _describe(exc)))
         if failed:
@@ -317,8 +318,7 @@ class LLMEngine:
     def _release(self, request: Request, now: float) -> None:
         request.finished_time = now
         self._detokenizers.pop(request.request_id, None)
-        if self._free_executor_state is not None:
-            self._free_executor_state(request.request_id)
+        self._free_executor_state(request.request_id)
         if self.observer is not None:
             self.observer.on_finished(request, now)
 
