@@ -122,7 +122,7 @@ def test_set_tuning_takes_effect_at_the_next_schedule():
     "request_kwargs, message",
     [
         (dict(prompt=[]), "empty"),
-        (dict(prompt=300), "more than max_model_len 256"),
+        (dict(prompt=300), "context is 256 tokens"),
         (dict(prompt=10, max_tokens=0), "max_tokens must be at least 1"),
         (dict(prompt=200, max_tokens=50), "whole cache holds 16 blocks"),
     ],
@@ -133,6 +133,15 @@ def test_add_request_rejects_what_could_never_be_served(request_kwargs, message)
     with pytest.raises(ValueError, match=message):
         s.add_request(make_request("bad", **request_kwargs))
     assert s.get_request("bad") is None and s.num_waiting == 1
+
+
+def test_the_length_rule_leaves_room_for_one_output_token():
+    s = make_scheduler(max_model_len=12)
+    with pytest.raises(ValueError, match="it may have at most 11"):
+        s.add_request(make_request("full", 12))
+    s.add_request(make_request("fits", 11, max_tokens=50))  # max_tokens past the context is accepted
+    (done,) = run_to_completion(s)
+    assert done.num_output_tokens == 1 and done.num_tokens == 12 and done.status is RequestStatus.FINISHED_LENGTH
 
 
 def test_add_request_rejects_a_duplicate_id():

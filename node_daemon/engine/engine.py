@@ -10,9 +10,8 @@ One request's fault is its own: when the batch fails to execute, each chunk runs
 request(s) at fault, and an error detokenizing one request fails only that one. A failed request finishes
 with finish_reason "error" and the message; the iteration goes on for the others.
 
-Length policy (as vLLM): a prompt must leave room for at least one output token, so it may have at
-most max_model_len - 1 tokens; a larger max_tokens is accepted and generation stops at the context with
-finish_reason "length".
+A request is validated once, by Scheduler.add_request (which states the length rule); the engine adds only
+what the scheduler cannot see: the prompt's form (text or token ids) and its ids against the vocabulary.
 """
 from __future__ import annotations
 
@@ -105,9 +104,6 @@ class LLMEngine:
     ) -> None:
         """Queue a request; ValueError naming the problem (and nothing else changed) if it is bad."""
         sampling = sampling if sampling is not None else SamplingParams()
-        if request_id in self._detokenizers:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        sampling.check()
         token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
         request = Request(request_id, token_ids, sampling, self.eos_token_ids,
                           arrival_time=self.clock() if arrival_time is None else arrival_time,
@@ -134,13 +130,6 @@ class LLMEngine:
                 for token in token_ids:
                     if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
                         raise ValueError(f"prompt token id {token!r} is outside the vocabulary [0, {vocab})")
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens but the model's context is {self.max_model_len} tokens: "
-                f"it may have at most {self.max_model_len - 1}, to leave room for the output"
-            )
         return token_ids
 
     def abort_request(self, request_id: str) -> Request | None:

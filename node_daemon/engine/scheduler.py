@@ -143,7 +143,12 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request; ValueError (nothing changed) if it could never be served."""
+        """Queue a new request; ValueError (nothing changed) if it could never be served.
+
+        The one place a request is validated (the engine adds only the prompt's form and vocabulary). The length
+        rule, as vLLM's: the prompt must leave room for one output token, so it has at most max_model_len - 1
+        tokens; a larger max_tokens is accepted and generation stops at the context with finish_reason "length".
+        """
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
@@ -153,8 +158,11 @@ class Scheduler:
             raise ValueError("the prompt is empty: at least one token is needed")
         request.sampling.check()
         max_model_len = min(request.max_model_len, self.config.max_model_len)
-        if num_prompt > max_model_len:
-            raise ValueError(f"the prompt has {num_prompt} tokens, more than max_model_len {max_model_len}")
+        if num_prompt >= max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens but the model's context is {max_model_len} tokens: "
+                f"it may have at most {max_model_len - 1}, to leave room for the output"
+            )
         kv_tokens = max(num_prompt, min(num_prompt + request.sampling.max_tokens, max_model_len) - 1)
         kv_blocks = self.kv_cache.blocks_for(kv_tokens)
         if kv_blocks > self.kv_cache.num_blocks:
