@@ -23,7 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from stallfree.bench.daemon_process import free_port, stop, wait_ready
+from stallfree.bench.daemon_process import stop, wait_ready
+from stallfree.net import free_port
 from stallfree.node_daemon.server.json_bounds import MAX_JSON_VALUES
 from stallfree.node_daemon.server.protocol import MAX_MESSAGES
 
