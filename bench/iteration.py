@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             tokens = sampler.sample(logits, params, ids)
             t3 = time.perf_counter()
             for r, tok in zip(reqs, tokens):
-                r.output_token_ids.append(tok)
+                r.append_output_token(tok)
                 r.num_computed_tokens = r.num_tokens - 1
             if step >= 3:
                 prep.append(t1 - t0), fwd.append(t2 - t1), samp.append(t3 - t2)

@@ -14,7 +14,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -25,12 +24,21 @@ from stallfree.node_daemon.engine.sampling_params import SamplingParams
 VOCAB = 49152
 
 
-@dataclass
 class _History:
-    """What the sampler reads for penalties: the request's prompt and generated token ids."""
+    """What the sampler reads for penalties (sampler.TokenHistory): the prompt, then the generated token ids."""
 
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.token_ids = prompt + output
+        self.num_prompt_tokens = len(prompt)
+
+    # What an older sampler read instead (the bench also times older builds).
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -93,7 +101,7 @@ class _Mix:
         if record:
             self.times.append(elapsed * 1e6)
         for h in self.histories:  # generation goes on: the penalised history grows by one token per step
-            h.output_token_ids.append(token)
+            h.token_ids.append(token)
 
     def figures(self) -> dict | None:
         if not self.supported:

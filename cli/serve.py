@@ -57,8 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--long-prefill-threshold", type=int, default=0, help="0: no per-request prefill cap")
     s.add_argument("--tpot-slo-ms", type=float, default=None,
                    help="TPOT target: picks the starting budget")
-    s.add_argument("--policy", choices=["stall_free", "prefill_priority", "decode_priority"], default="stall_free",
-                   help="scheduling policy (the two others are baselines)")
     s.add_argument("--no-profile", action="store_true", help="skip the start-up profile (needs --token-budget N)")
     s.add_argument("--no-prefix-cut", action="store_true",
                    help="keep prefill chunks over a long cached prefix at the full budget (by default they are cut "

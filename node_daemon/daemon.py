@@ -44,8 +44,7 @@ def engine_config(opts: ServeOptions):
                           max_model_len=a.max_model_len, seed=a.seed, threads=a.threads),
         cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_kv_blocks, kv_memory_fraction=a.kv_memory_fraction,
                           enable_prefix_caching=not a.no_prefix_caching),
-        scheduler=SchedulerConfig(ceilings=opts.ceilings, tuning=opts.tuning, policy=a.policy,
-                                  max_model_len=a.max_model_len or 2048),
+        scheduler=SchedulerConfig(ceilings=opts.ceilings, tuning=opts.tuning, max_model_len=a.max_model_len or 2048),
         backend=a.backend,
     )
 
@@ -143,7 +142,7 @@ def start_engine(opts: ServeOptions, daemon) -> None:
         "backend": a.backend, "device": device, "dtype": _engine_dtype(engine, a.dtype),
         "attention_backend": a.attention_backend, "block_size": kv_cache.block_size, "num_kv_blocks": num_blocks,
         "max_model_len": engine.max_model_len, "max_token_budget": ceilings.max_token_budget,
-        "max_num_seqs": ceilings.max_num_seqs, "policy": a.policy, "prefix_caching": not a.no_prefix_caching})
+        "max_num_seqs": ceilings.max_num_seqs, "policy": "stall_free", "prefix_caching": not a.no_prefix_caching})
     gc.freeze()  # the profile's leftovers too
     async_engine = AsyncEngine(engine, opts.served_model_name, watch=StallWatch(threads=compute_threads()))
     if retry is not None:

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stallfree.contracts import Ceilings, Tuning, min_budget_for
-from stallfree.node_daemon.engine.config import SchedulerConfig
 from stallfree.node_daemon.sim.backend import build_cost_model, sim_num_kv_blocks
+from stallfree.simulator.baseline_schedulers import PolicyConfig
 from stallfree.simulator.latency_summary import SLOs, summarize
 from stallfree.simulator.virtual_replica import RequestRecord, VirtualReplica
 from stallfree.simulator.workload import RequestSpec, prompt_token_ids
@@ -69,8 +69,8 @@ class SimSetup:
         default = 8192 if self.policy == "stall-free-time" else max(self.token_budget, floor)
         return Ceilings(self.max_token_budget or default, self.max_num_seqs)
 
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
+    def scheduler_config(self) -> PolicyConfig:
+        return PolicyConfig(
             ceilings=self.ceilings(), tuning=self.tuning(), max_model_len=self.max_model_len,
             policy=POLICIES[self.policy],
             iteration_time_target_ms=self.iteration_time_target_ms if self.policy == "stall-free-time" else None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from functools import partial
 
 from stallfree.contracts import Ceilings, Profile, Tuning, WindowStats, validate_tuning
 from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -29,6 +30,7 @@ from stallfree.node_daemon.measure.stats_window import StatsWindow
 from stallfree.node_daemon.sim.backend import build_cost_model, sim_num_kv_blocks, sim_tokenizer
 from stallfree.node_daemon.sim.cost_model import IterationCostModel, ProfileCostModel, RooflineCostModel
 from stallfree.node_daemon.sim.sim_executor import SimExecutor, VirtualClock
+from stallfree.simulator.baseline_schedulers import PolicyConfig, build_scheduler
 
 # Vocabulary of a replica whose cost model names no model shape (a measured profile): the byte-level
 # tokenizer's bytes and specials fit, and so do the simulator's prompt tokens.
@@ -141,7 +143,8 @@ class VirtualReplica:
                                      scheduler=config, backend="sim")
         # No text: the placeholder tokens' detokenization would be the costliest part of a simulated token.
         self.engine = LLMEngine(engine_config, self.executor, sim_tokenizer(vocab_size), observer_of(observers),
-                                cost_model=cost_model, clock=self.clock, detokenize=False)
+                                make_scheduler=partial(build_scheduler, cost_model=cost_model), clock=self.clock,
+                                detokenize=False)
         self.config = self.engine.scheduler.config
         self.scheduler = self.engine.scheduler
         self.kv_cache = self.engine.kv_cache
@@ -170,9 +173,9 @@ class VirtualReplica:
     ) -> "VirtualReplica":
         """A replica of a named model shape on a hardware preset, KV cache sized from device memory."""
         cost_model = build_cost_model(model, hardware, dtype, tflops=tflops, hbm_tbps=hbm_tbps, overhead_ms=overhead_ms)
-        config = SchedulerConfig(ceilings=ceilings or Ceilings(), tuning=tuning or Tuning(),
-                                 max_model_len=max_model_len, policy=policy,
-                                 iteration_time_target_ms=iteration_time_target_ms)
+        config = PolicyConfig(ceilings=ceilings or Ceilings(), tuning=tuning or Tuning(),
+                              max_model_len=max_model_len, policy=policy,
+                              iteration_time_target_ms=iteration_time_target_ms)
         num_blocks = sim_num_kv_blocks(cost_model, block_size, kv_memory_fraction)
         return cls(cost_model, config, num_kv_blocks=num_blocks, block_size=block_size, **kwargs)
 

@@ -70,11 +70,11 @@ def greedy_decode(runner: ModelRunner, req: Request, last_logits: torch.Tensor, 
     """Append `steps` greedy tokens, one decode iteration each; returns them."""
     logits = last_logits
     for _ in range(steps):
-        req.output_token_ids.append(int(logits.argmax()))
+        req.append_output_token(int(logits.argmax()))
         pos = req.num_tokens - 1
         logits = step(runner, [ScheduledChunk(req, pos, 1, is_prefill=False, samples=True)])[0]
         req.num_computed_tokens = req.num_tokens
-    return req.output_token_ids[-steps:]
+    return req.token_ids[-steps:]
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -17,21 +17,37 @@ from stallfree.node_daemon.engine.request import Request, RequestStatus
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.node_daemon.engine.scheduler import Scheduler
 from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
+from stallfree.simulator.baseline_schedulers import PolicyConfig, build_scheduler
 
 EOS = 2
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, token_budget: int = 64, max_num_seqs: int = 8,
                    max_partial_prefills: int = 1, long_prefill_threshold: int = 0, max_model_len: int = 256,
-                   prefix_caching: bool = True, policy: str = "stall_free", watermark_blocks: int = 0,
-                   ceilings: Ceilings | None = None, **kwargs) -> Scheduler:
+                   prefix_caching: bool = True, watermark_blocks: int = 0, ceilings: Ceilings | None = None,
+                   **kwargs) -> Scheduler:
+    """The daemon's scheduler; `make_baseline` for the simulator's policies."""
+    config = _config(SchedulerConfig, token_budget, max_num_seqs, max_partial_prefills, long_prefill_threshold,
+                     max_model_len, watermark_blocks, ceilings)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching), **kwargs)
+
+
+def make_baseline(policy: str = "stall_free", num_blocks: int = 64, block_size: int = 4, token_budget: int = 64,
+                  max_num_seqs: int = 8, max_model_len: int = 256, iteration_time_target_ms: float | None = None,
+                  cost_model=None) -> Scheduler:
+    """One of the simulator's baseline schedulers (simulator/baseline_schedulers.py), as VirtualReplica builds it."""
+    config = _config(PolicyConfig, token_budget, max_num_seqs, 1, 0, max_model_len, 0, None,
+                     policy=policy, iteration_time_target_ms=iteration_time_target_ms)
+    return build_scheduler(config, KVCacheManager(num_blocks, block_size, True), cost_model)
+
+
+def _config(kind, token_budget, max_num_seqs, max_partial_prefills, long_prefill_threshold,
+            max_model_len, watermark_blocks, ceilings, **extra):
     ceilings = ceilings or Ceilings(max_token_budget=max(256, token_budget), max_num_seqs=max(16, max_num_seqs))
     tuning = Tuning(token_budget=token_budget, max_num_seqs=max_num_seqs, max_partial_prefills=max_partial_prefills,
                     long_prefill_threshold=long_prefill_threshold)
-    config = SchedulerConfig(ceilings=ceilings, tuning=tuning, max_model_len=max_model_len, policy=policy,
-                             watermark_blocks=watermark_blocks,
-                             iteration_time_target_ms=kwargs.pop("iteration_time_target_ms", None))
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching), **kwargs)
+    return kind(ceilings=ceilings, tuning=tuning, max_model_len=max_model_len, watermark_blocks=watermark_blocks,
+                **extra)
 
 
 def make_request(request_id: str, prompt: list[int] | int, max_tokens: int = 4, ignore_eos: bool = True,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -43,8 +44,7 @@ async def test_concurrent_streams_match_the_sync_engine(client: AsyncEngine, ref
         assert not any(o.finished for o in outs[:-1])
     assert client.num_in_flight == 0
     kv = client.engine.kv_cache
-    await asyncio.sleep(0.05)
-    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.num_free_blocks == kv.num_blocks  # freed in the step that finished them, before their last output
     assert client.model_name == "tiny" and client.max_model_len == 256
     assert client.encode("hi") and "<|im_start|>user" in client.apply_chat_template([{"role": "user", "content": "hi"}])
 
@@ -144,13 +144,31 @@ async def test_a_failing_step_fails_the_requests_in_flight_with_a_message(client
     assert kv.num_free_blocks == kv.num_blocks
 
 
-async def test_idle_engine_does_not_spin(client: AsyncEngine) -> None:
+class _RecordedWake(threading.Event):
+    """The engine thread's wake event, recording each wait: the timeout asked, and that the thread got there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeouts: list[float | None] = []
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.timeouts.append(timeout)
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+async def test_an_idle_engine_sleeps_until_a_request_wakes_it(client: AsyncEngine, reference) -> None:
     await collect(client, "warm", PROMPTS["c"])
     iterations = client.engine.num_iterations
-    cpu = time.process_time()
-    await asyncio.sleep(0.5)
-    assert time.process_time() - cpu < 0.2  # a spinning loop would burn the whole 0.5 s
+    old, wake = client._wake, _RecordedWake()
+    client._wake = wake
+    old.set()  # one more turn: nothing to do, so the thread waits on the new event
+    assert await asyncio.to_thread(wake.waiting.wait, 10.0)
+    # One wait without a timeout (a loop that polled would wait with one, or not at all), and no iteration.
+    assert wake.timeouts == [None] and not wake.is_set()
     assert client.engine.num_iterations == iterations
+    assert tokens_of(await collect(client, "woken", PROMPTS["c"])) == reference["c"]
     assert await client.wait_idle(timeout=1.0)
 
 

@@ -82,7 +82,7 @@ def test_tiny_model_chunks_share_iterations_with_decodes():
 
     decoder = make_request("dec", short_prompt, [5, 6])
     last = prefill_all_rows(runner, decoder, 9)[-1]
-    decoder.output_token_ids.append(int(last.argmax()))
+    decoder.append_output_token(int(last.argmax()))
     long_req = make_request("long", long_prompt, [9, 13, 8])
     rows, got_tokens = [], [decoder.output_token_ids[-1]]
     for start in (0, 16, 32):  # three iterations: one decode + a 16/16/13-token chunk each
@@ -92,7 +92,7 @@ def test_tiny_model_chunks_share_iterations_with_decodes():
         logits = step(runner, chunks, all_logits=True)
         rows.append(logits[1:])
         if len(got_tokens) < 3:
-            decoder.output_token_ids.append(int(logits[0].argmax()))
+            decoder.append_output_token(int(logits[0].argmax()))
             got_tokens.append(decoder.output_token_ids[-1])
     assert relative_error(torch.cat(rows), ref_long) <= TOLERANCE
     assert got_tokens == solo_tokens

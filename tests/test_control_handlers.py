@@ -55,6 +55,16 @@ def traffic(daemon):
         thread.join(timeout=15)
 
 
+def last_step(kmock) -> float:
+    return obj(kmock, IS_RESOURCE, "chat")["status"]["control"]["lastStepTime"]
+
+
+async def another_step(kmock, after: float | None = None, timeout: float = 15) -> float:
+    """Wait until the control loop has written a step later than `after` (default: the last one); returns its time."""
+    after = last_step(kmock) if after is None else after
+    return await eventually(lambda: (t := last_step(kmock)) > after and t, timeout=timeout)
+
+
 class Operator:
     def __init__(self, metrics_port: int) -> None:
         self.metrics_port = metrics_port
@@ -128,7 +138,7 @@ async def test_the_operator_tunes_a_live_daemon_reports_and_resumes(kmock: Bridg
         assert "feasibility" in obj(kmock, IS_RESOURCE, "chat")["status"]["control"]
         # The reconciler's conditions and the control loop's live side by side.
         await eventually(lambda: condition(kmock, "chat", "Ready") and condition(kmock, "chat", "SLOMet"), timeout=15)
-        await asyncio.sleep(1.5)  # another control step or two
+        await another_step(kmock)  # the control loop writes its status again: the reconciler's conditions stay
         assert condition(kmock, "chat", "Ready") and condition(kmock, "chat", "Progressing")
         await eventually(lambda: events(kmock, "TuningInitialised"))
         await eventually(lambda: obj(kmock, IS_RESOURCE, "chat")["status"]["control"]["replicas"][0]["known"],
@@ -146,8 +156,7 @@ async def test_the_operator_tunes_a_live_daemon_reports_and_resumes(kmock: Bridg
     steps_before = obj(kmock, IS_RESOURCE, "chat")["status"]["control"]["lastStepTime"]
     monkeypatch.setenv("STALLFREE_OPERATOR_METRICS_PORT", "0")
     async with Operator(0):
-        await eventually(lambda: obj(kmock, IS_RESOURCE, "chat")["status"]["control"]["lastStepTime"] > steps_before,
-                         timeout=15)
-        await asyncio.sleep(1.5)
+        resumed = await another_step(kmock, steps_before)
+        await another_step(kmock, resumed)  # a wrong restart would have decided "initial" by its first step
     assert len(events(kmock, "TuningInitialised")) == initialised
     assert tuned() == budget

@@ -50,7 +50,7 @@ def test_staged_padded_step_equals_the_eager_step():
         prompt = torch.randint(0, runner.loaded.shape.vocab_size, (n,), generator=gen).tolist()
         req = make_request(f"r{i}", prompt, [8 * i + j for j in range(4)])
         runner.execute_model(SchedulerOutput(chunks=[ScheduledChunk(req, 0, n, True, True)]))
-        req.output_token_ids.append(int(torch.randint(0, 100, (1,), generator=gen)))
+        req.append_output_token(int(torch.randint(0, 100, (1,), generator=gen)))
         reqs.append(req)
     decode = SchedulerOutput(chunks=[ScheduledChunk(r, r.num_tokens - 1, 1, False, True) for r in reqs])
     inputs = runner.prepare_inputs(decode)

@@ -66,6 +66,39 @@ def test_logprobs_equal_the_log_softmax_of_the_model_logits(engine: LLMEngine) -
             assert all(e.top[0][0] == e.token_id for e in entries)
 
 
+class _FailsBatched:
+    """The real executor, except that an iteration of more than one chunk raises: the engine runs each alone."""
+
+    def __init__(self, executor) -> None:
+        self.executor = executor
+
+    def execute(self, output):
+        if len(output.chunks) > 1:
+            raise RuntimeError("injected batch fault")
+        return self.executor.execute(output)
+
+    def __getattr__(self, name):
+        return getattr(self.executor, name)
+
+
+def test_logprobs_come_back_with_their_tokens_when_each_request_runs_alone(engine: LLMEngine) -> None:
+    prompt = list(range(60, 70))
+    requests = {"asks": SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True),
+                "plain": SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)}
+    batched = _run(engine, requests, prompt)
+    engine.executor = _FailsBatched(engine.executor)
+    try:
+        alone = _run(engine, requests, prompt)
+    finally:
+        engine.executor = engine.executor.executor
+    assert all(o.logprobs is None for o in alone["plain"])
+    for rid in requests:
+        assert [o.new_token_ids for o in alone[rid]] == [o.new_token_ids for o in batched[rid]]
+    got = [(e.token_id, round(e.logprob, 3)) for o in alone["asks"] for e in o.logprobs]
+    want = [(e.token_id, round(e.logprob, 3)) for o in batched["asks"] for e in o.logprobs]
+    assert len(got) == 4 and got == want
+
+
 def test_repetition_penalty_changes_greedy_output_like_the_reference(engine: LLMEngine) -> None:
     prompt = [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]
     base = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -46,6 +46,34 @@ forbidden_modules = ["stallfree.node_daemon.engine.scheduler"]
     assert "stallfree.node_daemon.engine.engine -> stallfree.node_daemon.engine.scheduler" in text
 
 
+@pytest.mark.skipif(LINT_IMPORTS is None, reason="import-linter is not installed (the test extra)")
+def test_the_layers_and_commons_contracts_see_the_real_graph(tmp_path):
+    # Contracts the real code breaks: the daemon above the kernels it imports (a layers contract turned over),
+    # and common/ importing nothing at all (contracts.py imports bisect): proves the layer names and the root
+    # "stallfree" (common/'s modules) are analysed, not empty.
+    config = (ROOT / "pyproject.toml").read_text()
+    config += '''
+[[tool.importlinter.contracts]]
+name = "deliberately broken: kernels above the daemon"
+type = "layers"
+layers = ["stallfree.kernels", "stallfree.node_daemon"]
+
+[[tool.importlinter.contracts]]
+name = "deliberately broken: contracts import nothing"
+type = "forbidden"
+source_modules = ["stallfree.contracts"]
+forbidden_modules = ["bisect"]
+'''
+    path = tmp_path / "pyproject.toml"
+    path.write_text(config)
+    result = _lint(path)
+    text = " ".join(result.stdout.split())
+    assert "deliberately broken: kernels above the daemon BROKEN" in text
+    assert "deliberately broken: contracts import nothing BROKEN" in text
+    assert "stallfree.contracts -> bisect" in text
+    assert "Contracts: 11 kept, 2 broken." in text  # every real contract still holds
+
+
 def _modules_loaded_by(statement: str) -> set[str]:
     code = f"import json, sys\n{statement}\nprint(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -68,6 +96,15 @@ def test_the_reconciler_loads_no_daemon_module():
     assert not _loaded(loaded, "torch")
 
 
+def test_the_router_loads_no_daemon_module_and_no_torch():
+    modules = sorted(f"stallfree.operator.router.{f.stem}" for f in (ROOT / "operator" / "router").glob("*.py")
+                     if f.stem != "__init__")
+    loaded = _modules_loaded_by("import " + ", ".join(modules))
+    assert "stallfree.operator.router.proxy" in loaded
+    for heavy in ("stallfree.node_daemon", "stallfree.kernels", "torch", "numpy", "triton"):
+        assert not _loaded(loaded, heavy), f"the router loads {heavy}"
+
+
 BLOCK_DAEMON_EXTRA = """
 import sys, importlib.abc
 from stallfree.cli import DAEMON_EXTRA
@@ -81,13 +118,15 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("argv", [["crd"], ["operator", "--help"]])
-def test_the_control_plane_runs_without_the_daemon_extra(argv):
+@pytest.mark.parametrize("argv, expected", [(["crd"], "CustomResourceDefinition"),
+                                            (["operator", "--help"], "usage: stallfree operator"),
+                                            (["router", "--help"], "usage: stallfree router")])
+def test_the_control_plane_runs_without_the_daemon_extra(argv, expected):
     # As after `pip install stallfree` (no [daemon]): torch, numpy, tokenizers... cannot be imported.
     result = subprocess.run([sys.executable, "-c", BLOCK_DAEMON_EXTRA, *argv], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
-    assert ("CustomResourceDefinition" if argv == ["crd"] else "usage: stallfree operator") in result.stdout
+    assert expected in result.stdout
 
 
 def test_a_daemon_command_without_the_extra_says_what_to_install():

@@ -104,7 +104,8 @@ def test_a_preempted_request_finds_its_own_blocks_including_outputs():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     request = arrive(kv, "a", list(range(1, 7)), max_tokens=10)
     computed(kv, request, 6)
-    request.output_token_ids += [40, 41, 42]  # 9 tokens; KV computed for the first 8 below
+    for token in (40, 41, 42):  # 9 tokens; KV computed for the first 8 below
+        request.append_output_token(token)
     computed(kv, request, 8)
     request.status = RequestStatus.PREEMPTED
     kv.free(request)

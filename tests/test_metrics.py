@@ -75,7 +75,7 @@ def test_request_lifecycle_feeds_latency_and_token_series() -> None:
     req.first_scheduled_time = 10.5
     for i, t in enumerate([11.0, 11.02, 11.04, 11.10]):
         metrics.on_token(req, t, first=(i == 0))
-        req.output_token_ids.append(7)
+        req.append_output_token(7)
         req.first_token_time = req.first_token_time or t
         req.last_token_time = t
     req.status = RequestStatus.FINISHED_STOPPED

@@ -42,10 +42,11 @@ def test_cpu_kv_cache_is_capped_and_too_small_a_cache_is_refused(monkeypatch):
 def test_prepare_inputs_builds_the_ragged_batch():
     runner = tiny_runner(num_blocks=32, block_size=16)
     dec = make_request("dec", list(range(100, 120)), [7, 3])
-    dec.output_token_ids = [400]  # decoding its 21st token, at position 20
+    dec.append_output_token(400)  # decoding its 21st token, at position 20
     part = make_request("part", list(range(200, 240)), [2, 9, 30])
     recompute = make_request("re", list(range(300, 310)), [11])
-    recompute.output_token_ids = [1, 2, 3]  # preempted, now prefilled again with its outputs
+    for token in (1, 2, 3):  # preempted, now prefilled again with its outputs
+        recompute.append_output_token(token)
     output = SchedulerOutput(chunks=[
         ScheduledChunk(dec, 20, 1, is_prefill=False, samples=True),
         ScheduledChunk(part, 5, 13, is_prefill=True, samples=False),  # crosses from block 2 into block 9
@@ -119,7 +120,7 @@ def test_staging_buffers_give_the_same_inputs_and_logits():
     for runner in (plain, staged):
         req = make_request("a", list(range(3, 40)), [4, 1, 9])
         rows = prefill_all_rows(runner, req, chunk_size=11)
-        req.output_token_ids.append(int(rows[-1].argmax()))
+        req.append_output_token(int(rows[-1].argmax()))
         results.append((rows, step(runner, [ScheduledChunk(req, 37, 1, False, True)])))
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
     # An iteration bigger than the buffers bypasses them.

@@ -128,6 +128,9 @@ async def eventually(check: Callable[[], Any], timeout: float = 20.0) -> Any:
     raise AssertionError(f"condition not met in {timeout}s: {last!r}")
 
 
+HANDLED = f"{s.GROUP}/last-handled-configuration"  # kopf's diff base, written after the handlers succeeded
+
+
 def manifest(name: str = "chat", **spec: Any) -> dict[str, Any]:
     base = {"model": {"source": "embedded", "name": "smollm2-135m"},
             "engine": {"device": "cpu", "tokenBudget": {"initial": 256}, "maxNumSeqs": {"initial": 16}},
@@ -276,7 +279,8 @@ async def test_invalid_spec_sets_a_condition_and_makes_nothing(kmock: BridgedEmu
         assert "must be an absolute path" in degraded["message"]
         assert condition(kmock, "bad", "Ready")["status"] == "False"
         await eventually(lambda: events(kmock, "InvalidSpec"))
-        await asyncio.sleep(0.3)  # give a wrong reconcile time to show itself
+        # kopf records the spec as handled once the handler returned: a wrong reconcile has shown itself by then.
+        await eventually(lambda: HANDLED in obj(kmock, IS_RESOURCE, "bad")["metadata"].get("annotations", {}))
         for resource, name in ((DEPLOYMENTS, "bad"), ("v1/services", "bad"), ("v1/secrets", "bad-admin-token"),
                                ("policy/v1/poddisruptionbudgets", "bad")):
             assert not exists(kmock, resource, name), resource
@@ -306,13 +310,22 @@ async def test_routing_modes_make_and_remove_the_router(kmock: BridgedEmulator) 
         assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
                                   "verbs": ["list"]}]
         daemons_before = template(kmock)
-        # The router's Deployment reporting ready replicas does not count as daemons.
-        response = await kmock.patch(f"/apis/apps/v1/namespaces/{NS}/deployments/chat-router/status", json={
-            "status": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1, "availableReplicas": 1}},
-            headers={"Content-Type": "application/merge-patch+json"})
-        assert response.status == 200
-        await asyncio.sleep(0.5)
+        # The router's Deployment reporting ready replicas does not count as daemons. The daemons' Deployment
+        # reports next (later on the same watch): once the status shows its count, the router's report was
+        # handled too, and no status written since the router's report may say a replica is ready.
+        versions = len(kmock.objects[IS_RESOURCE, NS, "chat"].history)
+        for deployment, status in (("chat-router", {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1,
+                                                    "availableReplicas": 1}),
+                                   ("chat", {"replicas": 1, "updatedReplicas": 1})):
+            response = await kmock.patch(f"/apis/apps/v1/namespaces/{NS}/deployments/{deployment}/status",
+                                         json={"status": status},
+                                         headers={"Content-Type": "application/merge-patch+json"})
+            assert response.status == 200
+        await eventually(lambda: obj(kmock, IS_RESOURCE, "chat")["status"]["updatedReplicas"] == 1)
         assert condition(kmock, "chat", "Ready")["reason"] == "NoReplicaReady"
+        written = [item for version in kmock.objects[IS_RESOURCE, NS, "chat"].history[versions:]
+                   for item in ((version or {}).get("status") or {}).get("conditions") or [] if item["type"] == "Ready"]
+        assert written and all(item["status"] == "False" for item in written), written
 
         await patch_spec(kmock, "chat", {"routing": {"mode": "service"}})
         await eventually(lambda: obj(kmock, "v1/services", "chat")["spec"]["selector"]

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stallfree.node_daemon.engine.request import Request
 from stallfree.node_daemon.engine.sampler import Sampler, restricted_support
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 
@@ -175,9 +176,12 @@ def test_seeded_row_does_not_depend_on_the_candidate_count() -> None:
         assert alone == beside
 
 
-class _History:
-    def __init__(self, prompt: list[int], output: list[int]) -> None:
-        self.prompt_token_ids, self.output_token_ids = prompt, output
+def _history(prompt: list[int], output: list[int]) -> Request:
+    """The token history the engine hands the sampler: a request's prompt, then its outputs."""
+    request = Request("h", prompt, SamplingParams())
+    for token in output:
+        request.append_output_token(token)
+    return request
 
 
 def _reference_penalties(x: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
@@ -199,7 +203,7 @@ def test_penalties_and_bias_equal_a_straightforward_reference() -> None:
               SamplingParams(temperature=0.0),  # untouched beside penalised rows
               SamplingParams(temperature=0.5, repetition_penalty=0.8, frequency_penalty=-1.5, presence_penalty=2.0,
                              logit_bias={3: 5.0, 9: -100.0})]
-    histories = [_History([1, 2, 2, 5], []) for _ in params]
+    histories = [_history([1, 2, 2, 5], []) for _ in params]
     sampler = Sampler()
     for step in range(12):  # the counts are kept incrementally: check them as the outputs grow
         x = torch.randn(4, vocab, generator=gen) * 3
@@ -209,14 +213,14 @@ def test_penalties_and_bias_equal_a_straightforward_reference() -> None:
             assert torch.allclose(got[row].double(), want, atol=1e-5), (step, row)
         tokens = sampler.sample(x, params, list("abcd"), histories)
         for row, token in enumerate(tokens):
-            histories[row].output_token_ids.append(token if step % 3 else 7)  # repeats, so counts exceed 1
+            histories[row].append_output_token(token if step % 3 else 7)  # repeats, so counts exceed 1
 
 
 def test_greedy_with_penalties_is_the_argmax_of_the_penalised_logits() -> None:
     x = torch.tensor([[5.0, 4.9, 0.0, -1.0]])
     p = SamplingParams(temperature=0.0, presence_penalty=1.0)
     assert Sampler().sample(x, [SamplingParams(temperature=0.0)], ["a"]) == [0]
-    assert Sampler().sample(x, [p], ["a"], [_History([], [0])]) == [1]
+    assert Sampler().sample(x, [p], ["a"], [_history([], [0])]) == [1]
 
 
 def test_logit_bias_forces_and_bans_tokens() -> None:

@@ -53,7 +53,7 @@ def expected_output(request_id: str) -> list[int]:
         token = next_token(request)
         request.append_output_token(token)
         if token == EOS:
-            return request.output_token_ids[:]
+            return list(request.output_token_ids)
 
 
 def run_scenario(estimate: OutputLengthEstimate, max_num_seqs: int = 64, max_steps: int = 5000) -> dict:
@@ -92,7 +92,7 @@ def test_chats_without_max_tokens_run_together_and_every_one_completes_exactly()
     for request_id, (_, request) in finished.items():
         if request_id != "short":
             assert request.status is RequestStatus.FINISHED_STOPPED
-            assert request.output_token_ids == expected_output(request_id), request_id
+            assert list(request.output_token_ids) == expected_output(request_id), request_id
     kv = s.kv_cache
     assert kv.num_free_blocks == kv.num_blocks and s.num_reserved_blocks == 0
 

@@ -19,6 +19,7 @@ from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
 from stallfree.node_daemon.engine.output_length import OutputLengthEstimate
 from stallfree.node_daemon.engine.request import Request, RequestStatus
 from stallfree.node_daemon.engine.scheduler import Scheduler
+from stallfree.simulator.baseline_schedulers import PolicyConfig, build_scheduler
 
 CEILINGS = Ceilings(max_token_budget=160, max_num_seqs=12)
 MAX_MODEL_LEN = 96
@@ -59,7 +60,7 @@ class Ledger:
 def checked_step(s: Scheduler, ledger: Ledger, data) -> None:
     """One iteration with every per-step invariant checked."""
     tuning = s.tuning
-    stall_free = s.config.policy == "stall_free"
+    stall_free = type(s) is Scheduler  # the daemon's policy (the baselines keep fewer of these promises)
     decodes_before = [r for r in s.running if is_decode(r)]
     partial_before = len(s.running) - len(decodes_before)
 
@@ -127,13 +128,15 @@ def check_finished(request: Request) -> None:
 def make(policy: str, data) -> Scheduler:
     block_size = data.draw(st.sampled_from([1, 2, 4, 8]), label="block_size")
     num_blocks = data.draw(st.integers(-(-(MAX_MODEL_LEN // 2) // block_size), 160 // block_size), label="num_blocks")
-    config = SchedulerConfig(ceilings=CEILINGS, tuning=data.draw(tunings(), label="tuning"),
-                             watermark_blocks=data.draw(st.integers(0, 3), label="watermark"),
-                             max_model_len=MAX_MODEL_LEN, policy=policy)
+    config = PolicyConfig(ceilings=CEILINGS, tuning=data.draw(tunings(), label="tuning"),
+                          watermark_blocks=data.draw(st.integers(0, 3), label="watermark"),
+                          max_model_len=MAX_MODEL_LEN, policy=policy)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=data.draw(st.booleans(), label="caching"))
     estimates = [OutputLengthEstimate.worst_case(), OutputLengthEstimate(initial=4, floor=2),
                  OutputLengthEstimate.fixed(0)]
-    return Scheduler(config, kv, output_estimate=data.draw(st.sampled_from(estimates), label="reservation"))
+    scheduler = build_scheduler(config, kv)
+    scheduler.output_estimate = data.draw(st.sampled_from(estimates), label="reservation")
+    return scheduler
 
 
 def run_program(s: Scheduler, data, num_steps: int) -> Ledger:

@@ -260,7 +260,8 @@ from stallfree.node_daemon.sim.backend import sim_tokenizer  # noqa: E402
 
 def _batch() -> SchedulerOutput:
     decoding = Request("d", [1] * 100, SamplingParams(max_tokens=50))
-    decoding.output_token_ids = [65] * 9
+    for _ in range(9):
+        decoding.append_output_token(65)
     prefilling = Request("p", [2] * 300, SamplingParams(max_tokens=5))
     chunks = [ScheduledChunk(decoding, 108, 1, False, True), ScheduledChunk(prefilling, 0, 256, True, False)]
     return SchedulerOutput(chunks=chunks, num_decode_tokens=1, num_prefill_tokens=256, token_budget=512)
@@ -270,8 +271,9 @@ def test_sim_executor_charges_the_cost_models_time_in_virtual_or_real_time(cost,
     expected_ms = cost.predict_ms([109], [(0, 256)])
     clock = sim_executor.VirtualClock(5.0)
     executor = sim_executor.SimExecutor(cost, clock=clock)
-    sampled = executor.execute(_batch())
-    assert set(sampled) == {"d"}  # the partial prefill chunk samples nothing
+    executed = executor.execute(_batch())
+    assert set(executed.token_ids) == {"d"}  # the partial prefill chunk samples nothing
+    assert executed.logprobs == {}
     assert clock.now == pytest.approx(5.0 + expected_ms / 1000)
     slept: list[float] = []
     monkeypatch.setattr(sim_executor.time, "sleep", slept.append)

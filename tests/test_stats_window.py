@@ -35,7 +35,7 @@ def _stream(window: StatsWindow, rid: str, arrival: float, scheduled: float, tok
     req.first_scheduled_time = scheduled
     for i, t in enumerate(token_times):
         window.on_token(req, t, first=(i == 0))
-        req.output_token_ids.append(1)
+        req.append_output_token(1)
         if i == 0:
             req.first_token_time = t
         req.last_token_time = t

@@ -14,12 +14,6 @@ class SchedulerConfig:
     # KV blocks kept free at admission so running decodes can grow without preempting at once.
     watermark_blocks: int = 0
     max_model_len: int = 2048
-    # stall_free: decodes, then partial-prefill chunks, then new prompts, all under the budget (Sarathi-Serve).
-    # prefill_priority: whole prompts first, decodes pause for them (pre-chunking engines; a baseline).
-    # decode_priority: iterations are all-decode or all-prefill, prefill only when no decode runs (baseline).
-    policy: str = "stall_free"
-    # When set (and a cost model is given), prefill chunks are cut so the predicted iteration time fits.
-    iteration_time_target_ms: float | None = None
 
 
 @dataclass

@@ -10,9 +10,8 @@ One request's fault is its own: when the batch fails to execute, each chunk runs
 request(s) at fault, and an error detokenizing one request fails only that one. A failed request finishes
 with finish_reason "error" and the message; the iteration goes on for the others.
 
-Length policy (as vLLM): a prompt must leave room for at least one output token, so it may have at
-most max_model_len - 1 tokens; a larger max_tokens is accepted and generation stops at the context with
-finish_reason "length".
+A request is validated once, by Scheduler.add_request (which states the length rule); the engine adds only
+what the scheduler cannot see: the prompt's form (text or token ids) and its ids against the vocabulary.
 """
 from __future__ import annotations
 
@@ -22,14 +21,14 @@ import time
 from typing import Callable, Sequence
 
 from stallfree.contracts import Ceilings, Tuning
-from stallfree.node_daemon.engine.config import EngineConfig
+from stallfree.node_daemon.engine.config import EngineConfig, SchedulerConfig
 from stallfree.node_daemon.text.detokenizer import IncrementalDetokenizer
 from stallfree.node_daemon.engine.engine_protocol import (EngineObserver, Executor, IterationRecord, RequestOutput,
                                                           TokenLogprob)
 from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
 from stallfree.node_daemon.engine.request import Request, RequestStatus
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
-from stallfree.node_daemon.engine.scheduler import IterationCostModel, Scheduler
+from stallfree.node_daemon.engine.scheduler import Scheduler
 from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
 from stallfree.node_daemon.text.tokenizer import Tokenizer, load_tokenizer
 
@@ -47,16 +46,17 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         observer: EngineObserver | None = None,
         *,
-        cost_model: IterationCostModel | None = None,
+        make_scheduler: Callable[[SchedulerConfig, KVCacheManager], Scheduler] = Scheduler,
         clock: Callable[[], float] = time.monotonic,
         detokenize: bool = True,
     ) -> None:
         """Without an executor, load the model named by config.model and size the KV cache from it.
 
-        Another executor (the sim backend) brings its own `tokenizer`; its KV cache size and context come
-        from the executor's num_blocks / max_model_len when it has them, else from the config.
+        Another executor (the sim backend) brings its own `tokenizer`; the KV cache size and the context come
+        from the executor's num_blocks / max_model_len unless they are None, else from the config.
         `detokenize=False` (the simulator: nobody reads the text) leaves the outputs' text empty unless a
-        request has stop strings, which need it.
+        request has stop strings, which need it. `make_scheduler` is how the simulator runs its baseline
+        policies (simulator/baseline_schedulers.py) in this same loop.
         """
         if executor is None:
             from stallfree.node_daemon.engine.model_executor import ModelExecutor
@@ -64,29 +64,29 @@ class LLMEngine:
             executor = ModelExecutor.from_config(config)
         self.config = config
         self.executor = executor
-        loaded = getattr(executor, "loaded", None)
+        loaded = executor.loaded
         if tokenizer is None:
             if loaded is None:
                 raise ValueError("an executor without a loaded model needs a tokenizer")
             tokenizer = load_tokenizer(loaded)
         self.tokenizer = tokenizer
-        self.max_model_len: int = (getattr(executor, "max_model_len", None) or config.model.max_model_len
+        self.max_model_len: int = (executor.max_model_len or config.model.max_model_len
                                    or config.scheduler.max_model_len)
-        self.vocab_size: int = getattr(executor, "vocab_size", None) or tokenizer.vocab_size
-        num_blocks = getattr(executor, "num_blocks", None) or config.cache.num_blocks
+        self.vocab_size: int = executor.vocab_size or tokenizer.vocab_size
+        num_blocks = executor.num_blocks or config.cache.num_blocks
         if num_blocks < 1:
             raise ValueError("the KV cache size is unknown: give config.cache.num_blocks")
-        block_size = getattr(executor, "block_size", None) or config.cache.block_size
+        block_size = executor.block_size or config.cache.block_size
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache, cost_model)
+        self.scheduler = make_scheduler(scheduler_config, self.kv_cache)
         model_eos = tuple(loaded.eos_token_ids) if loaded is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(model_eos + tuple(tokenizer.eos_token_ids)))
         self.observer = observer
         self.clock = clock
         self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}  # every unfinished request
         self._detokenize = detokenize
-        self._free_executor_state = getattr(executor, "free", None)
+        self._free_executor_state = executor.free
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
         self.num_iterations = 0
         self._num_evictions = 0  # the KV cache's eviction count at the last iteration record
@@ -104,9 +104,6 @@ class LLMEngine:
     ) -> None:
         """Queue a request; ValueError naming the problem (and nothing else changed) if it is bad."""
         sampling = sampling if sampling is not None else SamplingParams()
-        if request_id in self._detokenizers:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        sampling.check()
         token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
         request = Request(request_id, token_ids, sampling, self.eos_token_ids,
                           arrival_time=self.clock() if arrival_time is None else arrival_time,
@@ -133,13 +130,6 @@ class LLMEngine:
                 for token in token_ids:
                     if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
                         raise ValueError(f"prompt token id {token!r} is outside the vocabulary [0, {vocab})")
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens but the model's context is {self.max_model_len} tokens: "
-                f"it may have at most {self.max_model_len - 1}, to leave room for the output"
-            )
         return token_ids
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -193,8 +183,8 @@ class LLMEngine:
                 request.first_scheduled_time = start
         failed: list[RequestOutput] = []
         try:
-            sampled = self.executor.execute(output)
-            logprobs = getattr(self.executor, "logprobs", None)  # rows that asked for logprobs (model executor)
+            executed = self.executor.execute(output)
+            sampled, logprobs = executed.token_ids, executed.logprobs
         except Exception as exc:  # noqa: BLE001 - find the request at fault; the others go on
             sampled, logprobs = self._execute_one_by_one(output, exc, failed)
         scheduler.update_from_output(output, sampled)  # appends tokens, finishes on EOS and length
@@ -294,8 +284,9 @@ class LLMEngine:
                                     num_prefill_tokens=chunk.num_tokens if chunk.is_prefill else 0,
                                     num_decode_tokens=0 if chunk.is_prefill else chunk.num_tokens)
             try:
-                sampled.update(self.executor.execute(alone))
-                logprobs.update(getattr(self.executor, "logprobs", None) or {})
+                executed = self.executor.execute(alone)
+                sampled.update(executed.token_ids)
+                logprobs.update(executed.logprobs)
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 failed.append(self._fail_request(chunk.request, _describe(exc)))
         if failed:
@@ -311,13 +302,12 @@ class LLMEngine:
         request.status = RequestStatus.FINISHED_ERROR
         self._release(request, self.clock())
         return RequestOutput(request.request_id, [], "", True, "error", request.num_prompt_tokens,
-                             len(request.output_token_ids), request.num_cached_tokens, error=message)
+                             request.num_output_tokens, request.num_cached_tokens, error=message)
 
     def _release(self, request: Request, now: float) -> None:
         request.finished_time = now
         self._detokenizers.pop(request.request_id, None)
-        if self._free_executor_state is not None:
-            self._free_executor_state(request.request_id)
+        self._free_executor_state(request.request_id)
         if self.observer is not None:
             self.observer.on_finished(request, now)
 

@@ -5,19 +5,55 @@ cost-model simulation) can be built and replaced apart from the engine loop itse
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 from stallfree.contracts import Ceilings, Tuning
 from stallfree.node_daemon.engine.request import Request
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
 
+if TYPE_CHECKING:  # both load torch; the engine loop and the sim backend never need to
+    from stallfree.node_daemon.engine.sampler import TokenLogprobs
+    from stallfree.node_daemon.models.loader import LoadedModel
+
+
+@dataclass(slots=True)
+class ExecutorOutput:
+    """What one executed iteration sampled: a token for every chunk with `samples=True`, by request id, and the
+    logprobs of the requests that asked for them (in the same answer, so they belong to the same iteration)."""
+
+    token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
 
 class Executor(Protocol):
-    """Runs one scheduled iteration and returns the sampled token of every chunk with `samples=True`."""
+    """Runs scheduled iterations: on the model (model_executor.py) or in the cost model's time (sim/sim_executor.py).
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]: ...
+    The sizes are what the executor fixed when it was built (the KV blocks it allocated, the model's context and
+    vocabulary, the loaded model whose tokenizer and EOS ids the engine uses); None leaves each to the engine's
+    config and tokenizer.
+    """
+
+    @property
+    def loaded(self) -> LoadedModel | None: ...
+
+    @property
+    def num_blocks(self) -> int | None: ...
+
+    @property
+    def block_size(self) -> int | None: ...
+
+    @property
+    def max_model_len(self) -> int | None: ...
+
+    @property
+    def vocab_size(self) -> int | None: ...
+
+    def execute(self, output: SchedulerOutput) -> ExecutorOutput: ...
+
+    def free(self, request_id: str) -> None:
+        """The engine is done with the request (finished or aborted): drop any state kept for it."""
 
 
 @dataclass(slots=True)

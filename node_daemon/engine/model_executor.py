@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from stallfree.node_daemon.engine.config import EngineConfig
+from stallfree.node_daemon.engine.engine_protocol import ExecutorOutput
 from stallfree.node_daemon.engine.model_runner import ModelRunner
 from stallfree.node_daemon.models.loader import LoadedModel
-from stallfree.node_daemon.engine.sampler import Sampler, TokenLogprobs
+from stallfree.node_daemon.engine.sampler import Sampler
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
 
@@ -15,7 +16,6 @@ class ModelExecutor:
     def __init__(self, runner: ModelRunner, sampler: Sampler | None = None) -> None:
         self.runner = runner
         self.sampler = sampler or Sampler(runner.device)
-        self.logprobs: dict[str, TokenLogprobs] = {}  # of the last execute(), for the requests that asked
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "ModelExecutor":
@@ -23,9 +23,6 @@ class ModelExecutor:
         ceilings = config.scheduler.ceilings
         runner = ModelRunner(config.model, config.cache, max_num_tokens=ceilings.max_token_budget,
                              max_num_seqs=ceilings.max_num_seqs)
-        if config.scheduler.policy != "stall_free":
-            # The unchunked baselines run whole prompts: up to max(budget ceiling, context) tokens at once.
-            runner.max_num_tokens = max(runner.max_num_tokens, runner.max_model_len)
         return cls(runner)
 
     @property
@@ -48,8 +45,8 @@ class ModelExecutor:
     def vocab_size(self) -> int:
         return self.runner.loaded.shape.vocab_size
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Sampled tokens by request id; the rows that asked for logprobs leave them in `self.logprobs`."""
+    def execute(self, output: SchedulerOutput) -> ExecutorOutput:
+        """Sampled tokens by request id, with the logprobs of the rows that asked."""
         logits = self.runner.execute_model(output)
         params: list[SamplingParams] = []
         request_ids: list[str] = []
@@ -59,13 +56,13 @@ class ModelExecutor:
                 params.append(chunk.request.sampling)
                 request_ids.append(chunk.request.request_id)
                 requests.append(chunk.request)
-        self.logprobs = {}
         if not request_ids:
-            return {}
+            return ExecutorOutput({})
         sampled = self.sampler.sample_rows(logits, params, request_ids, requests)
-        if sampled.logprobs is not None:
-            self.logprobs = {rid: lp for rid, lp in zip(request_ids, sampled.logprobs) if lp is not None}
-        return dict(zip(request_ids, sampled.token_ids))
+        tokens = dict(zip(request_ids, sampled.token_ids))
+        if sampled.logprobs is None:
+            return ExecutorOutput(tokens)
+        return ExecutorOutput(tokens, {rid: lp for rid, lp in zip(request_ids, sampled.logprobs) if lp is not None})
 
     def free(self, request_id: str) -> None:
         """The request is gone: drop its sampling state (its seeded generator)."""

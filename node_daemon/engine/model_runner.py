@@ -20,7 +20,6 @@ from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.kernels.cpu_threads import apply_threads
 from stallfree.node_daemon.models.llama import KVCache
 from stallfree.node_daemon.models.loader import LoadedModel, load_model
-from stallfree.node_daemon.engine.request import Request
 from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
 
 # Without a cache size given, a CPU runner takes at most this much host memory for KV.
@@ -108,11 +107,11 @@ class ModelRunner:
                 raise ValueError(f"request {req.request_id} reaches position {end}: past max_model_len "
                                  f"{self.max_model_len} or its {len(req.block_ids)} KV blocks")
             if n == 1:  # a decode: the common case, kept to scalar arithmetic
-                ids.append(_token_at(req, start))
+                ids.append(req.token_ids[start])
                 positions.append(start)
                 slots.append(req.block_ids[start // bs] * bs + start % bs)
             else:
-                ids += _tokens_between(req, start, end)
+                ids += req.token_ids[start:end]
                 positions += range(start, end)
                 _append_slots(slots, req.block_ids, start, end, bs)
             query_start_loc.append(query_start_loc[-1] + n)
@@ -207,21 +206,6 @@ class ModelRunner:
         # One allocation; zeros so that padded block-table entries never read NaN garbage.
         cache = torch.zeros(shape.num_layers, 2, *per_layer, dtype=self.loaded.dtype, device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(shape.num_layers)]
-
-
-def _token_at(req: Request, i: int) -> int:
-    prompt = req.prompt_token_ids
-    return prompt[i] if i < len(prompt) else req.output_token_ids[i - len(prompt)]
-
-
-def _tokens_between(req: Request, start: int, end: int) -> list[int]:
-    prompt = req.prompt_token_ids
-    p = len(prompt)
-    if end <= p:
-        return prompt[start:end]
-    if start >= p:
-        return req.output_token_ids[start - p:end - p]
-    return prompt[start:] + req.output_token_ids[:end - p]
 
 
 def _append_slots(slots: list[int], block_ids: list[int], start: int, end: int, block_size: int) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Iterable, Iterator, SupportsIndex, overload
+from typing import Iterable
 
 from stallfree.node_daemon.engine.block_pool import ROOT_HASH, BlockHash, hash_block_tokens
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
@@ -30,7 +30,8 @@ _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, Requ
 class Request:
     """Token ids, progress and KV blocks of one request.
 
-    `token_ids` is the one token list: the prompt, then every generated token as it arrives. Once the
+    `token_ids` is the one token list: the prompt, then every generated token as it arrives (only
+    append_output_token adds one; prompt_token_ids and output_token_ids are copies). Once the
     KV cache manager turns hashing on (prefix caching), `block_hashes` holds the chained content hash
     of every full block of `token_ids`, extended as tokens arrive, so a lookup never rehashes.
     `num_computed_tokens` counts tokens whose KV is in the cache. A request decodes once only its newest
@@ -95,21 +96,14 @@ class Request:
             hashes.append(parent)
 
     @property
-    def prompt_token_ids(self) -> _TokenView:
-        return _TokenView(self, 0, self.num_prompt_tokens)
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        """A copy of the prompt (hot paths index `token_ids` instead)."""
+        return tuple(self.token_ids[:self.num_prompt_tokens])
 
     @property
-    def output_token_ids(self) -> _TokenView:
-        """The generated tokens, a view of `token_ids` (append goes through append_output_token)."""
-        return _TokenView(self, self.num_prompt_tokens, None)
-
-    @output_token_ids.setter
-    def output_token_ids(self, tokens: Iterable[int]) -> None:
-        new = list(tokens)  # first: `tokens` may be a view of this very list (`outputs += [...]`)
-        del self.token_ids[self.num_prompt_tokens:]
-        self.token_ids += new
-        if self.hash_block_size:
-            self.hash_blocks(self.hash_block_size)
+    def output_token_ids(self) -> tuple[int, ...]:
+        """A copy of the generated tokens (hot paths count num_output_tokens; append_output_token adds one)."""
+        return tuple(self.token_ids[self.num_prompt_tokens:])
 
     @property
     def num_tokens(self) -> int:
@@ -139,63 +133,3 @@ class Request:
             f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
         )
 
-
-class _TokenView:
-    """A slice of a request's token list without a copy: the prompt, or the outputs so far."""
-
-    __slots__ = ("_request", "_start", "_end")
-
-    def __init__(self, request: Request, start: int, end: int | None) -> None:
-        self._request, self._start, self._end = request, start, end
-
-    def _bounds(self) -> tuple[list[int], int, int]:
-        tokens = self._request.token_ids
-        return tokens, self._start, len(tokens) if self._end is None else self._end
-
-    def __len__(self) -> int:
-        _, start, end = self._bounds()
-        return end - start
-
-    @overload
-    def __getitem__(self, index: SupportsIndex) -> int: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-
-    def __getitem__(self, index):
-        tokens, start, end = self._bounds()
-        if isinstance(index, slice):
-            lo, hi, step = index.indices(end - start)
-            return tokens[start + lo:start + hi:step]
-        i = index.__index__()
-        n = end - start
-        if not -n <= i < n:
-            raise IndexError("token index out of range")
-        return tokens[start + i if i >= 0 else end + i]
-
-    def __iter__(self) -> Iterator[int]:
-        tokens, start, end = self._bounds()
-        return iter(tokens[start:end])
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, _TokenView):
-            other = list(other)
-        return isinstance(other, list) and self[:] == other
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def append(self, token: int) -> None:
-        if self._end is not None:
-            raise TypeError("the prompt is fixed")
-        self._request.append_output_token(token)
-
-    def extend(self, tokens: Iterable[int]) -> None:
-        for token in tokens:
-            self.append(token)
-
-    def __iadd__(self, tokens: Iterable[int]) -> _TokenView:
-        self.extend(tokens)
-        return self
-
-    def __repr__(self) -> str:
-        return repr(self[:])

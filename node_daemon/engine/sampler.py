@@ -28,10 +28,10 @@ CANDIDATES = 256  # tokens kept by topk before the top-p / min_p cut (the full s
 
 
 class TokenHistory(Protocol):
-    """What penalties read from a request (engine Request satisfies it)."""
+    """What penalties read from a request (engine Request satisfies it): the prompt, then the outputs so far."""
 
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]
+    num_prompt_tokens: int
 
 
 @dataclass(slots=True)
@@ -64,14 +64,14 @@ class _PenaltyState:
         self._id_set = set(prompt_token_ids)
         self.ids = torch.tensor(sorted(self._id_set), dtype=torch.long, device=device)
 
-    def update(self, output_token_ids: Sequence[int]) -> None:
-        new = output_token_ids[self.num_seen:]
+    def update(self, history: TokenHistory) -> None:
+        new = history.token_ids[history.num_prompt_tokens + self.num_seen:]  # only what is new since the last step
         if not new:
             return
         device = self.counts.device
         self.counts.index_add_(0, torch.tensor(list(new), dtype=torch.long, device=device),
                                torch.ones(len(new), dtype=torch.float32, device=device))
-        self.num_seen = len(output_token_ids)
+        self.num_seen += len(new)
         fresh = [t for t in dict.fromkeys(new) if t not in self._id_set]
         if fresh:
             self._id_set.update(fresh)
@@ -175,9 +175,10 @@ class Sampler:
                 i = processed[j]
                 state = self._penalties.get(request_ids[i])
                 if state is None:
-                    state = _PenaltyState(vocab, histories[i].prompt_token_ids, logits.device)
+                    history = histories[i]
+                    state = _PenaltyState(vocab, history.token_ids[:history.num_prompt_tokens], logits.device)
                     self._penalties[request_ids[i]] = state
-                state.update(histories[i].output_token_ids)
+                state.update(histories[i])
                 states.append(state)
             apply_penalties(proc, penalised, states, [params[processed[j]] for j in penalised])
         return proc

@@ -8,8 +8,8 @@ prefills, long-prefill threshold) in this order:
 3. new requests first come, first served (preempted ones ahead of new ones), while budget, sequence
    slots, the partial-prefill cap and KV admission allow; the queue head blocks the rest (strict FCFS).
 
-Every prefill chunk is cut at the leftover budget, at `long_prefill_threshold` when set, and, when an
-iteration time target and a cost model are given, at the largest size whose predicted time fits.
+Every prefill chunk is cut at the leftover budget, at `long_prefill_threshold` when set, and over a long
+cached prefix to the budget's iteration time (set_prefix_cost).
 
 KV admission reserves a request's whole prompt (and outputs so far, after a preemption) plus an
 estimate of its output length (output_length.py: a running high quantile of this daemon's output
@@ -32,18 +32,15 @@ incomplete after this iteration. A prompt that completes within the iteration ne
 The engine calls `schedule()`, runs the model, then `update_from_output()` before the next
 `schedule()`. The scheduler never reads a clock: the engine (or the simulator) stamps times.
 
-Baseline policies (SchedulerConfig.policy), for the simulator's comparisons:
-- prefill_priority (vLLM before chunking, Orca): when a waiting request fits, the iteration runs whole
-  prompts only, FCFS, up to max(budget ceiling, max_model_len) tokens; running decodes pause for it.
-- decode_priority (FasterTransformer's request-level batching, Sarathi-Serve's "decode-prioritizing"):
-  an iteration is all-decode while anything runs; whole prompts are admitted only when nothing is
-  running, as one batch under the same token limit.
+This is the one policy the daemon serves. The simulator's baselines (prefill-priority, decode-priority,
+the iteration-time-target chunker) subclass it in simulator/baseline_schedulers.py, through `_schedule`
+(one iteration's policy) and `_chunk_size` (one prefill chunk's size).
 """
 from __future__ import annotations
 
 from bisect import insort
 from collections import deque
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from stallfree.contracts import Ceilings, Tuning, validate_tuning
 from stallfree.node_daemon.engine.config import SchedulerConfig
@@ -52,18 +49,9 @@ from stallfree.node_daemon.engine.output_length import OutputLengthEstimate
 from stallfree.node_daemon.engine.request import Request, RequestStatus
 from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
-POLICIES = ("stall_free", "prefill_priority", "decode_priority")
-
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH
-
-
-class IterationCostModel(Protocol):
-    """Predicted iteration time of a batch: decodes by context length (the new token included) and
-    prefill chunks as (prefix_len, num_tokens). The simulator's cost models satisfy it."""
-
-    def predict_ms(self, decode_context_lens: Sequence[int], prefill_chunks: Sequence[tuple[int, int]]) -> float: ...
 
 
 class PrefixCostModel(Protocol):
@@ -73,31 +61,26 @@ class PrefixCostModel(Protocol):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, cost_model: IterationCostModel | None = None,
-                 *, output_estimate: OutputLengthEstimate | None = None) -> None:
-        if config.policy not in POLICIES:
-            raise ValueError(f"unknown scheduling policy {config.policy!r}; choose one of {', '.join(POLICIES)}")
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, *,
+                 output_estimate: OutputLengthEstimate | None = None) -> None:
         validate_tuning(config.tuning, config.ceilings)
         self.config = config
         self.kv_cache = kv_cache
-        self.cost_model = cost_model
         # Output tokens reserved at admission for requests whose own bound is larger (per daemon, learned).
         self.output_estimate = output_estimate if output_estimate is not None else OutputLengthEstimate()
         self._tuning = config.tuning
         self._block_size = kv_cache.block_size
-        self._time_target = config.iteration_time_target_ms if cost_model is not None else None
         self.prefix_cost: PrefixCostModel | None = None
         self.waiting: deque[Request] = deque()  # preempted at the front, then new requests in arrival order
-        # Running requests in admission order, and the same split into those that decode and those
-        # still prefilling (both kept in admission order, so the latest admitted is always a tail).
-        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        # The running requests: those that decode and those still prefilling, each list in admission order
+        # (the hot loops walk one each; the latest admitted is one of the two tails).
         self._decoding: list[Request] = []
         self._prefilling: list[Request] = []
-        self._requests: dict[str, Request] = {}  # every unfinished request
-        self._admission: dict[str, int] = {}  # running request -> admission sequence number
+        # Running request -> (admission number, KV blocks reserved at admission); and the sum of the blocks
+        # running requests may still take under their reservations.
+        self._admitted: dict[str, tuple[int, int]] = {}
         self._num_admissions = 0
-        # KV blocks each running request reserved at admission, and the sum of what they may still take.
-        self._reserved_blocks: dict[str, int] = {}
         self._growth_blocks = 0
         self._num_partial_prefills = 0
         self.num_preemptions = 0
@@ -130,7 +113,13 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self._decoding) + len(self._prefilling)
+
+    @property
+    def running(self) -> list[Request]:
+        """The running requests in admission order (a new list)."""
+        admitted = self._admitted
+        return sorted(self._decoding + self._prefilling, key=lambda r: admitted[r.request_id][0])
 
     @property
     def num_partial_prefills(self) -> int:
@@ -154,7 +143,12 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request; ValueError (nothing changed) if it could never be served."""
+        """Queue a new request; ValueError (nothing changed) if it could never be served.
+
+        The one place a request is validated (the engine adds only the prompt's form and vocabulary). The length
+        rule, as vLLM's: the prompt must leave room for one output token, so it has at most max_model_len - 1
+        tokens; a larger max_tokens is accepted and generation stops at the context with finish_reason "length".
+        """
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
@@ -164,8 +158,11 @@ class Scheduler:
             raise ValueError("the prompt is empty: at least one token is needed")
         request.sampling.check()
         max_model_len = min(request.max_model_len, self.config.max_model_len)
-        if num_prompt > max_model_len:
-            raise ValueError(f"the prompt has {num_prompt} tokens, more than max_model_len {max_model_len}")
+        if num_prompt >= max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens but the model's context is {max_model_len} tokens: "
+                f"it may have at most {max_model_len - 1}, to leave room for the output"
+            )
         kv_tokens = max(num_prompt, min(num_prompt + request.sampling.max_tokens, max_model_len) - 1)
         kv_blocks = self.kv_cache.blocks_for(kv_tokens)
         if kv_blocks > self.kv_cache.num_blocks:
@@ -207,48 +204,35 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         tuning = self._tuning
         out = SchedulerOutput(token_budget=tuning.token_budget)
-        while len(self.running) > tuning.max_num_seqs:  # max_num_seqs was lowered live
-            self._preempt(self.running[-1], out)
-        policy = self.config.policy
-        if policy == "stall_free":
-            self._schedule_stall_free(out, tuning)
-        elif policy == "prefill_priority":
-            if out.preempted or not self._schedule_whole_prompts(out, tuning):
-                self._schedule_decodes(out, None)
-        elif self.running:  # decode_priority
-            self._schedule_decodes(out, None)
-        else:
-            self._schedule_whole_prompts(out, tuning)
+        while self.num_running > tuning.max_num_seqs:  # max_num_seqs was lowered live
+            self._preempt(self._latest_admitted(), out)
+        self._schedule(out, tuning)
         return out
 
-    def _schedule_stall_free(self, out: SchedulerOutput, tuning: Tuning) -> None:
+    def _schedule(self, out: SchedulerOutput, tuning: Tuning) -> None:
+        """One stall-free iteration into `out` (a baseline policy overrides this)."""
         kv = self.kv_cache
-        timed = self._time_target is not None
-        decode_lens: list[int] | None = [] if timed else None
 
         # 1. Every running decode, one token each.
-        self._schedule_decodes(out, decode_lens)
+        self._schedule_decodes(out)
         chunks = out.chunks
         num_decodes = len(chunks)
         budget = tuning.token_budget - num_decodes
 
         # 2. The next chunk of every partial prefill, in admission order. A KV shortfall here preempts
         # the latest admitted partial prefill (decodes were all scheduled already).
-        prefill_chunks: list[tuple[int, int]] = []
         num_partial = 0
         prefilling = self._prefilling
         for request in prefilling:  # preemption only removes the tail
             start = request.num_computed_tokens
             remaining = request.num_tokens - start
-            n = self._chunk_size(remaining, budget, tuning, decode_lens, prefill_chunks, start)
+            n = self._chunk_size(remaining, budget, tuning, start, chunks)
             if n <= 0:
                 num_partial += 1
                 continue
             if not self._grow(request, n, out, prefilling):
                 break
             chunks.append(ScheduledChunk(request, start, n, True, n == remaining))
-            if timed:
-                prefill_chunks.append((start, n))
             budget -= n
             if n < remaining:
                 num_partial += 1
@@ -256,19 +240,18 @@ class Scheduler:
         # 3. New (and preempted) requests, strictly first come, first served. Not after a preemption in
         # this iteration: KV is short, and the victim would only take back the room it just gave.
         waiting = self.waiting
-        running = self.running
-        while waiting and budget > 0 and len(running) < tuning.max_num_seqs and not out.preempted:
+        num_running = len(self._decoding) + len(prefilling)
+        while waiting and budget > 0 and num_running < tuning.max_num_seqs and not out.preempted:
             request = waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit_tokens
-            n = self._chunk_size(remaining, budget, tuning, decode_lens, prefill_chunks, num_hit_tokens)
+            n = self._chunk_size(remaining, budget, tuning, num_hit_tokens, chunks)
             if n <= 0 or (n < remaining and num_partial >= tuning.max_partial_prefills):
                 break
             if not self._admit(request, hits, n):
                 break
+            num_running += 1
             chunks.append(ScheduledChunk(request, num_hit_tokens, n, True, n == remaining))
-            if timed:
-                prefill_chunks.append((num_hit_tokens, n))
             budget -= n
             if n < remaining:
                 num_partial += 1
@@ -276,11 +259,11 @@ class Scheduler:
         out.num_prefill_tokens = tuning.token_budget - num_decodes - budget
         self._num_partial_prefills = num_partial
 
-    def _schedule_decodes(self, out: SchedulerOutput, decode_lens: list[int] | None) -> None:
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
         """One token for every running decode; a decode needs a new block only at a block boundary.
 
         `_decoding` is in admission order and the victim of a KV shortfall is the latest admitted
-        request (running[-1]): never one scheduled earlier in this loop, and the loop survives it.
+        request: never one scheduled earlier in this loop, and the loop survives it.
         """
         block_size = self._block_size
         chunks = out.chunks
@@ -289,60 +272,19 @@ class Scheduler:
             if start >= len(request.block_ids) * block_size and not self._grow(request, 1, out, None):
                 break  # it preempted itself: it was the latest admitted, so the last decode
             chunks.append(ScheduledChunk(request, start, 1, False, True))
-            if decode_lens is not None:
-                decode_lens.append(start + 1)
         out.num_decode_tokens = len(chunks)
 
-    def _chunk_size(self, remaining: int, budget: int, tuning: Tuning, decode_lens: list[int] | None,
-                    prefill_chunks: list[tuple[int, int]], prefix_len: int) -> int:
-        """Tokens of this prefill to run now: the leftover budget, the long-prefill cap, the time target."""
+    def _chunk_size(self, remaining: int, budget: int, tuning: Tuning, prefix_len: int,
+                    chunks: list[ScheduledChunk]) -> int:
+        """Tokens of this prefill to run now: the leftover budget, the long-prefill cap, the prefix cut.
+
+        `chunks` is the iteration so far (the simulator's time-target baseline predicts its time)."""
         n = remaining if remaining < budget else budget
         if 0 < tuning.long_prefill_threshold < n:
             n = tuning.long_prefill_threshold
         if self.prefix_cost is not None and prefix_len > 0:
             n = self.prefix_cost.chunk_within_budget(n, tuning.token_budget - budget, prefix_len, tuning.token_budget)
-        if decode_lens is not None and n > 0:
-            n = self._fit_time_target(n, decode_lens, prefill_chunks, prefix_len)
         return n
-
-    def _fit_time_target(self, limit: int, decode_lens: list[int], prefill_chunks: list[tuple[int, int]],
-                         prefix_len: int) -> int:
-        """Largest chunk up to `limit` whose predicted iteration fits the target (bisection).
-
-        An iteration that would otherwise be empty takes at least one token, so a target below the
-        fixed overhead slows prefill down but never stops it.
-        """
-        predict = self.cost_model.predict_ms  # type: ignore[union-attr]
-        target = self._time_target
-        if predict(decode_lens, prefill_chunks + [(prefix_len, limit)]) <= target:
-            return limit
-        lo, hi = 0, limit  # lo fits (0: nothing), hi does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if predict(decode_lens, prefill_chunks + [(prefix_len, mid)]) <= target:
-                lo = mid
-            else:
-                hi = mid
-        if lo == 0 and not decode_lens and not prefill_chunks:
-            return 1
-        return lo
-
-    def _schedule_whole_prompts(self, out: SchedulerOutput, tuning: Tuning) -> bool:
-        """Admit whole prompts FCFS up to max(budget ceiling, max_model_len) tokens; True if any was."""
-        limit = max(self.config.ceilings.max_token_budget, self.config.max_model_len)
-        kv = self.kv_cache
-        waiting = self.waiting
-        num_tokens = 0
-        while waiting and len(self.running) < tuning.max_num_seqs:
-            request = waiting[0]
-            hits, num_hit_tokens = kv.get_computed_blocks(request)
-            n = request.num_tokens - num_hit_tokens
-            if num_tokens + n > limit or not self._admit(request, hits, n):
-                break
-            out.chunks.append(ScheduledChunk(request, num_hit_tokens, n, True, True))
-            num_tokens += n
-        out.num_prefill_tokens = num_tokens
-        return num_tokens > 0
 
     # ---- KV admission, growth and preemption -------------------------------------------------------
 
@@ -354,7 +296,7 @@ class Scheduler:
         expected_outputs = max(self.output_estimate.tokens, 2 * request.num_output_tokens)
         reserve_tokens = max(request.num_tokens, min(final_kv_tokens, num_prompt + expected_outputs - 1))
         need = kv.blocks_to_admit(hits, reserve_tokens)
-        watermark = self.config.watermark_blocks if self.running else 0
+        watermark = self.config.watermark_blocks if self._admitted else 0
         if need + self._growth_blocks + watermark > kv.num_free_blocks:
             return False
         if not kv.allocate_slots(request, num_new_tokens, hits):
@@ -364,26 +306,23 @@ class Scheduler:
         request.num_computed_tokens = num_hit_tokens = len(hits) * self._block_size
         request.num_cached_tokens = min(num_hit_tokens, request.num_prompt_tokens)  # prompt tokens only
         reserved = kv.blocks_for(reserve_tokens)
-        request_id = request.request_id
-        self._reserved_blocks[request_id] = reserved
         self._growth_blocks += max(0, reserved - len(request.block_ids))
         self._num_admissions += 1
-        self._admission[request_id] = self._num_admissions
-        self.running.append(request)
+        self._admitted[request.request_id] = (self._num_admissions, reserved)
         self._prefilling.append(request)
         return True
 
     def _grow(self, request: Request, num_new_tokens: int, out: SchedulerOutput, pool: list[Request] | None) -> bool:
         """Room for a running request's next tokens, preempting if KV is short; False if it had to go itself.
 
-        The victim is the latest admitted request not yet scheduled in this iteration: the tail of
-        `running` while decodes are scheduled (pool None), the tail of `pool` (partial prefills) after.
+        The victim is the latest admitted request not yet scheduled in this iteration: the latest of all
+        while decodes are scheduled (pool None), the tail of `pool` (partial prefills) after.
         """
         kv = self.kv_cache
-        reserved = self._reserved_blocks[request.request_id]
+        reserved = self._admitted[request.request_id][1]
         before = len(request.block_ids)
         while not kv.allocate_slots(request, num_new_tokens):
-            victim = (self.running if pool is None else pool)[-1]
+            victim = self._latest_admitted() if pool is None else pool[-1]
             self._preempt(victim, out)
             if victim is request:
                 return False
@@ -403,16 +342,24 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request)
 
+    def _latest_admitted(self) -> Request:
+        """The running request admitted last: the later of the two lists' tails."""
+        decoding, prefilling = self._decoding, self._prefilling
+        if not decoding:
+            return prefilling[-1]
+        if prefilling:
+            admitted = self._admitted
+            if admitted[prefilling[-1].request_id][0] > admitted[decoding[-1].request_id][0]:
+                return prefilling[-1]
+        return decoding[-1]
+
     def _remove_running(self, request: Request) -> None:
-        """Take a running request out of the running lists and give back its reservation."""
-        request_id = request.request_id
-        self.running.remove(request)
+        """Take a running request out of its list and give back its reservation."""
         if self._prefilling and request in self._prefilling:
             self._prefilling.remove(request)
         else:
             self._decoding.remove(request)
-        del self._admission[request_id]
-        reserved = self._reserved_blocks.pop(request_id)
+        reserved = self._admitted.pop(request.request_id)[1]
         self._growth_blocks -= max(0, reserved - len(request.block_ids))
 
     # ---- after the model ran -----------------------------------------------------------------------
@@ -456,11 +403,11 @@ class Scheduler:
                 continue
             finished.append(request)
         if started_decoding:
-            admission = self._admission
+            admitted = self._admitted
             prefilling, decoding = self._prefilling, self._decoding
             for request in started_decoding:
                 prefilling.remove(request)
-                insort(decoding, request, key=lambda r: admission[r.request_id])
+                insort(decoding, request, key=lambda r: admitted[r.request_id][0])
         if finished:
             requests = self._requests
             observe = self.output_estimate.observe

@@ -159,7 +159,7 @@ class _Profiler:
 
     def _decoding(self, request_id: str) -> bool:
         request = self.engine.scheduler.get_request(request_id)
-        return request is not None and bool(request.output_token_ids) and request.num_tokens_to_compute <= 1
+        return request is not None and request.num_output_tokens > 0 and request.num_tokens_to_compute <= 1
 
     def _grow_decoders(self, count: int, ceilings: Ceilings) -> bool:
         """Bring the decoding pool to `count` requests; False if they do not all get to decode."""

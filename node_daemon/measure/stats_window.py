@@ -76,7 +76,7 @@ class StatsWindow:
                 self._itl.append((now, now - request.last_token_time))
 
     def on_finished(self, request: Request, now: float) -> None:
-        num_output = len(request.output_token_ids)
+        num_output = request.num_output_tokens
         with self._lock:
             self._finished.append((now, request.num_prompt_tokens, num_output))
             if num_output > 1 and request.first_token_time is not None and request.last_token_time is not None:

@@ -6,10 +6,12 @@ from dataclasses import dataclass
 
 @dataclass
 class ModelConfig:
-    # A name from models/shapes.py (random weights), "smollm2-135m" (embedded GGUF), a HF folder or a .gguf path.
+    # A shape name from stallfree.shapes (common/shapes.py: random weights), "smollm2-135m" (the embedded GGUF),
+    # "random:<shape>", a HF folder or a .gguf path (loader.py).
     model: str = "smollm2-135m"
-    device: str = "cpu"
-    dtype: str = "float32"  # the CLIs default to auto: bfloat16 on CPUs with AVX512-BF16/AMX and on CUDA
+    device: str = "cpu"  # cpu | cuda | auto (cuda when present)
+    # float32 | bfloat16 | float16 | auto (the CLIs' default; loader.resolve_dtype says what it picks)
+    dtype: str = "float32"
     attention_backend: str = "auto"  # auto | cpu | torch | triton | flashinfer
     # torch CPU threads: None leaves torch as it is; 0 takes the cores given (affinity, cgroup quota).
     threads: int | None = None

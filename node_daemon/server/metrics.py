@@ -190,11 +190,11 @@ class EngineMetrics:
             return  # failed ("error"): the server counts it once in stallfree_request_errors
         counter.inc()
         self.request_prompt_tokens.observe(request.num_prompt_tokens)
-        self.request_generation_tokens.observe(len(request.output_token_ids))
+        self.request_generation_tokens.observe(request.num_output_tokens)
         self.e2e.observe(now - request.arrival_time)
         if request.first_token_time is not None:
             self.decode_time.observe(now - request.first_token_time)
-            num_output = len(request.output_token_ids)
+            num_output = request.num_output_tokens
             if num_output > 1 and request.last_token_time is not None:
                 self.tpot.observe((request.last_token_time - request.first_token_time) / (num_output - 1))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 import zlib
 
+from stallfree.node_daemon.engine.engine_protocol import ExecutorOutput
 from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
 from stallfree.node_daemon.sim.cost_model import IterationCostModel
 
@@ -38,6 +39,12 @@ class VirtualClock:
 class SimExecutor:
     """Executor protocol (engine_protocol.Executor) over a cost model."""
 
+    # No model, no KV tensors: the engine's config sizes the cache and the context, the sim tokenizer its EOS.
+    loaded = None
+    num_blocks = None
+    block_size = None
+    max_model_len = None
+
     def __init__(
         self,
         cost_model: IterationCostModel,
@@ -59,7 +66,7 @@ class SimExecutor:
         self.busy_s = 0.0
         self._offsets: dict[str, int] = {}  # request -> its placeholder text offset (crc32 once per request)
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+    def execute(self, output: SchedulerOutput) -> ExecutorOutput:
         decode_context_lens: list[int] = []
         prefill_chunks: list[tuple[int, int]] = []
         sampled: dict[str, int] = {}
@@ -73,7 +80,7 @@ class SimExecutor:
             if chunk.samples:
                 request = chunk.request
                 request_id = request.request_id
-                position = len(request.output_token_ids)
+                position = request.num_output_tokens
                 if eos_after is not None:
                     sampled[request_id] = self.placeholder_token(request_id, position)
                     continue
@@ -89,7 +96,7 @@ class SimExecutor:
             time.sleep(iteration_ms / 1000.0)
         else:
             self.clock.advance(iteration_ms / 1000.0)
-        return sampled
+        return ExecutorOutput(sampled)
 
     def free(self, request_id: str) -> None:
         """The engine is done with a request (finished or aborted)."""
