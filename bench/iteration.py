@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             inputs = runner.prepare_inputs(output)  # the last step's shape, re-run (the KV slot is rewritten)
             forward = lambda: runner.model.compute_logits(runner.run_model(inputs)[inputs.logits_indices])  # noqa: E731
             shares = op_shares(forward)
-            row["forward_split_ms"] = {kind: round(share * f, 3) for kind, share in shares.items()}
+            base = row.get("compiled_forward_ms", f)  # with --ab-compiled the profiled forward is the compiled one
+            row["forward_split_ms"] = {kind: round(share * base, 3) for kind, share in shares.items()}
             row["aten_ops_per_forward"] = count_ops(forward)
             row["weight_mb_per_forward"] = round(weight_bytes_per_forward(runner.model, n) / 1e6, 1)
         rows.append(row)

@@ -13,10 +13,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -27,13 +32,55 @@ inline float bf2f(uint16_t v) {
   return f;
 }
 
-// Round to nearest even, as c10::BFloat16 does.
+// Round to nearest even, as c10::BFloat16 does (branch-free, so loops of it vectorize).
 inline uint16_t f2bf(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
-  if (std::isnan(f)) return 0x7fc0;
-  u += 0x7fff + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);  // NaN: quiet NaN
+}
+
+// x[i] = exp(x[i]). AVX-512: Cephes' expf polynomial (about 1 ulp; every caller rounds further, to bfloat16 or
+// through a softmax), since glibc's vector expf is only offered under -ffast-math.
+inline void exp_inplace(float* x, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f);
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_loadu_ps(x + i), lo), hi);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_fnmadd_ps(k, c2, _mm512_fnmadd_ps(k, c1, v));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, v), v, _mm512_add_ps(v, _mm512_set1_ps(1.f)));
+    _mm512_storeu_ps(x + i, _mm512_scalef_ps(p, k));
+  }
+#endif
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// sum_i q[i] * k[i], q float, k bfloat16. AVX-512: 16 lanes and one horizontal sum (the compiler's own
+// reduction went through memory lane by lane, the attention's largest cost).
+inline float dot_bf16(const float* q, const uint16_t* k, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + i));
+    const __m512 kf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), kf, acc);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += q[i] * bf2f(k[i]);
+  return sum;
 }
 
 inline const uint16_t* bf16_ptr(const at::Tensor& t) {
@@ -121,24 +168,17 @@ void decode_attention(const float* q, const uint16_t* k_cache, const uint16_t* v
       const float* qg = q + (r * d.heads + g * group) * D;
       for (int64_t t = 0; t < L; ++t) {
         const uint16_t* k = kh + (static_cast<int64_t>(table[t / d.block_size]) * d.block_size + t % d.block_size) * D;
-        for (int64_t j = 0; j < group; ++j) {
-          const float* qj = qg + j * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < D; ++i) dot += qj[i] * bf2f(k[i]);
-          scores[j * L + t] = dot * scale;
-        }
+        for (int64_t j = 0; j < group; ++j) scores[j * L + t] = dot_bf16(qg + j * D, k, D) * scale;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < group; ++j) {
         float* sj = scores.data() + j * L;
         float top = sj[0];
         for (int64_t t = 1; t < L; ++t) top = std::max(top, sj[t]);
+        for (int64_t t = 0; t < L; ++t) sj[t] -= top;
+        exp_inplace(sj, L);
         float total = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          sj[t] = std::exp(sj[t] - top);
-          total += sj[t];
-        }
+        for (int64_t t = 0; t < L; ++t) total += sj[t];
         const float inv = 1.f / total;
         for (int64_t t = 0; t < L; ++t) sj[t] *= inv;
       }
@@ -159,15 +199,18 @@ void decode_attention(const float* q, const uint16_t* k_cache, const uint16_t* v
   });
 }
 
-// bf16(bf16(silu(gate)) * up), as torch's two bfloat16 ops round.
+// bf16(bf16(silu(gate)) * up), as torch's two bfloat16 ops round; the exponentials vectorized apart.
 void silu_and_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t inter) {
+  std::vector<float> e(inter);
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* g = gu + r * 2 * inter;
     const uint16_t* u = g + inter;
     uint16_t* o = out + r * inter;
+    for (int64_t i = 0; i < inter; ++i) e[i] = -bf2f(g[i]);
+    exp_inplace(e.data(), inter);
     for (int64_t i = 0; i < inter; ++i) {
       const float x = bf2f(g[i]);
-      o[i] = f2bf(bf2f(f2bf(x / (1.f + std::exp(-x)))) * bf2f(u[i]));
+      o[i] = f2bf(bf2f(f2bf(x / (1.f + e[i]))) * bf2f(u[i]));
     }
   }
 }
