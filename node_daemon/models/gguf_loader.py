@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import struct
 from typing import Iterator
 
 import logging
@@ -66,16 +67,15 @@ def embedded_gguf_path() -> str:
 
 def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
               name: str | None = None) -> LoadedModel:
-    import gguf
-
-    from stallfree.node_daemon.text.tokenizer import gguf_tokenizer_metadata
+    from stallfree.node_daemon.models.gguf_file import GGUFFile
 
     started = time.monotonic()
     try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
+        reader = GGUFFile(path)  # the header parsed once; tensor data stays in the mapped file until read
+    except (ValueError, OSError, struct.error) as e:
         raise ValueError(f"cannot read GGUF file {path}: {e}") from e
     fields = _read_fields(reader)
+    log.info("read the GGUF header of %s in %.2f s", os.path.basename(path), time.monotonic() - started)
     shape = gguf_shape(fields, {t.name for t in reader.tensors}, name or os.path.basename(path))
     context = resolve_max_model_len(shape, max_model_len)
     check_fits(shape, dtype, device)
@@ -91,7 +91,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
     return LoadedModel(model=model, shape=shape, eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
                        bos_token_id=_int_or_none(fields.get("tokenizer.ggml.bos_token_id")),
                        max_model_len=context, source=path, source_kind="gguf",
-                       tokenizer_metadata=gguf_tokenizer_metadata(reader))
+                       tokenizer_metadata={k: v for k, v in reader.fields.items() if k.startswith("tokenizer.")})
 
 
 def gguf_shape(fields: dict, tensor_names: set[str], name: str) -> ModelShape:
@@ -139,14 +139,9 @@ def gguf_shape(fields: dict, tensor_names: set[str], name: str) -> ModelShape:
 
 
 def _read_fields(reader) -> dict:
-    fields = {}
-    for key, field in reader.fields.items():
-        if key in ("tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
-            continue  # the tokenizer's business, and slow to decode
-        if key == "tokenizer.ggml.tokens":
-            fields["tokenizer.ggml.tokens.count"] = len(field.data)
-            continue
-        fields[key] = field.contents()
+    """Every metadata field, and the vocabulary's size."""
+    fields = dict(reader.fields)
+    fields["tokenizer.ggml.tokens.count"] = len(reader.fields.get("tokenizer.ggml.tokens") or [])
     return fields
 
 
@@ -169,7 +164,7 @@ def _hf_named_tensors(reader, shape: ModelShape, permute_qk: bool,
             if heads is not None:
                 block = block.take_rows(unpermute_rope_rows(torch.arange(rows), heads).numpy())
             codes[name] = block
-            yield name, torch.from_numpy(block.dequantize())
+            yield name, block.dequantize_torch()
             continue
         array = dequantize(tensor.data, tensor.tensor_type)  # [rows, cols] = Hugging Face's [out, in]
         if not array.flags.writeable:
