@@ -234,8 +234,21 @@ class ModelRunner:
         per_layer = (cache_shape(num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim) if cache_shape
                      else (num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim))
         # One allocation; zeros so that padded block-table entries never read NaN garbage.
-        cache = torch.zeros(shape.num_layers, 2, *per_layer, dtype=self.loaded.dtype, device=self.device)
+        full = (shape.num_layers, 2, *per_layer)
+        if self.device.type == "cpu":
+            cache = _lazily_zeroed(full, self.loaded.dtype)
+        else:
+            cache = torch.zeros(full, dtype=self.loaded.dtype, device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(shape.num_layers)]
+
+
+def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose pages the kernel hands out (already zero) as they are first written: numpy's zeros is
+    calloc, which maps a large block fresh instead of writing it, so the process's RSS follows the KV blocks
+    used, not the cache's size (torch.zeros writes every byte at start-up: 1 GiB resident before a request)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def _token_at(req: Request, i: int) -> int:
