@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from stallfree.node_daemon.models import weight_cache
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
 from stallfree.node_daemon.models.loader import LoadedModel, check_fits, resolve_max_model_len
 from stallfree.node_daemon.models.quantized import BlockCodes, decode_blocks, int4_supported
@@ -81,12 +82,20 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
     check_fits(shape, dtype, device)
     model = LlamaForCausalLM(shape, dtype, device, context)
     permute_qk = fields["general.architecture"] == "llama"
-    codes: dict[str, BlockCodes] | None = {} if int4_supported(dtype, device) else None
-    model.load_weights(_hf_named_tensors(reader, shape, permute_qk, codes))
-    if codes is not None:
-        _attach_int4(model, reader, codes, dtype)
-    log.info("loaded %s in %.1f s (%s)", os.path.basename(path), time.monotonic() - started,
-             str(dtype).removeprefix("torch."))
+    int4 = int4_supported(dtype, device)
+    cached = weight_cache.cache_file(path, dtype) if int4 else None
+    if cached is not None and cached.exists() and weight_cache.load(model, cached):
+        how = f"from the weight cache {cached}"
+    else:
+        codes: dict[str, BlockCodes] | None = {} if int4 else None
+        model.load_weights(_hf_named_tensors(reader, shape, permute_qk, codes))
+        if codes is not None:
+            _attach_int4(model, reader, codes, dtype)
+        how = "decoded from the file"
+        if cached is not None:
+            weight_cache.save(model, cached)  # later starts map these tensors instead of decoding again
+    log.info("loaded %s in %.1f s (%s, %s)", os.path.basename(path), time.monotonic() - started,
+             str(dtype).removeprefix("torch."), how)
     eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
     return LoadedModel(model=model, shape=shape, eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
                        bos_token_id=_int_or_none(fields.get("tokenizer.ggml.bos_token_id")),

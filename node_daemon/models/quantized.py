@@ -110,6 +110,14 @@ class Int4Weight:
             .contiguous().to(dtype)
         self.dtype = dtype
 
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor, planes: int) -> "Int4Weight":
+        """One already packed (models/weight_cache.py keeps them)."""
+        weight = cls.__new__(cls)
+        weight.packed, weight.scales_and_zeros, weight.planes = packed, scales_and_zeros, planes
+        weight.out_features, weight.dtype = packed.shape[0], scales_and_zeros.dtype
+        return weight
+
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + \
