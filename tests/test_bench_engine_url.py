@@ -50,8 +50,29 @@ def test_bench_engine_url_launches_a_sim_daemon_and_writes_every_row(tmp_path, c
     with httpx.Client() as client:  # every start was stopped
         with pytest.raises(httpx.ConnectError):
             client.get(f"http://127.0.0.1:{port}/health")
-    table = compare([str(out), str(out)])
-    assert "| sim | sim | sim vs sim |" in table and "1.00x" in table
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**data, "label": "other"}))
+    table = compare([str(out), str(other)])
+    assert "| sim | other | sim vs other |" in table and "1.00x" in table
+
+
+def test_compare_takes_the_median_of_each_servers_rounds(tmp_path) -> None:
+    def run(label: str, tok_s: float, ttft_ms: float) -> str:
+        rows = {key: {"value": None, "unit": "x", "note": "needs --launch"} for key in URL_LABELS}
+        rows["single_stream_decode_tok_s"] = {"value": tok_s, "unit": "tok/s"}
+        rows["long_prompt_ttft_ms"] = {"value": ttft_ms, "unit": "ms"}
+        path = tmp_path / f"{label}-{tok_s}.json"
+        path.write_text(json.dumps({"mode": "url", "label": label, "sizes": bench_engine.Sizes().__dict__,
+                                    "rows": rows}))
+        return str(path)
+
+    # Alternating rounds: A's median 100 tok/s and 2,000 ms, B's 50 tok/s and 4,000 ms.
+    paths = [run("A", 90, 2500), run("B", 50, 4000), run("A", 100, 2000), run("B", 40, 3000), run("A", 120, 1000),
+             run("B", 60, 5000)]
+    table = compare(paths)
+    assert "| one stream, 128 tokens | 100 tok/s | 50.00 tok/s | 2.00x |" in table  # faster: higher is better
+    assert "| 1500-token prompt alone, TTFT | 2,000 ms | 4,000 ms | 2.00x |" in table  # shorter: lower is better
+    assert "A: 3, B: 3" in table
 
 
 def test_without_launch_the_process_rows_say_what_they_need(tmp_path) -> None:
