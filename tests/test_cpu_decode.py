@@ -1,6 +1,6 @@
 """The compiled decode path (models/cpu_decode.cpp) against the Python forward it replaces and the float32
 reference: logits and KV writes within bfloat16 rounding of the Python path's, the same greedy answers as float32,
-and the runner takes it only for decode-only iterations of at most INT4_MAX_ROWS rows.
+and the runner takes it only for decode-only iterations of at most max_rows rows.
 
 The extension is compiled once per machine (about a minute on 2 cores) into the stallfree cache and loaded from it
 afterwards; without a C++ compiler these tests skip.
@@ -50,17 +50,20 @@ def _decode_chunks(reqs):
     return [ScheduledChunk(r, r.num_tokens - 1, 1, is_prefill=False, samples=True) for r in reqs]
 
 
-@pytest.mark.parametrize("lengths", [(7, 21, 40), (300,)])  # ragged lengths; a long one across many blocks
+# Ragged lengths (int4 projections); a long one across many blocks; 12 rows: the oneDNN bfloat16 projections.
+@pytest.mark.parametrize("lengths", [(7, 21, 40), (300,), tuple(range(5, 65, 5))])
 def test_compiled_decode_follows_the_python_forward(lengths):
     runner = _runner()
-    reqs = []
+    reqs, next_block = [], 1
     for i, n in enumerate(lengths):
-        blocks = list(range(1 + 24 * i, 1 + 24 * i + -(-(n + 1) // 16)))
+        count = -(-(n + 1) // 16)
+        blocks, next_block = list(range(next_block, next_block + count)), next_block + count
         req = make_request(f"ab{n}", [(31 * i + 7 * j) % 5000 + 20 for j in range(n)], blocks)
         last = prefill_all_rows(runner, req, 64)[-1]
         req.output_token_ids.append(int(last.argmax()))
         reqs.append(req)
-    k_cache, v_cache = runner.kv_caches[5]
+    assert next_block <= 60  # clear of the blocks the other tests use
+    k_cache, v_cache = runner.kv_caches[0]  # the first layer: same inputs on both paths
     slots = [r.block_ids[(r.num_tokens - 1) // 16] * 16 + (r.num_tokens - 1) % 16 for r in reqs]
     with _python_path(runner):
         want = step(runner, _decode_chunks(reqs))
@@ -95,7 +98,7 @@ def test_compiled_decode_logits_follow_float32():
     assert relative_error(rows[1], rows[0]) < BF16_LOGIT_TOLERANCE
 
 
-def test_only_small_decode_only_iterations_take_the_compiled_path(monkeypatch):
+def test_only_decode_only_iterations_up_to_max_rows_take_the_compiled_path(monkeypatch):
     runner = _runner()
     calls = []
     real = runner.cpu_decode.forward
@@ -103,13 +106,15 @@ def test_only_small_decode_only_iterations_take_the_compiled_path(monkeypatch):
     reqs = [make_request(f"few{i}", list(range(40 + i, 50 + i)), [84 + i]) for i in range(10)]
     for r in reqs:
         r.num_computed_tokens = r.num_tokens - 1
-    step(runner, _decode_chunks(reqs[:8]))
-    assert calls == [8]
-    step(runner, _decode_chunks(reqs))  # 10 rows: past INT4_MAX_ROWS, the prepacked bfloat16 path
+    step(runner, _decode_chunks(reqs[:8]))  # int4 projections
+    step(runner, _decode_chunks(reqs))  # 10 rows: the oneDNN bfloat16 ones
+    assert calls == [8, 10]
     mixed = [ScheduledChunk(reqs[0], reqs[0].num_tokens - 1, 1, is_prefill=False, samples=True),
              ScheduledChunk(reqs[1], 0, reqs[1].num_tokens, is_prefill=True, samples=True)]
     step(runner, mixed)
-    assert calls == [8]
+    monkeypatch.setattr(runner.cpu_decode, "max_rows", 8)
+    step(runner, _decode_chunks(reqs))  # past max_rows: the Python forward
+    assert calls == [8, 10]
 
 
 def test_models_it_does_not_cover_say_why():

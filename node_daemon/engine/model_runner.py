@@ -201,8 +201,9 @@ class ModelRunner:
         if why is not None:
             log.info("compiled decode path off: %s", why)
             return None
-        log.info("compiled decode path: decode-only iterations of up to %d rows", cpu_decode.INT4_MAX_ROWS)
-        return cpu_decode.CpuDecode(self.model, self.kv_caches)
+        compiled = cpu_decode.CpuDecode(self.model, self.kv_caches)
+        log.info("compiled decode path: decode-only iterations of up to %d rows", compiled.max_rows)
+        return compiled
 
     # --- KV cache --------------------------------------------------------------------------------------
 

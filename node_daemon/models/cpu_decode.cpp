@@ -11,6 +11,7 @@
 // head_dim] per layer (kernels/cpu_attention.py); block tables [rows, width] int32; one row per sequence.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -109,6 +110,25 @@ void add_rms_norm(float* residual, const uint16_t* h, const float* w, uint16_t* 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t planes) {
   const at::Tensor input = planes == 2 ? at::cat({x, x}, 1) : x;
   return at::_weight_int4pack_mm_for_cpu(input, packed, 32, scales);
+}
+
+// x @ W^T with W prepacked for oneDNN (models/layers.py prepack_weight): the op the Python path calls past
+// INT4_MAX_ROWS rows, where bfloat16 GEMMs beat the int4 kernel.
+at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                         std::optional<c10::string_view>)>();
+  c10::List<std::optional<at::Scalar>> none;
+  none.push_back(std::nullopt);
+  return op.call(x, packed, std::nullopt, "none", none, "");
+}
+
+// One projection: int4 for a few rows, the prepacked bfloat16 weight for more (w: packed int4, scales, oneDNN;
+// an empty oneDNN tensor when the model was not prepacked).
+at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t planes, int64_t int4_max_rows) {
+  return x.size(0) <= int4_max_rows || w[2].numel() == 0 ? int4_mm(x, w[0], w[1], planes) : packed_mm(x, w[2]);
 }
 
 struct Dims {
@@ -215,18 +235,19 @@ void silu_and_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t inter
   }
 }
 
-// weights: per layer qkv, o, gate_up, down as (packed, scales_and_zeros) pairs; planes: per projection.
+// weights: per layer qkv, o, gate_up, down as (int4 packed, scales_and_zeros, oneDNN packed) triples; planes: per
+// projection; rows past int4_max_rows take the oneDNN copies.
 // norms: per layer input and post-attention RMSNorm weights (float32), then the final norm's.
 // kv: per layer k cache, v cache. Returns the final-norm hidden states [rows, hidden] bfloat16.
 at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& embed,
                           const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
                           at::IntArrayRef planes, at::TensorList kv, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t head_dim, double eps) {
+                          int64_t head_dim, double eps, int64_t int4_max_rows) {
   at::NoGradGuard no_grad;
   const int64_t rows = input_ids.size(0), hidden = embed.size(1), layers = static_cast<int64_t>(kv.size()) / 2;
   TORCH_CHECK(embed.scalar_type() == at::kBFloat16, "decode_forward: bfloat16 weights only");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 8 * layers && static_cast<int64_t>(planes.size()) == 4 * layers,
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 12 * layers && static_cast<int64_t>(planes.size()) == 4 * layers,
               "decode_forward: 4 projections a layer");
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers + 1, "decode_forward: 2 norms a layer and a final one");
   const at::Tensor& k0 = kv[0];
@@ -243,24 +264,24 @@ at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positio
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   at::Tensor h;  // the previous layer's MLP output, added into the residual by the next norm
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = weights.data() + 8 * l;
+    const at::Tensor* w = weights.data() + 12 * l;
     const int64_t* p = planes.data() + 4 * l;
     add_rms_norm(residual.data_ptr<float>(), h.defined() ? bf16_ptr(h) : nullptr, norms[2 * l].data_ptr<float>(),
                  bf16_mut(x), rows, hidden, eps);
-    at::Tensor qkv = int4_mm(x, w[0], w[1], p[0]);
+    at::Tensor qkv = project(x, w, p[0], int4_max_rows);
     at::Tensor k_cache = kv[2 * l], v_cache = kv[2 * l + 1];
     rope_and_write(bf16_ptr(qkv), pos, slots, cos_sin.data_ptr<float>(), q.data_ptr<float>(), bf16_mut(k_cache),
                    bf16_mut(v_cache), d);
     decode_attention(q.data_ptr<float>(), bf16_ptr(k_cache), bf16_ptr(v_cache), tables, lens, bf16_mut(attn), d,
                      scale);
-    at::Tensor o = int4_mm(attn, w[2], w[3], p[1]);
+    at::Tensor o = project(attn, w + 3, p[1], int4_max_rows);
     add_rms_norm(residual.data_ptr<float>(), bf16_ptr(o), norms[2 * l + 1].data_ptr<float>(), bf16_mut(x), rows,
                  hidden, eps);
-    at::Tensor gu = int4_mm(x, w[4], w[5], p[2]);
+    at::Tensor gu = project(x, w + 6, p[2], int4_max_rows);
     const int64_t inter = gu.size(1) / 2;
     at::Tensor act = at::empty({rows, inter}, bf16);
     silu_and_mul(bf16_ptr(gu), bf16_mut(act), rows, inter);
-    h = int4_mm(act, w[6], w[7], p[3]);
+    h = project(act, w + 9, p[3], int4_max_rows);
   }
   add_rms_norm(residual.data_ptr<float>(), bf16_ptr(h), norms[2 * layers].data_ptr<float>(), bf16_mut(x), rows,
                hidden, eps);
@@ -269,9 +290,11 @@ at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positio
 
 }  // namespace
 
+// A catch-all kernel: the oneDNN-packed weights among the arguments are MkldnnCPU tensors, so a CPU-keyed one
+// would not be found for them.
 TORCH_LIBRARY(stallfree_cpu, m) {
   m.def("decode_forward(Tensor input_ids, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor embed, Tensor cos_sin, Tensor[] norms, Tensor[] weights, int[] planes, "
-        "Tensor[] kv, int num_heads, int num_kv_heads, int head_dim, float eps) -> Tensor");
-  m.impl("decode_forward", c10::DispatchKey::CPU, &decode_forward);
+        "Tensor[] kv, int num_heads, int num_kv_heads, int head_dim, float eps, int int4_max_rows) -> Tensor",
+        &decode_forward);
 }

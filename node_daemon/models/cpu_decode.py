@@ -2,8 +2,9 @@
 
 A decode step of a small model run op by op is bound by the ops' count and the Python around them, not by its
 arithmetic (`stallfree bench iteration --breakdown`). cpu_decode.cpp runs a whole decode forward in C++: the same
-int4 kernel for the projections, plain loops for the rest. Prefill chunks, mixed iterations, batches past
-INT4_MAX_ROWS rows and models it does not cover (a dense projection, a bias) stay on the Python path.
+int4 kernel for the projections up to INT4_MAX_ROWS rows and the oneDNN-prepacked bfloat16 copies past it (the
+Python path's choice), plain loops for the rest. Prefill chunks, mixed iterations, decode batches past MAX_ROWS and
+models it does not cover (a dense projection, a bias) stay on the Python path.
 
 The extension is compiled once per source, torch build and CPU (the key of its folder in
 $STALLFREE_EXT_CACHE, else $XDG_CACHE_HOME/stallfree/ext) and loaded from there in milliseconds afterwards.
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 ENV_SWITCH = "STALLFREE_CPU_DECODE"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+# Decode batches up to this many rows take the compiled path (int4 up to INT4_MAX_ROWS, oneDNN's bfloat16 past it).
+MAX_ROWS = 64
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": False, "why": None, "thread": None}
@@ -164,16 +167,18 @@ class CpuDecode:
             self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj):
-                self.weights += [linear.int4.packed, linear.int4.scales_and_zeros]
+                packed = linear.packed if linear.packed is not None else torch.empty(0, dtype=model.dtype)
+                self.weights += [linear.int4.packed, linear.int4.scales_and_zeros, packed]
                 self.planes.append(linear.int4.planes)
         self.norms.append(model.norm.weight)
         self.kv = [t for pair in kv_caches for t in pair]
         shape = model.shape
-        self.dims = (shape.num_heads, shape.num_kv_heads, shape.head_dim, float(shape.rms_norm_eps))
+        self.dims = (shape.num_heads, shape.num_kv_heads, shape.head_dim, float(shape.rms_norm_eps), INT4_MAX_ROWS)
+        # Past INT4_MAX_ROWS the projections take the oneDNN copies: only when every one has them.
+        self.max_rows = MAX_ROWS if all(w.numel() for w in self.weights[2::3]) else INT4_MAX_ROWS
 
-    @staticmethod
-    def can_run(num_tokens: int, decode_only: bool) -> bool:
-        return decode_only and num_tokens <= INT4_MAX_ROWS and is_loaded()
+    def can_run(self, num_tokens: int, decode_only: bool) -> bool:
+        return decode_only and num_tokens <= self.max_rows and is_loaded()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
