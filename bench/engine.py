@@ -16,6 +16,9 @@ loadgen's client, temperature 0, `ignore_eos` so outputs have the asked length; 
 - peak RSS (VmHWM) of the daemon after the 16 streams, beside the KV cache size it ran with.
 
 `--quick` shrinks every size (a smoke test, e.g. on the sim backend); its figures are not the table's.
+
+`--url URL --model NAME [--launch CMD...]` measures any OpenAI-compatible server instead (bench/engine_url.py),
+and `--compare A.json B.json ...` prints such runs side by side (bench/engine_compare.py).
 """
 from __future__ import annotations
 
@@ -25,7 +28,6 @@ import json
 import os
 import re
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,9 +38,9 @@ from typing import Any
 
 import httpx
 
-from stallfree.contracts import percentile
+from stallfree.bench.engine_streams import (Target, all_gaps, median, rank, run_landing, run_streams,
+                                            steady_gaps)
 from stallfree.loadgen.prompts import PromptBuilder
-from stallfree.loadgen.stream import RequestResult, send_request, streaming_body
 
 
 @dataclass
@@ -55,8 +57,6 @@ class Sizes:
 
 
 QUICK = Sizes(decode_tokens=16, streams=4, long_prompt=300, landing_streams=2, repeats=1, startup_repeats=1)
-
-LANDING_STREAM_TOKENS = 1024  # outlasts the long prompt's prefill; cancelled once it has answered
 
 GOALS = {
     "single_stream_decode_tok_s": ">= 125 tok/s",
@@ -83,6 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--output", default="runs/bench_engine.json", help="where the JSON goes")
     p.add_argument("--keep-logs", default=None, help="copy each daemon's log into this folder")
+    u = p.add_argument_group("any OpenAI-compatible server (instead of starting stallfree daemons)")
+    u.add_argument("--url", default=None, help="measure the server at this base URL (e.g. http://127.0.0.1:18101)")
+    u.add_argument("--label", default=None, help="its name in the printed table and the JSON (default: --model)")
+    u.add_argument("--tokenizer", default=None,
+                   help="builds prompts of exact token counts: a model folder, .gguf or shape name, smollm2-135m "
+                        "(embedded; the default unless --model names a tokenizer)")
+    u.add_argument("--ignore-eos", choices=["auto", "on", "off"], default="auto",
+                   help="auto: sent unless the server refuses it")
+    u.add_argument("--compare", nargs="+", default=None, metavar="JSON",
+                   help="print earlier --url runs side by side (ratios to the first) and exit")
+    u.add_argument("--launch", nargs=argparse.REMAINDER, default=None, metavar="CMD",
+                   help="last on the line: the server's command; the bench starts it (start-up, RSS rows), stops it")
     return p
 
 
@@ -161,101 +173,6 @@ def stop_daemon(daemon: Daemon) -> None:
             daemon.process.wait()
 
 
-# ---- streams ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Stream:
-    result: RequestResult
-    started: float = 0.0
-
-    def token_times(self) -> list[float]:
-        """perf_counter time of every content chunk (the first at TTFT, then each ITL after it)."""
-        if self.result.ttft_ms is None:
-            return []
-        times = [self.started + self.result.ttft_ms / 1000.0]
-        for gap in self.result.itl_ms:
-            times.append(times[-1] + gap / 1000.0)
-        return times
-
-
-async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
-                  stream: Stream) -> None:
-    stream.started = time.perf_counter()
-    await send_request(client, url + "/v1/completions", streaming_body("completions", model, prompt, max_tokens),
-                       stream.result, "completions")
-
-
-def _client(timeout_s: float) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
-                             limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
-
-
-async def run_streams(url: str, model: str, prompts: list[str], max_tokens: int, timeout_s: float) -> tuple[
-        list[Stream], float]:
-    streams = [Stream(RequestResult(i, 0, max_tokens, 0.0)) for i in range(len(prompts))]
-    async with _client(timeout_s) as client:
-        started = time.perf_counter()
-        await asyncio.gather(*(_stream(client, url, model, p, max_tokens, s) for p, s in zip(prompts, streams)))
-        wall = time.perf_counter() - started
-    for s in streams:
-        if not s.result.ok:
-            raise RuntimeError(f"a request failed: {s.result.error}")
-    return streams, wall
-
-
-async def run_landing(url: str, model: str, stream_prompts: list[str], long_prompt: str, timeout_s: float) -> dict:
-    """Streams decode; once each has a few tokens the long prompt lands; the gaps while it is prefilled."""
-    streams = [Stream(RequestResult(i, 0, LANDING_STREAM_TOKENS, 0.0)) for i in range(len(stream_prompts))]
-    long = Stream(RequestResult(-1, 0, 1, 0.0))
-    async with _client(timeout_s) as client:
-        tasks = [asyncio.create_task(_stream(client, url, model, p, LANDING_STREAM_TOKENS, s)) for p, s in zip(stream_prompts, streams)]
-        deadline = time.perf_counter() + timeout_s
-        while any(len(s.result.itl_ms) < 3 for s in streams) and time.perf_counter() < deadline:
-            if any(t.done() for t in tasks):
-                break
-            await asyncio.sleep(0.01)
-        await _stream(client, url, model, long_prompt, 1, long)
-        landed, answered = long.started, long.started + (long.result.ttft_ms or 0.0) / 1000.0
-        await asyncio.sleep(0.2)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    if not long.result.ok:
-        raise RuntimeError(f"the long prompt failed: {long.result.error}")
-    gaps = []
-    for s in streams:
-        times = s.token_times()
-        gaps += [(b - a) * 1000.0 for a, b in zip(times, times[1:]) if b > landed and a < answered]
-    gaps.sort()
-    return {"ttft_ms": long.result.ttft_ms, "gaps_during": len(gaps), "max_gap_ms": gaps[-1] if gaps else None,
-            "p99_gap_ms": _rank(gaps, 0.99), "p50_gap_ms": _rank(gaps, 0.50)}
-
-
-def _rank(ordered: list[float], q: float) -> float | None:
-    return percentile(ordered, q) if ordered else None
-
-
-def _gaps(streams: list[Stream]) -> list[float]:
-    return sorted(g for s in streams for g in s.result.itl_ms)
-
-
-def _steady_gaps(streams: list[Stream]) -> list[float]:
-    """Gaps once every stream is decoding (after the last first token) and before the first stream ends:
-    steady load, without the admission of the other streams' prompts (a stall with a cause) in it."""
-    times = [s.token_times() for s in streams]
-    times = [t for t in times if t]
-    if not times:
-        return []
-    start, end = max(t[0] for t in times), min(t[-1] for t in times)
-    return sorted((b - a) * 1000.0 for t in times for a, b in zip(t, t[1:]) if a >= start and b <= end)
-
-
-def _median(values: list[float | None]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 # ---- rows -------------------------------------------------------------------------------------
 
 
@@ -294,36 +211,37 @@ def measure(args: argparse.Namespace, sizes: Sizes, work: Path) -> dict[str, Any
     # Default flags, empty cache: the cold start, then single stream, 16 streams (RSS), prefill alone.
     daemon = start_daemon(args, "default", cache_dir, work, [])
     cold = [daemon.first_answer_s]
+    target = Target(daemon.url, args.model)
     try:
         single = []
         for r in range(sizes.repeats):
-            (s,), _ = asyncio.run(run_streams(daemon.url, args.model, _prompts(builder, 1, sizes.short_prompt, seed),
+            (s,), _ = asyncio.run(run_streams(target, _prompts(builder, 1, sizes.short_prompt, seed),
                                               sizes.decode_tokens, timeout))
             seed += 1
-            single.append((s.result.output_tokens - 1) / max((s.result.e2e_ms - s.result.ttft_ms) / 1000.0, 1e-9))
+            single.append(s.decode_tok_s())
             print(f"  single stream {r + 1}/{sizes.repeats}: {single[-1]:.1f} tok/s", flush=True)
-        rows["single_stream_decode_tok_s"] = {"value": _median(single), "unit": "tok/s", "runs": single,
+        rows["single_stream_decode_tok_s"] = {"value": median(single), "unit": "tok/s", "runs": single,
                                               "tokens": sizes.decode_tokens}
         totals, p99s, maxes, steady_p99s, steady_maxes = [], [], [], [], []
         for r in range(sizes.repeats):
-            streams, wall = asyncio.run(run_streams(daemon.url, args.model,
+            streams, wall = asyncio.run(run_streams(target,
                                                     _prompts(builder, sizes.streams, sizes.short_prompt, seed),
                                                     sizes.decode_tokens, timeout))
             seed += sizes.streams
-            gaps, steady = _gaps(streams), _steady_gaps(streams)
+            gaps, steady = all_gaps(streams), steady_gaps(streams)
             totals.append(sum(s.result.output_tokens for s in streams) / wall)
-            p99s.append(_rank(gaps, 0.99))
+            p99s.append(rank(gaps, 0.99))
             maxes.append(gaps[-1] if gaps else None)
-            steady_p99s.append(_rank(steady, 0.99))
+            steady_p99s.append(rank(steady, 0.99))
             steady_maxes.append(steady[-1] if steady else None)
             print(f"  {sizes.streams} streams {r + 1}/{sizes.repeats}: {totals[-1]:.1f} tok/s total, gap p99 "
                   f"{p99s[-1]:.0f} ms, max {maxes[-1]:.0f} ms; steady (all decoding) p99 "
                   f"{steady_p99s[-1] or 0:.0f} ms, max {steady_maxes[-1] or 0:.0f} ms", flush=True)
         rows["concurrent_total_tok_s"] = {
-            "value": _median(totals), "unit": "tok/s", "runs": totals, "streams": sizes.streams,
-            "tokens": sizes.decode_tokens, "p99_gap_ms": _median(p99s), "max_gap_ms": _median(maxes),
+            "value": median(totals), "unit": "tok/s", "runs": totals, "streams": sizes.streams,
+            "tokens": sizes.decode_tokens, "p99_gap_ms": median(p99s), "max_gap_ms": median(maxes),
             "max_over_p99": [m / p for m, p in zip(maxes, p99s) if m and p],
-            "steady_p99_gap_ms": _median(steady_p99s), "steady_max_gap_ms": _median(steady_maxes),
+            "steady_p99_gap_ms": median(steady_p99s), "steady_max_gap_ms": median(steady_maxes),
             "steady_max_over_p99": [m / p for m, p in zip(steady_maxes, steady_p99s) if m and p]}
         kv = _log_int(daemon.log_text(), r"(\d+) KV blocks of (\d+)")
         rows["peak_rss_mb"] = {"value": daemon.peak_rss_mb(), "unit": "MB", "after": f"{sizes.streams} streams",
@@ -331,13 +249,13 @@ def measure(args: argparse.Namespace, sizes: Sizes, work: Path) -> dict[str, Any
                                "kv_flag": "--num-kv-blocks N (0: from --kv-memory-fraction)"}
         alone = []
         for r in range(sizes.repeats):
-            (s,), _ = asyncio.run(run_streams(daemon.url, args.model, _prompts(builder, 1, sizes.long_prompt, seed),
+            (s,), _ = asyncio.run(run_streams(target, _prompts(builder, 1, sizes.long_prompt, seed),
                                               1, timeout))
             seed += 1
             alone.append(s.result.ttft_ms)
             print(f"  {sizes.long_prompt}-token prompt alone {r + 1}/{sizes.repeats}: TTFT {alone[-1]:.0f} ms",
                   flush=True)
-        alone_ms = _median(alone)
+        alone_ms = median(alone)
         rows["prefill_tok_s"] = {"value": sizes.long_prompt / (alone_ms / 1000.0), "unit": "tok/s",
                                  "ttft_ms": alone_ms, "runs_ttft_ms": alone, "prompt_tokens": sizes.long_prompt}
     finally:
@@ -352,7 +270,7 @@ def measure(args: argparse.Namespace, sizes: Sizes, work: Path) -> dict[str, Any
                 streams = _prompts(builder, sizes.landing_streams, sizes.short_prompt, seed)
                 long = builder.text(sizes.long_prompt, seed + 999, lead=f"{seed + 999}:")
                 seed += sizes.landing_streams + 1
-                runs.append(asyncio.run(run_landing(d.url, args.model, streams, long, timeout)))
+                runs.append(asyncio.run(run_landing(Target(d.url, args.model), streams, long, timeout)))
                 print(f"  {label} {r + 1}/{sizes.repeats}: max gap {runs[-1]['max_gap_ms'] or 0:.0f} ms, p99 "
                       f"{runs[-1]['p99_gap_ms'] or 0:.0f} ms, TTFT {runs[-1]['ttft_ms']:.0f} ms", flush=True)
         finally:
@@ -362,18 +280,18 @@ def measure(args: argparse.Namespace, sizes: Sizes, work: Path) -> dict[str, Any
     d, runs = landing("budget-256", ["--token-budget", str(sizes.landing_budget)])
     cached = [d.first_answer_s]
     cache_hits = ["cached profile from" in d.log_text()]
-    rows["landing_max_gap_ms"] = {"value": _median([r["max_gap_ms"] for r in runs]), "unit": "ms",
-                                  "p99_gap_ms": _median([r["p99_gap_ms"] for r in runs]),
-                                  "ttft_ms": _median([r["ttft_ms"] for r in runs]), "runs": runs,
+    rows["landing_max_gap_ms"] = {"value": median([r["max_gap_ms"] for r in runs]), "unit": "ms",
+                                  "p99_gap_ms": median([r["p99_gap_ms"] for r in runs]),
+                                  "ttft_ms": median([r["ttft_ms"] for r in runs]), "runs": runs,
                                   "token_budget": sizes.landing_budget, "streams": sizes.landing_streams}
 
     d, runs = landing("tpot-slo", ["--tpot-slo-ms", f"{sizes.tpot_slo_ms:g}"])
     cached.append(d.first_answer_s)
     cache_hits.append("cached profile from" in d.log_text())
     chosen = _log_int(d.log_text(), r"starting token budget (\d+), max_num_seqs (\d+)")
-    ttft = _median([r["ttft_ms"] for r in runs])
-    rows["slo_landing"] = {"value": _median([r["p99_gap_ms"] for r in runs]), "unit": "ms (p99 gap)",
-                           "max_gap_ms": _median([r["max_gap_ms"] for r in runs]), "ttft_ms": ttft,
+    ttft = median([r["ttft_ms"] for r in runs])
+    rows["slo_landing"] = {"value": median([r["p99_gap_ms"] for r in runs]), "unit": "ms (p99 gap)",
+                           "max_gap_ms": median([r["max_gap_ms"] for r in runs]), "ttft_ms": ttft,
                            "ttft_vs_alone": ttft / alone_ms if ttft and alone_ms else None,
                            "tpot_slo_ms": sizes.tpot_slo_ms, "chosen_token_budget": chosen[0] if chosen else None,
                            "chosen_max_num_seqs": chosen[1] if chosen else None, "runs": runs}
@@ -388,8 +306,8 @@ def measure(args: argparse.Namespace, sizes: Sizes, work: Path) -> dict[str, Any
         stop_daemon(d)
         cached.append(d.first_answer_s)
         cache_hits.append("cached profile from" in d.log_text())
-    rows["startup_cold_s"] = {"value": _median(cold), "unit": "s", "runs": cold}
-    rows["startup_cached_s"] = {"value": _median(cached), "unit": "s", "runs": cached, "cache_hits": cache_hits}
+    rows["startup_cold_s"] = {"value": median(cold), "unit": "s", "runs": cold}
+    rows["startup_cached_s"] = {"value": median(cached), "unit": "s", "runs": cached, "cache_hits": cache_hits}
     return rows
 
 
@@ -433,6 +351,17 @@ def report(rows: dict[str, Any], sizes: Sizes) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.compare:
+        from stallfree.bench.engine_compare import compare
+
+        print(compare(args.compare))
+        return 0
+    if args.launch is not None and not args.launch:
+        print("stallfree bench engine: error: --launch needs a command", file=sys.stderr)
+        return 2
+    if args.launch and not args.url:
+        print("stallfree bench engine: error: --launch needs --url (where the command serves)", file=sys.stderr)
+        return 2
     sizes = QUICK if args.quick else Sizes()
     if args.repeats is not None or args.startup_repeats is not None:
         sizes = Sizes(**{**sizes.__dict__, "repeats": args.repeats or sizes.repeats,
@@ -440,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     if sizes.repeats < 1 or sizes.startup_repeats < 1:
         print("stallfree bench engine: error: --repeats and --startup-repeats must be >= 1", file=sys.stderr)
         return 2
+    if args.url:
+        return main_url(args, sizes)
     print(f"bench engine: {args.model} ({args.backend} backend){' quick' if args.quick else ''}, one daemon at a "
           f"time, temperature 0, medians of {sizes.repeats}", flush=True)
     with tempfile.TemporaryDirectory(prefix="stallfree-bench-engine-") as tmp:
@@ -459,6 +390,35 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": "engine", "model": args.model, "backend": args.backend, "quick": args.quick,
               "sizes": sizes.__dict__, "goals": GOALS, "rows": rows, "threads": os.cpu_count(),
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+def main_url(args: argparse.Namespace, sizes: Sizes) -> int:
+    from stallfree.bench import engine_url
+
+    label = args.label or args.model
+    print(f"bench engine: {label} at {args.url}, temperature 0, medians of {sizes.repeats}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="stallfree-bench-engine-") as tmp:
+        work = Path(tmp)
+        try:
+            rows = engine_url.measure(args, sizes, work, say=lambda text: print(text, flush=True))
+        except (RuntimeError, httpx.HTTPError) as exc:
+            print(f"stallfree bench engine: error: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            if args.keep_logs:
+                keep = Path(args.keep_logs)
+                keep.mkdir(parents=True, exist_ok=True)
+                for log in work.glob("*.log"):
+                    (keep / log.name).write_bytes(log.read_bytes())
+    print(engine_url.report(rows, sizes, label))
+    result = {"benchmark": "engine", "mode": "url", "label": label, "url": args.url, "model": args.model,
+              "launch": args.launch, "quick": args.quick, "sizes": sizes.__dict__, "rows": rows,
+              "loadavg": os.getloadavg(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -8,6 +8,8 @@ one row per count with medians in milliseconds, the host share and the decode ra
 (bench/op_breakdown.py), with the count of ATen ops one forward dispatches, the weight bytes it reads and how
 long reading them takes at the machine's measured copy bandwidth: what bounds a decode step.
 Every sequence has `--context` tokens cached (the KV content does not change the time).
+`--ab-compiled` times the Python forward and the compiled decode path (models/cpu_decode.py) on the same inputs,
+alternately within every iteration (A/B side by side on a busy machine), and prints both with their ratio.
 """
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="run the model's forward through torch.compile (inductor, dynamic shapes): the engine does "
                         "not, this measures whether it would pay")
+    p.add_argument("--compiled-decode", default="off", choices=["off", "now"],
+                   help="now: decode iterations take the compiled path (models/cpu_decode.py), compiled first if needed")
+    p.add_argument("--ab-compiled", action="store_true",
+                   help="time the Python and the compiled forward alternately on the same inputs (implies the build)")
     p.add_argument("--json", default="runs/bench_iteration.json")
     return p.parse_args(argv)
 
@@ -92,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     blocks_per_seq = -(-(args.context + steps + 1) // bs)
     started = time.monotonic()
     runner = ModelRunner(ModelConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                     attention_backend=args.attention_backend, threads=args.threads),
+                                     attention_backend=args.attention_backend, threads=args.threads,
+                                     compiled_decode="now" if args.ab_compiled else args.compiled_decode),
                          CacheConfig(block_size=bs, num_blocks=max(counts) * blocks_per_seq + 1),
                          max_num_tokens=max(counts), max_num_seqs=max(counts))
     print(f"loaded {args.model} in {time.monotonic() - started:.1f} s: {runner.loaded.dtype}, "
@@ -112,23 +119,31 @@ def main(argv: list[str] | None = None) -> int:
             reqs.append(req)
         ids = [r.request_id for r in reqs]
         params = [greedy] * n
-        prep, fwd, samp = [], [], []
+        prep, fwd, samp, fwd_b = [], [], [], []
+        compiled = runner.cpu_decode
         warmup_s = 0.0  # the 3 untimed iterations (with --compile: compilation for this shape)
         for step in range(steps):
             output = SchedulerOutput(chunks=[ScheduledChunk(r, r.num_tokens - 1, 1, is_prefill=False, samples=True)
                                              for r in reqs])
             t0 = time.perf_counter()
             inputs = runner.prepare_inputs(output)
+            prepared = time.perf_counter()
+            if args.ab_compiled:  # B first: the compiled forward on the same inputs (rewrites the same KV slots)
+                tb = time.perf_counter()
+                runner.model.compute_logits(runner.run_model(inputs)[inputs.logits_indices])
+                fwd_b.append(time.perf_counter() - tb)
+                runner.cpu_decode = None
             t1 = time.perf_counter()
             logits = runner.model.compute_logits(runner.run_model(inputs)[inputs.logits_indices])
             t2 = time.perf_counter()
+            runner.cpu_decode = compiled
             tokens = sampler.sample(logits, params, ids)
             t3 = time.perf_counter()
             for r, tok in zip(reqs, tokens):
                 r.append_output_token(tok)
                 r.num_computed_tokens = r.num_tokens - 1
             if step >= 3:
-                prep.append(t1 - t0), fwd.append(t2 - t1), samp.append(t3 - t2)
+                prep.append(prepared - t0), fwd.append(t2 - t1), samp.append(t3 - t2)
             else:
                 warmup_s += t3 - t0
         p, f, s = (statistics.median(x) * 1000 for x in (prep, fwd, samp))
@@ -136,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         row = {"seqs": n, "context": args.context, "prepare_ms": round(p, 3), "forward_ms": round(f, 3),
                "sample_ms": round(s, 3), "host_share": round((p + s) / total, 4),
                "tokens_per_s": round(n / total * 1000, 1), "warmup_s": round(warmup_s, 2)}
+        if args.ab_compiled:
+            row["compiled_forward_ms"] = round(statistics.median(fwd_b[3:]) * 1000, 3)
+            row["python_over_compiled"] = round(f / row["compiled_forward_ms"], 3)
+            print(f"      compiled decode path: forward {row['compiled_forward_ms']:.2f} ms "
+                  f"({row['python_over_compiled']:.2f}x faster than the Python forward beside it)", flush=True)
         if args.compile:
             row["compiled_vs_eager"] = _compiled_vs_eager(runner, runner.prepare_inputs(output))
             print(f"      compiled against eager logits: max |diff| / max |logit| {row['compiled_vs_eager']:.2e}",
@@ -144,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             inputs = runner.prepare_inputs(output)  # the last step's shape, re-run (the KV slot is rewritten)
             forward = lambda: runner.model.compute_logits(runner.run_model(inputs)[inputs.logits_indices])  # noqa: E731
             shares = op_shares(forward)
-            row["forward_split_ms"] = {kind: round(share * f, 3) for kind, share in shares.items()}
+            base = row.get("compiled_forward_ms", f)  # with --ab-compiled the profiled forward is the compiled one
+            row["forward_split_ms"] = {kind: round(share * base, 3) for kind, share in shares.items()}
             row["aten_ops_per_forward"] = count_ops(forward)
             row["weight_mb_per_forward"] = round(weight_bytes_per_forward(runner.model, n) / 1e6, 1)
         rows.append(row)

@@ -41,7 +41,8 @@ def engine_config(opts: ServeOptions):
     a = opts.args
     return EngineConfig(
         model=ModelConfig(model=a.model, device=a.device, dtype=a.dtype, attention_backend=a.attention_backend,
-                          max_model_len=a.max_model_len, seed=a.seed, threads=a.threads),
+                          max_model_len=a.max_model_len, seed=a.seed, threads=a.threads, compiled_decode="background",
+                          release_dense_weights=True),
         cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_kv_blocks, kv_memory_fraction=a.kv_memory_fraction,
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(ceilings=opts.ceilings, tuning=opts.tuning, max_model_len=a.max_model_len or 2048),

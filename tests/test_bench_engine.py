@@ -6,6 +6,7 @@ import json
 import pytest
 
 from stallfree.bench import engine as bench_engine
+from stallfree.bench import engine_streams
 from stallfree.cli.bench import BENCHMARKS
 
 
@@ -42,15 +43,15 @@ def test_bench_engine_is_registered() -> None:
 def test_steady_gaps_leave_out_the_admission_of_later_streams() -> None:
     from stallfree.loadgen.stream import RequestResult
 
-    def stream(started: float, ttft_ms: float, itl_ms: list[float]) -> bench_engine.Stream:
+    def stream(started: float, ttft_ms: float, itl_ms: list[float]) -> engine_streams.Stream:
         result = RequestResult(0, 0, len(itl_ms) + 1, 0.0)
         result.ttft_ms, result.itl_ms = ttft_ms, itl_ms
-        return bench_engine.Stream(result, started)
+        return engine_streams.Stream(result, started)
 
     # The first stream decodes at 10 ms a token, stalls 250 ms while the second one's prompt is prefilled,
     # then both decode at 20 ms; the first ends before the second.
     early = stream(0.0, 10.0, [10.0, 10.0, 250.0, 20.0, 20.0, 20.0])
     late = stream(0.0, 290.0, [20.0, 20.0, 20.0, 20.0, 20.0])
-    assert max(bench_engine._gaps([early, late])) == 250.0
-    steady = bench_engine._steady_gaps([early, late])
+    assert max(engine_streams.all_gaps([early, late])) == 250.0
+    steady = engine_streams.steady_gaps([early, late])
     assert steady and max(steady) == pytest.approx(20.0)

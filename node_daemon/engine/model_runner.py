@@ -9,6 +9,8 @@ Sampling is not done here (node_daemon/engine/sampler.py); the engine wires runn
 """
 from __future__ import annotations
 
+import logging
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +23,8 @@ from stallfree.kernels.cpu_threads import apply_threads
 from stallfree.node_daemon.models.llama import KVCache
 from stallfree.node_daemon.models.loader import LoadedModel, load_model
 from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 # Without a cache size given, a CPU runner takes at most this much host memory for KV.
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -72,6 +76,7 @@ class ModelRunner:
         from stallfree.node_daemon.engine.cuda_graphs import DecodeCudaGraphs
 
         self.cuda_graphs = DecodeCudaGraphs.for_runner(self)
+        self.cpu_decode = self._cpu_decode(model_config.compiled_decode)
 
     # --- the per-iteration path ----------------------------------------------------------------------
 
@@ -86,6 +91,11 @@ class ModelRunner:
         # The CUDA-graph hook: decode-only iterations may replay a captured graph instead of launching eagerly.
         if self.cuda_graphs is not None and inputs.is_decode_only and self.cuda_graphs.can_run(inputs):
             return self.cuda_graphs.run(inputs)
+        # The CPU's counterpart: a decode-only iteration of a few rows in one compiled call.
+        if self.cpu_decode is not None and self.cpu_decode.can_run(inputs.input_ids.shape[0], inputs.is_decode_only):
+            m = inputs.metadata
+            return self.cpu_decode.forward(inputs.input_ids, inputs.positions, m.slot_mapping, m.block_tables,
+                                           m.seq_lens)
         self.attn.begin_iteration(inputs.metadata)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.attn)
 
@@ -173,6 +183,27 @@ class ModelRunner:
         host.numpy()[:] = values
         return host.to(self.device, non_blocking=True)
 
+    def _cpu_decode(self, mode: str):
+        """The compiled decode path (models/cpu_decode.py) when asked for and the model suits it, else None."""
+        if mode not in ("off", "background", "now"):
+            raise ValueError(f"compiled_decode must be off, background or now, got {mode!r}")
+        if mode == "off" or self.device.type != "cpu" or getattr(self.attn, "name", None) != "cpu":
+            return None
+        from stallfree.node_daemon.models import cpu_decode
+
+        why = cpu_decode.unsupported(self.model)
+        if why is None and cpu_decode.ensure_built(background=mode == "background") is False:
+            why = cpu_decode.why_not()
+            if why and why.startswith("compiling"):
+                log.info("compiled decode path: %s", why)
+                return cpu_decode.CpuDecode(self.model, self.kv_caches)  # switches on once it has loaded
+        if why is not None:
+            log.info("compiled decode path off: %s", why)
+            return None
+        compiled = cpu_decode.CpuDecode(self.model, self.kv_caches)
+        log.info("compiled decode path: decode-only iterations of up to %d rows", compiled.max_rows)
+        return compiled
+
     # --- KV cache --------------------------------------------------------------------------------------
 
     @property
@@ -204,8 +235,25 @@ class ModelRunner:
         per_layer = (cache_shape(num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim) if cache_shape
                      else (num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim))
         # One allocation; zeros so that padded block-table entries never read NaN garbage.
-        cache = torch.zeros(shape.num_layers, 2, *per_layer, dtype=self.loaded.dtype, device=self.device)
+        full = (shape.num_layers, 2, *per_layer)
+        if self.device.type == "cpu":
+            cache = _lazily_zeroed(full, self.loaded.dtype)
+        else:
+            cache = torch.zeros(full, dtype=self.loaded.dtype, device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(shape.num_layers)]
+
+
+def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in fresh anonymous pages, which the kernel hands out (zeroed) as they are first written: the
+    process's RSS follows the KV blocks used, not the cache's size (torch.zeros writes every byte at start-up,
+    1 GiB resident before a request). Huge pages are refused for it: with THP on, the first token written into
+    each of the cache's (layer, k/v, head) planes zeroed a 2 MiB page, 360 MiB on the first decode (~1 s here)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = max(1, int(np.prod(shape)) * itemsize)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 def _append_slots(slots: list[int], block_ids: list[int], start: int, end: int, block_size: int) -> None:

@@ -17,3 +17,9 @@ class ModelConfig:
     threads: int | None = None
     max_model_len: int | None = None  # None: the model's own context
     seed: int = 0
+    # The compiled decode-only forward (models/cpu_decode.py) on the CPU: "off"; "background": loaded from its
+    # cache, else compiled on a low-priority thread while the Python path serves; "now": compiled here if needed.
+    compiled_decode: str = "off"
+    # Free each projection's plain dense weight once it is prepacked for oneDNN (CPU bfloat16): held once per
+    # layout served. Off keeps hf_weights/load_weights usable (tests, export).
+    release_dense_weights: bool = False

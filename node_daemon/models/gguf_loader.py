@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import struct
 from typing import Iterator
 
 import logging
@@ -21,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from stallfree.node_daemon.models import weight_cache
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
 from stallfree.node_daemon.models.loader import LoadedModel, check_fits, resolve_max_model_len
 from stallfree.node_daemon.models.quantized import BlockCodes, decode_blocks, int4_supported
@@ -66,32 +68,39 @@ def embedded_gguf_path() -> str:
 
 def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
               name: str | None = None) -> LoadedModel:
-    import gguf
-
-    from stallfree.node_daemon.text.tokenizer import gguf_tokenizer_metadata
+    from stallfree.node_daemon.models.gguf_file import GGUFFile
 
     started = time.monotonic()
     try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
+        reader = GGUFFile(path)  # the header parsed once; tensor data stays in the mapped file until read
+    except (ValueError, OSError, struct.error) as e:
         raise ValueError(f"cannot read GGUF file {path}: {e}") from e
     fields = _read_fields(reader)
+    log.info("read the GGUF header of %s in %.2f s", os.path.basename(path), time.monotonic() - started)
     shape = gguf_shape(fields, {t.name for t in reader.tensors}, name or os.path.basename(path))
     context = resolve_max_model_len(shape, max_model_len)
     check_fits(shape, dtype, device)
     model = LlamaForCausalLM(shape, dtype, device, context)
     permute_qk = fields["general.architecture"] == "llama"
-    codes: dict[str, BlockCodes] | None = {} if int4_supported(dtype, device) else None
-    model.load_weights(_hf_named_tensors(reader, shape, permute_qk, codes))
-    if codes is not None:
-        _attach_int4(model, reader, codes, dtype)
-    log.info("loaded %s in %.1f s (%s)", os.path.basename(path), time.monotonic() - started,
-             str(dtype).removeprefix("torch."))
+    int4 = int4_supported(dtype, device)
+    cached = weight_cache.cache_file(path, dtype) if int4 else None
+    if cached is not None and cached.exists() and weight_cache.load(model, cached):
+        how = f"from the weight cache {cached}"
+    else:
+        codes: dict[str, BlockCodes] | None = {} if int4 else None
+        model.load_weights(_hf_named_tensors(reader, shape, permute_qk, codes))
+        if codes is not None:
+            _attach_int4(model, reader, codes, dtype)
+        how = "decoded from the file"
+        if cached is not None:
+            weight_cache.save(model, cached)  # later starts map these tensors instead of decoding again
+    log.info("loaded %s in %.1f s (%s, %s)", os.path.basename(path), time.monotonic() - started,
+             str(dtype).removeprefix("torch."), how)
     eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
     return LoadedModel(model=model, shape=shape, eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
                        bos_token_id=_int_or_none(fields.get("tokenizer.ggml.bos_token_id")),
                        max_model_len=context, source=path, source_kind="gguf",
-                       tokenizer_metadata=gguf_tokenizer_metadata(reader))
+                       tokenizer_metadata={k: v for k, v in reader.fields.items() if k.startswith("tokenizer.")})
 
 
 def gguf_shape(fields: dict, tensor_names: set[str], name: str) -> ModelShape:
@@ -139,14 +148,9 @@ def gguf_shape(fields: dict, tensor_names: set[str], name: str) -> ModelShape:
 
 
 def _read_fields(reader) -> dict:
-    fields = {}
-    for key, field in reader.fields.items():
-        if key in ("tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
-            continue  # the tokenizer's business, and slow to decode
-        if key == "tokenizer.ggml.tokens":
-            fields["tokenizer.ggml.tokens.count"] = len(field.data)
-            continue
-        fields[key] = field.contents()
+    """Every metadata field, and the vocabulary's size."""
+    fields = dict(reader.fields)
+    fields["tokenizer.ggml.tokens.count"] = len(reader.fields.get("tokenizer.ggml.tokens") or [])
     return fields
 
 
@@ -169,7 +173,7 @@ def _hf_named_tensors(reader, shape: ModelShape, permute_qk: bool,
             if heads is not None:
                 block = block.take_rows(unpermute_rope_rows(torch.arange(rows), heads).numpy())
             codes[name] = block
-            yield name, torch.from_numpy(block.dequantize())
+            yield name, block.dequantize_torch()
             continue
         array = dequantize(tensor.data, tensor.tensor_type)  # [rows, cols] = Hugging Face's [out, in]
         if not array.flags.writeable:

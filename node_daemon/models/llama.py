@@ -111,6 +111,7 @@ class LlamaForCausalLM(nn.Module):
         # prepacked dense copy (prepack_for_cpu).
         self.tied_lm_head_int4: Int4Weight | None = None
         self.tied_lm_head_packed: torch.Tensor | None = None
+        self.dense_released = False  # release_dense_weights() ran: the projections are served packed only
 
     @property
     def device(self) -> torch.device:
@@ -147,17 +148,34 @@ class LlamaForCausalLM(nn.Module):
             return logits.float()
         return _refine_top_logits(logits.float(), hidden, weight)
 
-    def prepack_for_cpu(self) -> bool:
+    def prepack_for_cpu(self, release: bool = False) -> bool:
         """Prepack every dense projection (and a tied output layer) for oneDNN when that pays (CPU, bfloat16);
-        call once the weights are loaded. True if it did."""
+        call once the weights are loaded. True if it did. `release`: release_dense_weights() one projection
+        at a time as it is packed, so the two copies never coexist for the whole model (the load's peak RSS)."""
         if not can_prepack(self.embed_tokens.weight):
             return False
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack_for_cpu()
+                if release and module is not self.lm_head:
+                    _release(module)
+                    self.dense_released = True
         if self.lm_head is None:
             self.tied_lm_head_packed = prepack_weight(self.embed_tokens.weight)
         return True
+
+    def release_dense_weights(self) -> int:
+        """Drop the plain dense copy of every projection that has a prepacked one: the serving path reads only
+        the packed copy (and int4 for a few rows), so each weight is then held once per layout it is read in.
+        The parameters stay as shapes without storage (meta); hf_weights and load_weights refuse from then on.
+        The embedding and an untied lm_head keep theirs (lookups and the float32 logit refinement read them).
+        Returns the bytes freed."""
+        freed = 0
+        for module in self.modules():
+            if isinstance(module, Linear) and module is not self.lm_head and module.packed is not None:
+                freed += _release(module)
+        self.dense_released = self.dense_released or freed > 0
+        return freed
 
     # --- int4 weights (GGUF) -------------------------------------------------------------------------
 
@@ -206,6 +224,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in (any dtype/device); raise if one is unknown, misshapen or missing."""
+        self._check_dense("load_weights")
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
@@ -226,9 +245,15 @@ class LlamaForCausalLM(nn.Module):
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight under its Hugging Face name and shape (q/k/v and gate/up split back apart)."""
+        self._check_dense("hf_weights")
         for key in self._expected_keys():
             target, rows, _ = self._locate(key)
             yield key, target[rows]
+
+    def _check_dense(self, what: str) -> None:
+        if self.dense_released:
+            raise RuntimeError(f"{what}: this model's dense projection weights were released after prepacking "
+                               f"(load it with release_dense_weights off)")
 
     def _expected_keys(self) -> list[str]:
         keys = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -280,6 +305,15 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unexpected weight {name!r}")
         param, rows = simple[part]
         return param.data, rows, name
+
+
+def _release(linear: Linear) -> int:
+    """Replace a Linear's dense weight by a storage-less one of the same shape; the bytes freed."""
+    weight = linear.weight
+    if weight.device.type == "meta":
+        return 0
+    linear.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+    return weight.numel() * weight.element_size()
 
 
 # Half-precision logits are rounded to 8 significant bits (0.125 apart near 25): ties among the top

@@ -10,6 +10,7 @@ No hub downloads: anything else is a ValueError listing the known names.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ import torch
 from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
 from stallfree.shapes import RANDOM_PREFIX, SHAPES, ModelShape, get_shape
+
+log = logging.getLogger(__name__)
 
 EMBEDDED_MODEL = "smollm2-135m"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,8 +54,14 @@ def known_model_names() -> list[str]:
 
 
 def load_model(model_config: ModelConfig) -> LoadedModel:
+    import time
+
     loaded = _load(model_config)
-    loaded.model.prepack_for_cpu()  # CPU bfloat16: dense weights in oneDNN's layout, once
+    started = time.monotonic()
+    # CPU bfloat16: dense weights in oneDNN's layout, once (and, asked to, their plain copies dropped meanwhile).
+    if loaded.model.prepack_for_cpu(release=model_config.release_dense_weights):
+        log.info("prepacked the dense weights for oneDNN in %.2f s%s", time.monotonic() - started,
+                 "; their plain copies released" if loaded.model.dense_released else "")
     return loaded
 
 

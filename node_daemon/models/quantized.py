@@ -30,6 +30,7 @@ GROUP_SIZE = 32
 # Rows (tokens in an iteration) up to which a linear layer takes its int4 weight (measured crossover on
 # a 2-core AVX512-BF16 CPU: int4 wins up to 8 rows, bfloat16 from 16).
 INT4_MAX_ROWS = 8
+PACK_ROWS = 4096  # a multiple of the packing's row blocks
 # GGUF type name -> (bytes per 32-weight block, code planes along K).
 INT4_MAPPABLE = {"Q4_0": (18, 1), "Q4_1": (20, 1), "Q8_0": (34, 2)}
 
@@ -55,6 +56,15 @@ class BlockCodes:
         groups = self.codes.reshape(rows, -1, GROUP_SIZE).astype(np.float32) - 8.0
         values = (groups * self.scale[..., None] + self.zero[..., None]).reshape(rows, self.planes, -1)
         return values.sum(axis=1)
+
+    def dequantize_torch(self) -> torch.Tensor:
+        """dequantize() in torch: the same float32 values (the same operations in the same order), on the
+        process's threads instead of numpy's one (3 s of SmolLM2's start-up on a busy 2-core machine)."""
+        rows, _ = self.codes.shape
+        groups = torch.from_numpy(self.codes).view(rows, -1, GROUP_SIZE).float().sub_(8.0)
+        values = groups.mul_(torch.from_numpy(self.scale)[..., None]).add_(torch.from_numpy(self.zero)[..., None])
+        values = values.view(rows, self.planes, -1)
+        return values[:, 0] if self.planes == 1 else values.sum(dim=1)
 
     def take_rows(self, order: np.ndarray) -> "BlockCodes":
         return BlockCodes(self.codes[order], self.scale[order], self.zero[order], self.planes, self.qtype)
@@ -91,12 +101,22 @@ class Int4Weight:
             raise ValueError(f"the int4 kernel needs a multiple of 16 output rows, got {n}")
         self.planes = codes.planes
         self.out_features = n
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            torch.from_numpy(codes.codes.astype(np.int32)), 1)
+        # The kernel packs each row on its own: converted PACK_ROWS rows at a time, the int32 copy it takes is
+        # never the whole matrix (226 MB for SmolLM2's tied head: the load's peak RSS).
+        self.packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.from_numpy(codes.codes[i:i + PACK_ROWS].astype(np.int32)), 1) for i in range(0, n, PACK_ROWS)])
         # [groups, N, 2]: (scale, zero) of every group of every output row.
         self.scales_and_zeros = torch.from_numpy(np.stack([codes.scale, codes.zero], axis=-1)).transpose(0, 1) \
             .contiguous().to(dtype)
         self.dtype = dtype
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor, planes: int) -> "Int4Weight":
+        """One already packed (models/weight_cache.py keeps them)."""
+        weight = cls.__new__(cls)
+        weight.packed, weight.scales_and_zeros, weight.planes = packed, scales_and_zeros, planes
+        weight.out_features, weight.dtype = packed.shape[0], scales_and_zeros.dtype
+        return weight
 
     @property
     def nbytes(self) -> int:

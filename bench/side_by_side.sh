@@ -1,0 +1,27 @@
+#!/bin/bash
+# stallfree beside llama.cpp's server on this machine: `stallfree bench engine --url ... --launch ...` for each,
+# one server alive at a time, in alternating rounds (A B A B A B: a shared machine's load drifts between them),
+# then the table of per-server medians (`--compare`). Both get the same threads and the same KV capacity.
+#
+#   LLAMA_SERVER=/tmp/peers/llama-server bench/side_by_side.sh        # see ../shared/peers/README.md for it
+#   THREADS=2 ROUNDS=3 KV_TOKENS=32768 OUT=runs/peers                   # the defaults
+set -euo pipefail
+: "${LLAMA_SERVER:?set LLAMA_SERVER to a llama.cpp server binary (../shared/peers/README.md: gunzip it outside the repository)}"
+STALLFREE=${STALLFREE:-stallfree}
+T=${THREADS:-2}; R=${ROUNDS:-3}; KV=${KV_TOKENS:-32768}; OUT=${OUT:-runs/peers}
+PYTHON=${PYTHON:-$(dirname "$(command -v "$STALLFREE")")/python}  # the one stallfree runs on
+GGUF=${GGUF:-$("$PYTHON" -c "from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path as p; print(p())")}
+mkdir -p "$OUT"
+rm -f "$OUT"/stallfree-*.json "$OUT"/llama.cpp-*.json
+echo "load before: $(cat /proc/loadavg)"
+for r in $(seq 1 "$R"); do
+  "$STALLFREE" bench engine --url http://127.0.0.1:18102 --model smollm2-135m --label stallfree --repeats 1 \
+    --startup-repeats 1 --output "$OUT/stallfree-$r.json" --keep-logs "$OUT/logs/stallfree-$r" \
+    --launch "$STALLFREE" serve --model smollm2-135m --port 18102 --threads "$T" --num-kv-blocks $((KV / 16))
+  "$STALLFREE" bench engine --url http://127.0.0.1:18101 --model smollm2 --label llama.cpp --repeats 1 \
+    --startup-repeats 1 --output "$OUT/llama.cpp-$r.json" --keep-logs "$OUT/logs/llama.cpp-$r" \
+    --launch "$LLAMA_SERVER" -m "$GGUF" -a smollm2 --host 127.0.0.1 --port 18101 -t "$T" -np 16 -c "$KV" \
+    --cont-batching --no-webui --chat-template chatml
+  echo "load after round $r: $(cat /proc/loadavg)"
+done
+"$STALLFREE" bench engine --compare "$OUT"/stallfree-*.json "$OUT"/llama.cpp-*.json

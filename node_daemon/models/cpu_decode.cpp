@@ -1,0 +1,300 @@
+// A decode-only forward of a Llama-family model on the CPU in one call (node_daemon/models/cpu_decode.py).
+//
+// Why: a step of a small model run op by op from Python is bound by the ops' count and Python around them
+// (about 5,700 ATen calls a token for SmolLM2-135M), not by arithmetic. Here each layer is four int4 weight
+// matmuls (torch's own kernel, the one the Python path calls) and four plain loops: add + RMSNorm, RoPE with
+// the KV write, decode attention over the paged cache, SiLU-and-mul. The arithmetic and its rounding points
+// follow models/llama.py's CPU path: a float32 residual stream, bfloat16 activations into every matmul,
+// q and k rounded to bfloat16 after RoPE, attention in float32.
+//
+// Layouts: activations [rows, width] contiguous; the KV cache head-major [kv_heads, num_blocks, block_size,
+// head_dim] per layer (kernels/cpu_attention.py); block tables [rows, width] int32; one row per sequence.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float bf2f(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Round to nearest even, as c10::BFloat16 does (branch-free, so loops of it vectorize).
+inline uint16_t f2bf(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);  // NaN: quiet NaN
+}
+
+// x[i] = exp(x[i]). AVX-512: Cephes' expf polynomial (about 1 ulp; every caller rounds further, to bfloat16 or
+// through a softmax), since glibc's vector expf is only offered under -ffast-math.
+inline void exp_inplace(float* x, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f);
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_loadu_ps(x + i), lo), hi);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_fnmadd_ps(k, c2, _mm512_fnmadd_ps(k, c1, v));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, v), v, _mm512_add_ps(v, _mm512_set1_ps(1.f)));
+    _mm512_storeu_ps(x + i, _mm512_scalef_ps(p, k));
+  }
+#endif
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// sum_i q[i] * k[i], q float, k bfloat16. AVX-512: 16 lanes and one horizontal sum (the compiler's own
+// reduction went through memory lane by lane, the attention's largest cost).
+inline float dot_bf16(const float* q, const uint16_t* k, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + i));
+    const __m512 kf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), kf, acc);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += q[i] * bf2f(k[i]);
+  return sum;
+}
+
+inline const uint16_t* bf16_ptr(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+inline uint16_t* bf16_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+// residual += h (when given); out = bf16(rms_norm(residual) * w).
+void add_rms_norm(float* residual, const uint16_t* h, const float* w, uint16_t* out, int64_t rows, int64_t width,
+                  double eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = residual + r * width;
+    if (h != nullptr) {
+      const uint16_t* hr = h + r * width;
+      for (int64_t i = 0; i < width; ++i) x[i] += bf2f(hr[i]);
+    }
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < width; ++i) ss += x[i] * x[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(width) + static_cast<float>(eps));
+    uint16_t* o = out + r * width;
+    for (int64_t i = 0; i < width; ++i) o[i] = f2bf(x[i] * inv * w[i]);
+  }
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t planes) {
+  const at::Tensor input = planes == 2 ? at::cat({x, x}, 1) : x;
+  return at::_weight_int4pack_mm_for_cpu(input, packed, 32, scales);
+}
+
+// x @ W^T with W prepacked for oneDNN (models/layers.py prepack_weight): the op the Python path calls past
+// INT4_MAX_ROWS rows, where bfloat16 GEMMs beat the int4 kernel.
+at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                         std::optional<c10::string_view>)>();
+  c10::List<std::optional<at::Scalar>> none;
+  none.push_back(std::nullopt);
+  return op.call(x, packed, std::nullopt, "none", none, "");
+}
+
+// One projection: int4 for a few rows, the prepacked bfloat16 weight for more (w: packed int4, scales, oneDNN;
+// an empty oneDNN tensor when the model was not prepacked).
+at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t planes, int64_t int4_max_rows) {
+  return x.size(0) <= int4_max_rows || w[2].numel() == 0 ? int4_mm(x, w[0], w[1], planes) : packed_mm(x, w[2]);
+}
+
+struct Dims {
+  int64_t rows, heads, kv_heads, head_dim, block_size, num_slots, width;  // width: block-table columns
+};
+
+// RoPE on q and k (rotate-half, cos|sin halves per position), q and k rounded to bfloat16; q goes to
+// q_out as float, k and v into the cache at the row's slot.
+void rope_and_write(const uint16_t* qkv, const int64_t* positions, const int64_t* slots, const float* cos_sin,
+                    float* q_out, uint16_t* k_cache, uint16_t* v_cache, const Dims& d) {
+  const int64_t D = d.head_dim, half = D / 2;
+  const int64_t qkv_width = (d.heads + 2 * d.kv_heads) * D;
+  std::vector<float> rotated(D);
+  for (int64_t r = 0; r < d.rows; ++r) {
+    const uint16_t* row = qkv + r * qkv_width;
+    const float* c = cos_sin + positions[r] * D;
+    const float* s = c + half;
+    const int64_t slot = slots[r];
+    for (int64_t h = 0; h < d.heads + d.kv_heads; ++h) {
+      const uint16_t* x = row + h * D;
+      for (int64_t j = 0; j < half; ++j) {
+        const float a = bf2f(x[j]), b = bf2f(x[j + half]);
+        rotated[j] = a * c[j] - b * s[j];
+        rotated[j + half] = b * c[j] + a * s[j];
+      }
+      if (h < d.heads) {
+        float* q = q_out + (r * d.heads + h) * D;
+        for (int64_t i = 0; i < D; ++i) q[i] = bf2f(f2bf(rotated[i]));
+      } else if (slot >= 0) {
+        uint16_t* k = k_cache + ((h - d.heads) * d.num_slots + slot) * D;
+        for (int64_t i = 0; i < D; ++i) k[i] = f2bf(rotated[i]);
+      }
+    }
+    if (slot >= 0) {
+      const uint16_t* v = row + (d.heads + d.kv_heads) * D;
+      for (int64_t g = 0; g < d.kv_heads; ++g)
+        std::memcpy(v_cache + (g * d.num_slots + slot) * D, v + g * D, D * sizeof(uint16_t));
+    }
+  }
+}
+
+// Each row's query heads against its sequence's cached keys and values (the row's own included), float32.
+void decode_attention(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* tables,
+                      const int32_t* seq_lens, uint16_t* out, const Dims& d, float scale) {
+  const int64_t D = d.head_dim, group = d.heads / d.kv_heads;
+  int64_t longest = 0;
+  for (int64_t r = 0; r < d.rows; ++r) longest = std::max<int64_t>(longest, seq_lens[r]);
+  // One task per (row, kv head); split only when there is enough work to pay for the threads.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, longest * D * group));
+  at::parallel_for(0, d.rows * d.kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * longest), acc(group * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / d.kv_heads, g = task % d.kv_heads, L = seq_lens[r];
+      const int32_t* table = tables + r * d.width;
+      const uint16_t* kh = k_cache + g * d.num_slots * D;
+      const uint16_t* vh = v_cache + g * d.num_slots * D;
+      const float* qg = q + (r * d.heads + g * group) * D;
+      for (int64_t t = 0; t < L; ++t) {
+        const uint16_t* k = kh + (static_cast<int64_t>(table[t / d.block_size]) * d.block_size + t % d.block_size) * D;
+        for (int64_t j = 0; j < group; ++j) scores[j * L + t] = dot_bf16(qg + j * D, k, D) * scale;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < group; ++j) {
+        float* sj = scores.data() + j * L;
+        float top = sj[0];
+        for (int64_t t = 1; t < L; ++t) top = std::max(top, sj[t]);
+        for (int64_t t = 0; t < L; ++t) sj[t] -= top;
+        exp_inplace(sj, L);
+        float total = 0.f;
+        for (int64_t t = 0; t < L; ++t) total += sj[t];
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < L; ++t) sj[t] *= inv;
+      }
+      for (int64_t t = 0; t < L; ++t) {
+        const uint16_t* v = vh + (static_cast<int64_t>(table[t / d.block_size]) * d.block_size + t % d.block_size) * D;
+        for (int64_t j = 0; j < group; ++j) {
+          const float p = scores[j * L + t];
+          float* a = acc.data() + j * D;
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) a[i] += p * bf2f(v[i]);
+        }
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        uint16_t* o = out + (r * d.heads + g * group + j) * D;
+        for (int64_t i = 0; i < D; ++i) o[i] = f2bf(acc[j * D + i]);
+      }
+    }
+  });
+}
+
+// bf16(bf16(silu(gate)) * up), as torch's two bfloat16 ops round; the exponentials vectorized apart.
+void silu_and_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t inter) {
+  std::vector<float> e(inter);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* g = gu + r * 2 * inter;
+    const uint16_t* u = g + inter;
+    uint16_t* o = out + r * inter;
+    for (int64_t i = 0; i < inter; ++i) e[i] = -bf2f(g[i]);
+    exp_inplace(e.data(), inter);
+    for (int64_t i = 0; i < inter; ++i) {
+      const float x = bf2f(g[i]);
+      o[i] = f2bf(bf2f(f2bf(x / (1.f + e[i]))) * bf2f(u[i]));
+    }
+  }
+}
+
+// weights: per layer qkv, o, gate_up, down as (int4 packed, scales_and_zeros, oneDNN packed) triples; planes: per
+// projection; rows past int4_max_rows take the oneDNN copies.
+// norms: per layer input and post-attention RMSNorm weights (float32), then the final norm's.
+// kv: per layer k cache, v cache. Returns the final-norm hidden states [rows, hidden] bfloat16.
+at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& embed,
+                          const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
+                          at::IntArrayRef planes, at::TensorList kv, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, double eps, int64_t int4_max_rows) {
+  at::NoGradGuard no_grad;
+  const int64_t rows = input_ids.size(0), hidden = embed.size(1), layers = static_cast<int64_t>(kv.size()) / 2;
+  TORCH_CHECK(embed.scalar_type() == at::kBFloat16, "decode_forward: bfloat16 weights only");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 12 * layers && static_cast<int64_t>(planes.size()) == 4 * layers,
+              "decode_forward: 4 projections a layer");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers + 1, "decode_forward: 2 norms a layer and a final one");
+  const at::Tensor& k0 = kv[0];
+  Dims d{rows, num_heads, num_kv_heads, head_dim, k0.size(2), k0.size(1) * k0.size(2), block_tables.size(1)};
+  const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+  const auto bf16 = embed.options();
+  at::Tensor residual = embed.index_select(0, input_ids).to(at::kFloat);
+  at::Tensor x = at::empty({rows, hidden}, bf16);
+  at::Tensor q = at::empty({rows, num_heads * head_dim}, bf16.dtype(at::kFloat));
+  at::Tensor attn = at::empty({rows, num_heads * head_dim}, bf16);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  at::Tensor h;  // the previous layer's MLP output, added into the residual by the next norm
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + 12 * l;
+    const int64_t* p = planes.data() + 4 * l;
+    add_rms_norm(residual.data_ptr<float>(), h.defined() ? bf16_ptr(h) : nullptr, norms[2 * l].data_ptr<float>(),
+                 bf16_mut(x), rows, hidden, eps);
+    at::Tensor qkv = project(x, w, p[0], int4_max_rows);
+    at::Tensor k_cache = kv[2 * l], v_cache = kv[2 * l + 1];
+    rope_and_write(bf16_ptr(qkv), pos, slots, cos_sin.data_ptr<float>(), q.data_ptr<float>(), bf16_mut(k_cache),
+                   bf16_mut(v_cache), d);
+    decode_attention(q.data_ptr<float>(), bf16_ptr(k_cache), bf16_ptr(v_cache), tables, lens, bf16_mut(attn), d,
+                     scale);
+    at::Tensor o = project(attn, w + 3, p[1], int4_max_rows);
+    add_rms_norm(residual.data_ptr<float>(), bf16_ptr(o), norms[2 * l + 1].data_ptr<float>(), bf16_mut(x), rows,
+                 hidden, eps);
+    at::Tensor gu = project(x, w + 6, p[2], int4_max_rows);
+    const int64_t inter = gu.size(1) / 2;
+    at::Tensor act = at::empty({rows, inter}, bf16);
+    silu_and_mul(bf16_ptr(gu), bf16_mut(act), rows, inter);
+    h = project(act, w + 9, p[3], int4_max_rows);
+  }
+  add_rms_norm(residual.data_ptr<float>(), bf16_ptr(h), norms[2 * layers].data_ptr<float>(), bf16_mut(x), rows,
+               hidden, eps);
+  return x;
+}
+
+}  // namespace
+
+// A catch-all kernel: the oneDNN-packed weights among the arguments are MkldnnCPU tensors, so a CPU-keyed one
+// would not be found for them.
+TORCH_LIBRARY(stallfree_cpu, m) {
+  m.def("decode_forward(Tensor input_ids, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor seq_lens, Tensor embed, Tensor cos_sin, Tensor[] norms, Tensor[] weights, int[] planes, "
+        "Tensor[] kv, int num_heads, int num_kv_heads, int head_dim, float eps, int int4_max_rows) -> Tensor",
+        &decode_forward);
+}

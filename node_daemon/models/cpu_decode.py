@@ -1,0 +1,188 @@
+"""Decode-only iterations of an int4 (GGUF) model on the CPU in one compiled call: models/cpu_decode.cpp.
+
+A decode step of a small model run op by op is bound by the ops' count and the Python around them, not by its
+arithmetic (`stallfree bench iteration --breakdown`). cpu_decode.cpp runs a whole decode forward in C++: the same
+int4 kernel for the projections up to INT4_MAX_ROWS rows and the oneDNN-prepacked bfloat16 copies past it (the
+Python path's choice), plain loops for the rest. Prefill chunks, mixed iterations, decode batches past MAX_ROWS and
+models it does not cover (a dense projection, a bias) stay on the Python path.
+
+The extension is compiled once per source, torch build and CPU (the key of its folder in
+$STALLFREE_EXT_CACHE, else $XDG_CACHE_HOME/stallfree/ext) and loaded from there in milliseconds afterwards.
+It is never compiled on the serving path: `ensure_built(background=True)` compiles it on a low-priority thread
+while the Python path serves, and the runner switches over at the next iteration once it is loaded.
+STALLFREE_CPU_DECODE=0 turns it off; without a C++ compiler it stays off and start-up says why.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS
+
+if TYPE_CHECKING:
+    from stallfree.node_daemon.models.llama import KVCache, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+ENV_SWITCH = "STALLFREE_CPU_DECODE"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+# Decode batches up to this many rows take the compiled path (int4 up to INT4_MAX_ROWS, oneDNN's bfloat16 past it).
+MAX_ROWS = 64
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"loaded": False, "why": None, "thread": None}
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") not in ("0", "false", "no", "off")
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return flags
+
+
+def build_key() -> str:
+    """What the compiled file depends on: the source, the flags, torch's build and the CPU (-march=native)."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(), _cpu_key().encode()):
+        digest.update(part)
+    return digest.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    if os.environ.get("STALLFREE_EXT_CACHE"):
+        return Path(os.environ["STALLFREE_EXT_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stallfree" / "ext"
+
+
+def _library_path(key: str) -> Path:
+    return cache_root() / key / f"stallfree_cpu_{key}.so"
+
+
+def is_loaded() -> bool:
+    return bool(_state["loaded"])
+
+
+def why_not() -> str | None:
+    """Why the compiled path is not in use (None once loaded, or while a build is under way)."""
+    return None if _state["loaded"] else _state["why"]  # type: ignore[return-value]
+
+
+def _load_or_build(build: bool) -> bool:
+    """Load the cached library; compile it first when `build` and it is missing. True once loaded."""
+    with _lock:
+        if _state["loaded"]:
+            return True
+        key = build_key()
+        library = _library_path(key)
+        if not library.exists():
+            if not build:
+                _state["why"] = "not compiled yet"
+                return False
+            if shutil.which(os.environ.get("CXX", "c++")) is None:
+                _state["why"] = "no C++ compiler (c++) on PATH"
+                return False
+            from torch.utils import cpp_extension
+
+            started = time.monotonic()
+            library.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                built = cpp_extension.load(name=f"stallfree_cpu_{key}", sources=[str(SOURCE)],
+                                           extra_cflags=_CFLAGS, build_directory=str(library.parent),
+                                           is_python_module=False, verbose=False)
+            except (RuntimeError, OSError, ImportError) as exc:  # a failed compile: the Python path stays
+                _state["why"] = f"compile failed: {str(exc).splitlines()[0][:200]}"
+                log.warning("compiled CPU decode path: %s", _state["why"])
+                return False
+            log.info("compiled CPU decode path in %.1f s (%s)", time.monotonic() - started, built)
+        else:
+            torch.ops.load_library(str(library))
+        _state["loaded"], _state["why"] = True, None
+        return True
+
+
+def ensure_built(background: bool) -> bool:
+    """Load the compiled path, compiling it if needed: on a nice-19 thread when `background` (returns at once,
+    False until it is loaded), else here. False when switched off."""
+    if not enabled():
+        _state["why"] = f"{ENV_SWITCH}=0"
+        return False
+    if _load_or_build(build=False):
+        return True
+    if not background:
+        return _load_or_build(build=True)
+    with _lock:
+        thread = _state["thread"]
+        if thread is None or not thread.is_alive():  # type: ignore[union-attr]
+            thread = threading.Thread(target=_build_quietly, name="cpu-decode-build", daemon=True)
+            _state["thread"], _state["why"] = thread, "compiling (the Python path serves meanwhile)"
+            thread.start()
+    return False
+
+
+def _build_quietly() -> None:
+    try:  # the compiler processes inherit this thread's priority: serving keeps the cores
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (OSError, AttributeError):
+        pass
+    _load_or_build(build=True)
+
+
+def unsupported(model: "LlamaForCausalLM") -> str | None:
+    """Why this model cannot take the compiled path (None: it can)."""
+    if model.device.type != "cpu" or model.dtype != torch.bfloat16:
+        return "needs bfloat16 weights on the CPU"
+    if model.shape.qkv_bias:
+        return "q/k/v biases are not covered"
+    for layer in model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if linear.int4 is None:
+                return "a projection has no int4 weight"
+    return None
+
+
+class CpuDecode:
+    """The model's weights gathered once into the lists the compiled forward takes."""
+
+    def __init__(self, model: "LlamaForCausalLM", kv_caches: list["KVCache"]) -> None:
+        self.model = model
+        self.embed = model.embed_tokens.weight
+        self.cos_sin = model.rotary.cos_sin_cache
+        self.norms, self.weights, self.planes = [], [], []
+        for layer in model.layers:
+            self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj):
+                packed = linear.packed if linear.packed is not None else torch.empty(0, dtype=model.dtype)
+                self.weights += [linear.int4.packed, linear.int4.scales_and_zeros, packed]
+                self.planes.append(linear.int4.planes)
+        self.norms.append(model.norm.weight)
+        self.kv = [t for pair in kv_caches for t in pair]
+        shape = model.shape
+        self.dims = (shape.num_heads, shape.num_kv_heads, shape.head_dim, float(shape.rms_norm_eps), INT4_MAX_ROWS)
+        # Past INT4_MAX_ROWS the projections take the oneDNN copies: only when every one has them.
+        self.max_rows = MAX_ROWS if all(w.numel() for w in self.weights[2::3]) else INT4_MAX_ROWS
+
+    def can_run(self, num_tokens: int, decode_only: bool) -> bool:
+        return decode_only and num_tokens <= self.max_rows and is_loaded()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [rows, hidden] (bfloat16) of one decode-only iteration, KV written."""
+        return torch.ops.stallfree_cpu.decode_forward(
+            input_ids, positions, slot_mapping, block_tables.contiguous(), seq_lens, self.embed, self.cos_sin,
+            self.norms, self.weights, self.planes, self.kv, *self.dims)

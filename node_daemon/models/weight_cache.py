@@ -1,0 +1,116 @@
+"""A GGUF model's tensors as the CPU serves them, kept on disk after the first load and mapped at later starts.
+
+Loading SmolLM2's GGUF decodes 4-bit blocks, dequantizes them to bfloat16 and packs them again for torch's int4
+kernel: 2.5 s of a start on a busy 2-core machine. The result (every parameter, every int4 pack with its scales)
+is written once as a safetensors file; later starts map it (safetensors loads lazily: pages are read as touched),
+copy out what they keep and only prepack for oneDNN. The file's key is the GGUF file's identity (path, size, mtime), the dtype, torch's
+version, FORMAT and the source of the modules that decide the tensors' values, so a change in any of them is a
+new file. $STALLFREE_WEIGHT_CACHE is the folder (0/off: no cache), else $XDG_CACHE_HOME/stallfree/weights.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from stallfree.node_daemon.models.quantized import Int4Weight
+
+if TYPE_CHECKING:
+    from stallfree.node_daemon.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+ENV = "STALLFREE_WEIGHT_CACHE"
+_VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "llama.py")
+_TIED_HEAD = "tied_lm_head_int4"
+
+
+def cache_file(gguf_path: str, dtype: torch.dtype) -> Path | None:
+    """Where this GGUF file's tensors in `dtype` are (or would be) cached; None when the cache is off."""
+    setting = os.environ.get(ENV, "")
+    if setting.lower() in ("0", "off", "no", "false"):
+        return None
+    root = Path(setting) if setting else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
+        "stallfree" / "weights"
+    stat = os.stat(gguf_path)
+    digest = hashlib.sha256(json.dumps([FORMAT, os.path.abspath(gguf_path), stat.st_size, stat.st_mtime_ns,
+                                        str(dtype), torch.__version__]).encode())
+    here = Path(__file__).parent
+    for name in _VALUE_SOURCES:
+        digest.update((here / name).read_bytes())
+    return root / f"{Path(gguf_path).stem}-{digest.hexdigest()[:20]}.safetensors"
+
+
+def _int4_weights(model: "LlamaForCausalLM") -> dict[str, Int4Weight]:
+    found = {name: m.int4 for name, m in model.named_modules() if getattr(m, "int4", None) is not None}
+    if model.tied_lm_head_int4 is not None:
+        found[_TIED_HEAD] = model.tied_lm_head_int4
+    return found
+
+
+def save(model: "LlamaForCausalLM", path: Path) -> bool:
+    """Write every parameter and int4 pack (atomically: a reader never sees half a file). False on an OS error."""
+    from safetensors.torch import save_file
+
+    started = time.monotonic()
+    tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+    planes = {}
+    for name, w in _int4_weights(model).items():
+        tensors[f"{name}.int4.packed"], tensors[f"{name}.int4.scales"] = w.packed, w.scales_and_zeros
+        planes[name] = w.planes
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp), metadata={"planes": json.dumps(planes), "format": str(FORMAT)})
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("weight cache: not written (%s)", exc)
+        tmp.unlink(missing_ok=True)
+        return False
+    log.info("weight cache: wrote %s (%.0f MiB) in %.2f s", path, path.stat().st_size / 2**20,
+             time.monotonic() - started)
+    return True
+
+
+def load(model: "LlamaForCausalLM", path: Path) -> bool:
+    """Fill `model` from the cached file (its tensors become the parameters: no copy); False, model untouched,
+    when the file does not hold what this model needs."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            planes = json.loads(f.metadata().get("planes", "{}"))
+        tensors = load_file(str(path))
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        log.warning("weight cache: %s unreadable (%s): loading the GGUF file", path, exc)
+        return False
+    params = dict(model.named_parameters())
+    if any(name not in tensors or tensors[name].shape != p.shape or tensors[name].dtype != p.dtype
+           for name, p in params.items()) or any(f"{n}.int4.packed" not in tensors for n in planes):
+        log.warning("weight cache: %s does not match this model: loading the GGUF file", path)
+        return False
+    from stallfree.node_daemon.models.layers import Linear
+
+    modules = dict(model.named_modules())
+    # The projections' dense weights are read once, by the prepacking, and then released: they stay views of
+    # the mapping. Everything kept is copied out, so no tensor holds the mapping afterwards and its pages (the
+    # prepacking touched them all) leave the RSS with it.
+    transient = {f"{n}.weight" for n, m in modules.items() if isinstance(m, Linear) and m is not model.lm_head}
+    for name, p in params.items():
+        p.data = tensors[name] if name in transient else tensors[name].clone()
+    for name, count in planes.items():
+        weight = Int4Weight.from_packed(tensors[f"{name}.int4.packed"].clone(), tensors[f"{name}.int4.scales"].clone(),
+                                        count)
+        if name == _TIED_HEAD:
+            model.tied_lm_head_int4 = weight
+        else:
+            modules[name].int4 = weight
+    return True

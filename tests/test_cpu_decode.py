@@ -1,0 +1,123 @@
+"""The compiled decode path (models/cpu_decode.cpp) against the Python forward it replaces and the float32
+reference: logits and KV writes within bfloat16 rounding of the Python path's, the same greedy answers as float32,
+and the runner takes it only for decode-only iterations of at most max_rows rows.
+
+The extension is compiled once per machine (about a minute on 2 cores) into the stallfree cache and loaded from it
+afterwards; without a C++ compiler these tests skip.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from model_helpers import greedy_decode, make_request, prefill_all_rows, relative_error, smollm2_runner, \
+    smollm2_tokenizer, step
+from stallfree.node_daemon.engine.config import CacheConfig
+from stallfree.node_daemon.engine.model_runner import ModelRunner
+from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk
+from stallfree.node_daemon.models import cpu_decode
+from stallfree.node_daemon.models.config import ModelConfig
+
+# Compiled against Python forward, same bfloat16 model: the loops round where the ops do, but sum in another
+# order (measured 0.009 of the logits' range on SmolLM2); float32 reference: test_quantized's tolerance.
+PATH_TOLERANCE = 0.03
+BF16_LOGIT_TOLERANCE = 0.05
+
+
+@functools.lru_cache(maxsize=None)
+def _runner() -> ModelRunner:
+    if not cpu_decode.ensure_built(background=False):
+        pytest.skip(f"compiled decode path unavailable: {cpu_decode.why_not()}")
+    runner = ModelRunner(ModelConfig(model="smollm2-135m", dtype="bfloat16", compiled_decode="now"),
+                         CacheConfig(block_size=16, num_blocks=96), max_num_tokens=512, max_num_seqs=16)
+    assert runner.cpu_decode is not None
+    return runner
+
+
+def _python_path(runner: ModelRunner):
+    class Off:
+        def __enter__(self):
+            self.saved, runner.cpu_decode = runner.cpu_decode, None
+
+        def __exit__(self, *exc):
+            runner.cpu_decode = self.saved
+    return Off()
+
+
+def _decode_chunks(reqs):
+    return [ScheduledChunk(r, r.num_tokens - 1, 1, is_prefill=False, samples=True) for r in reqs]
+
+
+# Ragged lengths (int4 projections); a long one across many blocks; 12 rows: the oneDNN bfloat16 projections.
+@pytest.mark.parametrize("lengths", [(7, 21, 40), (300,), tuple(range(5, 65, 5))])
+def test_compiled_decode_follows_the_python_forward(lengths):
+    runner = _runner()
+    reqs, next_block = [], 1
+    for i, n in enumerate(lengths):
+        count = -(-(n + 1) // 16)
+        blocks, next_block = list(range(next_block, next_block + count)), next_block + count
+        req = make_request(f"ab{n}", [(31 * i + 7 * j) % 5000 + 20 for j in range(n)], blocks)
+        last = prefill_all_rows(runner, req, 64)[-1]
+        req.append_output_token(int(last.argmax()))
+        reqs.append(req)
+    assert next_block <= 60  # clear of the blocks the other tests use
+    k_cache, v_cache = runner.kv_caches[0]  # the first layer: same inputs on both paths
+    slots = [r.block_ids[(r.num_tokens - 1) // 16] * 16 + (r.num_tokens - 1) % 16 for r in reqs]
+    with _python_path(runner):
+        want = step(runner, _decode_chunks(reqs))
+        want_k, want_v = k_cache.flatten(1, 2)[:, slots].clone(), v_cache.flatten(1, 2)[:, slots].clone()
+    got = step(runner, _decode_chunks(reqs))  # rewrites the same slots
+    got_k, got_v = k_cache.flatten(1, 2)[:, slots], v_cache.flatten(1, 2)[:, slots]
+    assert relative_error(got, want) < PATH_TOLERANCE
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    assert relative_error(got_k, want_k) < PATH_TOLERANCE and torch.equal(got_v, want_v)  # v is copied as is
+
+
+@pytest.mark.parametrize("question", ["The capital of France is", "Water is made of hydrogen and"])
+def test_compiled_decode_gives_the_float32_greedy_answers(question):
+    tokenizer = smollm2_tokenizer()
+    ids = tokenizer.encode(question)
+    answers = []
+    for runner, blocks in ((smollm2_runner(), [60, 61]), (_runner(), [80, 81])):
+        req = make_request("q", ids, blocks)
+        last = prefill_all_rows(runner, req, len(ids))[-1]
+        answers.append(tokenizer.decode(greedy_decode(runner, req, last, 6)))
+    assert answers[0] == answers[1], answers
+
+
+def test_compiled_decode_logits_follow_float32():
+    ids = smollm2_tokenizer().encode("The history of the printing press begins in the fifteenth century, when")
+    rows = []
+    for runner, blocks in ((smollm2_runner(), [62, 63]), (_runner(), [82, 83])):
+        req = make_request("f", ids[:-1], blocks)
+        prefill_all_rows(runner, req, len(ids) - 1)
+        req.append_output_token(ids[-1])
+        rows.append(step(runner, _decode_chunks([req])))
+    assert relative_error(rows[1], rows[0]) < BF16_LOGIT_TOLERANCE
+
+
+def test_only_decode_only_iterations_up_to_max_rows_take_the_compiled_path(monkeypatch):
+    runner = _runner()
+    calls = []
+    real = runner.cpu_decode.forward
+    monkeypatch.setattr(runner.cpu_decode, "forward", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    reqs = [make_request(f"few{i}", list(range(40 + i, 50 + i)), [84 + i]) for i in range(10)]
+    for r in reqs:
+        r.num_computed_tokens = r.num_tokens - 1
+    step(runner, _decode_chunks(reqs[:8]))  # int4 projections
+    step(runner, _decode_chunks(reqs))  # 10 rows: the oneDNN bfloat16 ones
+    assert calls == [8, 10]
+    mixed = [ScheduledChunk(reqs[0], reqs[0].num_tokens - 1, 1, is_prefill=False, samples=True),
+             ScheduledChunk(reqs[1], 0, reqs[1].num_tokens, is_prefill=True, samples=True)]
+    step(runner, mixed)
+    monkeypatch.setattr(runner.cpu_decode, "max_rows", 8)
+    step(runner, _decode_chunks(reqs))  # past max_rows: the Python forward
+    assert calls == [8, 10]
+
+
+def test_models_it_does_not_cover_say_why():
+    float32 = smollm2_runner()
+    assert "bfloat16" in cpu_decode.unsupported(float32.model)
+    assert float32.cpu_decode is None  # compiled_decode defaults to off

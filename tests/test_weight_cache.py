@@ -1,0 +1,53 @@
+"""models/weight_cache.py: a GGUF model loaded from the cache is the decoded one (every parameter and int4 pack,
+hence every logit); the key follows the file and dtype; an unreadable cache file falls back to decoding."""
+from __future__ import annotations
+
+import torch
+
+from stallfree.node_daemon.models import weight_cache
+from stallfree.node_daemon.models.config import ModelConfig
+from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path
+from stallfree.node_daemon.models.loader import load_model
+
+
+def _load():
+    return load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16")).model
+
+
+def _int4s(model):
+    return {n: m.int4 for n, m in model.named_modules() if getattr(m, "int4", None) is not None} | \
+        {"tied": model.tied_lm_head_int4}
+
+
+def test_a_model_from_the_cache_is_the_decoded_model(tmp_path, monkeypatch):
+    monkeypatch.setenv(weight_cache.ENV, str(tmp_path))
+    decoded = _load()  # writes the cache
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+    cached = _load()
+    for (name, a), (_, b) in zip(decoded.named_parameters(), cached.named_parameters()):
+        assert torch.equal(a, b), name
+    want, got = _int4s(decoded), _int4s(cached)
+    assert set(want) == set(got)
+    for name in want:
+        assert got[name].planes == want[name].planes and got[name].out_features == want[name].out_features
+        assert torch.equal(got[name].packed, want[name].packed) and \
+            torch.equal(got[name].scales_and_zeros, want[name].scales_and_zeros), name
+    x = torch.randn(3, decoded.shape.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert torch.equal(decoded.compute_logits(x), cached.compute_logits(x))
+
+
+def test_the_key_follows_dtype_and_the_switch(tmp_path, monkeypatch):
+    path = embedded_gguf_path()
+    monkeypatch.setenv(weight_cache.ENV, str(tmp_path))
+    assert weight_cache.cache_file(path, torch.bfloat16) != weight_cache.cache_file(path, torch.float16)
+    assert weight_cache.cache_file(path, torch.bfloat16).parent == tmp_path
+    monkeypatch.setenv(weight_cache.ENV, "off")
+    assert weight_cache.cache_file(path, torch.bfloat16) is None
+
+
+def test_an_unreadable_cache_file_is_decoded_again_and_rewritten(tmp_path, monkeypatch):
+    monkeypatch.setenv(weight_cache.ENV, str(tmp_path))
+    target = weight_cache.cache_file(embedded_gguf_path(), torch.bfloat16)
+    target.write_bytes(b"not a safetensors file")
+    model = _load()
+    assert model.tied_lm_head_int4 is not None and target.stat().st_size > 1 << 20  # rewritten whole
