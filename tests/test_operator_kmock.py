@@ -214,10 +214,11 @@ async def test_create_makes_owned_children_with_the_right_fields(kmock: BridgedE
         assert obj(kmock, "v1/services", "chat-daemons")["spec"]["selector"] == render.selector_labels("chat")
         assert not exists(kmock, "monitoring.coreos.com/v1/servicemonitors", "chat")  # no such API here
 
+        # The status is patched in steps (conditions, then the rest): wait for the step that records the generation.
+        await eventually(lambda: obj(kmock, IS_RESOURCE, "chat")["status"].get("observedGeneration") == 1)
         status = obj(kmock, IS_RESOURCE, "chat")["status"]
         assert status["selector"] == render.selector_string("chat")
         assert status["endpoint"] == f"http://chat.{NS}.svc:80"
-        assert status["observedGeneration"] == 1
         assert condition(kmock, "chat", "SLOMet")["status"] == "Unknown"
         await eventually(lambda: events(kmock, "Created"))
 
