@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from stallfree.contracts import Ceilings, Profile, Tuning
 from stallfree.simulator.speed import SlowedCostModel, SpeedSchedule
 from stallfree.simulator.virtual_replica import VirtualReplica
-from stallfree.simulator.virtual_router import QueueSnapshot, VirtualRouter
+from stallfree.simulator.virtual_router import VirtualRouter
 from stallfree.operator.router.flow_control import FlowConfig, dispatch_wait_ms
 from stallfree.simulator.workload import LengthDist
 from stallfree.operator.control.loop import ControlLoop, StepResult
@@ -162,7 +162,7 @@ class VirtualCluster:
         if names:
             self.router.dispatch(now, {name: self.slots[name].replica for name in names})
 
-    def queue_snapshot(self, now: float) -> QueueSnapshot:
+    def queue_snapshot(self, now: float) -> QueueObservation:
         return self.router.snapshot(now)
 
     # -- what the control loop sees -----------------------------------------------------------------------
@@ -211,9 +211,7 @@ class VirtualObserver:
         """The router's queue (none with immediate dispatch: nothing waits there)."""
         if self.cluster.spec.router != "queue":
             return None
-        q = self.cluster.queue_snapshot(now)
-        return QueueObservation(q.depth, q.queued_prompt_tokens, q.oldest_wait_s * 1000.0,
-                                q.arrival_prompt_tokens_per_s, q.recent_prompt_tokens, q.recent_requests, q.recent_s)
+        return self.cluster.queue_snapshot(now)
 
 
 class VirtualActuator:

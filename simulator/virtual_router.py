@@ -8,10 +8,10 @@ keeps its router arrival time on the replica, so the replica's queue wait and TT
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from stallfree.contracts import Profile, WindowStats
+from stallfree.operator.control.observe import QueueObservation
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
 from stallfree.operator.router.pick import ReplicaView, pick
 from stallfree.operator.router.rates import decode_step_ms
@@ -21,19 +21,6 @@ from stallfree.simulator.virtual_replica import VirtualReplica
 # How often the router's view of a replica's speed is refreshed (its /admin/stats poll, coarser in virtual
 # time: the window's calibration moves slowly).
 STATS_REFRESH_S = 2.0
-
-
-@dataclass(frozen=True)
-class QueueSnapshot:
-    """What the router's queue shows the control loop (the real router's /router/queue)."""
-
-    depth: int
-    queued_prompt_tokens: int
-    oldest_wait_s: float
-    arrival_prompt_tokens_per_s: float  # over the last window
-    recent_prompt_tokens: int = 0  # arrived since the previous snapshot
-    recent_requests: int = 0
-    recent_s: float = 0.0
 
 
 def queued_prefill_tokens(replica: VirtualReplica) -> int:
@@ -82,16 +69,17 @@ class VirtualRouter:
             replicas[choice.name].submit(prompt_len, max_tokens, item.arrival_s)
         return len(sent)
 
-    def snapshot(self, now: float) -> QueueSnapshot:
+    def snapshot(self, now: float) -> QueueObservation:
+        """What the router's queue shows the control loop (the real router's /router/queue, read as rates)."""
         horizon = now - self.window_s
         self._arrived = [(t, n) for t, n in self._arrived if t > horizon]
         oldest = self.queue.oldest_arrival_s()
         last, self._last_snapshot = self._last_snapshot, now
         recent = [n for t, n in self._arrived if last is not None and t > last]
-        return QueueSnapshot(len(self.queue), self.queue.queued_prompt_tokens,
-                             0.0 if oldest is None else max(0.0, now - oldest),
-                             sum(n for _, n in self._arrived) / min(self.window_s, max(now, 1e-9)),
-                             sum(recent), len(recent), 0.0 if last is None else now - last)
+        return QueueObservation(len(self.queue), self.queue.queued_prompt_tokens,
+                                0.0 if oldest is None else max(0.0, now - oldest) * 1000.0,
+                                sum(n for _, n in self._arrived) / min(self.window_s, max(now, 1e-9)),
+                                sum(recent), len(recent), 0.0 if last is None else now - last)
 
     def _view(self, name: str, replica: VirtualReplica, now: float) -> ReplicaView:
         cached = self._stats.get(name)
