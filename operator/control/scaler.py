@@ -184,10 +184,8 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
     # Exhausted: no replica can add prefill by tuning, and a queue SLO breaches or the demand already
     # runs past the scale-up utilisation of the capacity (scale before the breach, not after it).
     # Before any breach, only a demand beyond the capacity for sure (the router's window less its noise) scales.
-    # Not the replicas' own windows: behind the router's queue they count dispatches, which come in bursts as a
-    # held queue is let go (the CPU demo's replica showed 868 prompt tok/s arriving while 310 arrived).
     confident = sizing_demand if backlog.confident_arrival_prompt_tokens_per_s is None or unknown else \
-        backlog.confident_arrival_prompt_tokens_per_s
+        max(sum(r.prompt_tokens_per_s for r in known), backlog.confident_arrival_prompt_tokens_per_s)
     near_full = capacity is not None and confident > capacity * len(known) * policy.scale_up_utilisation
     exhausted = all(r.at_ceiling for r in known) and (any(r.breaching for r in known) or backlog.breaching
                                                       or near_full)
