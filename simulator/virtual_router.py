@@ -73,15 +73,13 @@ class VirtualRouter:
         """What the router's queue shows the control loop (the real router's /router/queue, read as rates)."""
         horizon = now - self.window_s
         self._arrived = [(t, n) for t, n in self._arrived if t > horizon]
-        span = min(self.window_s, max(now, 1e-9))
         oldest = self.queue.oldest_arrival_s()
         last, self._last_snapshot = self._last_snapshot, now
         recent = [n for t, n in self._arrived if last is not None and t > last]
         return QueueObservation(len(self.queue), self.queue.queued_prompt_tokens,
                                 0.0 if oldest is None else max(0.0, now - oldest) * 1000.0,
-                                sum(n for _, n in self._arrived) / span,
-                                sum(recent), len(recent), 0.0 if last is None else now - last,
-                                sum(n * n for _, n in self._arrived), span, sum(n * n for n in recent))
+                                sum(n for _, n in self._arrived) / min(self.window_s, max(now, 1e-9)),
+                                sum(recent), len(recent), 0.0 if last is None else now - last)
 
     def _view(self, name: str, replica: VirtualReplica, now: float) -> ReplicaView:
         cached = self._stats.get(name)

@@ -281,21 +281,14 @@ def router_backlog(queue: QueueObservation | None, policy: ControlPolicy) -> Rou
     if queue is None:
         return None
     recent = None
-    lower = None
-    if queue.window_s > 0 and queue.window_prompt_tokens_sq > 0:
-        # The window's demand less one standard deviation of a compound Poisson count (the squared prompt
-        # lengths): a few long prompts in a window say little; scaling before a breach needs the demand for sure.
-        lower = max(0.0, queue.arrival_prompt_tokens_per_s - queue.window_prompt_tokens_sq ** 0.5 / queue.window_s)
-    if queue.recent_s > 0 and queue.recent_requests > 0 and queue.recent_prompt_tokens_sq > 0:
-        recent = max(0.0, (queue.recent_prompt_tokens - queue.recent_prompt_tokens_sq ** 0.5) / queue.recent_s)
-    elif queue.recent_s > 0 and queue.recent_requests > 0:
+    if queue.recent_s > 0 and queue.recent_requests > 0:
         # One interval holds few arrivals: one Poisson standard deviation off, as the replicas' short window.
         mean_prompt = queue.recent_prompt_tokens / queue.recent_requests
         recent = max(0.0, (queue.recent_prompt_tokens - queue.recent_requests ** 0.5 * mean_prompt) / queue.recent_s)
     return RouterBacklog(queued_requests=queue.depth, queued_prompt_tokens=queue.queued_prompt_tokens,
                          arrival_prompt_tokens_per_s=queue.arrival_prompt_tokens_per_s,
                          breaching=queue.oldest_wait_ms > policy.slo.queue_wait_p99_ms,
-                         recent_arrival_prompt_tokens_per_s=recent, confident_arrival_prompt_tokens_per_s=lower)
+                         recent_arrival_prompt_tokens_per_s=recent)
 
 
 def slo_condition(observations: Sequence[ReplicaObservation], policy: ControlPolicy) -> Condition:

@@ -56,10 +56,6 @@ class QueueObservation:
     recent_prompt_tokens: float = 0.0
     recent_requests: int = 0
     recent_s: float = 0.0
-    # Sums of squared prompt lengths (the variance of a compound Poisson count): over the window and the interval.
-    window_prompt_tokens_sq: float = 0.0
-    window_s: float = 0.0
-    recent_prompt_tokens_sq: float = 0.0
 
 
 class QueueSource(Protocol):

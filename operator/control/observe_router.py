@@ -20,17 +20,16 @@ class RouterQueueSource:
     def __init__(self, read: Reader, window_s: float) -> None:
         self.read = read
         self.window_s = window_s
-        self._readings: deque[tuple[float, int, float, float]] = deque()  # (time, arrivals, tokens, tokens^2)
+        self._readings: deque[tuple[float, int, float]] = deque()  # (time, arrivals, arrived prompt tokens)
 
     async def observe_queue(self, now: float) -> QueueObservation | None:
         status = await self.read()
         if status is None:
             return None
         arrivals, tokens = int(status["arrivals"]), float(status["arrived_prompt_tokens"])
-        squares = float(status.get("arrived_prompt_tokens_sq", 0.0))
         if self._readings and (arrivals < self._readings[-1][1] or tokens < self._readings[-1][2]):
             self._readings.clear()  # the router restarted: its counters began again
-        self._readings.append((now, arrivals, tokens, squares))
+        self._readings.append((now, arrivals, tokens))
         while len(self._readings) > 2 and self._readings[1][0] <= now - self.window_s:
             self._readings.popleft()
         first, last = self._readings[0], self._readings[-1]
@@ -40,8 +39,7 @@ class RouterQueueSource:
         return QueueObservation(depth=int(status["depth"]), queued_prompt_tokens=float(status["queued_prompt_tokens"]),
                                 oldest_wait_ms=float(status["oldest_wait_ms"]), arrival_prompt_tokens_per_s=rate,
                                 recent_prompt_tokens=last[2] - previous[2], recent_requests=last[1] - previous[1],
-                                recent_s=last[0] - previous[0], window_prompt_tokens_sq=last[3] - first[3],
-                                window_s=span, recent_prompt_tokens_sq=last[3] - previous[3])
+                                recent_s=last[0] - previous[0])
 
 
 def http_queue_reader(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> Reader:

@@ -75,8 +75,6 @@ class RouterBacklog:
     breaching: bool = False  # its oldest request has waited longer than the queue-wait SLO
     # Over the last control interval alone (the panic window's demand), less one Poisson standard deviation.
     recent_arrival_prompt_tokens_per_s: float | None = None
-    # The window's, less one standard deviation: what scaling before any breach may rest on.
-    confident_arrival_prompt_tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -183,10 +181,7 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
     serving_unknown = [r for r in unknown if r.ready]  # they serve traffic we cannot see: kept as they are
     # Exhausted: no replica can add prefill by tuning, and a queue SLO breaches or the demand already
     # runs past the scale-up utilisation of the capacity (scale before the breach, not after it).
-    # Before any breach, only a demand beyond the capacity for sure (the router's window less its noise) scales.
-    confident = sizing_demand if backlog.confident_arrival_prompt_tokens_per_s is None or unknown else \
-        max(sum(r.prompt_tokens_per_s for r in known), backlog.confident_arrival_prompt_tokens_per_s)
-    near_full = capacity is not None and confident > capacity * len(known) * policy.scale_up_utilisation
+    near_full = capacity is not None and sizing_demand > capacity * len(known) * policy.scale_up_utilisation
     exhausted = all(r.at_ceiling for r in known) and (any(r.breaching for r in known) or backlog.breaching
                                                       or near_full)
     waiting = sum(r.num_waiting for r in known) + backlog.queued_requests
