@@ -3,10 +3,10 @@
 # one server alive at a time, in alternating rounds (A B A B A B: a shared machine's load drifts between them),
 # then the table of per-server medians (`--compare`). Both get the same threads and the same KV capacity.
 #
-#   LLAMA_SERVER=/tmp/peers/llama-server bench/side_by_side.sh        # see ../shared/peers/README.md for it
+#   LLAMA_SERVER=/tmp/peers/llama-server bench/side_by_side.sh        # a llama.cpp llama-server binary
 #   THREADS=2 ROUNDS=3 KV_TOKENS=32768 OUT=runs/peers                   # the defaults
 set -euo pipefail
-: "${LLAMA_SERVER:?set LLAMA_SERVER to a llama.cpp server binary (../shared/peers/README.md: gunzip it outside the repository)}"
+: "${LLAMA_SERVER:?set LLAMA_SERVER to a llama.cpp server binary (built or downloaded from the llama.cpp project, kept outside the repository)}"
 STALLFREE=${STALLFREE:-stallfree}
 T=${THREADS:-2}; R=${ROUNDS:-3}; KV=${KV_TOKENS:-32768}; OUT=${OUT:-runs/peers}
 PYTHON=${PYTHON:-$(dirname "$(command -v "$STALLFREE")")/python}  # the one stallfree runs on
