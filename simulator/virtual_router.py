@@ -42,15 +42,13 @@ class VirtualRouter:
         self._next = 0
         self._stats: dict[str, tuple[float, WindowStats]] = {}
         self._arrived: list[tuple[float, int]] = []  # (time, prompt tokens) over the last window
-        self.refused = 0
         self._last_snapshot: float | None = None
 
     def arrive(self, t: float, prompt_len: int, max_tokens: int) -> bool:
         self._next += 1
         self._arrived.append((t, prompt_len))
         if not self.queue.push(Queued(self._next, t, prompt_len)):
-            self.refused += 1
-            return False
+            return False  # counted by the queue (rejected), as the router answers 429
         self._requests[self._next] = (prompt_len, max_tokens)
         return True
 

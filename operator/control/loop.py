@@ -21,7 +21,7 @@ from stallfree.operator.control.policy import ControlPolicy
 from stallfree.operator.control.observe import (Observer, QueueObservation, QueueSource, ReplicaObservation,
                                                ReplicaTarget)
 from stallfree.operator.control.scaler import (ReplicaLoad, RouterBacklog, ScaleDecision, ScalerState,
-                                               decide_replicas)
+                                               decide_replicas, short_window_rate)
 from stallfree.operator.control.tuner import REAPPLY, ReplicaTunerState, TunerConfig, TuningDecision, decide_tuning
 
 SLO_MET, CAPACITY_EXHAUSTED, SLO_FEASIBLE = "SLOMet", "PrefillCapacityExhausted", "SLOFeasible"
@@ -282,9 +282,7 @@ def router_backlog(queue: QueueObservation | None, policy: ControlPolicy) -> Rou
         return None
     recent = None
     if queue.recent_s > 0 and queue.recent_requests > 0:
-        # One interval holds few arrivals: one Poisson standard deviation off, as the replicas' short window.
-        mean_prompt = queue.recent_prompt_tokens / queue.recent_requests
-        recent = max(0.0, (queue.recent_prompt_tokens - queue.recent_requests ** 0.5 * mean_prompt) / queue.recent_s)
+        recent = short_window_rate(queue.recent_prompt_tokens, queue.recent_requests, queue.recent_s)
     return RouterBacklog(queued_requests=queue.depth, queued_prompt_tokens=queue.queued_prompt_tokens,
                          arrival_prompt_tokens_per_s=queue.arrival_prompt_tokens_per_s,
                          breaching=queue.oldest_wait_ms > policy.slo.queue_wait_p99_ms,

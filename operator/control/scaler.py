@@ -365,12 +365,19 @@ def _short_window_arrivals(known: Sequence[ReplicaLoad], previous: ScalerState, 
     for r in known:
         if r.name in last and r.queued_prompt_tokens > last[r.name]:
             rate = r.prefill_tokens_per_s + (r.queued_prompt_tokens - last[r.name]) / dt
-            # One interval holds few arrivals: take one Poisson standard deviation off (sqrt of their count),
-            # so a lucky interval does not buy a replica that a whole window would not.
             mean_prompt = r.queued_prompt_tokens / max(1, r.num_waiting)
             count = rate * dt / mean_prompt if mean_prompt > 0 else 0.0
-            out[r.name] = max(0.0, rate - math.sqrt(count) * mean_prompt / dt)
+            out[r.name] = short_window_rate(rate * dt, count, dt)
     return out
+
+
+def short_window_rate(tokens: float, requests: float, seconds: float) -> float:
+    """Prompt tokens/s of one short window, less one Poisson standard deviation (sqrt of the request count, at the
+    mean prompt): one interval holds few arrivals, and a lucky one must not buy a replica a whole window would not."""
+    if seconds <= 0 or requests <= 0:
+        return 0.0
+    mean_prompt = tokens / requests
+    return max(0.0, (tokens - math.sqrt(requests) * mean_prompt) / seconds)
 
 
 def _capacity(known: Sequence[ReplicaLoad], service_capacity: float | None) -> float | None:
