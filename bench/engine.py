@@ -342,10 +342,38 @@ LABELS = {
 }
 
 
-def report(rows: dict[str, Any], sizes: Sizes) -> str:
-    lines = ["| figure | stallfree | goal |", "|---|---|---|"]
+# Each goal of GOALS as a check on its row (None: nothing to check, the figure is reported).
+CHECKS = {
+    "single_stream_decode_tok_s": lambda r: r["value"] >= 125,
+    "concurrent_total_tok_s": lambda r: r["value"] >= 560,
+    "prefill_tok_s": lambda r: r["value"] >= 700,
+    "landing_max_gap_ms": lambda r: r["value"] <= 350,
+    "slo_landing": lambda r: (r.get("p99_gap_ms") or 0) <= 150 and (r.get("max_gap_ms") or 0) <= 225
+    and (r.get("ttft_vs_alone") or 0) <= 1.3,
+    "startup_cold_s": lambda r: r["value"] <= 30,
+    "startup_cached_s": lambda r: r["value"] <= 10,
+    "peak_rss_mb": None,
+}
+
+
+def verdicts(rows: dict[str, Any], judged: bool) -> dict[str, str]:
+    """met / MISSED per goal; a quick or sim run's figures are shown, not judged (they measure the machinery)."""
+    out = {}
+    for key, check in CHECKS.items():
+        row = rows.get(key) or {}
+        if check is None or not judged:
+            out[key] = "reported" if check is None else "not judged"
+        elif row.get("value") is None:
+            out[key] = "MISSED (not measured)"
+        else:
+            out[key] = "met" if check(row) else "MISSED"
+    return out
+
+
+def report(rows: dict[str, Any], sizes: Sizes, verdict: dict[str, str]) -> str:
+    lines = ["| figure | stallfree | goal | verdict |", "|---|---|---|---|"]
     for key, label in LABELS.items():
-        lines.append(f"| {label.format(**sizes.__dict__)} | {_fmt(rows[key])} | {GOALS[key]} |")
+        lines.append(f"| {label.format(**sizes.__dict__)} | {_fmt(rows[key])} | {GOALS[key]} | {verdict[key]} |")
     return "\n".join(lines)
 
 
@@ -381,20 +409,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stallfree bench engine: error: {exc}", file=sys.stderr)
             return 1
         finally:
-            if args.keep_logs:
-                keep = Path(args.keep_logs)
-                keep.mkdir(parents=True, exist_ok=True)
-                for log in work.glob("*.log"):
-                    (keep / log.name).write_bytes(log.read_bytes())
-    print(report(rows, sizes))
+            _keep_logs(work, args.keep_logs)
+    verdict = verdicts(rows, judged=not args.quick and args.backend == "model")
+    print(report(rows, sizes, verdict))
     result = {"benchmark": "engine", "model": args.model, "backend": args.backend, "quick": args.quick,
-              "sizes": sizes.__dict__, "goals": GOALS, "rows": rows, "threads": os.cpu_count(),
+              "sizes": sizes.__dict__, "goals": GOALS, "verdicts": verdict, "rows": rows, "threads": os.cpu_count(),
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
-    return 0
+    missed = [key for key, v in verdict.items() if v.startswith("MISSED")]
+    if missed:
+        print(f"missed {len(missed)} goal(s): {', '.join(missed)}")
+    return 1 if missed else 0
+
+
+def _keep_logs(work: Path, dest: str | None) -> None:
+    if dest:
+        keep = Path(dest)
+        keep.mkdir(parents=True, exist_ok=True)
+        for log in work.glob("*.log"):
+            (keep / log.name).write_bytes(log.read_bytes())
 
 
 def main_url(args: argparse.Namespace, sizes: Sizes) -> int:
@@ -410,11 +446,7 @@ def main_url(args: argparse.Namespace, sizes: Sizes) -> int:
             print(f"stallfree bench engine: error: {exc}", file=sys.stderr)
             return 1
         finally:
-            if args.keep_logs:
-                keep = Path(args.keep_logs)
-                keep.mkdir(parents=True, exist_ok=True)
-                for log in work.glob("*.log"):
-                    (keep / log.name).write_bytes(log.read_bytes())
+            _keep_logs(work, args.keep_logs)
     print(engine_url.report(rows, sizes, label))
     result = {"benchmark": "engine", "mode": "url", "label": label, "url": args.url, "model": args.model,
               "launch": args.launch, "quick": args.quick, "sizes": sizes.__dict__, "rows": rows,

@@ -55,3 +55,17 @@ def test_steady_gaps_leave_out_the_admission_of_later_streams() -> None:
     assert max(engine_streams.all_gaps([early, late])) == 250.0
     steady = engine_streams.steady_gaps([early, late])
     assert steady and max(steady) == pytest.approx(20.0)
+
+
+def test_the_printed_goals_are_checked():
+    from stallfree.bench.engine import CHECKS, verdicts
+
+    rows = {key: {"value": 1.0} for key in CHECKS}
+    rows["single_stream_decode_tok_s"] = {"value": 130.0}
+    rows["slo_landing"] = {"value": 1.0, "p99_gap_ms": 140.0, "max_gap_ms": 240.0, "ttft_vs_alone": 1.1}
+    judged = verdicts(rows, judged=True)
+    assert judged["single_stream_decode_tok_s"] == "met"
+    assert judged["concurrent_total_tok_s"] == "MISSED"  # 1 tok/s against >= 560
+    assert judged["slo_landing"] == "MISSED"  # max gap 240 > 225
+    assert judged["startup_cached_s"] == "met" and judged["peak_rss_mb"] == "reported"
+    assert set(verdicts(rows, judged=False).values()) <= {"not judged", "reported"}
