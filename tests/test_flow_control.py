@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued, admits, dispatch_wait_ms
-from stallfree.operator.router.pick import Choice, ReplicaView
+from stallfree.operator.router.pick import Choice, ReplicaView, pick_slo_aware
 
 
 def view(name: str, queued: int = 0, rate: float = 1.0, outstanding: int = 0, seqs: int | None = 8) -> ReplicaView:
@@ -10,8 +10,9 @@ def view(name: str, queued: int = 0, rate: float = 1.0, outstanding: int = 0, se
                        outstanding=outstanding, max_num_seqs=seqs)
 
 
-def first(item, candidates):
-    return Choice(sorted(c.name for c in candidates)[0], None, "test")
+def first(item, candidates) -> Choice:
+    """The router's own policy: the lowest predicted TTFT, backlog included."""
+    return pick_slo_aware(candidates, item.prompt_tokens)
 
 
 def test_a_replica_admits_while_its_queued_prefill_drains_within_the_share_of_the_slo():
@@ -49,6 +50,20 @@ def test_the_head_of_the_queue_is_never_overtaken():
     sent = queue.dispatch([view("a", queued=50, rate=1.0, outstanding=7, seqs=8)], first)
     assert [item.key for item, _ in sent] == [0]  # admitted on wait; then the slot cap stops the next
     assert [q.key for q in queue] == [1]
+
+
+def test_a_long_prompt_waits_for_the_fast_replica_and_a_short_one_behind_it_takes_the_free_slow_one():
+    queue: FlowQueue[int] = FlowQueue(FlowConfig(dispatch_wait_ms=100.0))
+    queue.push(Queued(0, 0.0, 8000))
+    queue.push(Queued(1, 1.0, 50))
+    slow_idle = view("slow", queued=0, rate=1.0)
+    fast_busy = view("fast", queued=800, rate=4.0)  # 200 ms ahead: it does not admit now
+    # On the idle slow replica the long prompt would take 8 s; behind the fast one's backlog, 2.2 s.
+    sent = queue.dispatch([fast_busy, slow_idle], first)
+    assert [(item.key, choice.name) for item, choice in sent] == [(1, "slow")]
+    assert [q.key for q in queue] == [0]  # waits for the fast replica, first in line for it
+    sent = queue.dispatch([view("fast", queued=200, rate=4.0), view("slow", queued=50, rate=1.0)], first)
+    assert [(item.key, choice.name) for item, choice in sent] == [(0, "fast")]
 
 
 def test_the_queue_is_bounded_and_a_leaving_client_is_removed():

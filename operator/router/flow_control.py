@@ -1,11 +1,11 @@
 """Flow control: requests wait in the router's queue, not on a replica. Pure (no I/O, no clock of its own).
 
-A request is dispatched only when some replica can start it soon: the prefill work already queued on
-it, at its (calibrated) prefill rate, drains within `dispatch_wait_ms` (a share of the queue-wait SLO),
-and it has a free running slot (the router's requests in flight there below its max_num_seqs). Until
-then it waits here, in arrival order (strict FIFO: a request never overtakes an earlier one), so a
-replica that becomes ready, or one that frees a slot, takes the oldest waiting request at once instead
-of a backlog staying on the replica it was routed to. The queue is bounded: past `max_queued` a new
+A request is dispatched only when the replica that would start it soonest can start it soon: the
+prefill work already queued there, at its (calibrated) prefill rate, drains within `dispatch_wait_ms`
+(a share of the queue-wait SLO), and it has a free running slot (the router's requests in flight there
+below its max_num_seqs). Until then it waits here, in arrival order (no request waits behind a later one
+for the same replica), so a replica that becomes ready, or one that frees a slot, takes the oldest
+waiting request at once instead of a backlog staying on the replica it was routed to. The queue is bounded: past `max_queued` a new
 request is refused (the HTTP edge answers 429 with Retry-After).
 
 The same queue runs in the router (proxy.py) and in the virtual-time cluster (simulator/closed_loop.py),
@@ -98,26 +98,36 @@ class FlowQueue(Generic[K]):
 
     def dispatch(self, views: list[ReplicaView],
                  choose: Callable[[Queued[K], list[ReplicaView]], Choice]) -> list[tuple[Queued[K], Choice]]:
-        """Take waiting requests in arrival order while some replica admits the oldest one.
+        """Send the waiting requests, in arrival order, that their best replica can start soon.
 
-        `views` are the healthy replicas; `choose` picks among those that admit (the routing policy). Each
-        dispatch counts on the chosen view at once (its queued prefill and in-flight count), so one call
-        spreads a backlog over the replicas as their real state would after each send.
+        `views` are the healthy replicas; `choose` is the routing policy (the slo-aware one picks the
+        lowest predicted TTFT, backlog included). Each waiting request, oldest first, is placed on the
+        replica `choose` picks among all of them, as immediate dispatch would place it; it is sent only if
+        that replica admits it now, and otherwise waits here, still counted on that replica's backlog so
+        that the requests behind it see it. So a request is never sent to a replica that would start it
+        later than the one it waits for (a long prompt waits for a fast replica rather than taking the
+        first slow one that frees), no request waits behind a later one for the same replica, and every
+        decision is taken again at the next dispatch: a replica that became ready, or drains faster than
+        predicted, takes the backlog at once. Each send counts on the real view too, so one call spreads
+        a backlog over the replicas as their state would be after each send.
         """
         out: list[tuple[Queued[K], Choice]] = []
-        current = {v.name: v for v in views}
-        while self._waiting:
-            head = next(iter(self._waiting.values()))
-            ready = [v for v in current.values() if admits(v, self.config)]
-            preferred = [v for v in ready if v.name not in head.exclude]
-            candidates = preferred or ready
-            if not candidates:
-                break
-            choice = choose(head, candidates)
-            del self._waiting[head.key]
-            self.dispatched += 1
-            out.append((head, choice))
-            v = current[choice.name]
-            current[choice.name] = replace(v, queued_prefill_tokens=v.queued_prefill_tokens + head.prompt_tokens,
-                                           outstanding=v.outstanding + 1)
+        real = {v.name: v for v in views}  # what each replica holds: decides whether it admits now
+        placed = dict(real)  # plus what waits here for it: what the policy sees
+        for item in list(self._waiting.values()):
+            if not any(admits(v, self.config) for v in real.values()):
+                break  # nothing more can go anywhere
+            preferred = [v for v in placed.values() if v.name not in item.exclude]
+            choice = choose(item, preferred or list(placed.values()))
+            if admits(real[choice.name], self.config):
+                del self._waiting[item.key]
+                self.dispatched += 1
+                out.append((item, choice))
+                real[choice.name] = _plus(real[choice.name], item.prompt_tokens)
+            placed[choice.name] = _plus(placed[choice.name], item.prompt_tokens)
         return out
+
+
+def _plus(view: ReplicaView, prompt_tokens: int) -> ReplicaView:
+    return replace(view, queued_prefill_tokens=view.queued_prefill_tokens + prompt_tokens,
+                   outstanding=view.outstanding + 1)

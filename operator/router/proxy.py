@@ -95,6 +95,7 @@ class Router:
         self.queue: FlowQueue[int] = FlowQueue(config.flow)
         self._waiters: dict[int, tuple[asyncio.Future, RequestInfo, list[int], int]] = {}
         self._next_key = 0
+        self._next_ticket = 0
         self.arrived_prompt_tokens = 0  # a counter: the control loop takes its rate between two reads
         self._ticker: asyncio.Task | None = None
         self._last_healthy_at = time.perf_counter()  # when some replica was last seen healthy
@@ -151,15 +152,15 @@ class Router:
             return self._pick(info, hashes, candidates, names, seq)
 
         now = time.perf_counter()
-        for item, choice in self.queue.dispatch([r.view() for r in healthy], choose):
+        for item, choice in self.queue.dispatch([r.view(now) for r in healthy], choose):
             future, info, hashes, _ = self._waiters.pop(item.key)
             replica = self.pool.replicas[choice.name]
-            self._reserve(replica, info.prompt_tokens)
+            ticket = self._reserve(replica, info.prompt_tokens, now)
             self.metrics.queue_wait.observe(now - item.arrival_s)
             if not future.done():
-                future.set_result((replica, choice, hashes))
+                future.set_result((replica, choice, hashes, ticket))
             else:  # its client left in the same turn: give the reservation back
-                self._unreserve(replica, info.prompt_tokens)
+                self._unreserve(replica, ticket)
         self._queue_gauges()
 
     def queue_status(self) -> dict:
@@ -177,7 +178,7 @@ class Router:
         self.metrics.queue_prompt_tokens.set(self.queue.queued_prompt_tokens)
 
     async def _wait_in_queue(self, request: Request, info: RequestInfo, received: float, seq: int,
-                             exclude: frozenset[str], front: bool) -> tuple[Replica, Choice, list[int]] | Response:
+                             exclude: frozenset[str], front: bool) -> tuple[Replica, Choice, list[int], int] | Response:
         """Queue the request and wait for its dispatch, its client leaving, or the queue timeout."""
         key = self._next_key = self._next_key + 1
         hashes = prefix_hashes(info.prompt_text, self.block_chars) if self.config.policy == "slo-aware" else []
@@ -231,16 +232,18 @@ class Router:
         return error_json(503, f"no replica could start the request within {self.config.queue_timeout_s:g}s "
                           "in the router's queue", "queue_timeout")
 
-    def _reserve(self, replica: Replica, tokens: int) -> None:
-        # Counted at dispatch, before any await: the next dispatch sees this request on its replica.
+    def _reserve(self, replica: Replica, tokens: int, now_s: float) -> int:
+        """Counted at dispatch, before any await: the next dispatch sees this request on its replica.
+        Returns the ticket its first byte (or failure) settles on the replica's prefill clock."""
+        self._next_ticket += 1
         replica.outstanding += 1
-        replica.pending_prefill += tokens
-        replica.sent_since_stats += tokens
+        replica.clock.dispatched(self._next_ticket, tokens, replica.prefill_tokens_per_ms() * 1000.0, now_s)
         self.metrics.in_flight.inc()
+        return self._next_ticket
 
-    def _unreserve(self, replica: Replica, tokens: int) -> None:
+    def _unreserve(self, replica: Replica, ticket: int) -> None:
         replica.outstanding -= 1
-        replica.pending_prefill -= tokens
+        replica.clock.forget(ticket, time.perf_counter())
         self.metrics.in_flight.dec()
 
     # -- the pick ---------------------------------------------------------------------------------
@@ -253,16 +256,16 @@ class Router:
                                   home=v.name == home) for v in candidates]
         return pick(self.config.policy, candidates, info.prompt_tokens, seq, self.rng, self.config.margin)
 
-    def choose(self, info: RequestInfo, exclude: set[str], seq: int) -> tuple[Replica, Choice, list[int]] | None:
+    def choose(self, info: RequestInfo, exclude: set[str], seq: int) -> tuple[Replica, Choice, list[int], int] | None:
         """An immediate pick (requests that do not queue: GETs), among the healthy replicas not excluded."""
         healthy = [r for r in self.pool.healthy() if r.name not in exclude]
         if not healthy:
             return None
         hashes = prefix_hashes(info.prompt_text, self.block_chars) if self.config.policy == "slo-aware" else []
-        choice = self._pick(info, hashes, [r.view() for r in healthy], [r.name for r in healthy], seq)
+        now = time.perf_counter()
+        choice = self._pick(info, hashes, [r.view(now) for r in healthy], [r.name for r in healthy], seq)
         replica = self.pool.replicas[choice.name]
-        self._reserve(replica, info.prompt_tokens)
-        return replica, choice, hashes
+        return replica, choice, hashes, self._reserve(replica, info.prompt_tokens, now)
 
     # -- one request ------------------------------------------------------------------------------
     async def handle(self, request: Request, path: str) -> Response:
@@ -285,7 +288,7 @@ class Router:
                 picked = self.choose(info, tried, seq)
                 if picked is None:
                     break
-            replica, choice, hashes = picked
+            replica, choice, hashes, ticket = picked
             tried.add(replica.name)
             if attempt:
                 self.metrics.retries.labels(last_refusal.reason if last_refusal else "unknown").inc()
@@ -297,7 +300,8 @@ class Router:
             waited_ms = (time.perf_counter() - received) * 1000.0
             leg_headers = headers + [(QUEUE_HEADER, f"{waited_ms:.1f}")] if queued else headers
             try:
-                return await self._send(replica, choice, request.method, url_path, leg_headers, body, info, received)
+                return await self._send(replica, choice, ticket, request.method, url_path, leg_headers, body, info,
+                                        received)
             except RetryElsewhere as exc:
                 last_refusal = exc
                 log.info("retrying %s elsewhere: %s on %s", url_path, exc.reason, replica.name)
@@ -309,22 +313,23 @@ class Router:
                               "no_ready_replica")
         return error_json(503, "no replica is ready to take requests; retry shortly", "no_ready_replica")
 
-    async def _send(self, replica: Replica, choice: Choice, method: str, path: str, headers, body: bytes,
-                    info: RequestInfo, received: float) -> Response:
+    async def _send(self, replica: Replica, choice: Choice, ticket: int, method: str, path: str, headers,
+                    body: bytes, info: RequestInfo, received: float) -> Response:
         assert self.client is not None
-        tokens = info.prompt_tokens  # reserved on the replica at dispatch (_reserve)
-        state = {"open": True, "prefilled": False}
+        state = {"open": True, "prefilled": False}  # reserved on the replica at dispatch (_reserve)
 
         def prefilled() -> None:
             if not state["prefilled"]:
                 state["prefilled"] = True
-                replica.pending_prefill -= tokens
+                replica.clock.prefilled(ticket, time.perf_counter())
                 self.dispatch()  # its prefill is done: the replica may take the next one
 
         def release() -> None:
             if state["open"]:
                 state["open"] = False
-                prefilled()
+                if not state["prefilled"]:  # failed before its first byte: nothing was prefilled
+                    state["prefilled"] = True
+                    replica.clock.forget(ticket, time.perf_counter())
                 replica.outstanding -= 1
                 self.metrics.in_flight.dec()
                 self.dispatch()  # a running slot is free
@@ -469,7 +474,7 @@ def create_app(router: Router) -> FastAPI:
         """What the router sees of each replica (for people and benchmarks)."""
         out = {}
         for r in router.pool.replicas.values():
-            view = r.view()
+            view = r.view(time.perf_counter())
             out[r.name] = {"url": r.url, "healthy": r.healthy, "reason": r.reason, "outstanding": r.outstanding,
                            "queued_prefill_tokens": view.queued_prefill_tokens,
                            "prefill_tokens_per_ms": view.prefill_tokens_per_ms, "step_ms": view.step_ms,

@@ -16,6 +16,7 @@ import httpx
 
 from stallfree.contracts import Profile, WindowStats
 from stallfree.operator.router.pick import ReplicaView
+from stallfree.operator.router.prefill_clock import PrefillClock
 from stallfree.operator.control.capacity import prefill_capacity_tokens_per_s
 from stallfree.operator.router.rates import decode_step_ms, prefill_tokens_per_ms
 
@@ -30,11 +31,8 @@ class Replica:
     reason: str = "not polled yet"
     stats: WindowStats | None = None
     profile: Profile | None = None
-    # Prompt tokens sent since the stats request that produced `stats` went out (the stats cannot know them).
-    sent_since_stats: int = 0
-    # Prompt tokens of requests the router sent that have not had their first byte back: a lower bound
-    # on the replica's queue that is never stale.
-    pending_prefill: int = 0
+    # What the router sent it and has not had a first byte back for, drained at its prefill rate.
+    clock: PrefillClock = field(default_factory=PrefillClock)
     outstanding: int = 0
     down_event: asyncio.Event = field(default_factory=asyncio.Event)
     removed: bool = False
@@ -49,13 +47,16 @@ class Replica:
             self.down_event = asyncio.Event()
         self.healthy, self.reason = healthy, reason
 
-    def view(self, cached_prefix_tokens: int = 0, home: bool = False) -> ReplicaView:
+    def prefill_tokens_per_ms(self) -> float:
+        return replica_prefill_tokens_per_ms(self.profile, self.stats)
+
+    def view(self, now_s: float, cached_prefix_tokens: int = 0, home: bool = False) -> ReplicaView:
         stats = self.stats
-        queued = self.sent_since_stats + (stats.queued_prompt_tokens if stats is not None else 0)
+        rate = self.prefill_tokens_per_ms()
         return ReplicaView(
             name=self.name,
-            queued_prefill_tokens=max(queued, self.pending_prefill),
-            prefill_tokens_per_ms=replica_prefill_tokens_per_ms(self.profile, stats),
+            queued_prefill_tokens=self.clock.queued_tokens(rate * 1000.0, now_s),
+            prefill_tokens_per_ms=rate,
             step_ms=decode_step_ms(self.profile, stats),
             outstanding=self.outstanding,
             cached_prefix_tokens=cached_prefix_tokens,
@@ -148,12 +149,9 @@ class ReplicaPool:
         if replica.profile is None or not replica.healthy:
             response = await self._client.get(f"{replica.url}/admin/profile")
             replica.profile = Profile.from_dict(response.json()) if response.status_code == 200 else None
-        sent_before = replica.sent_since_stats
         response = await self._client.get(f"{replica.url}/admin/stats")
         if response.status_code != 200:
             replica.mark(False, f"/admin/stats answered {response.status_code}")
             return
         replica.stats = WindowStats.from_dict(response.json())
-        # What was sent while the stats were in flight may or may not be in them; count it once more.
-        replica.sent_since_stats = max(0, replica.sent_since_stats - sent_before)
         replica.mark(True, "ready")
