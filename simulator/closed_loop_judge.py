@@ -9,6 +9,7 @@ whose p99 is unknown (no known replica) counts neither for nor against. The goal
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 # (name, timeline column, SLO key, label)
@@ -19,8 +20,14 @@ RESTORE_INTERVALS, WINDOW_FRACTION, OVER_ORACLE = 3, 0.95, 1.15
 
 
 def judge(rows: Sequence[dict[str, Any]], slo: dict[str, float], interval_s: float, load_changes: int,
-          infeasible: Sequence[str] = ()) -> dict[str, Any]:
-    """Per-SLO figures and the goals they meet. `infeasible`: SLO keys no replica count could meet (oracle)."""
+          infeasible: Sequence[str] = (), window_s: float | None = None) -> dict[str, Any]:
+    """Per-SLO figures and the goals they meet. `infeasible`: SLO keys no replica count could meet (oracle).
+
+    Each queue-wait and TTFT restore also says what bounded it, measured: when the backlog was drained
+    (nothing waiting at the router or on a replica), and the first step whose `window_s` p99 window no
+    longer holds a request scheduled before that (a request that waited through the breach is scheduled
+    as the backlog drains, and stays in the window that long).
+    """
     first_breach = min((r["t"] for r in rows for _, col, key, _ in SLOS
                         if r[col] is not None and r[col] > slo[key]), default=None)
     ready_at = _ready_times(rows)
@@ -34,10 +41,16 @@ def judge(rows: Sequence[dict[str, Any]], slo: dict[str, float], interval_s: flo
         restores = []
         for start, end in episodes:
             ready = max([t for t in ready_at if t <= (end if end is not None else float("inf"))] + [start])
+            base = max(start, ready)
+            drained = _drained_at(rows, base) if name != "tpot" else None
+            earliest = None if drained is None or window_s is None else \
+                max(base, interval_s * math.ceil((drained + window_s) / interval_s - 1e-9))
             restores.append({"breach_s": start, "restored_s": end,
                              "restore_s": None if end is None else end - start,
-                             "intervals_after_ready": None if end is None else round((end - max(start, ready))
-                                                                                      / interval_s, 1)})
+                             "intervals_after_ready": None if end is None else round((end - base) / interval_s, 1),
+                             "backlog_drained_s": drained,
+                             "backlog_window_clear_intervals_after_ready":
+                                 None if earliest is None else round((earliest - base) / interval_s, 1)})
         per_slo[name] = {
             "label": label, "slo_ms": limit, "feasible": name not in infeasible,
             "windows": len(known),
@@ -84,6 +97,18 @@ def _episodes(known: list[tuple[float, float]], limit: float) -> list[tuple[floa
     return out
 
 
+def _drained_at(rows: Sequence[dict[str, Any]], since: float) -> float | None:
+    """The first step at or after `since` with nothing waiting: the router's queue empty and no known replica
+    holding more than one request waiting (one that just arrived is not a backlog)."""
+    for r in rows:
+        if r["t"] < since:
+            continue
+        if (r.get("router_queued") or 0) == 0 and all((d.get("num_waiting") or 0) <= 1
+                                                      for d in r["replica_detail"] if d["known"]):
+            return r["t"]
+    return None
+
+
 def _ready_times(rows: Sequence[dict[str, Any]]) -> list[float]:
     """When the replicas of each scale-up were all ready: the service runs the count asked for (or what a later
     decision lowered it to) and that many are ready. Not at the step that asked: its row still shows the old
@@ -115,13 +140,18 @@ def _reversals(values: Sequence[int]) -> int:
     return sum(1 for a, b in zip(moves, moves[1:]) if (a > 0) != (b > 0))
 
 
+def _bound(restore: dict[str, Any]) -> str:
+    clear = restore.get("backlog_window_clear_intervals_after_ready")
+    return "" if clear is None else f"; backlog's window clear at {clear:g}"
+
+
 def format_table(name: str, judged: dict[str, Any], oracle: dict[str, Any] | None) -> list[str]:
     """The per-scenario table the CLI prints."""
     lines = [f"  {'SLO':<11}{'p99 SLO':>9}{'windows within':>16}{'after 1st breach':>18}{'breaches':>10}  "
              f"restore s (intervals after ready)"]
     for v in judged["slos"].values():
         restores = ", ".join("never" if x["restore_s"] is None
-                             else f"{x['restore_s']:.0f} ({x['intervals_after_ready']:g})"
+                             else f"{x['restore_s']:.0f} ({x['intervals_after_ready']:g}{_bound(x)})"
                              for x in v["restores"][:6]) or "-"
         if len(v["restores"]) > 6:
             restores += f", ... ({len(v['restores'])})"

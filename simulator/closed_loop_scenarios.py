@@ -471,7 +471,7 @@ def judge_run(scenario: Scenario, run: ClosedLoopRun) -> tuple[dict[str, Any], d
     changes = scenario.load_changes if scenario.load_changes is not None else len(scenario.phases) - 1
     judged = judge(timeline(run), {"tpot_p99_ms": slo.tpot_p99_ms, "queue_wait_p99_ms": slo.queue_wait_p99_ms,
                                    "ttft_p99_ms": slo.ttft_p99_ms}, scenario.policy.interval_s, changes,
-                   reference["infeasible"])
+                   reference["infeasible"], window_s=scenario.policy.window_s)
     ratio = judged["replica_minutes"] / reference["replica_minutes"] if reference["replica_minutes"] else None
     reference["replica_minutes_over_oracle"] = None if ratio is None else round(ratio, 3)
     judged["goals"]["replica_minutes_within_1.15x_oracle"] = ratio is not None and ratio <= OVER_ORACLE

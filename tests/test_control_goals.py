@@ -53,3 +53,22 @@ def test_restore_counts_from_when_the_new_replicas_are_ready_not_from_the_step_t
     restore = judge(rows, slo, 10.0, load_changes=1)["slos"]["queue_wait"]["restores"][0]
     assert restore["breach_s"] == 20 and restore["restored_s"] == 60
     assert restore["intervals_after_ready"] == 2.0  # ready at 40, not at 20 (the asking step showed 1 of 1 ready)
+
+
+def test_a_restore_reports_when_its_backlog_drained_and_when_that_leaves_the_window():
+    slo = {"tpot_p99_ms": 100.0, "queue_wait_p99_ms": 1000.0, "ttft_p99_ms": 2000.0}
+
+    def row(t, qw, ready, router_queued, waiting):
+        return {"t": t, "p99_tpot_ms": 50.0, "p99_queue_wait_ms": qw, "p99_ttft_ms": qw, "replicas": 3 if t > 20 else 1,
+                "desired_replicas": 3, "ready_replicas": ready, "router_queued": router_queued,
+                "replica_detail": [{"name": "r0", "known": True, "num_waiting": waiting}]}
+
+    # Ready at 40; the router's queue empties at 50 but r0 still holds 4 waiting; nothing waits from 60 on.
+    rows = [row(20, 5000, 1, 30, 3), row(30, 5000, 1, 40, 3), row(40, 5000, 3, 12, 3), row(50, 5000, 3, 0, 4),
+            row(60, 5000, 3, 0, 1), row(70, 5000, 3, 0, 0), row(80, 5000, 3, 0, 0), row(90, 900, 3, 0, 0)]
+    restore = judge(rows, slo, 10.0, load_changes=1, window_s=30.0)["slos"]["queue_wait"]["restores"][0]
+    assert restore["backlog_drained_s"] == 60
+    assert restore["backlog_window_clear_intervals_after_ready"] == 5.0  # 60 + 30 s, from ready at 40
+    assert restore["intervals_after_ready"] == 5.0  # restored at 90: as soon as the window let it
+    tpot = judge(rows, slo, 10.0, load_changes=1, window_s=30.0)["slos"]["tpot"]
+    assert tpot["restores"] == []

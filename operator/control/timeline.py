@@ -41,6 +41,8 @@ def step_row(step: StepResult) -> dict[str, Any]:
         "p99_tpot_ms": p99["tpot_ms"],
         "p99_queue_wait_ms": p99["queue_wait_ms"],
         "replica_detail": replicas,
+        # Requests waiting anywhere: the router's queue and each known replica's (a drained backlog shows 0).
+        "router_queued": step.queue.depth if step.queue is not None else None,
         "scale": {"kind": step.scale.kind, "reason": step.scale.reason, "message": step.scale.message},
         "decisions": decisions,
         "conditions": {c.type: c.status for c in step.conditions},
