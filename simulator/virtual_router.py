@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 from stallfree.contracts import Profile, WindowStats
 from stallfree.operator.control.observe import QueueObservation
+from stallfree.operator.control.observe_router import prompt_cv2
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
 from stallfree.operator.router.pick import ReplicaView, pick
 from stallfree.operator.router.rates import decode_step_ms
@@ -74,10 +75,13 @@ class VirtualRouter:
         oldest = self.queue.oldest_arrival_s()
         last, self._last_snapshot = self._last_snapshot, now
         recent = [n for t, n in self._arrived if last is not None and t > last]
+        span = min(self.window_s, max(now, 1e-9))
+        lengths = [n for _, n in self._arrived]
         return QueueObservation(len(self.queue), self.queue.queued_prompt_tokens,
                                 0.0 if oldest is None else max(0.0, now - oldest) * 1000.0,
-                                sum(n for _, n in self._arrived) / min(self.window_s, max(now, 1e-9)),
-                                sum(recent), len(recent), 0.0 if last is None else now - last)
+                                sum(lengths) / span, sum(recent), len(recent), 0.0 if last is None else now - last,
+                                arrival_requests_per_s=len(lengths) / span,
+                                prompt_cv2=prompt_cv2(len(lengths), sum(lengths), sum(n * n for n in lengths)))
 
     def _view(self, name: str, replica: VirtualReplica, now: float) -> ReplicaView:
         cached = self._stats.get(name)

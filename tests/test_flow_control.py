@@ -82,3 +82,14 @@ def test_a_retry_keeps_its_place_and_prefers_another_replica():
     assert queue.push(Queued(9, -1.0, 1, exclude=frozenset({"a"})), front=True)  # past the bound: it was accepted
     sent = queue.dispatch([view("a"), view("b")], first)
     assert [(item.key, choice.name) for item, choice in sent] == [(9, "b"), (0, "a")]
+
+
+def test_a_request_does_not_wait_for_a_replica_predicted_only_a_little_sooner():
+    # Two equal replicas whose rate estimates differ: by them the busy one finishes a little sooner than the
+    # idle one starts and finishes. Waiting for it would leave the idle replica idle: the idle one takes it.
+    queue: FlowQueue[int] = FlowQueue(FlowConfig(dispatch_wait_ms=500.0))
+    queue.push(Queued(0, 0.0, 3000))
+    busy = view("busy", queued=2100, rate=3.9)  # 538 ms ahead: not admitting; predicted (2100+3000)/3.9 = 1308 ms
+    idle = view("idle", queued=0, rate=2.2)  # predicted 3000/2.2 = 1364 ms: within 25% of it
+    sent = queue.dispatch([busy, idle], first)
+    assert [(item.key, choice.name) for item, choice in sent] == [(0, "idle")]

@@ -32,3 +32,11 @@ async def test_an_unreachable_router_is_no_information():
     async with httpx.AsyncClient() as client:
         read = http_queue_reader(client, "http://127.0.0.1:9", timeout_s=0.5)
         assert await RouterQueueSource(read, 30.0).observe_queue(0.0) is None
+
+
+def test_the_spread_of_prompt_lengths_comes_from_the_routers_sums():
+    from stallfree.operator.control.observe_router import prompt_cv2
+
+    lengths = [1000, 3000] * 10  # mean 2000, standard deviation 1000: cv^2 = 0.25
+    assert prompt_cv2(len(lengths), sum(lengths), sum(n * n for n in lengths)) == 0.25
+    assert prompt_cv2(5, 5000.0, 5e6) is None  # too few to tell

@@ -79,3 +79,27 @@ def test_scale_in_follows_the_windows_largest_recommendation_step_by_step():
     # The second step follows the first as soon as the window's largest recommendation allows, not a whole
     # new window after it.
     assert counts[1][0] - counts[0][0] < 300
+
+
+def test_long_prompts_are_sized_for_their_queue_wait_not_only_their_utilisation():
+    # 0.6 prompts/s of 6,000 tokens: 60% of one replica, yet one replica's p99 wait is past a 2 s SLO.
+    backlog = RouterBacklog(queued_requests=3, queued_prompt_tokens=18000.0, arrival_prompt_tokens_per_s=3600.0,
+                            breaching=True, arrival_requests_per_s=0.6, prompt_cv2=0.04)
+    state, t, decision = ScalerState(), 0.0, None
+    for _ in range(4):
+        t += 10
+        decision, state = decide_replicas([replica("r0", 3600.0, True, waiting=3)], 1, POLICY, state, t, None,
+                                          backlog, queue_wait_slo_s=2.0)
+        if decision.changed:
+            break
+    assert decision.desired == 2 and state.drain_surplus == 0  # the second is the demand's, not a drain's
+    # Once the backlog is drained it stays: the demand's count for that wait is 2.
+    calm = [replica(f"r{i}", 1800.0, False) for i in range(2)]
+    drained = replace(backlog, queued_requests=0, queued_prompt_tokens=0.0, breaching=False)
+    for _ in range(40):
+        t += 10
+        decision, state = decide_replicas(calm, 2, POLICY, state, t, None, drained, queue_wait_slo_s=2.0)
+        assert decision.desired == 2
+    # Without the SLO (or the router's request count) the count is utilisation's: one replica's worth.
+    decision, _ = decide_replicas(calm, 2, POLICY, ScalerState(), 1000.0, None, drained)
+    assert decision.reason == "stabilizing" and "fits 1 replicas" in decision.message

@@ -204,7 +204,9 @@ class ControlLoop:
         loads = [_replica_load(o, d, policy, feasibility) for o, d in zip(observations, decisions)]
         scale, scaler_state = decide_replicas(loads, current_replicas, policy.scaling, state.scaler, now,
                                               feasibility.capacity_tokens_per_s if feasibility.known else None,
-                                              router_backlog(queue, policy))
+                                              router_backlog(queue, policy),
+                                              queue_wait_slo_s=policy.slo.queue_wait_p99_ms / 1000.0,
+                                              ttft_slo_s=policy.slo.ttft_p99_ms / 1000.0)
         if scale.changed:
             try:
                 if policy.scaling.mode == "managed":
@@ -286,7 +288,8 @@ def router_backlog(queue: QueueObservation | None, policy: ControlPolicy) -> Rou
     return RouterBacklog(queued_requests=queue.depth, queued_prompt_tokens=queue.queued_prompt_tokens,
                          arrival_prompt_tokens_per_s=queue.arrival_prompt_tokens_per_s,
                          breaching=queue.oldest_wait_ms > policy.slo.queue_wait_p99_ms,
-                         recent_arrival_prompt_tokens_per_s=recent)
+                         recent_arrival_prompt_tokens_per_s=recent,
+                         arrival_requests_per_s=queue.arrival_requests_per_s or None, prompt_cv2=queue.prompt_cv2)
 
 
 def slo_condition(observations: Sequence[ReplicaObservation], policy: ControlPolicy) -> Condition:

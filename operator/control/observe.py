@@ -56,6 +56,10 @@ class QueueObservation:
     recent_prompt_tokens: float = 0.0
     recent_requests: int = 0
     recent_s: float = 0.0
+    # Over the stats window: requests arriving per second and their prompt lengths' squared coefficient of
+    # variation (what the queue-wait tail depends on besides the mean; None when too few arrived to tell).
+    arrival_requests_per_s: float = 0.0
+    prompt_cv2: float | None = None
 
 
 class QueueSource(Protocol):

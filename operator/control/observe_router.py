@@ -20,26 +20,43 @@ class RouterQueueSource:
     def __init__(self, read: Reader, window_s: float) -> None:
         self.read = read
         self.window_s = window_s
-        self._readings: deque[tuple[float, int, float]] = deque()  # (time, arrivals, arrived prompt tokens)
+        # (time, arrivals, arrived prompt tokens, their squares)
+        self._readings: deque[tuple[float, int, float, float]] = deque()
 
     async def observe_queue(self, now: float) -> QueueObservation | None:
         status = await self.read()
         if status is None:
             return None
         arrivals, tokens = int(status["arrivals"]), float(status["arrived_prompt_tokens"])
+        squares = float(status.get("arrived_prompt_tokens_sq", 0.0))  # a router of an earlier release lacks it
         if self._readings and (arrivals < self._readings[-1][1] or tokens < self._readings[-1][2]):
             self._readings.clear()  # the router restarted: its counters began again
-        self._readings.append((now, arrivals, tokens))
+        self._readings.append((now, arrivals, tokens, squares))
         while len(self._readings) > 2 and self._readings[1][0] <= now - self.window_s:
             self._readings.popleft()
         first, last = self._readings[0], self._readings[-1]
         span = last[0] - first[0]
         rate = (last[2] - first[2]) / span if span > 0 else 0.0
         previous = self._readings[-2] if len(self._readings) > 1 else last
+        count = last[1] - first[1]
+        cv2 = prompt_cv2(count, last[2] - first[2], last[3] - first[3]) if last[3] > 0 else None
         return QueueObservation(depth=int(status["depth"]), queued_prompt_tokens=float(status["queued_prompt_tokens"]),
                                 oldest_wait_ms=float(status["oldest_wait_ms"]), arrival_prompt_tokens_per_s=rate,
                                 recent_prompt_tokens=last[2] - previous[2], recent_requests=last[1] - previous[1],
-                                recent_s=last[0] - previous[0])
+                                recent_s=last[0] - previous[0], arrival_requests_per_s=count / span if span > 0 else 0.0,
+                                prompt_cv2=cv2)
+
+
+# Fewer arrivals than this say little about the spread of prompt lengths.
+MIN_REQUESTS_FOR_SPREAD = 10
+
+
+def prompt_cv2(count: int, tokens: float, squares: float) -> float | None:
+    """Squared coefficient of variation of `count` prompt lengths from their sum and sum of squares."""
+    if count < MIN_REQUESTS_FOR_SPREAD or tokens <= 0:
+        return None
+    mean = tokens / count
+    return max(0.0, squares / count - mean * mean) / (mean * mean)
 
 
 def http_queue_reader(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> Reader:

@@ -42,8 +42,12 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 from stallfree.operator.control.policy import ScalingPolicy
+from stallfree.operator.control.queueing import replicas_for_queue_wait
 
 SCALED_UP, SCALED_DOWN, HOLD = "scaled_up", "scaled_down", "hold"
+# The count for a demand keeps its p99 queue wait within the SLO (scale-in reads the stats window's demand alone,
+# not the last interval's: the scale-down window keeps the largest recommendation, so noise would hold replicas).
+QUEUE_WAIT_QUANTILE = 0.97
 NO_INFORMATION = -1  # a step that could not recommend (an unknown replica): neither for nor against scale-in
 
 
@@ -75,6 +79,10 @@ class RouterBacklog:
     breaching: bool = False  # its oldest request has waited longer than the queue-wait SLO
     # Over the last control interval alone (the panic window's demand), less one Poisson standard deviation.
     recent_arrival_prompt_tokens_per_s: float | None = None
+    # Requests/s that arrived over the stats window and the squared coefficient of variation of their prompt
+    # lengths: with the queue-wait SLO, how many replicas its p99 needs (queueing.py), beyond utilisation.
+    arrival_requests_per_s: float | None = None
+    prompt_cv2: float | None = None
 
 
 @dataclass(frozen=True)
@@ -136,11 +144,16 @@ class ScaleDecision:
 
 def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingPolicy, state: ScalerState,
                     now: float, service_capacity: float | None = None,
-                    backlog: RouterBacklog | None = None) -> tuple[ScaleDecision, ScalerState]:
+                    backlog: RouterBacklog | None = None,
+                    queue_wait_slo_s: float | None = None,
+                    ttft_slo_s: float | None = None) -> tuple[ScaleDecision, ScalerState]:
     """The replica count for this step. `current` is the count the service is set to now.
     `service_capacity`: one replica's prefill tokens/s at the budget the TPOT SLO allows (feasibility.py),
     the per-replica capacity the count is sized from (never above what replicas at their ceiling show).
-    `backlog`: the router's queue, when requests wait there (the demand it saw arrive and the work queued)."""
+    `backlog`: the router's queue, when requests wait there (the demand it saw arrive and the work queued).
+    `queue_wait_slo_s`, `ttft_slo_s`: the p99 SLOs; with the router's arrivals, the count for a demand is also at
+    least what keeps queue wait within both the queue-wait SLO and the TTFT SLO less a long prompt's prefill
+    (queueing.py), not only what its utilisation allows."""
     backlog = backlog or RouterBacklog()
     state = _track_startup(state, loads, now)
     previous = state
@@ -170,18 +183,36 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
     # (a step up shows in the queue's growth an interval after it lands, a whole window before the mean).
     arriving = {r.name: max(r.prompt_tokens_per_s, short.get(r.name, 0.0)) for r in known}
     sizing_demand = sum(arriving.values())
-    # What arrived at the router is the service's demand, but only while every replica is known: how much of it
-    # an unreadable replica carries is unknown, so then the known replicas' own windows decide (measured: sizing
-    # from an equal share instead cost 1.20x the oracle's replica-minutes in unknown-replica, for 66% of windows
-    # within against 55%).
-    if not unknown:
-        sizing_demand = max([sizing_demand] + [x for x in (backlog.arrival_prompt_tokens_per_s,
-                                                           backlog.recent_arrival_prompt_tokens_per_s) if x])
+    # What arrived at the router is the whole service's demand, whoever carries it. With replicas that cannot be
+    # read, the ready ones are sized in as carrying their share at the known replicas' capacity (`fleet`); without
+    # the router's count their share is unknown, so they are kept as they are beside what the known ones need.
+    router_demand = [x for x in (backlog.arrival_prompt_tokens_per_s, backlog.recent_arrival_prompt_tokens_per_s) if x]
     capacity = _capacity(known, service_capacity)
-    serving_unknown = [r for r in unknown if r.ready]  # they serve traffic we cannot see: kept as they are
+    serving_unknown = [r for r in unknown if r.ready]  # they serve traffic we cannot see
+    if router_demand:
+        sizing_demand = max([sizing_demand] + router_demand)
+        fleet, kept_aside = len(known) + len(serving_unknown), 0
+    else:
+        fleet, kept_aside = len(known), len(serving_unknown)
+
+    def for_queue_wait(demand_tokens_per_s: float) -> int:
+        """Replicas the queue-wait p99 needs at this demand (0 where the router's arrivals cannot tell)."""
+        if not (capacity and queue_wait_slo_s and backlog.arrival_requests_per_s and backlog.arrival_prompt_tokens_per_s
+                and demand_tokens_per_s > 0):
+            return 0
+        mean_prompt = backlog.arrival_prompt_tokens_per_s / backlog.arrival_requests_per_s
+        cv2 = 1.0 if backlog.prompt_cv2 is None else backlog.prompt_cv2
+        wait_s = queue_wait_slo_s
+        if ttft_slo_s:
+            # TTFT is the wait plus the prefill: a long prompt (mean + 2 standard deviations) leaves this to wait.
+            long_prompt = mean_prompt * (1.0 + 2.0 * math.sqrt(cv2))
+            wait_s = min(wait_s, max(0.1 * ttft_slo_s, ttft_slo_s - long_prompt / capacity))
+        return replicas_for_queue_wait(demand_tokens_per_s / mean_prompt, capacity / mean_prompt, wait_s,
+                                       cv2, QUEUE_WAIT_QUANTILE)
+
     # Exhausted: no replica can add prefill by tuning, and a queue SLO breaches or the demand already
     # runs past the scale-up utilisation of the capacity (scale before the breach, not after it).
-    near_full = capacity is not None and sizing_demand > capacity * len(known) * policy.scale_up_utilisation
+    near_full = capacity is not None and sizing_demand > capacity * fleet * policy.scale_up_utilisation
     exhausted = all(r.at_ceiling for r in known) and (any(r.breaching for r in known) or backlog.breaching
                                                       or near_full)
     waiting = sum(r.num_waiting for r in known) + backlog.queued_requests
@@ -200,7 +231,13 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
         cooling = state.last_direction > 0 and state.last_scale_at is not None and \
             now - state.last_scale_at < policy.scale_up_stabilization_s
         recs = _keep(state, now, policy, current)
-        panic = capacity is not None and sizing_demand >= policy.panic_ratio * capacity * len(known)
+        panic = capacity is not None and sizing_demand >= policy.panic_ratio * capacity * fleet
+        # Or a certain overload: the router's queue breaches and even the last interval's arrivals less their
+        # noise (one Poisson standard deviation) exceed what the fleet prefills. Its queue can only grow, so
+        # waiting out the stabilization would only build the backlog the new replicas then drain.
+        overloaded = capacity is not None and backlog.breaching and \
+            (backlog.recent_arrival_prompt_tokens_per_s or 0.0) > capacity * fleet
+        panic = panic or overloaded
         if (held_for < policy.scale_up_stabilization_s and not panic) or cooling:
             wait = ("since the last scale-up" if cooling
                     else f"for {held_for:.0f}s of {policy.scale_up_stabilization_s:g}s")
@@ -221,9 +258,10 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
             if backlog.queued_requests:
                 # The router's queue is drained by every replica, the new ones included; it grows by the demand
                 # the current ones cannot carry until the new ones are ready.
-                queued_work += backlog.queued_prompt_tokens + max(0.0, sizing_demand - capacity * len(known)) * startup
+                queued_work += backlog.queued_prompt_tokens + max(0.0, sizing_demand - capacity * fleet) * startup
         drain = queued_work / policy.drain_target_s
-        need = len(serving_unknown) + (busy + math.ceil((sizing_demand + drain) / (capacity * policy.scale_up_utilisation))
+        need = kept_aside + (busy + max(math.ceil((sizing_demand + drain) / (capacity * policy.scale_up_utilisation)),
+                                        for_queue_wait(sizing_demand))
                                        if capacity else len(known) + 1)
         if sizing_demand > demand:
             figures += f", {sizing_demand:.0f} tok/s arriving over the last interval"
@@ -256,7 +294,8 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
             return ScaleDecision(current, current, HOLD, "at_max_replicas",
                                  f"prefill capacity exhausted ({figures}) but maxReplicas is {policy.max_replicas}",
                                  True, demand, capacity), replace(state, recommendations=recs)
-        for_demand = len(serving_unknown) + busy + math.ceil(sizing_demand / (capacity * policy.scale_up_utilisation)) \
+        for_demand = kept_aside + busy + max(math.ceil(sizing_demand / (capacity * policy.scale_up_utilisation)),
+                                             for_queue_wait(sizing_demand)) \
             if capacity else desired
         decision, new_state = _decide(current, desired, SCALED_UP, "capacity_exhausted",
                                       f"prefill capacity exhausted ({figures}): {current} -> {desired} replicas",
@@ -290,7 +329,8 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
         misses.append("the router's queue")  # scale-in would strand queued work
     recommendation = current
     if not misses:
-        fits = math.ceil(sizing_demand / (capacity * policy.scale_down_utilisation)) if sizing_demand > 0 else 1
+        fits = max(math.ceil(sizing_demand / (capacity * policy.scale_down_utilisation)),
+                   for_queue_wait(backlog.arrival_prompt_tokens_per_s or 0.0)) if sizing_demand > 0 else 1
         recommendation = min(current, max(policy.min_replicas, fits + len(alone)))
     recs = _keep(state, now, policy, recommendation)
     state = replace(state, recommendations=recs)

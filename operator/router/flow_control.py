@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Callable, Generic, Hashable, Iterator, TypeVar
 
-from stallfree.operator.router.pick import Choice, ReplicaView
+from stallfree.operator.router.pick import AffinityMargin, Choice, ReplicaView
 
 K = TypeVar("K", bound=Hashable)
 
@@ -35,6 +35,9 @@ def dispatch_wait_ms(queue_wait_slo_ms: float | None) -> float:
 class FlowConfig:
     dispatch_wait_ms: float = DEFAULT_DISPATCH_WAIT_MS
     max_queued: int = 1024  # requests waiting at most; past it, refused (429)
+    # A request waits for the replica predicted to start it soonest only when it beats every replica that
+    # could take it now by more than this (max(50 ms, 25%)).
+    hold_margin: AffinityMargin = AffinityMargin()
 
 
 @dataclass
@@ -103,8 +106,9 @@ class FlowQueue(Generic[K]):
         `views` are the healthy replicas; `choose` is the routing policy (the slo-aware one picks the
         lowest predicted TTFT, backlog included). Each waiting request, oldest first, is placed on the
         replica `choose` picks among all of them, as immediate dispatch would place it; it is sent only if
-        that replica admits it now, and otherwise waits here, still counted on that replica's backlog so
-        that the requests behind it see it. So a request is never sent to a replica that would start it
+        that replica admits it now, or another that admits now is predicted within the hold margin of it
+        (predictions are estimates: waiting for a replica only a little better by them leaves this one idle),
+        and otherwise waits here, still counted on that replica's backlog so that the requests behind it see it. So a request is never sent to a replica that would start it
         later than the one it waits for (a long prompt waits for a fast replica rather than taking the
         first slow one that frees), no request waits behind a later one for the same replica, and every
         decision is taken again at the next dispatch: a replica that became ready, or drains faster than
@@ -117,8 +121,15 @@ class FlowQueue(Generic[K]):
         for item in list(self._waiting.values()):
             if not any(admits(v, self.config) for v in real.values()):
                 break  # nothing more can go anywhere
-            preferred = [v for v in placed.values() if v.name not in item.exclude]
-            choice = choose(item, preferred or list(placed.values()))
+            # A replica whose running slots are all taken starts nothing until a request finishes, which its
+            # queued prefill does not show: it is chosen only when every replica is so.
+            open_slots = [v for v in placed.values() if v.max_num_seqs is None or v.outstanding < v.max_num_seqs]
+            pool = open_slots or list(placed.values())
+            preferred = [v for v in pool if v.name not in item.exclude]
+            candidates = preferred or pool
+            choice = choose(item, candidates)
+            if not admits(real[choice.name], self.config):
+                choice = self._instead(item, choice, candidates, real, choose) or choice
             if admits(real[choice.name], self.config):
                 del self._waiting[item.key]
                 self.dispatched += 1
@@ -126,6 +137,21 @@ class FlowQueue(Generic[K]):
                 real[choice.name] = _plus(real[choice.name], item.prompt_tokens)
             placed[choice.name] = _plus(placed[choice.name], item.prompt_tokens)
         return out
+
+
+    def _instead(self, item: Queued[K], best: Choice, candidates: list[ReplicaView], real: dict[str, ReplicaView],
+                 choose: Callable[[Queued[K], list[ReplicaView]], Choice]) -> Choice | None:
+        """A replica that admits now, when waiting for the best one would not clearly pay: its predicted TTFT is
+        within the hold margin of the best's (predictions are estimates: holding a request for a replica only
+        a little better by them leaves this one idle), or the policy predicts nothing."""
+        admitting = [v for v in candidates if admits(real[v.name], self.config)]
+        if not admitting:
+            return None
+        alternative = choose(item, admitting)
+        if best.predicted_ttft_ms is None or alternative.predicted_ttft_ms is None:
+            return alternative
+        return alternative if self.config.hold_margin.allows(alternative.predicted_ttft_ms,
+                                                             best.predicted_ttft_ms) else None
 
 
 def _plus(view: ReplicaView, prompt_tokens: int) -> ReplicaView:

@@ -97,6 +97,7 @@ class Router:
         self._next_key = 0
         self._next_ticket = 0
         self.arrived_prompt_tokens = 0  # a counter: the control loop takes its rate between two reads
+        self.arrived_prompt_tokens_sq = 0  # and of the squares: the spread of prompt lengths (queueing.py)
         self._ticker: asyncio.Task | None = None
         self._last_healthy_at = time.perf_counter()  # when some replica was last seen healthy
         pool._on_change = self._replica_changed
@@ -169,6 +170,7 @@ class Router:
         return {"depth": len(self.queue), "queued_prompt_tokens": self.queue.queued_prompt_tokens,
                 "oldest_wait_ms": 0.0 if oldest is None else (now - oldest) * 1000.0,
                 "arrivals": self.queue.arrivals, "arrived_prompt_tokens": self.arrived_prompt_tokens,
+                "arrived_prompt_tokens_sq": self.arrived_prompt_tokens_sq,
                 "rejected": self.queue.rejected, "cancelled": self.queue.cancelled,
                 "dispatched": self.queue.dispatched, "max_queued": self.config.flow.max_queued,
                 "dispatch_wait_ms": self.config.flow.dispatch_wait_ms}
@@ -191,6 +193,7 @@ class Router:
         if not front:
             self.metrics.arrivals.inc()
             self.arrived_prompt_tokens += info.prompt_tokens
+            self.arrived_prompt_tokens_sq += info.prompt_tokens ** 2
         self._waiters[key] = (future, info, hashes, seq)
         self.dispatch()
         if future.done():
