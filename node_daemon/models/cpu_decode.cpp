@@ -94,6 +94,9 @@ inline const uint16_t* bf16_ptr(const at::Tensor& t) {
 }
 inline uint16_t* bf16_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
+// Inside this namespace: it uses the helpers above.
+#include "cpu_chunk_attention.h"
+
 // residual += h (when given); out = bf16(rms_norm(residual) * w).
 void add_rms_norm(float* residual, const uint16_t* h, const float* w, uint16_t* out, int64_t rows, int64_t width,
                   double eps) {
@@ -277,8 +280,28 @@ Plan plan_rows(const int32_t* query_start, const int32_t* tables, const int32_t*
 
 // Every chunk's queries against its sequence's gathered keys and values: scaled_dot_product_attention with the
 // arguments the Python path gives it (q [1, heads, len, D] a transposed view, k and v [1, kv_heads, L, D]).
+// Whether chunks take the AVX512-BF16 kernel (cpu_chunk_attention.h) where it was compiled in (set_chunk_kernel).
+bool g_chunk_kernel = true;
+
 void chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const Plan& plan,
                      at::Tensor& out, const Dims& d, double scale) {
+#ifdef STALLFREE_CHUNK_KERNEL
+  if (g_chunk_kernel && d.head_dim % 64 == 0 && !plan.chunks.empty()) {
+    std::vector<PackedKV> packed(d.kv_heads);
+    for (const Chunk& c : plan.chunks) {
+      const int64_t keys = c.gather.size(0);
+      const int64_t* gather = c.gather.data_ptr<int64_t>();
+      at::parallel_for(0, d.kv_heads, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t g = begin; g < end; ++g)
+          pack_kv(bf16_ptr(k_cache) + g * d.num_slots * d.head_dim, bf16_ptr(v_cache) + g * d.num_slots * d.head_dim,
+                  gather, keys, d.head_dim, packed[g]);
+      });
+      chunk_attention_bf16(bf16_ptr(q), packed, c.first, c.len, keys, bf16_mut(out), d.heads, d.kv_heads,
+                           d.head_dim, static_cast<float>(scale));
+    }
+    return;
+  }
+#endif
   const at::Tensor k_flat = k_cache.view({d.kv_heads, -1, d.head_dim});
   const at::Tensor v_flat = v_cache.view({d.kv_heads, -1, d.head_dim});
   const at::Tensor q3 = q.view({d.rows, d.heads, d.head_dim});
@@ -375,7 +398,37 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
 
 // A catch-all kernel: the oneDNN-packed weights among the arguments are MkldnnCPU tensors, so a CPU-keyed one
 // would not be found for them.
+// The prefill chunks' attention alone (tests: the kernel against scaled_dot_product_attention): q [rows, heads, D]
+// bfloat16, the caches head-major; rows of one-token sequences come back zero.
+at::Tensor chunk_attention_only(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& query_start_loc, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, double scale) {
+  const int64_t rows = q.size(0), heads = q.size(1), D = q.size(2);
+  Dims d{rows, heads, k_cache.size(0), D, k_cache.size(2), k_cache.size(1) * k_cache.size(2), block_tables.size(1)};
+  const Plan plan = plan_rows(query_start_loc.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
+                              seq_lens.data_ptr<int32_t>(), seq_lens.size(0), d);
+  at::Tensor flat = q.contiguous().view({rows, heads * D});
+  at::Tensor out = at::zeros_like(flat);
+  chunk_attention(flat, k_cache, v_cache, plan, out, d, scale);
+  return out.view({rows, heads, D});
+}
+
+// Chunks through the AVX512-BF16 kernel (true) or ATen's scaled_dot_product_attention; returns whether the kernel
+// is in use (false where the CPU lacks AVX512-BF16, whatever was asked).
+bool set_chunk_kernel(bool on) {
+#ifdef STALLFREE_CHUNK_KERNEL
+  g_chunk_kernel = on;
+  return on;
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 TORCH_LIBRARY(stallfree_cpu, m) {
+  m.def("set_chunk_kernel(bool on) -> bool", &set_chunk_kernel);
+  m.def("chunk_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor", &chunk_attention_only);
   m.def("forward(Tensor input_ids, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor embed, Tensor cos_sin, Tensor[] norms, Tensor[] weights, "
         "int[] planes, Tensor[] kv, int num_heads, int num_kv_heads, int head_dim, float eps, int int4_max_rows) "

@@ -4,7 +4,8 @@ A decode step of a small model run op by op is bound by the ops' count and the P
 arithmetic (`stallfree bench iteration --breakdown`). cpu_decode.cpp runs a whole forward in C++: the same int4
 kernel for the projections up to INT4_MAX_ROWS rows and the oneDNN-prepacked bfloat16 copies past it (the Python
 path's choice), plain threaded loops for the norms, RoPE with the KV write, decode attention and SiLU-and-mul, and
-ATen's scaled_dot_product_attention for prefill chunks (the Python path's call). It takes decode-only iterations of
+for prefill chunks an AVX512-BF16 attention kernel (cpu_chunk_attention.h; elsewhere ATen's
+scaled_dot_product_attention, the Python path's call). It takes decode-only iterations of
 up to MAX_ROWS rows and, when every projection has its oneDNN copy, iterations with prefill chunks of any size (a
 serving load's mixed iterations: the decodes plus a chunk). Decode-only batches past MAX_ROWS and models it does
 not cover (a dense projection, a bias) stay on the Python path.
@@ -14,7 +15,8 @@ $STALLFREE_EXT_CACHE, else $XDG_CACHE_HOME/stallfree/ext) and loaded from there 
 It is never compiled on the serving path: `ensure_built(background=True)` compiles it on a low-priority thread
 while the Python path serves, and the runner switches over at the next iteration once it is loaded.
 STALLFREE_CPU_DECODE=0 turns it off; STALLFREE_CPU_MIXED=0 keeps iterations with a prefill chunk on the Python
-path (an A/B switch); without a C++ compiler it stays off and start-up says why.
+path and STALLFREE_CPU_CHUNK_KERNEL=0 gives prefill chunks ATen's attention instead of the AVX512-BF16 kernel
+(cpu_chunk_attention.h; A/B switches); without a C++ compiler it stays off and start-up says why.
 """
 from __future__ import annotations
 
@@ -37,8 +39,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+HEADERS = [Path(__file__).with_name("cpu_chunk_attention.h")]  # included by SOURCE: part of the build key
 ENV_SWITCH = "STALLFREE_CPU_DECODE"
 MIXED_SWITCH = "STALLFREE_CPU_MIXED"
+CHUNK_KERNEL_SWITCH = "STALLFREE_CPU_CHUNK_KERNEL"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 # Decode batches up to this many rows take the compiled path (int4 up to INT4_MAX_ROWS, oneDNN's bfloat16 past it).
 MAX_ROWS = 64
@@ -61,9 +65,11 @@ def _cpu_key() -> str:
 
 
 def build_key() -> str:
-    """What the compiled file depends on: the source, the flags, torch's build and the CPU (-march=native)."""
+    """What the compiled file depends on: the sources, the flags, torch's build and the CPU (-march=native)."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(), _cpu_key().encode()):
+    parts = (SOURCE.read_bytes(), *(h.read_bytes() for h in HEADERS), " ".join(_CFLAGS).encode(),
+             torch.__version__.encode(), _cpu_key().encode())
+    for part in parts:
         digest.update(part)
     return digest.hexdigest()[:16]
 
@@ -116,6 +122,7 @@ def _load_or_build(build: bool) -> bool:
             log.info("compiled CPU decode path in %.1f s (%s)", time.monotonic() - started, built)
         else:
             torch.ops.load_library(str(library))
+        torch.ops.stallfree_cpu.set_chunk_kernel(enabled(CHUNK_KERNEL_SWITCH))
         _state["loaded"], _state["why"] = True, None
         return True
 
