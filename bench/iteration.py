@@ -10,7 +10,7 @@ long reading them takes at the machine's measured copy bandwidth: what bounds a 
 Every sequence has `--context` tokens cached (the KV content does not change the time).
 `--chunk C --prefix P` makes every iteration a mixed one, as a serving load runs them: the row's decodes (0 allowed)
 plus one C-token prefill chunk over a P-token cached prefix; the rate then counts the chunk's tokens too.
-`--ab-compiled` times the Python forward and the compiled decode path (models/cpu_decode.py) on the same inputs,
+`--ab-compiled` times the Python forward and the compiled forward (models/cpu_decode.py) on the same inputs,
 alternately within every iteration (A/B side by side on a busy machine), and prints both with their ratio.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="run the model's forward through torch.compile (inductor, dynamic shapes): the engine does "
                         "not, this measures whether it would pay")
     p.add_argument("--compiled-decode", default="off", choices=["off", "now"],
-                   help="now: decode iterations take the compiled path (models/cpu_decode.py), compiled first if needed")
+                   help="now: iterations take the compiled forward (models/cpu_decode.py), compiled first if needed")
     p.add_argument("--ab-compiled", action="store_true",
                    help="time the Python and the compiled forward alternately on the same inputs (implies the build)")
     p.add_argument("--json", default="runs/bench_iteration.json")
@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     prefill = None
     if args.chunk:  # its chunk rewrites the same slots every iteration; the prefix's KV content does not matter
-        prefill = Request("chunk", [(11 * j) % 1000 + 10 for j in range(args.prefix + args.chunk)], greedy)
+        span = min(1000, runner.loaded.shape.vocab_size - 10)  # token ids within any model's vocabulary
+        prefill = Request("chunk", [(11 * j) % span + 10 for j in range(args.prefix + args.chunk)], greedy)
         first = 1 + max(counts) * blocks_per_seq
         prefill.block_ids = list(range(first, first + chunk_blocks))
         print(f"mixed iterations: the decodes plus a {args.chunk}-token chunk over a {args.prefix}-token prefix")
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ab_compiled:
             row["compiled_forward_ms"] = round(statistics.median(fwd_b[3:]) * 1000, 3)
             row["python_over_compiled"] = round(f / row["compiled_forward_ms"], 3)
-            print(f"      compiled decode path: forward {row['compiled_forward_ms']:.2f} ms "
+            print(f"      compiled forward: {row['compiled_forward_ms']:.2f} ms "
                   f"({row['python_over_compiled']:.2f}x faster than the Python forward beside it)", flush=True)
         if args.compile:
             row["compiled_vs_eager"] = _compiled_vs_eager(runner, runner.prepare_inputs(output))

@@ -22,8 +22,9 @@ log = logging.getLogger("stallfree.serve")
 
 # The starting token budget of a CPU daemon told neither a budget nor a TPOT SLO. On the CPU a chunk's attention
 # grows with its square while an iteration's fixed cost is small, so tokens per second peak near 256 tokens an
-# iteration (`stallfree bench iteration --seqs 16 --chunk C`, 1 thread: 612, 640, 579, 505 tok/s at C = 128,
-# 256, 512, 1024), and the decodes beside a chunk wait half as long as at the general default (512).
+# iteration (`stallfree bench iteration --seqs 16 --chunk C --compiled-decode now`, 1 thread: 657, 754, 713 and
+# 646 tok/s at C = 128, 256, 512, 1024), and the decodes beside a chunk wait half as long as at the general
+# default (512).
 CPU_TOKEN_BUDGET = 256
 
 
