@@ -98,11 +98,16 @@ inline uint16_t* bf16_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.
 // Inside this namespace: it uses the helpers above.
 #include "cpu_chunk_attention.h"
 
+// The row-wise loops below split across threads only past this many rows: decode batches (up to MAX_ROWS = 64 in
+// cpu_decode.py) run them on the calling thread, as before the loops were threaded.
+constexpr int64_t kParallelRows = 65;
+
 // residual += h (when given); out = bf16(rms_norm(residual) * w).
 void add_rms_norm(float* residual, const uint16_t* h, const float* w, uint16_t* out, int64_t rows, int64_t width,
                   double eps) {
-  // Rows are independent: split across threads only past a few rows' worth of work.
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / width), [&](int64_t begin, int64_t end) {
+  // Rows are independent: split across threads only for a prefill chunk's rows (a decode batch's few rows stay on
+  // the calling thread: a parallel region costs more than they do, and far more when a core is busy).
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
     float* x = residual + r * width;
     if (h != nullptr) {
@@ -153,7 +158,7 @@ void rope_and_write(const uint16_t* qkv, const int64_t* positions, const int64_t
                     uint16_t* q_out, uint16_t* k_cache, uint16_t* v_cache, const Dims& d) {
   const int64_t D = d.head_dim, half = D / 2;
   const int64_t qkv_width = (d.heads + 2 * d.kv_heads) * D;
-  at::parallel_for(0, d.rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, d.rows, kParallelRows, [&](int64_t begin, int64_t end) {
   std::vector<float> rotated(D);
   for (int64_t r = begin; r < end; ++r) {
     const uint16_t* row = qkv + r * qkv_width;
@@ -318,7 +323,7 @@ void chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 
 // bf16(bf16(silu(gate)) * up), as torch's two bfloat16 ops round; the exponentials vectorized apart.
 void silu_and_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / inter), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t begin, int64_t end) {
   std::vector<float> e(inter);
   for (int64_t r = begin; r < end; ++r) {
     const uint16_t* g = gu + r * 2 * inter;
