@@ -54,9 +54,15 @@ class Sizes:
     repeats: int = 3
     startup_repeats: int = 3
     short_prompt: int = 16
+    # --url's serving-load row (bench/engine_serving.py): vLLM's serving benchmark's shape.
+    serving_rate: float = 2.0
+    serving_prompt: int = 512
+    serving_output: int = 64
+    serving_requests: int = 60
 
 
-QUICK = Sizes(decode_tokens=16, streams=4, long_prompt=300, landing_streams=2, repeats=1, startup_repeats=1)
+QUICK = Sizes(decode_tokens=16, streams=4, long_prompt=300, landing_streams=2, repeats=1, startup_repeats=1,
+              serving_rate=4.0, serving_prompt=64, serving_output=8, serving_requests=6)
 
 GOALS = {
     "single_stream_decode_tok_s": ">= 125 tok/s",
@@ -93,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: sent unless the server refuses it")
     u.add_argument("--compare", nargs="+", default=None, metavar="JSON",
                    help="print earlier --url runs side by side (ratios to the first) and exit")
+    u.add_argument("--serving-only", action="store_true",
+                   help="measure only the serving-load row (and, with --launch, start-up and RSS)")
+    u.add_argument("--serving-rate", type=float, default=None, help="serving-load row: arrivals per second (2)")
+    u.add_argument("--serving-requests", type=int, default=None, help="serving-load row: requests sent (60)")
     u.add_argument("--launch", nargs=argparse.REMAINDER, default=None, metavar="CMD",
                    help="last on the line: the server's command; the bench starts it (start-up, RSS rows), stops it")
     return p
@@ -394,8 +404,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats is not None or args.startup_repeats is not None:
         sizes = Sizes(**{**sizes.__dict__, "repeats": args.repeats or sizes.repeats,
                          "startup_repeats": args.startup_repeats or sizes.startup_repeats})
-    if sizes.repeats < 1 or sizes.startup_repeats < 1:
-        print("stallfree bench engine: error: --repeats and --startup-repeats must be >= 1", file=sys.stderr)
+    if args.serving_rate is not None or args.serving_requests is not None:
+        sizes = Sizes(**{**sizes.__dict__, "serving_rate": args.serving_rate or sizes.serving_rate,
+                         "serving_requests": args.serving_requests or sizes.serving_requests})
+    if sizes.repeats < 1 or sizes.startup_repeats < 1 or sizes.serving_rate <= 0 or sizes.serving_requests < 1:
+        print("stallfree bench engine: error: --repeats, --startup-repeats and --serving-requests must be >= 1, "
+              "--serving-rate > 0", file=sys.stderr)
+        return 2
+    if args.serving_only and not args.url:
+        print("stallfree bench engine: error: --serving-only needs --url", file=sys.stderr)
         return 2
     if args.url:
         return main_url(args, sizes)

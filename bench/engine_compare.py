@@ -11,8 +11,9 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+from stallfree.bench.engine import Sizes
 from stallfree.bench.engine_streams import median
-from stallfree.bench.engine_url import HIGHER_IS_BETTER, URL_LABELS, fmt
+from stallfree.bench.engine_url import HIGHER_IS_BETTER, SERVING_FIGURES, URL_LABELS, fmt
 
 
 def ratio(key: str, first: float | None, other: float | None) -> str:
@@ -25,9 +26,9 @@ def _merge(runs: list[dict]) -> dict:
     """One run per label: every row's value the median of that label's runs."""
     merged = dict(runs[0], rows={key: dict(row) for key, row in runs[0]["rows"].items() if isinstance(row, dict)})
     for key, row in merged["rows"].items():
-        for figure in ("value", "p99_gap_ms", "ttft_ms", "prefill_tok_s"):  # what fmt prints
+        for figure in ("value", "p99_gap_ms", "ttft_ms", "prefill_tok_s", *SERVING_FIGURES):  # what fmt prints
             if figure in row:
-                row[figure] = median([r["rows"][key].get(figure) for r in runs])
+                row[figure] = median([r["rows"].get(key, {}).get(figure) for r in runs])
     return merged
 
 
@@ -43,11 +44,12 @@ def compare(paths: list[str]) -> str:
     labels = list(by_label)
     head = ["figure", *labels] + [f"{labels[0]} vs {label}" for label in labels[1:]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    sizes = SimpleNamespace(**runs[0]["sizes"])
+    sizes = SimpleNamespace(**{**Sizes().__dict__, **runs[0]["sizes"]})  # runs from before a row existed
+    missing = {"value": None, "note": "not in this run"}
     for key, text in URL_LABELS.items():
-        cells = [fmt(run["rows"][key]) for run in runs]
-        first = runs[0]["rows"][key].get("value")
-        cells += [ratio(key, first, run["rows"][key].get("value")) for run in runs[1:]]
+        cells = [fmt(run["rows"].get(key, missing)) for run in runs]
+        first = runs[0]["rows"].get(key, missing).get("value")
+        cells += [ratio(key, first, run["rows"].get(key, missing).get("value")) for run in runs[1:]]
         lines.append("| " + " | ".join([text.format(**sizes.__dict__), *cells]) + " |")
     rounds = ", ".join(f"{label}: {len(group)}" for label, group in by_label.items())
     lines.append(f"\n(medians over runs per server, {rounds}; ratios: how many times better the first column is on "

@@ -57,7 +57,8 @@ class Stream:
         return (r.output_tokens - 1) / max((r.e2e_ms - r.ttft_ms) / 1000.0, 1e-9)
 
 
-async def _stream(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int, stream: Stream) -> None:
+async def send_stream(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int,
+                      stream: Stream) -> None:
     stream.started = time.perf_counter()
     await send_request(client, target.url + "/v1/completions", target.body(prompt, max_tokens), stream.result,
                        "completions")
@@ -73,7 +74,7 @@ async def run_streams(target: Target, prompts: list[str], max_tokens: int, timeo
     streams = [Stream(RequestResult(i, 0, max_tokens, 0.0)) for i in range(len(prompts))]
     async with client(timeout_s) as c:
         started = time.perf_counter()
-        await asyncio.gather(*(_stream(c, target, p, max_tokens, s) for p, s in zip(prompts, streams)))
+        await asyncio.gather(*(send_stream(c, target, p, max_tokens, s) for p, s in zip(prompts, streams)))
         wall = time.perf_counter() - started
     for s in streams:
         if not s.result.ok:
@@ -86,14 +87,14 @@ async def run_landing(target: Target, stream_prompts: list[str], long_prompt: st
     streams = [Stream(RequestResult(i, 0, LANDING_STREAM_TOKENS, 0.0)) for i in range(len(stream_prompts))]
     long = Stream(RequestResult(-1, 0, 1, 0.0))
     async with client(timeout_s) as c:
-        tasks = [asyncio.create_task(_stream(c, target, p, LANDING_STREAM_TOKENS, s))
+        tasks = [asyncio.create_task(send_stream(c, target, p, LANDING_STREAM_TOKENS, s))
                  for p, s in zip(stream_prompts, streams)]
         deadline = time.perf_counter() + timeout_s
         while any(len(s.result.itl_ms) < 3 for s in streams) and time.perf_counter() < deadline:
             if any(t.done() for t in tasks):
                 break
             await asyncio.sleep(0.01)
-        await _stream(c, target, long_prompt, 1, long)
+        await send_stream(c, target, long_prompt, 1, long)
         landed, answered = long.started, long.started + (long.result.ttft_ms or 0.0) / 1000.0
         await asyncio.sleep(0.2)
         for task in tasks:

@@ -8,6 +8,9 @@ instead, and every row counts the tokens actually produced). Rows:
 - 16 streams x 128 tokens: total output tok/s;
 - a 1,500-token prompt alone: TTFT (and prompt tokens / TTFT);
 - the max decode gap of 4 streams while a 1,500-token prompt lands (the server's default settings);
+- a serving load (bench/engine_serving.py): Poisson arrivals, 2 req/s of 512-token prompts and 64 output tokens,
+  60 requests (vLLM's serving benchmark's shape): request throughput, output tok/s, TTFT and TPOT median and p99,
+  p99 inter-token gap; `--serving-only` measures this row alone;
 - with `--launch CMD...` (last on the line; the bench starts it, waits for its first answer, stops it at the
   end): process start to first answer (medians of --startup-repeats starts) and the peak RSS of the process
   tree (sampled over the whole run and read after the 16 streams).
@@ -21,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from stallfree.bench.engine_serving import run_serving_load
 from stallfree.bench.engine_streams import Target, all_gaps, median, rank, run_landing, run_streams
 from stallfree.bench.launch import Launched, answers, launch
 from stallfree.loadgen.prompts import PromptBuilder
@@ -31,11 +35,16 @@ URL_LABELS = {
     "long_prompt_ttft_ms": "{long_prompt}-token prompt alone, TTFT",
     "landing_max_gap_ms": "max decode gap, {landing_streams} streams, {long_prompt}-token prompt lands, "
                           "default settings",
+    "serving_load": "Poisson {serving_rate:g} req/s, {serving_prompt}-token prompts, {serving_output} output tokens, "
+                    "{serving_requests} requests: request throughput",
     "startup_s": "process start to first answer (--launch)",
     "peak_rss_mb": "peak RSS of the process tree, whole run (--launch)",
 }
 # Which way is better, for the ratios of `--compare`.
-HIGHER_IS_BETTER = {"single_stream_decode_tok_s", "concurrent_total_tok_s"}
+HIGHER_IS_BETTER = {"single_stream_decode_tok_s", "concurrent_total_tok_s", "serving_load"}
+# The serving-load row's figures beside its value, as printed and as `--compare` merges them.
+SERVING_FIGURES = ("output_tok_s", "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms", "itl_p99_ms")
+NOT_MEASURED = {"value": None, "note": "not measured (--serving-only)"}
 
 
 def prompt_builder(tokenizer: str | None, model: str) -> tuple[PromptBuilder, str]:
@@ -70,8 +79,37 @@ def _texts(builder: PromptBuilder, count: int, tokens: int, seed: int) -> list[s
 
 
 def measure_rows(target: Target, builder: PromptBuilder, sizes: Any, timeout: float,
-                 launched: Launched | None, say=print) -> dict[str, Any]:
+                 launched: Launched | None, say=print, serving_only: bool = False) -> dict[str, Any]:
     """Every row but start-up, one after the other against the running server."""
+    if serving_only:
+        rows = {key: dict(NOT_MEASURED) for key in ("single_stream_decode_tok_s", "concurrent_total_tok_s",
+                                                    "long_prompt_ttft_ms", "landing_max_gap_ms")}
+        rows["serving_load"] = measure_serving(target, builder, sizes, timeout, say)
+    else:
+        rows = measure_one_at_a_time(target, builder, sizes, timeout, launched, say)
+        rows["serving_load"] = measure_serving(target, builder, sizes, timeout, say)
+    if launched:
+        whole = launched.memory_mb()
+        rows["peak_rss_mb"] = {"value": whole["peak_rss_mb"], "unit": "MB", **{f"whole_{k}": v for k, v in
+                               whole.items()}, "after_streams": rows.pop("_after_streams", None)}
+    else:
+        rows["peak_rss_mb"] = {"value": None, "unit": "MB", "note": "needs --launch"}
+    return rows
+
+
+def measure_serving(target: Target, builder: PromptBuilder, sizes: Any, timeout: float, say=print) -> dict[str, Any]:
+    """The serving-load row: Poisson arrivals of distinct prompts (a cold prefix cache), every request streamed."""
+    prompts = _texts(builder, sizes.serving_requests, sizes.serving_prompt, 90_000)
+    say(f"  serving load: {sizes.serving_requests} requests at {sizes.serving_rate:g}/s, {sizes.serving_prompt}-token "
+        f"prompts, {sizes.serving_output} output tokens")
+    row = asyncio.run(run_serving_load(target, prompts, sizes.serving_output, sizes.serving_rate, 7, timeout))
+    say(f"  serving load: {fmt(row)}")
+    return row
+
+
+def measure_one_at_a_time(target: Target, builder: PromptBuilder, sizes: Any, timeout: float,
+                          launched: Launched | None, say=print) -> dict[str, Any]:
+    """The rows that send one kind of request at a time: one stream, 16 streams, a long prompt, its landing."""
     rows: dict[str, Any] = {}
     seed = 20_000
     single, produced = [], []
@@ -100,7 +138,7 @@ def measure_rows(target: Target, builder: PromptBuilder, sizes: Any, timeout: fl
                                       "streams": sizes.streams, "tokens_asked": sizes.streams * sizes.decode_tokens,
                                       "tokens_produced": produced, "p99_gap_ms": median(p99s),
                                       "max_gap_ms": median(maxes)}
-    after_streams = launched.memory_mb() if launched else None
+    rows["_after_streams"] = launched.memory_mb() if launched else None
     alone, prompt_tokens = [], []
     for r in range(sizes.repeats):
         (s,), _ = asyncio.run(run_streams(target, _texts(builder, 1, sizes.long_prompt, seed), 1, timeout))
@@ -125,12 +163,6 @@ def measure_rows(target: Target, builder: PromptBuilder, sizes: Any, timeout: fl
                                   "p99_gap_ms": median([r["p99_gap_ms"] for r in runs]),
                                   "ttft_ms": median([r["ttft_ms"] for r in runs]), "runs": runs,
                                   "streams": sizes.landing_streams}
-    if launched:
-        whole = launched.memory_mb()
-        rows["peak_rss_mb"] = {"value": whole["peak_rss_mb"], "unit": "MB", **{f"whole_{k}": v for k, v in
-                               whole.items()}, "after_streams": after_streams}
-    else:
-        rows["peak_rss_mb"] = {"value": None, "unit": "MB", "note": "needs --launch"}
     return rows
 
 
@@ -151,7 +183,8 @@ def measure(args: argparse.Namespace, sizes: Any, work: Path, say=print) -> dict
         with httpx.Client(timeout=args.request_timeout_s) as client:
             target = Target(url, args.model, probe_ignore_eos(client, url, args.model, args.ignore_eos))
         say(f"  ignore_eos: {'sent' if target.ignore_eos else 'not taken: long-generation prompts, tokens counted'}")
-        rows = measure_rows(target, builder, sizes, args.request_timeout_s, launched, say)
+        rows = measure_rows(target, builder, sizes, args.request_timeout_s, launched, say,
+                            serving_only=getattr(args, "serving_only", False))
     finally:
         if launched:
             launched.stop()
@@ -177,6 +210,12 @@ def fmt(row: dict[str, Any]) -> str:
     for key in ("p99_gap_ms", "ttft_ms"):
         if row.get(key) is not None:
             extras.append(f"{key.replace('_ms', '').replace('_', ' ')} {row[key]:.0f} ms")
+    if row.get("ttft_median_ms") is not None:
+        extras.append(f"TTFT median {row['ttft_median_ms']:,.0f} / p99 {row['ttft_p99_ms']:,.0f} ms, TPOT median "
+                      f"{row['tpot_median_ms']:,.0f} / p99 {row['tpot_p99_ms']:,.0f} ms, p99 ITL "
+                      f"{row['itl_p99_ms']:,.0f} ms, {row['output_tok_s']:.1f} output tok/s")
+    if row.get("failed"):
+        extras.append(f"{row['failed']} of {row['requests']} failed")
     if row.get("whole_processes"):
         extras.append(f"{row['whole_processes']} processes")
     return text + (f" ({', '.join(extras)})" if extras else "")
@@ -185,7 +224,7 @@ def fmt(row: dict[str, Any]) -> str:
 def report(rows: dict[str, Any], sizes: Any, label: str) -> str:
     lines = [f"| figure | {label} |", "|---|---|"]
     for key, text in URL_LABELS.items():
-        lines.append(f"| {text.format(**sizes.__dict__)} | {fmt(rows[key])} |")
+        lines.append(f"| {text.format(**sizes.__dict__)} | {fmt(rows.get(key, NOT_MEASURED))} |")
     if not rows.get("ignore_eos", True):
         lines.append("\nignore_eos was not taken: figures count the tokens the server actually produced.")
     return "\n".join(lines)

@@ -8,7 +8,9 @@ one row per count with medians in milliseconds, the host share and the decode ra
 (bench/op_breakdown.py), with the count of ATen ops one forward dispatches, the weight bytes it reads and how
 long reading them takes at the machine's measured copy bandwidth: what bounds a decode step.
 Every sequence has `--context` tokens cached (the KV content does not change the time).
-`--ab-compiled` times the Python forward and the compiled decode path (models/cpu_decode.py) on the same inputs,
+`--chunk C --prefix P` makes every iteration a mixed one, as a serving load runs them: the row's decodes (0 allowed)
+plus one C-token prefill chunk over a P-token cached prefix; the rate then counts the chunk's tokens too.
+`--ab-compiled` times the Python forward and the compiled forward (models/cpu_decode.py) on the same inputs,
 alternately within every iteration (A/B side by side on a busy machine), and prints both with their ratio.
 """
 from __future__ import annotations
@@ -31,13 +33,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=128, help="cached tokens per sequence")
     p.add_argument("--iterations", type=int, default=20, help="timed iterations per row (after 3 warm-ups)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=0,
+                   help="mixed iterations: the decodes plus one prefill chunk of this many tokens (0: decode only)")
+    p.add_argument("--prefix", type=int, default=0, help="cached tokens before the --chunk (its prompt's prefix)")
     p.add_argument("--breakdown", action="store_true",
                    help="also split each forward into weight matmuls, attention, other ops and Python (profiler)")
     p.add_argument("--compile", action="store_true",
                    help="run the model's forward through torch.compile (inductor, dynamic shapes): the engine does "
                         "not, this measures whether it would pay")
     p.add_argument("--compiled-decode", default="off", choices=["off", "now"],
-                   help="now: decode iterations take the compiled path (models/cpu_decode.py), compiled first if needed")
+                   help="now: iterations take the compiled forward (models/cpu_decode.py), compiled first if needed")
     p.add_argument("--ab-compiled", action="store_true",
                    help="time the Python and the compiled forward alternately on the same inputs (implies the build)")
     p.add_argument("--json", default="runs/bench_iteration.json")
@@ -81,8 +86,10 @@ def _compiled_vs_eager(runner, inputs) -> float:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     counts = [int(n) for n in args.seqs.split(",") if n.strip()]
-    if not counts or min(counts) < 1 or args.context < 1 or args.iterations < 1:
-        print("stallfree bench iteration: error: --seqs, --context and --iterations must be positive", file=sys.stderr)
+    if (not counts or min(counts) < (0 if args.chunk else 1) or args.context < 1 or args.iterations < 1
+            or args.chunk < 0 or args.prefix < 0 or args.chunk == 1):
+        print("stallfree bench iteration: error: --seqs, --context and --iterations must be positive (--seqs may be 0 "
+              "with --chunk), --chunk 0 or at least 2, --prefix not negative", file=sys.stderr)
         return 2
     from stallfree.bench.op_breakdown import count_ops, memory_bandwidth_gb_s, op_shares, weight_bytes_per_forward
     from stallfree.node_daemon.engine.config import CacheConfig
@@ -96,12 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.iterations + 3
     bs = args.block_size
     blocks_per_seq = -(-(args.context + steps + 1) // bs)
+    chunk_blocks = -(-(args.prefix + args.chunk) // bs) if args.chunk else 0
     started = time.monotonic()
     runner = ModelRunner(ModelConfig(model=args.model, device=args.device, dtype=args.dtype,
                                      attention_backend=args.attention_backend, threads=args.threads,
                                      compiled_decode="now" if args.ab_compiled else args.compiled_decode),
-                         CacheConfig(block_size=bs, num_blocks=max(counts) * blocks_per_seq + 1),
-                         max_num_tokens=max(counts), max_num_seqs=max(counts))
+                         CacheConfig(block_size=bs, num_blocks=max(counts) * blocks_per_seq + chunk_blocks + 1),
+                         max_num_tokens=max(counts) + args.chunk, max_num_seqs=max(counts) + 1)
     print(f"loaded {args.model} in {time.monotonic() - started:.1f} s: {runner.loaded.dtype}, "
           f"attention {runner.attn.name}, threads {runner.threads}", flush=True)
     if args.compile:
@@ -109,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     sampler = Sampler(runner.device)
     greedy = SamplingParams(max_tokens=steps + 1, temperature=0.0)
     rows = []
+    prefill = None
+    if args.chunk:  # its chunk rewrites the same slots every iteration; the prefix's KV content does not matter
+        span = min(1000, runner.loaded.shape.vocab_size - 10)  # token ids within any model's vocabulary
+        prefill = Request("chunk", [(11 * j) % span + 10 for j in range(args.prefix + args.chunk)], greedy)
+        first = 1 + max(counts) * blocks_per_seq
+        prefill.block_ids = list(range(first, first + chunk_blocks))
+        print(f"mixed iterations: the decodes plus a {args.chunk}-token chunk over a {args.prefix}-token prefix")
     print(f"{'seqs':>5} {'prep ms':>8} {'forward ms':>10} {'sample ms':>9} {'host %':>7} {'tok/s':>8}")
     for n in counts:
         reqs = []
@@ -117,14 +132,16 @@ def main(argv: list[str] | None = None) -> int:
             req.block_ids = list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
             req.num_computed_tokens = args.context - 1
             reqs.append(req)
-        ids = [r.request_id for r in reqs]
-        params = [greedy] * n
+        ids = [r.request_id for r in reqs] + ([prefill.request_id] if prefill else [])
+        params = [greedy] * len(ids)
         prep, fwd, samp, fwd_b = [], [], [], []
         compiled = runner.cpu_decode
         warmup_s = 0.0  # the 3 untimed iterations (with --compile: compilation for this shape)
         for step in range(steps):
             output = SchedulerOutput(chunks=[ScheduledChunk(r, r.num_tokens - 1, 1, is_prefill=False, samples=True)
                                              for r in reqs])
+            if prefill is not None:
+                output.chunks.append(ScheduledChunk(prefill, args.prefix, args.chunk, is_prefill=True, samples=True))
             t0 = time.perf_counter()
             inputs = runner.prepare_inputs(output)
             prepared = time.perf_counter()
@@ -139,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             runner.cpu_decode = compiled
             tokens = sampler.sample(logits, params, ids)
             t3 = time.perf_counter()
-            for r, tok in zip(reqs, tokens):
+            for r, tok in zip(reqs, tokens[:n]):
                 r.append_output_token(tok)
                 r.num_computed_tokens = r.num_tokens - 1
             if step >= 3:
@@ -148,13 +165,14 @@ def main(argv: list[str] | None = None) -> int:
                 warmup_s += t3 - t0
         p, f, s = (statistics.median(x) * 1000 for x in (prep, fwd, samp))
         total = p + f + s
-        row = {"seqs": n, "context": args.context, "prepare_ms": round(p, 3), "forward_ms": round(f, 3),
-               "sample_ms": round(s, 3), "host_share": round((p + s) / total, 4),
-               "tokens_per_s": round(n / total * 1000, 1), "warmup_s": round(warmup_s, 2)}
+        row = {"seqs": n, "context": args.context, "chunk": args.chunk, "prefix": args.prefix,
+               "prepare_ms": round(p, 3), "forward_ms": round(f, 3), "sample_ms": round(s, 3),
+               "host_share": round((p + s) / total, 4), "tokens_per_s": round((n + args.chunk) / total * 1000, 1),
+               "warmup_s": round(warmup_s, 2)}
         if args.ab_compiled:
             row["compiled_forward_ms"] = round(statistics.median(fwd_b[3:]) * 1000, 3)
             row["python_over_compiled"] = round(f / row["compiled_forward_ms"], 3)
-            print(f"      compiled decode path: forward {row['compiled_forward_ms']:.2f} ms "
+            print(f"      compiled forward: {row['compiled_forward_ms']:.2f} ms "
                   f"({row['python_over_compiled']:.2f}x faster than the Python forward beside it)", flush=True)
         if args.compile:
             row["compiled_vs_eager"] = _compiled_vs_eager(runner, runner.prepare_inputs(output))
@@ -167,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             base = row.get("compiled_forward_ms", f)  # with --ab-compiled the profiled forward is the compiled one
             row["forward_split_ms"] = {kind: round(share * base, 3) for kind, share in shares.items()}
             row["aten_ops_per_forward"] = count_ops(forward)
-            row["weight_mb_per_forward"] = round(weight_bytes_per_forward(runner.model, n) / 1e6, 1)
+            row["weight_mb_per_forward"] = round(weight_bytes_per_forward(runner.model, n + args.chunk) / 1e6, 1)
         rows.append(row)
         print(f"{n:>5} {p:>8.2f} {f:>10.2f} {s:>9.2f} {100 * row['host_share']:>6.1f}% {row['tokens_per_s']:>8.1f}"
               + (f"  (warm-up and compile {warmup_s:.1f} s)" if args.compile else ""), flush=True)

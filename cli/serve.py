@@ -10,7 +10,7 @@ import logging
 import sys
 
 from stallfree.contracts import Ceilings, Tuning, TuningError, min_budget_for, validate_tuning
-from stallfree.node_daemon.daemon import ServeOptions
+from stallfree.node_daemon.daemon import CPU_TOKEN_BUDGET, ServeOptions
 
 # The budget a daemon starts with when told neither a budget nor a TPOT SLO.
 DEFAULT_TOKEN_BUDGET = 512
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs-ceiling", type=int, default=256, help="ceiling of max_num_seqs")
     s.add_argument("--token-budget", default="auto",
                    help="tokens per iteration, or auto: from the profile and --tpot-slo-ms "
-                        f"(else {DEFAULT_TOKEN_BUDGET})")
+                        f"(else {CPU_TOKEN_BUDGET} on the CPU, {DEFAULT_TOKEN_BUDGET} elsewhere)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="live cap on running requests")
     s.add_argument("--max-partial-prefills", type=int, default=1, help="live cap on concurrent partial prefills")
     s.add_argument("--long-prefill-threshold", type=int, default=0, help="0: no per-request prefill cap")

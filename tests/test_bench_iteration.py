@@ -30,3 +30,16 @@ def test_weight_bytes_count_every_dense_projection_and_the_tied_head():
     params = sum(p.numel() for name, p in model.named_parameters() if name.endswith("proj.weight"))
     head = model.embed_tokens.weight.numel() if model.lm_head is None else model.lm_head.weight.numel()
     assert weight_bytes_per_forward(model, rows=1) == 4 * (params + head)  # float32, no int4 copies
+
+
+def test_mixed_rows_run_the_decodes_beside_a_chunk_over_a_prefix(tmp_path, capsys):
+    out = tmp_path / "mixed.json"
+    assert iteration.main(["--model", "tiny", "--dtype", "float32", "--seqs", "0,3", "--iterations", "2",
+                           "--context", "20", "--chunk", "24", "--prefix", "40", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["seqs"], r["chunk"], r["prefix"]) for r in rows] == [(0, 24, 40), (3, 24, 40)]
+    for row in rows:  # the rate counts the chunk's tokens beside the decodes
+        total_ms = row["prepare_ms"] + row["forward_ms"] + row["sample_ms"]
+        assert abs(row["tokens_per_s"] - (row["seqs"] + 24) / total_ms * 1000) < 0.01 * row["tokens_per_s"] + 0.1
+    assert "24-token chunk over a 40-token prefix" in capsys.readouterr().out
+    assert iteration.main(["--model", "tiny", "--seqs", "0", "--json", ""]) == 2  # no decodes needs a chunk

@@ -1,6 +1,7 @@
-"""The compiled decode path (models/cpu_decode.cpp) against the Python forward it replaces and the float32
-reference: logits and KV writes within bfloat16 rounding of the Python path's, the same greedy answers as float32,
-and the runner takes it only for decode-only iterations of at most max_rows rows.
+"""The compiled forward (models/cpu_decode.cpp) against the Python forward it replaces and the float32 reference:
+logits and KV writes within bfloat16 rounding of the Python path's, the same greedy answers as float32, for
+decode-only iterations and for mixed ones (decodes plus prefill chunks over a cached prefix); the runner takes it
+for decode-only iterations of at most max_rows rows and for iterations with a prefill chunk.
 
 The extension is compiled once per machine (about a minute on 2 cores) into the stallfree cache and loaded from it
 afterwards; without a C++ compiler these tests skip.
@@ -31,7 +32,7 @@ def _runner() -> ModelRunner:
     if not cpu_decode.ensure_built(background=False):
         pytest.skip(f"compiled decode path unavailable: {cpu_decode.why_not()}")
     runner = ModelRunner(ModelConfig(model="smollm2-135m", dtype="bfloat16", compiled_decode="now"),
-                         CacheConfig(block_size=16, num_blocks=96), max_num_tokens=512, max_num_seqs=16)
+                         CacheConfig(block_size=16, num_blocks=192), max_num_tokens=512, max_num_seqs=16)
     assert runner.cpu_decode is not None
     return runner
 
@@ -98,7 +99,7 @@ def test_compiled_decode_logits_follow_float32():
     assert relative_error(rows[1], rows[0]) < BF16_LOGIT_TOLERANCE
 
 
-def test_only_decode_only_iterations_up_to_max_rows_take_the_compiled_path(monkeypatch):
+def test_which_iterations_take_the_compiled_path(monkeypatch):
     runner = _runner()
     calls = []
     real = runner.cpu_decode.forward
@@ -111,10 +112,77 @@ def test_only_decode_only_iterations_up_to_max_rows_take_the_compiled_path(monke
     assert calls == [8, 10]
     mixed = [ScheduledChunk(reqs[0], reqs[0].num_tokens - 1, 1, is_prefill=False, samples=True),
              ScheduledChunk(reqs[1], 0, reqs[1].num_tokens, is_prefill=True, samples=True)]
-    step(runner, mixed)
+    step(runner, mixed)  # a decode beside a chunk: compiled too
+    assert calls == [8, 10, 11]
     monkeypatch.setattr(runner.cpu_decode, "max_rows", 8)
-    step(runner, _decode_chunks(reqs))  # past max_rows: the Python forward
-    assert calls == [8, 10]
+    step(runner, _decode_chunks(reqs))  # a decode-only batch past max_rows: the Python forward
+    monkeypatch.setattr(runner.cpu_decode, "mixed", False)  # STALLFREE_CPU_MIXED=0
+    step(runner, mixed)
+    assert calls == [8, 10, 11]
+
+
+def _filled(runner, name: str, ids: list[int], first_block: int):
+    """A request whose tokens all have KV (prefilled by the Python path), with its next token appended."""
+    blocks = list(range(first_block, first_block + -(-(len(ids) + 40) // 16)))
+    req = make_request(name, ids, blocks)
+    with _python_path(runner):
+        last = prefill_all_rows(runner, req, 64)[-1]
+    req.append_output_token(int(last.argmax()))
+    return req
+
+
+# A decode beside a chunk over a cached prefix (int4: 6 rows; oneDNN past 8), two chunks in one iteration, a
+# whole prompt as one chunk beside decodes.
+@pytest.mark.parametrize("shape", ["small", "prefix", "two_chunks", "whole_prompt"])
+def test_compiled_mixed_iteration_follows_the_python_forward(shape):
+    runner = _runner()
+    decodes = [_filled(runner, f"d{shape}{i}", [(13 * i + 5 * j) % 4000 + 30 for j in range(9 + 23 * i)],
+                       100 + 8 * i) for i in range(3)]
+    prompt = [(17 * j) % 4000 + 40 for j in range(150)]
+    start, size = {"small": (140, 5), "prefix": (37, 100), "two_chunks": (64, 48), "whole_prompt": (0, 150)}[shape]
+    chunked = make_request(f"c{shape}", prompt, list(range(130, 141)))
+    if start:
+        with _python_path(runner):
+            prefill_all_rows(runner, chunked, 64, start=0)
+    chunks = _decode_chunks(decodes[:1] if shape == "small" else decodes)
+    chunks.append(ScheduledChunk(chunked, start, size, is_prefill=True, samples=start + size == len(prompt)))
+    if shape == "two_chunks":
+        other = make_request("c2", prompt[:70], list(range(150, 156)))
+        chunks.append(ScheduledChunk(other, 0, 70, is_prefill=True, samples=True))
+    with _python_path(runner):
+        want = step(runner, chunks, all_logits=True)
+    got = step(runner, chunks, all_logits=True)  # rewrites the same slots
+    assert got.shape == want.shape
+    assert relative_error(got, want) < PATH_TOLERANCE
+    # Greedy picks agree but where two tokens are within rounding of each other (prompt rows of made-up text).
+    picked = got.argmax(-1)
+    scale = want.abs().max()
+    shortfall = (want.max(-1).values - want.gather(1, picked[:, None])[:, 0]) / scale
+    print(f"relative error {relative_error(got, want):.4f}, rows picking another token {int((shortfall > 0).sum())} of "
+          f"{len(picked)}, largest shortfall {float(shortfall.max()):.4f}")
+    assert float(shortfall.max()) < PATH_TOLERANCE / 3
+
+
+def test_compiled_chunked_prefill_gives_the_float32_greedy_answer():
+    """A prompt prefilled in chunks of 7 beside a running decode, then decoded, all on the compiled path."""
+    tokenizer = smollm2_tokenizer()
+    ids = tokenizer.encode("The capital of France is")
+    float32 = smollm2_runner()
+    ref = make_request("ref", ids, [60, 61])
+    want = tokenizer.decode(greedy_decode(float32, ref, prefill_all_rows(float32, ref, len(ids))[-1], 6))
+    runner = _runner()
+    other = _filled(runner, "beside", [(3 * j) % 3000 + 50 for j in range(30)], 160)
+    req = make_request("q", ids, [170, 171])
+    pos = 0
+    while pos < len(ids):
+        n = min(7, len(ids) - pos)
+        chunks = _decode_chunks([other]) + [ScheduledChunk(req, pos, n, is_prefill=True, samples=pos + n == len(ids))]
+        logits = step(runner, chunks)
+        other.append_output_token(int(logits[0].argmax()))
+        other.num_computed_tokens = other.num_tokens - 1
+        pos += n
+    req.num_computed_tokens = len(ids)
+    assert tokenizer.decode(greedy_decode(runner, req, logits[-1], 6)) == want
 
 
 def test_models_it_does_not_cover_say_why():

@@ -10,7 +10,7 @@ import torch
 from stallfree.contracts import Profile, ProfilePoint
 from stallfree.node_daemon.measure import profiler
 from stallfree.node_daemon.measure.profile_cache import CACHE_ENV, ProfileCache, cache_key, default_cache_dir, \
-    file_identity, profile_key
+    engine_build, file_identity, profile_key
 from stallfree.node_daemon.measure.profiler import ProfileSettings
 from stallfree.cli.serve import parse_options
 from stallfree.node_daemon.daemon import _startup_profile, build_llm_engine
@@ -166,3 +166,39 @@ def test_serve_does_not_cache_an_untrusted_profile(tmp_path, monkeypatch) -> Non
     daemon = type("D", (), {"profile": profile})()
     assert retry(daemon, engine, lambda: False) is None
     assert daemon.profile is not profile and len(list(tmp_path.glob("profile-*.json"))) == 1
+
+
+def test_a_profile_measured_while_the_compiled_forward_was_off_is_not_read_once_it_is_on(tmp_path) -> None:
+    opts, engine, device = _serve_engine(tmp_path)
+    settings = ProfileSettings()
+    before = profile_key(engine, device, settings)
+    assert before["compiled_forward"] is False  # the tiny float32 engine has none
+
+    class Loaded:
+        @staticmethod
+        def can_run(rows: int, decode_only: bool) -> bool:
+            return True
+
+    engine.executor.runner.cpu_decode = Loaded()
+    after = profile_key(engine, device, settings)
+    assert after["compiled_forward"] is True
+    assert ProfileCache(tmp_path).path_for(before) != ProfileCache(tmp_path).path_for(after)
+
+
+def test_the_engine_build_hashes_the_compiled_forwards_sources(monkeypatch) -> None:
+    from pathlib import Path
+
+    from stallfree.node_daemon.models import cpu_decode
+
+    read = Path.read_bytes
+    engine_build.cache_clear()
+    try:
+        first = engine_build()
+        for changed in (cpu_decode.SOURCE, *cpu_decode.HEADERS):  # as if each C++ file were edited
+            monkeypatch.setattr(Path, "read_bytes",
+                                lambda self, c=changed: read(self) + (b"//" if self == c else b""))
+            engine_build.cache_clear()
+            assert engine_build() != first, changed
+    finally:
+        monkeypatch.undo()
+        engine_build.cache_clear()

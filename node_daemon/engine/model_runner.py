@@ -91,11 +91,11 @@ class ModelRunner:
         # The CUDA-graph hook: decode-only iterations may replay a captured graph instead of launching eagerly.
         if self.cuda_graphs is not None and inputs.is_decode_only and self.cuda_graphs.can_run(inputs):
             return self.cuda_graphs.run(inputs)
-        # The CPU's counterpart: a decode-only iteration of a few rows in one compiled call.
+        # The CPU's counterpart: the whole forward in one compiled call (decodes, and prefill chunks beside them).
         if self.cpu_decode is not None and self.cpu_decode.can_run(inputs.input_ids.shape[0], inputs.is_decode_only):
             m = inputs.metadata
             return self.cpu_decode.forward(inputs.input_ids, inputs.positions, m.slot_mapping, m.block_tables,
-                                           m.seq_lens)
+                                           m.seq_lens, m.query_start_loc)
         self.attn.begin_iteration(inputs.metadata)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.attn)
 
@@ -201,7 +201,8 @@ class ModelRunner:
             log.info("compiled decode path off: %s", why)
             return None
         compiled = cpu_decode.CpuDecode(self.model, self.kv_caches)
-        log.info("compiled decode path: decode-only iterations of up to %d rows", compiled.max_rows)
+        log.info("compiled forward: decode-only iterations of up to %d rows%s", compiled.max_rows,
+                 ", and iterations with prefill chunks" if compiled.mixed else "")
         return compiled
 
     # --- KV cache --------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-// A decode-only forward of a Llama-family model on the CPU in one call (node_daemon/models/cpu_decode.py).
+// A forward of a Llama-family model on the CPU in one call (node_daemon/models/cpu_decode.py): decode rows and
+// prefill chunks over a cached prefix in one ragged batch, as the Python path takes them.
 //
 // Why: a step of a small model run op by op from Python is bound by the ops' count and Python around them
 // (about 5,700 ATen calls a token for SmolLM2-135M), not by arithmetic. Here each layer is four int4 weight
@@ -8,7 +9,11 @@
 // q and k rounded to bfloat16 after RoPE, attention in float32.
 //
 // Layouts: activations [rows, width] contiguous; the KV cache head-major [kv_heads, num_blocks, block_size,
-// head_dim] per layer (kernels/cpu_attention.py); block tables [rows, width] int32; one row per sequence.
+// head_dim] per layer (kernels/cpu_attention.py); block tables [seqs, width] int32; sequence i owns rows
+// query_start_loc[i] .. query_start_loc[i + 1] - 1. A one-row sequence (a decode) attends by the float32 loop
+// below; a chunk of more rows by the AVX512-BF16 kernel of cpu_chunk_attention.h where the CPU has it, else
+// through ATen's scaled_dot_product_attention over its gathered keys and values (the Python path's call,
+// kernels/cpu_attention.py); its gather index and mask are built once for all layers.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -18,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -89,10 +95,20 @@ inline const uint16_t* bf16_ptr(const at::Tensor& t) {
 }
 inline uint16_t* bf16_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
+// Inside this namespace: it uses the helpers above.
+#include "cpu_chunk_attention.h"
+
+// The row-wise loops below split across threads only past this many rows: decode batches (up to MAX_ROWS = 64 in
+// cpu_decode.py) run them on the calling thread, as before the loops were threaded.
+constexpr int64_t kParallelRows = 65;
+
 // residual += h (when given); out = bf16(rms_norm(residual) * w).
 void add_rms_norm(float* residual, const uint16_t* h, const float* w, uint16_t* out, int64_t rows, int64_t width,
                   double eps) {
-  for (int64_t r = 0; r < rows; ++r) {
+  // Rows are independent: split across threads only for a prefill chunk's rows (a decode batch's few rows stay on
+  // the calling thread: a parallel region costs more than they do, and far more when a core is busy).
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
     float* x = residual + r * width;
     if (h != nullptr) {
       const uint16_t* hr = h + r * width;
@@ -105,6 +121,7 @@ void add_rms_norm(float* residual, const uint16_t* h, const float* w, uint16_t* 
     uint16_t* o = out + r * width;
     for (int64_t i = 0; i < width; ++i) o[i] = f2bf(x[i] * inv * w[i]);
   }
+  });
 }
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t planes) {
@@ -136,13 +153,14 @@ struct Dims {
 };
 
 // RoPE on q and k (rotate-half, cos|sin halves per position), q and k rounded to bfloat16; q goes to
-// q_out as float, k and v into the cache at the row's slot.
+// q_out [rows, heads * head_dim], k and v into the cache at the row's slot (rows write distinct slots).
 void rope_and_write(const uint16_t* qkv, const int64_t* positions, const int64_t* slots, const float* cos_sin,
-                    float* q_out, uint16_t* k_cache, uint16_t* v_cache, const Dims& d) {
+                    uint16_t* q_out, uint16_t* k_cache, uint16_t* v_cache, const Dims& d) {
   const int64_t D = d.head_dim, half = D / 2;
   const int64_t qkv_width = (d.heads + 2 * d.kv_heads) * D;
+  at::parallel_for(0, d.rows, kParallelRows, [&](int64_t begin, int64_t end) {
   std::vector<float> rotated(D);
-  for (int64_t r = 0; r < d.rows; ++r) {
+  for (int64_t r = begin; r < end; ++r) {
     const uint16_t* row = qkv + r * qkv_width;
     const float* c = cos_sin + positions[r] * D;
     const float* s = c + half;
@@ -155,8 +173,8 @@ void rope_and_write(const uint16_t* qkv, const int64_t* positions, const int64_t
         rotated[j + half] = b * c[j] + a * s[j];
       }
       if (h < d.heads) {
-        float* q = q_out + (r * d.heads + h) * D;
-        for (int64_t i = 0; i < D; ++i) q[i] = bf2f(f2bf(rotated[i]));
+        uint16_t* q = q_out + (r * d.heads + h) * D;
+        for (int64_t i = 0; i < D; ++i) q[i] = f2bf(rotated[i]);
       } else if (slot >= 0) {
         uint16_t* k = k_cache + ((h - d.heads) * d.num_slots + slot) * D;
         for (int64_t i = 0; i < D; ++i) k[i] = f2bf(rotated[i]);
@@ -168,27 +186,32 @@ void rope_and_write(const uint16_t* qkv, const int64_t* positions, const int64_t
         std::memcpy(v_cache + (g * d.num_slots + slot) * D, v + g * D, D * sizeof(uint16_t));
     }
   }
+  });
 }
 
-// Each row's query heads against its sequence's cached keys and values (the row's own included), float32.
-void decode_attention(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* tables,
-                      const int32_t* seq_lens, uint16_t* out, const Dims& d, float scale) {
-  const int64_t D = d.head_dim, group = d.heads / d.kv_heads;
+// The decode rows' query heads against their sequences' cached keys and values (the row's own included),
+// float32: decode k of the batch is row rows[k] of sequence seqs[k].
+void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* tables,
+                      const int32_t* seq_lens, const std::vector<int64_t>& rows, const std::vector<int64_t>& seqs,
+                      uint16_t* out, const Dims& d, float scale) {
+  const int64_t D = d.head_dim, group = d.heads / d.kv_heads, count = static_cast<int64_t>(rows.size());
   int64_t longest = 0;
-  for (int64_t r = 0; r < d.rows; ++r) longest = std::max<int64_t>(longest, seq_lens[r]);
-  // One task per (row, kv head); split only when there is enough work to pay for the threads.
+  for (int64_t s : seqs) longest = std::max<int64_t>(longest, seq_lens[s]);
+  // One task per (decode, kv head); split only when there is enough work to pay for the threads.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, longest * D * group));
-  at::parallel_for(0, d.rows * d.kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * longest), acc(group * D);
+  at::parallel_for(0, count * d.kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * longest), acc(group * D), qf(group * D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / d.kv_heads, g = task % d.kv_heads, L = seq_lens[r];
-      const int32_t* table = tables + r * d.width;
+      const int64_t r = rows[task / d.kv_heads], s = seqs[task / d.kv_heads], g = task % d.kv_heads;
+      const int64_t L = seq_lens[s];
+      const int32_t* table = tables + s * d.width;
       const uint16_t* kh = k_cache + g * d.num_slots * D;
       const uint16_t* vh = v_cache + g * d.num_slots * D;
-      const float* qg = q + (r * d.heads + g * group) * D;
+      const uint16_t* qg = q + (r * d.heads + g * group) * D;
+      for (int64_t i = 0; i < group * D; ++i) qf[i] = bf2f(qg[i]);
       for (int64_t t = 0; t < L; ++t) {
         const uint16_t* k = kh + (static_cast<int64_t>(table[t / d.block_size]) * d.block_size + t % d.block_size) * D;
-        for (int64_t j = 0; j < group; ++j) scores[j * L + t] = dot_bf16(qg + j * D, k, D) * scale;
+        for (int64_t j = 0; j < group; ++j) scores[j * L + t] = dot_bf16(qf.data() + j * D, k, D) * scale;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < group; ++j) {
@@ -219,10 +242,90 @@ void decode_attention(const float* q, const uint16_t* k_cache, const uint16_t* v
   });
 }
 
+// A prefill chunk: rows first .. first + len - 1 of one sequence of seq_len cached tokens (the chunk's own
+// last), its flat cache slots and, over a cached prefix, its bottom-right aligned causal mask.
+struct Chunk {
+  int64_t first, len;
+  at::Tensor gather;  // [seq_len] int64
+  std::optional<at::Tensor> mask;  // [len, seq_len] bool, true where visible; none: plain causal
+};
+
+// The rows' split into decodes and chunks, built once for all layers (the Python path's attention plan).
+struct Plan {
+  std::vector<int64_t> decode_rows, decode_seqs;
+  std::vector<Chunk> chunks;
+};
+
+Plan plan_rows(const int32_t* query_start, const int32_t* tables, const int32_t* seq_lens, int64_t num_seqs,
+               const Dims& d) {
+  Plan plan;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t first = query_start[s], len = query_start[s + 1] - first, L = seq_lens[s];
+    if (len == 1) {
+      plan.decode_rows.push_back(first);
+      plan.decode_seqs.push_back(s);
+    } else if (len > 1) {
+      at::Tensor gather = at::empty({L}, at::kLong);
+      int64_t* g = gather.data_ptr<int64_t>();
+      const int32_t* table = tables + s * d.width;
+      for (int64_t t = 0; t < L; ++t)
+        g[t] = static_cast<int64_t>(table[t / d.block_size]) * d.block_size + t % d.block_size;
+      std::optional<at::Tensor> mask;
+      if (len != L) {  // query j sees keys 0 .. L - len + j
+        at::Tensor m = at::empty({len, L}, at::kBool);
+        bool* mp = m.data_ptr<bool>();
+        for (int64_t j = 0; j < len; ++j)
+          for (int64_t t = 0; t < L; ++t) mp[j * L + t] = t <= L - len + j;
+        mask = m;
+      }
+      plan.chunks.push_back({first, len, gather, mask});
+    }
+  }
+  return plan;
+}
+
+// Every chunk's queries against its sequence's gathered keys and values: scaled_dot_product_attention with the
+// arguments the Python path gives it (q [1, heads, len, D] a transposed view, k and v [1, kv_heads, L, D]).
+// Whether chunks take the AVX512-BF16 kernel (cpu_chunk_attention.h) where it was compiled in (set_chunk_kernel).
+bool g_chunk_kernel = true;
+
+void chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const Plan& plan,
+                     at::Tensor& out, const Dims& d, double scale) {
+#ifdef STALLFREE_CHUNK_KERNEL
+  if (g_chunk_kernel && d.head_dim % 64 == 0 && !plan.chunks.empty()) {
+    std::vector<PackedKV> packed(d.kv_heads);
+    for (const Chunk& c : plan.chunks) {
+      const int64_t keys = c.gather.size(0);
+      const int64_t* gather = c.gather.data_ptr<int64_t>();
+      at::parallel_for(0, d.kv_heads, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t g = begin; g < end; ++g)
+          pack_kv(bf16_ptr(k_cache) + g * d.num_slots * d.head_dim, bf16_ptr(v_cache) + g * d.num_slots * d.head_dim,
+                  gather, keys, d.head_dim, packed[g]);
+      });
+      chunk_attention_bf16(bf16_ptr(q), packed, c.first, c.len, keys, bf16_mut(out), d.heads, d.kv_heads,
+                           d.head_dim, static_cast<float>(scale));
+    }
+    return;
+  }
+#endif
+  const at::Tensor k_flat = k_cache.view({d.kv_heads, -1, d.head_dim});
+  const at::Tensor v_flat = v_cache.view({d.kv_heads, -1, d.head_dim});
+  const at::Tensor q3 = q.view({d.rows, d.heads, d.head_dim});
+  at::Tensor out3 = out.view({d.rows, d.heads, d.head_dim});
+  for (const Chunk& c : plan.chunks) {
+    const at::Tensor k = k_flat.index_select(1, c.gather).unsqueeze(0);
+    const at::Tensor v = v_flat.index_select(1, c.gather).unsqueeze(0);
+    const at::Tensor qc = q3.narrow(0, c.first, c.len).transpose(0, 1).unsqueeze(0);
+    const at::Tensor o = at::scaled_dot_product_attention(qc, k, v, c.mask, 0.0, !c.mask.has_value(), scale, true);
+    out3.narrow(0, c.first, c.len).copy_(o.squeeze(0).transpose(0, 1));
+  }
+}
+
 // bf16(bf16(silu(gate)) * up), as torch's two bfloat16 ops round; the exponentials vectorized apart.
 void silu_and_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t begin, int64_t end) {
   std::vector<float> e(inter);
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = begin; r < end; ++r) {
     const uint16_t* g = gu + r * 2 * inter;
     const uint16_t* u = g + inter;
     uint16_t* o = out + r * inter;
@@ -233,35 +336,42 @@ void silu_and_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t inter
       o[i] = f2bf(bf2f(f2bf(x / (1.f + e[i]))) * bf2f(u[i]));
     }
   }
+  });
 }
 
 // weights: per layer qkv, o, gate_up, down as (int4 packed, scales_and_zeros, oneDNN packed) triples; planes: per
 // projection; rows past int4_max_rows take the oneDNN copies.
 // norms: per layer input and post-attention RMSNorm weights (float32), then the final norm's.
-// kv: per layer k cache, v cache. Returns the final-norm hidden states [rows, hidden] bfloat16.
-at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
-                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& embed,
-                          const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
-                          at::IntArrayRef planes, at::TensorList kv, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t head_dim, double eps, int64_t int4_max_rows) {
+// kv: per layer k cache, v cache; query_start_loc [seqs + 1] int32: each sequence's first row.
+// Returns the final-norm hidden states [rows, hidden] bfloat16.
+at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                   const at::Tensor& embed, const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
+                   at::IntArrayRef planes, at::TensorList kv, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim, double eps, int64_t int4_max_rows) {
   at::NoGradGuard no_grad;
   const int64_t rows = input_ids.size(0), hidden = embed.size(1), layers = static_cast<int64_t>(kv.size()) / 2;
-  TORCH_CHECK(embed.scalar_type() == at::kBFloat16, "decode_forward: bfloat16 weights only");
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(embed.scalar_type() == at::kBFloat16, "forward: bfloat16 weights only");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 12 * layers && static_cast<int64_t>(planes.size()) == 4 * layers,
-              "decode_forward: 4 projections a layer");
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers + 1, "decode_forward: 2 norms a layer and a final one");
+              "forward: 4 projections a layer");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers + 1, "forward: 2 norms a layer and a final one");
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && query_start_loc.data_ptr<int32_t>()[num_seqs] == rows,
+              "forward: query_start_loc must cover every row");
   const at::Tensor& k0 = kv[0];
   Dims d{rows, num_heads, num_kv_heads, head_dim, k0.size(2), k0.size(1) * k0.size(2), block_tables.size(1)};
   const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+  const double chunk_scale = 1.0 / std::sqrt(static_cast<double>(head_dim));  // the Python path's (a Python float)
   const auto bf16 = embed.options();
   at::Tensor residual = embed.index_select(0, input_ids).to(at::kFloat);
   at::Tensor x = at::empty({rows, hidden}, bf16);
-  at::Tensor q = at::empty({rows, num_heads * head_dim}, bf16.dtype(at::kFloat));
+  at::Tensor q = at::empty({rows, num_heads * head_dim}, bf16);
   at::Tensor attn = at::empty({rows, num_heads * head_dim}, bf16);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const Plan plan = plan_rows(query_start_loc.data_ptr<int32_t>(), tables, lens, num_seqs, d);
   at::Tensor h;  // the previous layer's MLP output, added into the residual by the next norm
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + 12 * l;
@@ -270,10 +380,12 @@ at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positio
                  bf16_mut(x), rows, hidden, eps);
     at::Tensor qkv = project(x, w, p[0], int4_max_rows);
     at::Tensor k_cache = kv[2 * l], v_cache = kv[2 * l + 1];
-    rope_and_write(bf16_ptr(qkv), pos, slots, cos_sin.data_ptr<float>(), q.data_ptr<float>(), bf16_mut(k_cache),
+    rope_and_write(bf16_ptr(qkv), pos, slots, cos_sin.data_ptr<float>(), bf16_mut(q), bf16_mut(k_cache),
                    bf16_mut(v_cache), d);
-    decode_attention(q.data_ptr<float>(), bf16_ptr(k_cache), bf16_ptr(v_cache), tables, lens, bf16_mut(attn), d,
-                     scale);
+    if (!plan.decode_rows.empty())
+      decode_attention(bf16_ptr(q), bf16_ptr(k_cache), bf16_ptr(v_cache), tables, lens, plan.decode_rows,
+                       plan.decode_seqs, bf16_mut(attn), d, scale);
+    chunk_attention(q, k_cache, v_cache, plan, attn, d, chunk_scale);
     at::Tensor o = project(attn, w + 3, p[1], int4_max_rows);
     add_rms_norm(residual.data_ptr<float>(), bf16_ptr(o), norms[2 * l + 1].data_ptr<float>(), bf16_mut(x), rows,
                  hidden, eps);
@@ -292,9 +404,40 @@ at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positio
 
 // A catch-all kernel: the oneDNN-packed weights among the arguments are MkldnnCPU tensors, so a CPU-keyed one
 // would not be found for them.
+// The prefill chunks' attention alone (tests: the kernel against scaled_dot_product_attention): q [rows, heads, D]
+// bfloat16, the caches head-major; rows of one-token sequences come back zero.
+at::Tensor chunk_attention_only(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& query_start_loc, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, double scale) {
+  const int64_t rows = q.size(0), heads = q.size(1), D = q.size(2);
+  Dims d{rows, heads, k_cache.size(0), D, k_cache.size(2), k_cache.size(1) * k_cache.size(2), block_tables.size(1)};
+  const Plan plan = plan_rows(query_start_loc.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
+                              seq_lens.data_ptr<int32_t>(), seq_lens.size(0), d);
+  at::Tensor flat = q.contiguous().view({rows, heads * D});
+  at::Tensor out = at::zeros_like(flat);
+  chunk_attention(flat, k_cache, v_cache, plan, out, d, scale);
+  return out.view({rows, heads, D});
+}
+
+// Chunks through the AVX512-BF16 kernel (true) or ATen's scaled_dot_product_attention; returns whether the kernel
+// is in use (false where the CPU lacks AVX512-BF16, whatever was asked).
+bool set_chunk_kernel(bool on) {
+#ifdef STALLFREE_CHUNK_KERNEL
+  g_chunk_kernel = on;
+  return on;
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 TORCH_LIBRARY(stallfree_cpu, m) {
-  m.def("decode_forward(Tensor input_ids, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor seq_lens, Tensor embed, Tensor cos_sin, Tensor[] norms, Tensor[] weights, int[] planes, "
-        "Tensor[] kv, int num_heads, int num_kv_heads, int head_dim, float eps, int int4_max_rows) -> Tensor",
-        &decode_forward);
+  m.def("set_chunk_kernel(bool on) -> bool", &set_chunk_kernel);
+  m.def("chunk_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor", &chunk_attention_only);
+  m.def("forward(Tensor input_ids, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, Tensor embed, Tensor cos_sin, Tensor[] norms, Tensor[] weights, "
+        "int[] planes, Tensor[] kv, int num_heads, int num_kv_heads, int head_dim, float eps, int int4_max_rows) "
+        "-> Tensor",
+        &forward);
 }

@@ -1,16 +1,22 @@
-"""Decode-only iterations of an int4 (GGUF) model on the CPU in one compiled call: models/cpu_decode.cpp.
+"""Iterations of an int4 (GGUF) model on the CPU in one compiled call: models/cpu_decode.cpp.
 
 A decode step of a small model run op by op is bound by the ops' count and the Python around them, not by its
-arithmetic (`stallfree bench iteration --breakdown`). cpu_decode.cpp runs a whole decode forward in C++: the same
-int4 kernel for the projections up to INT4_MAX_ROWS rows and the oneDNN-prepacked bfloat16 copies past it (the
-Python path's choice), plain loops for the rest. Prefill chunks, mixed iterations, decode batches past MAX_ROWS and
-models it does not cover (a dense projection, a bias) stay on the Python path.
+arithmetic (`stallfree bench iteration --breakdown`). cpu_decode.cpp runs a whole forward in C++: the same int4
+kernel for the projections up to INT4_MAX_ROWS rows and the oneDNN-prepacked bfloat16 copies past it (the Python
+path's choice), plain threaded loops for the norms, RoPE with the KV write, decode attention and SiLU-and-mul, and
+for prefill chunks an AVX512-BF16 attention kernel (cpu_chunk_attention.h; elsewhere ATen's
+scaled_dot_product_attention, the Python path's call). It takes decode-only iterations of
+up to MAX_ROWS rows and, when every projection has its oneDNN copy, iterations with prefill chunks of any size (a
+serving load's mixed iterations: the decodes plus a chunk). Decode-only batches past MAX_ROWS and models it does
+not cover (a dense projection, a bias) stay on the Python path.
 
 The extension is compiled once per source, torch build and CPU (the key of its folder in
 $STALLFREE_EXT_CACHE, else $XDG_CACHE_HOME/stallfree/ext) and loaded from there in milliseconds afterwards.
 It is never compiled on the serving path: `ensure_built(background=True)` compiles it on a low-priority thread
 while the Python path serves, and the runner switches over at the next iteration once it is loaded.
-STALLFREE_CPU_DECODE=0 turns it off; without a C++ compiler it stays off and start-up says why.
+STALLFREE_CPU_DECODE=0 turns it off; STALLFREE_CPU_MIXED=0 keeps iterations with a prefill chunk on the Python
+path and STALLFREE_CPU_CHUNK_KERNEL=0 gives prefill chunks ATen's attention instead of the AVX512-BF16 kernel
+(cpu_chunk_attention.h; A/B switches); without a C++ compiler it stays off and start-up says why.
 """
 from __future__ import annotations
 
@@ -33,7 +39,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+HEADERS = [Path(__file__).with_name("cpu_chunk_attention.h")]  # included by SOURCE: part of the build key
 ENV_SWITCH = "STALLFREE_CPU_DECODE"
+MIXED_SWITCH = "STALLFREE_CPU_MIXED"
+CHUNK_KERNEL_SWITCH = "STALLFREE_CPU_CHUNK_KERNEL"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 # Decode batches up to this many rows take the compiled path (int4 up to INT4_MAX_ROWS, oneDNN's bfloat16 past it).
 MAX_ROWS = 64
@@ -42,8 +51,8 @@ _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": False, "why": None, "thread": None}
 
 
-def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") not in ("0", "false", "no", "off")
+def enabled(switch: str = ENV_SWITCH) -> bool:
+    return os.environ.get(switch, "1") not in ("0", "false", "no", "off")
 
 
 def _cpu_key() -> str:
@@ -56,9 +65,11 @@ def _cpu_key() -> str:
 
 
 def build_key() -> str:
-    """What the compiled file depends on: the source, the flags, torch's build and the CPU (-march=native)."""
+    """What the compiled file depends on: the sources, the flags, torch's build and the CPU (-march=native)."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(), _cpu_key().encode()):
+    parts = (SOURCE.read_bytes(), *(h.read_bytes() for h in HEADERS), " ".join(_CFLAGS).encode(),
+             torch.__version__.encode(), _cpu_key().encode())
+    for part in parts:
         digest.update(part)
     return digest.hexdigest()[:16]
 
@@ -111,6 +122,7 @@ def _load_or_build(build: bool) -> bool:
             log.info("compiled CPU decode path in %.1f s (%s)", time.monotonic() - started, built)
         else:
             torch.ops.load_library(str(library))
+        torch.ops.stallfree_cpu.set_chunk_kernel(enabled(CHUNK_KERNEL_SWITCH))
         _state["loaded"], _state["why"] = True, None
         return True
 
@@ -175,14 +187,19 @@ class CpuDecode:
         shape = model.shape
         self.dims = (shape.num_heads, shape.num_kv_heads, shape.head_dim, float(shape.rms_norm_eps), INT4_MAX_ROWS)
         # Past INT4_MAX_ROWS the projections take the oneDNN copies: only when every one has them.
-        self.max_rows = MAX_ROWS if all(w.numel() for w in self.weights[2::3]) else INT4_MAX_ROWS
+        self.packed = all(w.numel() for w in self.weights[2::3])
+        self.max_rows = MAX_ROWS if self.packed else INT4_MAX_ROWS
+        self.mixed = enabled(MIXED_SWITCH)
 
     def can_run(self, num_tokens: int, decode_only: bool) -> bool:
-        return decode_only and num_tokens <= self.max_rows and is_loaded()
+        if decode_only:
+            return num_tokens <= self.max_rows and is_loaded()
+        # An iteration with a prefill chunk, of any size past INT4_MAX_ROWS when the oneDNN copies are there.
+        return self.mixed and (self.packed or num_tokens <= INT4_MAX_ROWS) and is_loaded()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Final-norm hidden states [rows, hidden] (bfloat16) of one decode-only iteration, KV written."""
-        return torch.ops.stallfree_cpu.decode_forward(
-            input_ids, positions, slot_mapping, block_tables.contiguous(), seq_lens, self.embed, self.cos_sin,
-            self.norms, self.weights, self.planes, self.kv, *self.dims)
+                block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [rows, hidden] (bfloat16) of one iteration, KV written."""
+        return torch.ops.stallfree_cpu.forward(
+            input_ids, positions, slot_mapping, block_tables.contiguous(), seq_lens, query_start_loc, self.embed,
+            self.cos_sin, self.norms, self.weights, self.planes, self.kv, *self.dims)
