@@ -83,7 +83,7 @@ class RouterBacklog:
     # Over the last control interval alone (the panic window's demand), less one Poisson standard deviation.
     recent_arrival_prompt_tokens_per_s: float | None = None
     # Requests/s that arrived over the stats window and the squared coefficient of variation of their prompt
-    # lengths: with the queue-wait SLO, how many replicas its p99 needs (queueing.py), beyond utilisation.
+    # lengths: with the queue-wait SLO, how many replicas its tail needs (queueing.py), beyond utilisation.
     arrival_requests_per_s: float | None = None
     prompt_cv2: float | None = None
 
@@ -199,7 +199,8 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
         fleet, kept_aside = len(known), len(serving_unknown)
 
     def for_queue_wait(demand_tokens_per_s: float) -> int:
-        """Replicas the queue-wait p99 needs at this demand (0 where the router's arrivals cannot tell)."""
+        """Replicas that keep queue wait within its target at this demand (0 where the router's arrivals cannot
+        tell): QUEUE_WAIT_QUANTILE of requests within the queue-wait SLO and the TTFT SLO less a long prefill."""
         if not (capacity and queue_wait_slo_s and backlog.arrival_requests_per_s and backlog.arrival_prompt_tokens_per_s
                 and demand_tokens_per_s > 0):
             return 0
