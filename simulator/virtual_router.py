@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 from stallfree.contracts import Profile, WindowStats
 from stallfree.operator.control.observe import QueueObservation
-from stallfree.operator.control.observe_router import prompt_cv2
+from stallfree.operator.control.queueing import prompt_cv2
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
 from stallfree.operator.router.pick import ReplicaView, pick
 from stallfree.operator.router.rates import decode_step_ms

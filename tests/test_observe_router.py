@@ -35,7 +35,7 @@ async def test_an_unreachable_router_is_no_information():
 
 
 def test_the_spread_of_prompt_lengths_comes_from_the_routers_sums():
-    from stallfree.operator.control.observe_router import prompt_cv2
+    from stallfree.operator.control.queueing import prompt_cv2
 
     lengths = [1000, 3000] * 10  # mean 2000, standard deviation 1000: cv^2 = 0.25
     assert prompt_cv2(len(lengths), sum(lengths), sum(n * n for n in lengths)) == 0.25

@@ -12,6 +12,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 
 from stallfree.operator.control.observe import QueueObservation
+from stallfree.operator.control.queueing import prompt_cv2
 
 Reader = Callable[[], Awaitable[dict[str, Any] | None]]
 
@@ -45,18 +46,6 @@ class RouterQueueSource:
                                 recent_prompt_tokens=last[2] - previous[2], recent_requests=last[1] - previous[1],
                                 recent_s=last[0] - previous[0], arrival_requests_per_s=count / span if span > 0 else 0.0,
                                 prompt_cv2=cv2)
-
-
-# Fewer arrivals than this say little about the spread of prompt lengths.
-MIN_REQUESTS_FOR_SPREAD = 10
-
-
-def prompt_cv2(count: int, tokens: float, squares: float) -> float | None:
-    """Squared coefficient of variation of `count` prompt lengths from their sum and sum of squares."""
-    if count < MIN_REQUESTS_FOR_SPREAD or tokens <= 0:
-        return None
-    mean = tokens / count
-    return max(0.0, squares / count - mean * mean) / (mean * mean)
 
 
 def http_queue_reader(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> Reader:

