@@ -22,6 +22,20 @@ import sys
 import time
 
 
+# The compiled forward's kinds of step, in the order models/cpu_decode.cpp's phase_seconds() gives them.
+COMPILED_STEPS = ("norm", "matmul", "rope+kv", "decode attn", "chunk attn", "silu*up")
+
+
+def _compiled_steps(forward, repeats: int = 5) -> dict[str, float]:
+    """ms a forward in each kind of step of the compiled forward (its own clock between steps)."""
+    import torch
+
+    torch.ops.stallfree_cpu.phase_seconds()  # zeroes the clock's sums
+    for _ in range(repeats):
+        forward()
+    return {name: round(s * 1000 / repeats, 3) for name, s in zip(COMPILED_STEPS, torch.ops.stallfree_cpu.phase_seconds())}
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="stallfree bench iteration", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -186,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             row["forward_split_ms"] = {kind: round(share * base, 3) for kind, share in shares.items()}
             row["aten_ops_per_forward"] = count_ops(forward)
             row["weight_mb_per_forward"] = round(weight_bytes_per_forward(runner.model, n + args.chunk) / 1e6, 1)
+            if runner.cpu_decode is not None and runner.cpu_decode.can_run(n + args.chunk, decode_only=not args.chunk):
+                row["compiled_steps_ms"] = _compiled_steps(forward)
         rows.append(row)
         print(f"{n:>5} {p:>8.2f} {f:>10.2f} {s:>9.2f} {100 * row['host_share']:>6.1f}% {row['tokens_per_s']:>8.1f}"
               + (f"  (warm-up and compile {warmup_s:.1f} s)" if args.compile else ""), flush=True)
@@ -200,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['seqs']:>5} {split['matmul']:>8.2f} {split['attention']:>10.2f} {split['other_ops']:>10.2f} "
                   f"{split['python']:>8.2f} {row['aten_ops_per_forward']:>9} {row['weight_mb_per_forward']:>10.1f} "
                   f"{row['weight_read_ms_at_bandwidth']:>9.2f} ms")
+        stepped = [row for row in rows if "compiled_steps_ms" in row]
+        if stepped:
+            print("the compiled forward by step (ms a forward; the LM head runs after it, under matmul above):")
+            print(f"{'seqs':>5} " + " ".join(f"{name:>10}" for name in COMPILED_STEPS))
+            for row in stepped:
+                print(f"{row['seqs']:>5} " + " ".join(f"{row['compiled_steps_ms'][name]:>10.2f}" for name in COMPILED_STEPS))
         result_extra = {"memory_bandwidth_gb_s": round(bandwidth, 2)}
     else:
         result_extra = {}

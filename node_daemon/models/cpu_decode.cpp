@@ -2,17 +2,19 @@
 // prefill chunks over a cached prefix in one ragged batch, as the Python path takes them.
 //
 // Why: a step of a small model run op by op from Python is bound by the ops' count and Python around them
-// (about 5,700 ATen calls a token for SmolLM2-135M), not by arithmetic. Here each layer is four int4 weight
-// matmuls (torch's own kernel, the one the Python path calls) and four plain loops: add + RMSNorm, RoPE with
+// (about 5,700 ATen calls a token for SmolLM2-135M), not by arithmetic. Here each layer is four weight matmuls
+// (for a few rows the VNNI kernel of cpu_vnni_matmul.h or torch's int4 kernel, as the Python path calls them;
+// oneDNN's bfloat16 GEMM for more) and four plain loops: add + RMSNorm, RoPE with
 // the KV write, decode attention over the paged cache, SiLU-and-mul. The arithmetic and its rounding points
 // follow models/llama.py's CPU path: a float32 residual stream, bfloat16 activations into every matmul,
 // q and k rounded to bfloat16 after RoPE, attention in float32.
 //
 // Layouts: activations [rows, width] contiguous; the KV cache head-major [kv_heads, num_blocks, block_size,
 // head_dim] per layer (kernels/cpu_attention.py); block tables [seqs, width] int32; sequence i owns rows
-// query_start_loc[i] .. query_start_loc[i + 1] - 1. A one-row sequence (a decode) attends by the float32 loop
-// below; a chunk of more rows by the AVX512-BF16 kernel of cpu_chunk_attention.h where the CPU has it, else
-// through ATen's scaled_dot_product_attention over its gathered keys and values (the Python path's call,
+// query_start_loc[i] .. query_start_loc[i + 1] - 1. A one-row sequence (a decode) attends by the AVX512-BF16
+// kernel of cpu_decode_attention.h where the CPU has it (else the float32 loop below); a chunk of more rows by
+// the AVX512-BF16 kernel of cpu_chunk_attention.h where the CPU has it, else through ATen's
+// scaled_dot_product_attention over its gathered keys and values (the Python path's call,
 // kernels/cpu_attention.py); its gather index and mask are built once for all layers.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -95,8 +98,10 @@ inline const uint16_t* bf16_ptr(const at::Tensor& t) {
 }
 inline uint16_t* bf16_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
-// Inside this namespace: it uses the helpers above.
+// Inside this namespace: they use the helpers above.
 #include "cpu_chunk_attention.h"
+#include "cpu_decode_attention.h"
+#include "cpu_vnni_matmul.h"
 
 // The row-wise loops below split across threads only past this many rows: decode batches (up to MAX_ROWS = 64 in
 // cpu_decode.py) run them on the calling thread, as before the loops were threaded.
@@ -142,11 +147,33 @@ at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed) {
   return op.call(x, packed, std::nullopt, "none", none, "");
 }
 
-// One projection: int4 for a few rows, the prepacked bfloat16 weight for more (w: packed int4, scales, oneDNN;
-// an empty oneDNN tensor when the model was not prepacked).
-at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t planes, int64_t int4_max_rows) {
-  return x.size(0) <= int4_max_rows || w[2].numel() == 0 ? int4_mm(x, w[0], w[1], planes) : packed_mm(x, w[2]);
+// Which kernel takes a projection of how many rows.
+struct RowLimits {
+  int64_t int4, vnni;  // torch's int4 kernel up to this many rows; the VNNI kernel (cpu_vnni_matmul.h) up to these
+};
+
+// One projection: the VNNI kernel (where the weight has its copy: bits 4 or 8) or torch's int4 for a few rows,
+// the prepacked bfloat16 weight for more. w: packed int4, its scales, oneDNN (empty when the model was not
+// prepacked), the VNNI kernel's codes, scales and zeros (empty when bits is 0).
+at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t planes, int64_t bits, const RowLimits& limits) {
+  const int64_t rows = x.size(0);
+  if (bits != 0 && rows <= limits.vnni) return vnni_matmul(x, w[3], w[4], w[5], bits);
+  return rows <= limits.int4 || w[2].numel() == 0 ? int4_mm(x, w[0], w[1], planes) : packed_mm(x, w[2]);
 }
+
+// Seconds each kind of step of the compiled forward took since the last phase_seconds() call (`stallfree bench
+// iteration --breakdown`): a clock read between steps, about 20 ns each.
+enum Phase { kNorm, kMatmul, kRope, kDecodeAttention, kChunkAttention, kSiluMul, kPhases };
+double g_phase_seconds[kPhases] = {};
+
+struct PhaseClock {
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+  void lap(Phase phase) {
+    const auto now = std::chrono::steady_clock::now();
+    g_phase_seconds[phase] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
 
 struct Dims {
   int64_t rows, heads, kv_heads, head_dim, block_size, num_slots, width;  // width: block-table columns
@@ -208,6 +235,16 @@ void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t
       const uint16_t* kh = k_cache + g * d.num_slots * D;
       const uint16_t* vh = v_cache + g * d.num_slots * D;
       const uint16_t* qg = q + (r * d.heads + g * group) * D;
+#ifdef STALLFREE_DECODE_ATTENTION_KERNEL
+      if (D == 64 || D == 128) {  // the AVX512-BF16 kernel (cpu_decode_attention.h)
+        uint16_t* o = out + (r * d.heads + g * group) * D;
+        if (D == 64)
+          decode_attention_bf16<4>(qg, kh, vh, table, d.block_size, L, group, scale, scores.data(), o);
+        else
+          decode_attention_bf16<8>(qg, kh, vh, table, d.block_size, L, group, scale, scores.data(), o);
+        continue;
+      }
+#endif
       for (int64_t i = 0; i < group * D; ++i) qf[i] = bf2f(qg[i]);
       for (int64_t t = 0; t < L; ++t) {
         const uint16_t* k = kh + (static_cast<int64_t>(table[t / d.block_size]) * d.block_size + t % d.block_size) * D;
@@ -339,22 +376,25 @@ void silu_and_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t inter
   });
 }
 
-// weights: per layer qkv, o, gate_up, down as (int4 packed, scales_and_zeros, oneDNN packed) triples; planes: per
-// projection; rows past int4_max_rows take the oneDNN copies.
+// weights: per layer qkv, o, gate_up, down as (int4 packed, scales_and_zeros, oneDNN packed, VNNI codes, scales,
+// zeros) sextuples; planes and bits (0: no VNNI copy): per projection. Rows up to vnni_max_rows take the VNNI
+// kernel where there is a copy, else up to int4_max_rows torch's int4 kernel; more take the oneDNN copies.
 // norms: per layer input and post-attention RMSNorm weights (float32), then the final norm's.
 // kv: per layer k cache, v cache; query_start_loc [seqs + 1] int32: each sequence's first row.
 // Returns the final-norm hidden states [rows, hidden] bfloat16.
 at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                    const at::Tensor& embed, const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
-                   at::IntArrayRef planes, at::TensorList kv, int64_t num_heads, int64_t num_kv_heads,
-                   int64_t head_dim, double eps, int64_t int4_max_rows) {
+                   at::IntArrayRef planes, at::IntArrayRef bits, at::TensorList kv, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, double eps, int64_t int4_max_rows, int64_t vnni_max_rows) {
   at::NoGradGuard no_grad;
   const int64_t rows = input_ids.size(0), hidden = embed.size(1), layers = static_cast<int64_t>(kv.size()) / 2;
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(embed.scalar_type() == at::kBFloat16, "forward: bfloat16 weights only");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 12 * layers && static_cast<int64_t>(planes.size()) == 4 * layers,
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 24 * layers && static_cast<int64_t>(planes.size()) == 4 * layers &&
+                  static_cast<int64_t>(bits.size()) == 4 * layers,
               "forward: 4 projections a layer");
+  const RowLimits limits{int4_max_rows, vnni_max_rows};
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers + 1, "forward: 2 norms a layer and a final one");
   TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && query_start_loc.data_ptr<int32_t>()[num_seqs] == rows,
               "forward: query_start_loc must cover every row");
@@ -373,30 +413,43 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const Plan plan = plan_rows(query_start_loc.data_ptr<int32_t>(), tables, lens, num_seqs, d);
   at::Tensor h;  // the previous layer's MLP output, added into the residual by the next norm
+  PhaseClock clock;
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = weights.data() + 12 * l;
+    const at::Tensor* w = weights.data() + 24 * l;
     const int64_t* p = planes.data() + 4 * l;
+    const int64_t* b = bits.data() + 4 * l;
     add_rms_norm(residual.data_ptr<float>(), h.defined() ? bf16_ptr(h) : nullptr, norms[2 * l].data_ptr<float>(),
                  bf16_mut(x), rows, hidden, eps);
-    at::Tensor qkv = project(x, w, p[0], int4_max_rows);
+    clock.lap(kNorm);
+    at::Tensor qkv = project(x, w, p[0], b[0], limits);
+    clock.lap(kMatmul);
     at::Tensor k_cache = kv[2 * l], v_cache = kv[2 * l + 1];
     rope_and_write(bf16_ptr(qkv), pos, slots, cos_sin.data_ptr<float>(), bf16_mut(q), bf16_mut(k_cache),
                    bf16_mut(v_cache), d);
+    clock.lap(kRope);
     if (!plan.decode_rows.empty())
       decode_attention(bf16_ptr(q), bf16_ptr(k_cache), bf16_ptr(v_cache), tables, lens, plan.decode_rows,
                        plan.decode_seqs, bf16_mut(attn), d, scale);
+    clock.lap(kDecodeAttention);
     chunk_attention(q, k_cache, v_cache, plan, attn, d, chunk_scale);
-    at::Tensor o = project(attn, w + 3, p[1], int4_max_rows);
+    clock.lap(kChunkAttention);
+    at::Tensor o = project(attn, w + 6, p[1], b[1], limits);
+    clock.lap(kMatmul);
     add_rms_norm(residual.data_ptr<float>(), bf16_ptr(o), norms[2 * l + 1].data_ptr<float>(), bf16_mut(x), rows,
                  hidden, eps);
-    at::Tensor gu = project(x, w + 6, p[2], int4_max_rows);
+    clock.lap(kNorm);
+    at::Tensor gu = project(x, w + 12, p[2], b[2], limits);
+    clock.lap(kMatmul);
     const int64_t inter = gu.size(1) / 2;
     at::Tensor act = at::empty({rows, inter}, bf16);
     silu_and_mul(bf16_ptr(gu), bf16_mut(act), rows, inter);
-    h = project(act, w + 9, p[3], int4_max_rows);
+    clock.lap(kSiluMul);
+    h = project(act, w + 18, p[3], b[3], limits);
+    clock.lap(kMatmul);
   }
   add_rms_norm(residual.data_ptr<float>(), bf16_ptr(h), norms[2 * layers].data_ptr<float>(), bf16_mut(x), rows,
                hidden, eps);
+  clock.lap(kNorm);
   return x;
 }
 
@@ -431,13 +484,33 @@ bool set_chunk_kernel(bool on) {
 #endif
 }
 
+// The compiled forward's seconds per kind of step since the last call (norm, matmul, rope and KV write, decode
+// attention, chunk attention, SiLU-and-mul), then zeroed.
+std::vector<double> phase_seconds() {
+  std::vector<double> out(g_phase_seconds, g_phase_seconds + kPhases);
+  std::fill(g_phase_seconds, g_phase_seconds + kPhases, 0.0);
+  return out;
+}
+
+// Whether vnni_matmul was compiled in (the CPU has AVX512-VNNI).
+bool vnni_available() {
+#ifdef STALLFREE_VNNI_MATMUL
+  return true;
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY(stallfree_cpu, m) {
+  m.def("vnni_available() -> bool", &vnni_available);
+  m.def("phase_seconds() -> float[]", &phase_seconds);
+  m.def("vnni_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int bits) -> Tensor", &vnni_matmul);
   m.def("set_chunk_kernel(bool on) -> bool", &set_chunk_kernel);
   m.def("chunk_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor", &chunk_attention_only);
   m.def("forward(Tensor input_ids, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor embed, Tensor cos_sin, Tensor[] norms, Tensor[] weights, "
-        "int[] planes, Tensor[] kv, int num_heads, int num_kv_heads, int head_dim, float eps, int int4_max_rows) "
-        "-> Tensor",
+        "int[] planes, int[] bits, Tensor[] kv, int num_heads, int num_kv_heads, int head_dim, float eps, "
+        "int int4_max_rows, int vnni_max_rows) -> Tensor",
         &forward);
 }

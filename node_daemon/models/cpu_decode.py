@@ -1,10 +1,11 @@
 """Iterations of an int4 (GGUF) model on the CPU in one compiled call: models/cpu_decode.cpp.
 
 A decode step of a small model run op by op is bound by the ops' count and the Python around them, not by its
-arithmetic (`stallfree bench iteration --breakdown`). cpu_decode.cpp runs a whole forward in C++: the same int4
-kernel for the projections up to INT4_MAX_ROWS rows and the oneDNN-prepacked bfloat16 copies past it (the Python
-path's choice), plain threaded loops for the norms, RoPE with the KV write, decode attention and SiLU-and-mul, and
-for prefill chunks an AVX512-BF16 attention kernel (cpu_chunk_attention.h; elsewhere ATen's
+arithmetic (`stallfree bench iteration --breakdown`). cpu_decode.cpp runs a whole forward in C++: for the
+projections of up to VNNI_MAX_ROWS rows the VNNI kernel (cpu_vnni_matmul.h, AVX512-VNNI; elsewhere torch's int4
+kernel) and the oneDNN-prepacked bfloat16 copies past it (the Python path's choice), plain threaded loops for the
+norms, RoPE with the KV write and SiLU-and-mul, and AVX512-BF16 attention kernels for decode rows
+(cpu_decode_attention.h) and prefill chunks (cpu_chunk_attention.h; elsewhere a float32 loop and ATen's
 scaled_dot_product_attention, the Python path's call). It takes decode-only iterations of
 up to MAX_ROWS rows and, when every projection has its oneDNN copy, iterations with prefill chunks of any size (a
 serving load's mixed iterations: the decodes plus a chunk). Decode-only batches past MAX_ROWS and models it does
@@ -15,8 +16,8 @@ $STALLFREE_EXT_CACHE, else $XDG_CACHE_HOME/stallfree/ext) and loaded from there 
 It is never compiled on the serving path: `ensure_built(background=True)` compiles it on a low-priority thread
 while the Python path serves, and the runner switches over at the next iteration once it is loaded.
 STALLFREE_CPU_DECODE=0 turns it off; STALLFREE_CPU_MIXED=0 keeps iterations with a prefill chunk on the Python
-path and STALLFREE_CPU_CHUNK_KERNEL=0 gives prefill chunks ATen's attention instead of the AVX512-BF16 kernel
-(cpu_chunk_attention.h; A/B switches); without a C++ compiler it stays off and start-up says why.
+path, STALLFREE_CPU_CHUNK_KERNEL=0 gives prefill chunks ATen's attention instead of the AVX512-BF16 kernel
+(cpu_chunk_attention.h) and STALLFREE_CPU_VNNI=0 gives few-row projections torch's int4 kernel (A/B switches); without a C++ compiler it stays off and start-up says why.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS
+from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS, VNNI_MAX_ROWS, use_vnni_kernel
 
 if TYPE_CHECKING:
     from stallfree.node_daemon.models.llama import KVCache, LlamaForCausalLM
@@ -39,10 +40,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-HEADERS = [Path(__file__).with_name("cpu_chunk_attention.h")]  # included by SOURCE: part of the build key
+# Included by SOURCE: part of the build key.
+HEADERS = [Path(__file__).with_name(name)
+           for name in ("cpu_chunk_attention.h", "cpu_decode_attention.h", "cpu_vnni_matmul.h")]
 ENV_SWITCH = "STALLFREE_CPU_DECODE"
 MIXED_SWITCH = "STALLFREE_CPU_MIXED"
 CHUNK_KERNEL_SWITCH = "STALLFREE_CPU_CHUNK_KERNEL"
+VNNI_SWITCH = "STALLFREE_CPU_VNNI"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 # Decode batches up to this many rows take the compiled path (int4 up to INT4_MAX_ROWS, oneDNN's bfloat16 past it).
 MAX_ROWS = 64
@@ -123,6 +127,8 @@ def _load_or_build(build: bool) -> bool:
         else:
             torch.ops.load_library(str(library))
         torch.ops.stallfree_cpu.set_chunk_kernel(enabled(CHUNK_KERNEL_SWITCH))
+        # Few-row matmuls of quantized weights, here and on the Python path (Int4Weight.matmul), take the VNNI kernel.
+        use_vnni_kernel(enabled(VNNI_SWITCH) and torch.ops.stallfree_cpu.vnni_available())
         _state["loaded"], _state["why"] = True, None
         return True
 
@@ -174,20 +180,26 @@ class CpuDecode:
         self.model = model
         self.embed = model.embed_tokens.weight
         self.cos_sin = model.rotary.cos_sin_cache
-        self.norms, self.weights, self.planes = [], [], []
+        self.norms, self.weights, self.planes, self.bits = [], [], [], []
+        vnni_on = enabled(VNNI_SWITCH)
+        none = torch.empty(0, dtype=torch.uint8)
         for layer in model.layers:
             self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj):
                 packed = linear.packed if linear.packed is not None else torch.empty(0, dtype=model.dtype)
-                self.weights += [linear.int4.packed, linear.int4.scales_and_zeros, packed]
+                vnni = linear.int4.vnni if vnni_on else None
+                self.weights += [linear.int4.packed, linear.int4.scales_and_zeros, packed,
+                                 *((vnni.codes, vnni.scales, vnni.zeros) if vnni is not None else (none,) * 3)]
                 self.planes.append(linear.int4.planes)
+                self.bits.append(vnni.bits if vnni is not None else 0)
         self.norms.append(model.norm.weight)
         self.kv = [t for pair in kv_caches for t in pair]
         shape = model.shape
-        self.dims = (shape.num_heads, shape.num_kv_heads, shape.head_dim, float(shape.rms_norm_eps), INT4_MAX_ROWS)
+        self.dims = (shape.num_heads, shape.num_kv_heads, shape.head_dim, float(shape.rms_norm_eps), INT4_MAX_ROWS,
+                     VNNI_MAX_ROWS)
         # Past INT4_MAX_ROWS the projections take the oneDNN copies: only when every one has them.
-        self.packed = all(w.numel() for w in self.weights[2::3])
+        self.packed = all(w.numel() for w in self.weights[2::6])
         self.max_rows = MAX_ROWS if self.packed else INT4_MAX_ROWS
         self.mixed = enabled(MIXED_SWITCH)
 
@@ -202,4 +214,4 @@ class CpuDecode:
         """Final-norm hidden states [rows, hidden] (bfloat16) of one iteration, KV written."""
         return torch.ops.stallfree_cpu.forward(
             input_ids, positions, slot_mapping, block_tables.contiguous(), seq_lens, query_start_loc, self.embed,
-            self.cos_sin, self.norms, self.weights, self.planes, self.kv, *self.dims)
+            self.cos_sin, self.norms, self.weights, self.planes, self.bits, self.kv, *self.dims)

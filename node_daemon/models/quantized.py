@@ -18,9 +18,16 @@ Where it pays: an iteration of a few rows (decode) is bound by reading the weigh
 quarter of bfloat16's bytes. Past INT4_MAX_ROWS rows the work is compute-bound and oneDNN's bfloat16 GEMM
 (AVX512-BF16/AMX) beats the int4 kernel, which dequantizes every tile it touches; those iterations use the
 dequantized bfloat16 copy each layer keeps (`stallfree bench iteration` shows the crossover).
+
+Where the CPU has AVX512-VNNI, each weight also keeps the same codes in the layout of the compiled extension's
+kernel (VnniWeight, models/cpu_vnni_matmul.h): activations quantized to int16 per 32-wide block and the codes
+multiplied as they are stored, with no float weight ever made. For a decode step of a few rows it is up to twice
+torch's int4 kernel's speed (`stallfree bench matmul`), within bfloat16's rounding of the float32 reference.
+STALLFREE_CPU_VNNI=0 keeps torch's int4 kernel.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +37,32 @@ GROUP_SIZE = 32
 # Rows (tokens in an iteration) up to which a linear layer takes its int4 weight (measured crossover on
 # a 2-core AVX512-BF16 CPU: int4 wins up to 8 rows, bfloat16 from 16).
 INT4_MAX_ROWS = 8
+# Rows up to which the compiled VNNI kernel (models/cpu_vnni_matmul.h) takes the quantized weights, measured in
+# SmolLM2's compiled forward on a 2-core AVX512-VNNI CPU against torch's int4 kernel and oneDNN's bfloat16 GEMM:
+# 1.11x at 1 row, 1.19x at 4, 1.33x at 8; at 16 rows it is compute-bound and oneDNN's GEMM is 1.15x faster.
+VNNI_MAX_ROWS = 8
 PACK_ROWS = 4096  # a multiple of the packing's row blocks
+# Whether Int4Weight.matmul takes the VNNI kernel: set by models/cpu_decode.py once its extension is loaded.
+_vnni_kernel = {"on": False}
+
+
+def use_vnni_kernel(on: bool) -> None:
+    _vnni_kernel["on"] = on
+
+
+def vnni_kernel_in_use() -> bool:
+    return _vnni_kernel["on"]
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_vnni() -> bool:
+    """AVX512-VNNI (the VNNI kernel's integer dot products) on this CPU, from /proc/cpuinfo's flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags and "avx512bw" in flags
 # GGUF type name -> (bytes per 32-weight block, code planes along K).
 INT4_MAPPABLE = {"Q4_0": (18, 1), "Q4_1": (20, 1), "Q8_0": (34, 2)}
 
@@ -92,11 +124,68 @@ def decode_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> BlockCod
     return BlockCodes(codes, d, m + 8.0 * d, planes, qtype)
 
 
+@dataclass
+class VnniWeight:
+    """The same codes laid out for the compiled VNNI kernel (models/cpu_vnni_matmul.h): an unsigned code per weight
+    (4 bits, or 8 for Q8_0's two planes joined), value = scale * code + zero per 32-weight block, scale and zero
+    float16 (GGUF's own precision), 16 output rows to a tile."""
+
+    codes: torch.Tensor  # uint8 [N / 16, K / 32, bits * 64]
+    scales: torch.Tensor  # float16 bits as int16 [N / 16, K / 32, 16]
+    zeros: torch.Tensor  # likewise
+    bits: int
+
+    @classmethod
+    def from_codes(cls, block: BlockCodes) -> "VnniWeight":
+        n, width = block.codes.shape
+        k = width // block.planes
+        groups = k // GROUP_SIZE
+        if block.planes == 1:
+            codes, bits = block.codes, 4
+            scale, zero = block.scale, block.zero - 8.0 * block.scale
+        else:  # Q8_0: the two nibble planes join into one byte, plane 1's scale is 16x plane 0's
+            lo, hi = block.codes[:, :k].astype(np.uint16), block.codes[:, k:].astype(np.uint16)
+            codes, bits = (lo + 16 * hi).astype(np.uint8), 8
+            s0, s1 = block.scale[:, :groups], block.scale[:, groups:]
+            if not np.array_equal(s1, 16.0 * s0):
+                raise ValueError("two code planes whose scales are not 1 : 16")
+            scale = s0
+            zero = block.zero[:, :groups] - 8.0 * s0 + block.zero[:, groups:] - 8.0 * s1
+        # [tile, column, block, pair of k, k in pair] -> [tile, block, pair, column, k in pair]
+        tiled = codes.reshape(n // 16, 16, groups, 16, 2).transpose(0, 2, 3, 1, 4)
+        if bits == 4:  # pair q in the low nibbles, q + 8 in the high ones
+            tiled = tiled[:, :, :8] | (tiled[:, :, 8:] << 4)
+
+        def per_tile(values: np.ndarray) -> torch.Tensor:
+            half = values.astype(np.float16).reshape(n // 16, 16, groups).transpose(0, 2, 1)
+            return torch.from_numpy(np.ascontiguousarray(half).view(np.int16))
+
+        return cls(torch.from_numpy(np.ascontiguousarray(tiled).reshape(n // 16, groups, -1)), per_tile(scale),
+                   per_tile(zero), bits)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: what the kernel multiplies by (tests)."""
+        tiles, groups, _ = self.codes.shape
+        raw = self.codes.view(tiles, groups, -1, 16, 2)
+        if self.bits == 4:
+            raw = torch.cat([raw & 15, raw >> 4], dim=2)
+        codes = raw.permute(0, 3, 1, 2, 4).reshape(tiles * 16, groups, GROUP_SIZE).float()
+        scale, zero = (t.view(torch.float16).float().transpose(1, 2).reshape(tiles * 16, groups, 1)
+                       for t in (self.scales, self.zeros))
+        return (codes * scale + zero).reshape(tiles * 16, -1)
+
+
 class Int4Weight:
     """A packed int4 weight [out_features, in_features] for `_weight_int4pack_mm_for_cpu` in one dtype."""
 
     def __init__(self, codes: BlockCodes, dtype: torch.dtype) -> None:
         n = codes.rows
+        # The VNNI kernel's copy, where the CPU can run it (AVX512-VNNI): the compiled path's few-row matmuls.
+        self.vnni = VnniWeight.from_codes(codes) if cpu_has_vnni() else None
         if n % 16:
             raise ValueError(f"the int4 kernel needs a multiple of 16 output rows, got {n}")
         self.planes = codes.planes
@@ -111,20 +200,28 @@ class Int4Weight:
         self.dtype = dtype
 
     @classmethod
-    def from_packed(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor, planes: int) -> "Int4Weight":
+    def from_packed(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor, planes: int,
+                    vnni: VnniWeight | None) -> "Int4Weight":
         """One already packed (models/weight_cache.py keeps them)."""
         weight = cls.__new__(cls)
-        weight.packed, weight.scales_and_zeros, weight.planes = packed, scales_and_zeros, planes
+        weight.packed, weight.scales_and_zeros, weight.planes, weight.vnni = packed, scales_and_zeros, planes, vnni
         weight.out_features, weight.dtype = packed.shape[0], scales_and_zeros.dtype
         return weight
 
     @property
     def nbytes(self) -> int:
+        """The bytes a matmul of a few rows reads: the VNNI kernel's copy where it is in use."""
+        if self.vnni is not None and _vnni_kernel["on"]:
+            return self.vnni.nbytes
         return self.packed.numel() * self.packed.element_size() + \
             self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in_features] (this weight's dtype) -> [rows, out_features]."""
+        """x [rows, in_features] (this weight's dtype) -> [rows, out_features]: the VNNI kernel once the compiled
+        extension is loaded (and up to VNNI_MAX_ROWS rows), else torch's int4 kernel."""
+        if self.vnni is not None and x.shape[0] <= VNNI_MAX_ROWS and _vnni_kernel["on"]:
+            v = self.vnni
+            return torch.ops.stallfree_cpu.vnni_matmul(x, v.codes, v.scales, v.zeros, v.bits)
         if self.planes == 2:
             x = torch.cat([x, x], dim=-1)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)

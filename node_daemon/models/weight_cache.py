@@ -1,11 +1,12 @@
 """A GGUF model's tensors as the CPU serves them, kept on disk after the first load and mapped at later starts.
 
 Loading SmolLM2's GGUF decodes 4-bit blocks, dequantizes them to bfloat16 and packs them again for torch's int4
-kernel: 2.5 s of a start on a busy 2-core machine. The result (every parameter, every int4 pack with its scales)
-is written once as a safetensors file; later starts map it (safetensors loads lazily: pages are read as touched),
-copy out what they keep and only prepack for oneDNN. The file's key is the GGUF file's identity (path, size, mtime), the dtype, torch's
-version, FORMAT and the source of the modules that decide the tensors' values, so a change in any of them is a
-new file. $STALLFREE_WEIGHT_CACHE is the folder (0/off: no cache), else $XDG_CACHE_HOME/stallfree/weights.
+kernel: 2.5 s of a start on a busy 2-core machine. The result (every parameter, every int4 pack with its scales,
+and on an AVX512-VNNI CPU the int8 kernel's copies) is written once as a safetensors file; later starts map it
+(safetensors loads lazily: pages are read as touched), copy out what they keep and only prepack for oneDNN. The
+file's key is the GGUF file's identity (path, size, mtime), the dtype, torch's version, FORMAT and the source of the
+modules that decide the tensors' values, so a change in any of them is a new file. $STALLFREE_WEIGHT_CACHE is the
+folder (0/off: no cache), else $XDG_CACHE_HOME/stallfree/weights.
 """
 from __future__ import annotations
 
@@ -19,14 +20,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stallfree.node_daemon.models.quantized import Int4Weight
+from stallfree.node_daemon.models.quantized import Int4Weight, VnniWeight, cpu_has_vnni
 
 if TYPE_CHECKING:
     from stallfree.node_daemon.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: the int8 kernel's copies (VnniWeight)
 ENV = "STALLFREE_WEIGHT_CACHE"
 _VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "llama.py")
 _TIED_HEAD = "tied_lm_head_int4"
@@ -61,14 +62,19 @@ def save(model: "LlamaForCausalLM", path: Path) -> bool:
 
     started = time.monotonic()
     tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
-    planes = {}
+    planes, bits = {}, {}
     for name, w in _int4_weights(model).items():
         tensors[f"{name}.int4.packed"], tensors[f"{name}.int4.scales"] = w.packed, w.scales_and_zeros
         planes[name] = w.planes
+        if w.vnni is not None:
+            for part in ("codes", "scales", "zeros"):
+                tensors[f"{name}.vnni.{part}"] = getattr(w.vnni, part)
+            bits[name] = w.vnni.bits
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp), metadata={"planes": json.dumps(planes), "format": str(FORMAT)})
+        save_file(tensors, str(tmp), metadata={"planes": json.dumps(planes), "vnni_bits": json.dumps(bits),
+                                                    "format": str(FORMAT)})
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("weight cache: not written (%s)", exc)
@@ -87,14 +93,17 @@ def load(model: "LlamaForCausalLM", path: Path) -> bool:
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            planes = json.loads(f.metadata().get("planes", "{}"))
+            metadata = f.metadata()
+            planes = json.loads(metadata.get("planes", "{}"))
+            bits = json.loads(metadata.get("vnni_bits", "{}"))
         tensors = load_file(str(path))
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         log.warning("weight cache: %s unreadable (%s): loading the GGUF file", path, exc)
         return False
     params = dict(model.named_parameters())
     if any(name not in tensors or tensors[name].shape != p.shape or tensors[name].dtype != p.dtype
-           for name, p in params.items()) or any(f"{n}.int4.packed" not in tensors for n in planes):
+           for name, p in params.items()) or any(f"{n}.int4.packed" not in tensors for n in planes) \
+            or (cpu_has_vnni() and set(bits) != set(planes)):
         log.warning("weight cache: %s does not match this model: loading the GGUF file", path)
         return False
     from stallfree.node_daemon.models.layers import Linear
@@ -107,8 +116,10 @@ def load(model: "LlamaForCausalLM", path: Path) -> bool:
     for name, p in params.items():
         p.data = tensors[name] if name in transient else tensors[name].clone()
     for name, count in planes.items():
+        vnni = VnniWeight(*(tensors[f"{name}.vnni.{part}"].clone() for part in ("codes", "scales", "zeros")),
+                          bits[name]) if name in bits and cpu_has_vnni() else None
         weight = Int4Weight.from_packed(tensors[f"{name}.int4.packed"].clone(), tensors[f"{name}.int4.scales"].clone(),
-                                        count)
+                                        count, vnni)
         if name == _TIED_HEAD:
             model.tied_lm_head_int4 = weight
         else:

@@ -1,0 +1,95 @@
+// Decode attention (one query row per sequence) over the paged KV cache with AVX512-BF16 dot products; included by
+// cpu_decode.cpp inside its anonymous namespace (it uses bf2f, f2bf and exp_inplace from there).
+//
+// Why: scoring key by key with a float dot product ends every key in a 16-lane horizontal sum, and those sums were
+// most of a 16-stream step (10 ms of 35 at 128 cached tokens, `stallfree bench iteration --breakdown`). Here 16
+// keys' dot products accumulate side by side (VDPBF16PS over bfloat16 pairs: q is already rounded to bfloat16
+// after RoPE, so the products are those of the float loop) and one transpose-and-add tree sums all 16 at once.
+// The softmax and the product with V stay in float32, as in the scalar loop this replaces.
+#pragma once
+
+#if defined(__AVX512BF16__)
+#define STALLFREE_DECODE_ATTENTION_KERNEL 1
+
+// [sum of v[0]'s lanes, ..., sum of v[15]'s]: four levels of shuffles and adds instead of 16 horizontal sums.
+// The tree leaves key k in lane kTreeOrder[k] (a 4x4 transpose, its own inverse): the inputs are taken in that order.
+inline __m512 sum16(const __m512* v) {
+  static constexpr int kTreeOrder[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+  __m512 c[8], e[4], f[2];
+  for (int i = 0; i < 8; ++i) {  // 16 vectors -> 8: each 256-bit half holds one vector's partial sums
+    const __m512 a = v[kTreeOrder[2 * i]], b = v[kTreeOrder[2 * i + 1]];
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i)  // -> 4: each 128-bit lane one vector's
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // -> 2: two lanes a vector
+    f[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0x44), _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
+}
+
+// One decode row's `group` query heads (q: bfloat16 [group, D]) against one kv head's L cached keys and values
+// (kh, vh: that head's [slots, D] planes; table: the sequence's block table); out [group, D] bfloat16.
+// scores: scratch of group * L floats. DV = D / 16 (the float32 accumulators of one output row).
+template <int DV>
+void decode_attention_bf16(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, const int32_t* table,
+                           int64_t block_size, int64_t L, int64_t group, float scale, float* scores, uint16_t* out) {
+  constexpr int64_t D = 16 * DV, QV = D / 32;
+  for (int64_t j = 0; j < group; ++j) {
+    __m512bh qv[QV];
+    for (int64_t c = 0; c < QV; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + j * D + 32 * c);
+    float* sj = scores + j * L;
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, L - t0);
+      __m512 acc[16];
+      int64_t block = t0 / block_size, offset = t0 % block_size;  // stepped, not divided, key by key
+      for (int64_t tt = 0; tt < 16; ++tt) {
+        acc[tt] = _mm512_setzero_ps();
+        if (tt >= n) continue;
+        const int64_t slot = static_cast<int64_t>(table[block]) * block_size + offset;
+        const uint16_t* k = kh + slot * D;
+        if (j == 0) {  // the cache's blocks are scattered: fetch this key's value and the key 16 on ahead of use
+          for (int64_t line = 0; line < D * 2; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(vh + slot * D) + line, _MM_HINT_T0);
+          const int64_t ahead = t0 + tt + 16;
+          if (ahead < L) {
+            const int64_t far = static_cast<int64_t>(table[ahead / block_size]) * block_size + ahead % block_size;
+            for (int64_t line = 0; line < D * 2; line += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(kh + far * D) + line, _MM_HINT_T0);
+          }
+        }
+        for (int64_t c = 0; c < QV; ++c)
+          acc[tt] = _mm512_dpbf16_ps(acc[tt], qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+        if (++offset == block_size) offset = 0, ++block;
+      }
+      _mm512_mask_storeu_ps(sj + t0, static_cast<__mmask16>((1u << n) - 1),
+                            _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+    }
+    float top = sj[0];
+    for (int64_t t = 1; t < L; ++t) top = std::max(top, sj[t]);
+    for (int64_t t = 0; t < L; ++t) sj[t] -= top;
+    exp_inplace(sj, L);
+    float total = 0.f;
+    for (int64_t t = 0; t < L; ++t) total += sj[t];
+    const float inv = 1.f / total;
+    __m512 o[DV];
+    for (int d = 0; d < DV; ++d) o[d] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < L; t0 += block_size) {  // block by block: the table read once a block
+      const uint16_t* v = vh + static_cast<int64_t>(table[t0 / block_size]) * block_size * D;
+      const int64_t n = std::min(block_size, L - t0);
+      for (int64_t tt = 0; tt < n; ++tt, v += D) {
+        const __m512 p = _mm512_set1_ps(sj[t0 + tt] * inv);
+        for (int d = 0; d < DV; ++d) {
+          const __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * d))), 16));
+          o[d] = _mm512_fmadd_ps(p, vf, o[d]);
+        }
+      }
+    }
+    float row[D];
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(row + 16 * d, o[d]);
+    for (int64_t i = 0; i < D; ++i) out[j * D + i] = f2bf(row[i]);
+  }
+}
+
+#endif  // AVX512-BF16
