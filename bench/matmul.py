@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(kernel: str, weights, xs) -> None:
         for (w, packed), x in zip(weights, xs):
             if kernel == "vnni":
-                v = w.vnni
-                torch.ops.stallfree_cpu.vnni_matmul(x, v.codes, v.scales, v.zeros, v.bits)
+                torch.ops.stallfree_cpu.vnni_matmul(x, w.vnni.blocks, w.vnni.bits)
             elif kernel == "int4":
                 torch.ops.aten._weight_int4pack_mm_for_cpu(torch.cat([x, x], 1) if w.planes == 2 else x, w.packed,
                                                            GROUP_SIZE, w.scales_and_zeros)

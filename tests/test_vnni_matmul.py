@@ -21,6 +21,8 @@ from stallfree.node_daemon.models.quantized import BlockCodes, VnniWeight, cpu_h
 # bfloat16 output rounding (2^-9 of a value) is the kernel's error: measured 0.0016-0.0017 here, int16 activations'
 # rounding adding nothing visible. int8 activations measured 0.015-0.024 on the same tensors.
 VNNI_TOLERANCE = 4e-3
+# float32 output: int16 activations' rounding alone (measured 1.1e-4 here), a tenth of bfloat16's 2^-9.
+FLOAT_OUT_TOLERANCE = 3e-4
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,8 +52,8 @@ def _q4_0(rows: int, cols: int, seed: int) -> BlockCodes:
     return BlockCodes(rng.integers(0, 16, (rows, cols), dtype=np.uint8), d, np.zeros_like(d), 1, "Q4_0")
 
 
-def _matmul(weight: VnniWeight, x: torch.Tensor) -> torch.Tensor:
-    return _kernel()(x, weight.codes, weight.scales, weight.zeros, weight.bits)
+def _matmul(weight: VnniWeight, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+    return _kernel()(x, weight.blocks, weight.bits, float_out)
 
 
 @pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight"])
@@ -73,6 +75,8 @@ def test_matmul_is_the_dequantized_one(name, rows):
     want = x.double() @ torch.from_numpy(codes.dequantize()).double().T
     assert got.dtype == torch.bfloat16 and got.shape == (rows, codes.rows)
     assert relative_error(got, want) < VNNI_TOLERANCE
+    exact = _matmul(VnniWeight.from_codes(codes), x, float_out=True)  # an LM head's logits: the float32 sums
+    assert exact.dtype == torch.float32 and relative_error(exact, want) < FLOAT_OUT_TOLERANCE
 
 
 def test_q4_0_blocks_with_a_zero_block_and_wide_ranging_rows():

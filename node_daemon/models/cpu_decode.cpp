@@ -154,10 +154,10 @@ struct RowLimits {
 
 // One projection: the VNNI kernel (where the weight has its copy: bits 4 or 8) or torch's int4 for a few rows,
 // the prepacked bfloat16 weight for more. w: packed int4, its scales, oneDNN (empty when the model was not
-// prepacked), the VNNI kernel's codes, scales and zeros (empty when bits is 0).
+// prepacked), the VNNI kernel's blocks (empty when bits is 0).
 at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t planes, int64_t bits, const RowLimits& limits) {
   const int64_t rows = x.size(0);
-  if (bits != 0 && rows <= limits.vnni) return vnni_matmul(x, w[3], w[4], w[5], bits);
+  if (bits != 0 && rows <= limits.vnni) return vnni_matmul(x, w[3], bits, false);
   return rows <= limits.int4 || w[2].numel() == 0 ? int4_mm(x, w[0], w[1], planes) : packed_mm(x, w[2]);
 }
 
@@ -376,8 +376,8 @@ void silu_and_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t inter
   });
 }
 
-// weights: per layer qkv, o, gate_up, down as (int4 packed, scales_and_zeros, oneDNN packed, VNNI codes, scales,
-// zeros) sextuples; planes and bits (0: no VNNI copy): per projection. Rows up to vnni_max_rows take the VNNI
+// weights: per layer qkv, o, gate_up, down as (int4 packed, scales_and_zeros, oneDNN packed, VNNI blocks)
+// quadruples; planes and bits (0: no VNNI copy): per projection. Rows up to vnni_max_rows take the VNNI
 // kernel where there is a copy, else up to int4_max_rows torch's int4 kernel; more take the oneDNN copies.
 // norms: per layer input and post-attention RMSNorm weights (float32), then the final norm's.
 // kv: per layer k cache, v cache; query_start_loc [seqs + 1] int32: each sequence's first row.
@@ -391,7 +391,7 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
   const int64_t rows = input_ids.size(0), hidden = embed.size(1), layers = static_cast<int64_t>(kv.size()) / 2;
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(embed.scalar_type() == at::kBFloat16, "forward: bfloat16 weights only");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 24 * layers && static_cast<int64_t>(planes.size()) == 4 * layers &&
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 16 * layers && static_cast<int64_t>(planes.size()) == 4 * layers &&
                   static_cast<int64_t>(bits.size()) == 4 * layers,
               "forward: 4 projections a layer");
   const RowLimits limits{int4_max_rows, vnni_max_rows};
@@ -415,7 +415,7 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
   at::Tensor h;  // the previous layer's MLP output, added into the residual by the next norm
   PhaseClock clock;
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = weights.data() + 24 * l;
+    const at::Tensor* w = weights.data() + 16 * l;
     const int64_t* p = planes.data() + 4 * l;
     const int64_t* b = bits.data() + 4 * l;
     add_rms_norm(residual.data_ptr<float>(), h.defined() ? bf16_ptr(h) : nullptr, norms[2 * l].data_ptr<float>(),
@@ -433,18 +433,18 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
     clock.lap(kDecodeAttention);
     chunk_attention(q, k_cache, v_cache, plan, attn, d, chunk_scale);
     clock.lap(kChunkAttention);
-    at::Tensor o = project(attn, w + 6, p[1], b[1], limits);
+    at::Tensor o = project(attn, w + 4, p[1], b[1], limits);
     clock.lap(kMatmul);
     add_rms_norm(residual.data_ptr<float>(), bf16_ptr(o), norms[2 * l + 1].data_ptr<float>(), bf16_mut(x), rows,
                  hidden, eps);
     clock.lap(kNorm);
-    at::Tensor gu = project(x, w + 12, p[2], b[2], limits);
+    at::Tensor gu = project(x, w + 8, p[2], b[2], limits);
     clock.lap(kMatmul);
     const int64_t inter = gu.size(1) / 2;
     at::Tensor act = at::empty({rows, inter}, bf16);
     silu_and_mul(bf16_ptr(gu), bf16_mut(act), rows, inter);
     clock.lap(kSiluMul);
-    h = project(act, w + 18, p[3], b[3], limits);
+    h = project(act, w + 12, p[3], b[3], limits);
     clock.lap(kMatmul);
   }
   add_rms_norm(residual.data_ptr<float>(), bf16_ptr(h), norms[2 * layers].data_ptr<float>(), bf16_mut(x), rows,
@@ -504,7 +504,7 @@ bool vnni_available() {
 TORCH_LIBRARY(stallfree_cpu, m) {
   m.def("vnni_available() -> bool", &vnni_available);
   m.def("phase_seconds() -> float[]", &phase_seconds);
-  m.def("vnni_matmul(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int bits) -> Tensor", &vnni_matmul);
+  m.def("vnni_matmul(Tensor x, Tensor blocks, int bits, bool float_out=False) -> Tensor", &vnni_matmul);
   m.def("set_chunk_kernel(bool on) -> bool", &set_chunk_kernel);
   m.def("chunk_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor", &chunk_attention_only);

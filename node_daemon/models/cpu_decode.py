@@ -190,7 +190,7 @@ class CpuDecode:
                 packed = linear.packed if linear.packed is not None else torch.empty(0, dtype=model.dtype)
                 vnni = linear.int4.vnni if vnni_on else None
                 self.weights += [linear.int4.packed, linear.int4.scales_and_zeros, packed,
-                                 *((vnni.codes, vnni.scales, vnni.zeros) if vnni is not None else (none,) * 3)]
+                                 vnni.blocks if vnni is not None else none]
                 self.planes.append(linear.int4.planes)
                 self.bits.append(vnni.bits if vnni is not None else 0)
         self.norms.append(model.norm.weight)
@@ -199,7 +199,7 @@ class CpuDecode:
         self.dims = (shape.num_heads, shape.num_kv_heads, shape.head_dim, float(shape.rms_norm_eps), INT4_MAX_ROWS,
                      VNNI_MAX_ROWS)
         # Past INT4_MAX_ROWS the projections take the oneDNN copies: only when every one has them.
-        self.packed = all(w.numel() for w in self.weights[2::6])
+        self.packed = all(w.numel() for w in self.weights[2::4])
         self.max_rows = MAX_ROWS if self.packed else INT4_MAX_ROWS
         self.mixed = enabled(MIXED_SWITCH)
 

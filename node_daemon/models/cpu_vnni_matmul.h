@@ -14,10 +14,11 @@
 // sum(x) the block's exact float sum. Accumulated in int32 within a block (at most 255 * 32767 * 32 < 2^31),
 // in float32 across blocks.
 //
-// Layout (VnniWeight.from_codes): 16 output columns a tile; per tile and block, 8 chunks of 32 bytes (4-bit codes)
-// or 16 (8-bit). Chunk q widened to 16-bit lanes holds, in lanes 2c and 2c + 1, column c's codes at k = 2q and
-// 2q + 1: the pair one VPDPWSSD lane multiplies. With 4-bit codes those are the low nibbles, and the high nibbles
-// hold pair q + 8. scale and zero: float16 [tiles, blocks, 16].
+// Layout (VnniWeight.from_codes): 16 output columns a tile; per tile and block one record, read front to back:
+// 8 chunks of 32 bytes of codes (4-bit; 16 chunks 8-bit), then the 16 columns' scales, then their zeros (float16).
+// Chunk q widened to 16-bit lanes holds, in lanes 2c and 2c + 1, column c's codes at k = 2q and 2q + 1: the pair
+// one VPDPWSSD lane multiplies. With 4-bit codes those are the low nibbles, and the high nibbles hold pair q + 8.
+// One stream per thread: the hardware prefetcher follows one stream better than three.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define STALLFREE_VNNI_MATMUL 1
 
@@ -58,10 +59,14 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
 }
 
 // One tile's 16 columns for rows r0 .. r0 + R - 1: out[r][c] (float32, 16 a row).
+template <int BITS>
+constexpr int64_t record_bytes() {
+  return BITS * kQBlock * 16 / 8 + 2 * 16 * 2;  // codes, then 16 float16 scales and 16 zeros
+}
+
 template <int BITS, int R>
-inline void vnni_tile(const uint8_t* w, const uint16_t* scale, const uint16_t* zero, const QuantizedRows& x,
-                      int64_t r0, int64_t blocks, float* out) {
-  constexpr int64_t block_bytes = BITS * kQBlock * 16 / 8;
+inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int64_t blocks, float* out) {
+  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS>();
   const int64_t blocks_per_row = x.k / kQBlock;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -89,8 +94,8 @@ inline void vnni_tile(const uint8_t* w, const uint16_t* scale, const uint16_t* z
         for (int r = 0; r < R; ++r) dot[r] = _mm512_dpwssd_epi32(dot[r], v, _mm512_set1_epi32(xq[r][q]));
       }
     }
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + b * 16)));
-    const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(zero + b * 16)));
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes)));
+    const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes + 32)));
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * blocks_per_row + b;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, _mm512_set1_ps(x.scale[i])), acc[r]);
@@ -101,50 +106,55 @@ inline void vnni_tile(const uint8_t* w, const uint16_t* scale, const uint16_t* z
 }
 
 template <int BITS>
-void vnni_tile_rows(const uint8_t* w, const uint16_t* scale, const uint16_t* zero, const QuantizedRows& x,
-                    int64_t r0, int rows, int64_t blocks, float* out) {
+void vnni_tile_rows(const uint8_t* w, const QuantizedRows& x, int64_t r0, int rows, int64_t blocks, float* out) {
   switch (rows) {
-    case 1: return vnni_tile<BITS, 1>(w, scale, zero, x, r0, blocks, out);
-    case 2: return vnni_tile<BITS, 2>(w, scale, zero, x, r0, blocks, out);
-    case 3: return vnni_tile<BITS, 3>(w, scale, zero, x, r0, blocks, out);
-    case 4: return vnni_tile<BITS, 4>(w, scale, zero, x, r0, blocks, out);
-    case 5: return vnni_tile<BITS, 5>(w, scale, zero, x, r0, blocks, out);
-    case 6: return vnni_tile<BITS, 6>(w, scale, zero, x, r0, blocks, out);
-    case 7: return vnni_tile<BITS, 7>(w, scale, zero, x, r0, blocks, out);
-    default: return vnni_tile<BITS, 8>(w, scale, zero, x, r0, blocks, out);
+    case 1: return vnni_tile<BITS, 1>(w, x, r0, blocks, out);
+    case 2: return vnni_tile<BITS, 2>(w, x, r0, blocks, out);
+    case 3: return vnni_tile<BITS, 3>(w, x, r0, blocks, out);
+    case 4: return vnni_tile<BITS, 4>(w, x, r0, blocks, out);
+    case 5: return vnni_tile<BITS, 5>(w, x, r0, blocks, out);
+    case 6: return vnni_tile<BITS, 6>(w, x, r0, blocks, out);
+    case 7: return vnni_tile<BITS, 7>(w, x, r0, blocks, out);
+    default: return vnni_tile<BITS, 8>(w, x, r0, blocks, out);
   }
 }
 
-// x [rows, K] bfloat16 @ W^T -> [rows, N] bfloat16 (rounded once, from the float32 sum). codes [N / 16, K / 32,
-// bytes a block]; scales and zeros float16 [N / 16, K / 32, 16] (as int16 tensors' raw bits).
-at::Tensor vnni_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                       const at::Tensor& zeros, int64_t bits) {
+// x [rows, K] bfloat16 @ W^T -> [rows, N] bfloat16 (rounded once, from the float32 sum), or the float32 sums
+// themselves when float_out (an LM head's logits: no bfloat16 ties among the top tokens). blocks: uint8
+// [N / 16, K / 32, record bytes], the layout above.
+at::Tensor vnni_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t bits, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "vnni_matmul: x [rows, K] bfloat16");
   TORCH_CHECK(bits == 4 || bits == 8, "vnni_matmul: 4- or 8-bit codes");
+  TORCH_CHECK(blocks_t.dim() == 3 && blocks_t.scalar_type() == at::kByte && blocks_t.is_contiguous(),
+              "vnni_matmul: weight blocks [N / 16, K / 32, bytes] uint8, contiguous");
   const at::Tensor xc = x.contiguous();
-  const int64_t rows = xc.size(0), k = xc.size(1), tiles = codes.size(0), blocks = k / kQBlock;
-  TORCH_CHECK(k % kQBlock == 0 && codes.size(1) == blocks && codes.size(2) == bits * kQBlock * 2,
-              "vnni_matmul: weight codes do not match x's width");
-  at::Tensor out = at::empty({rows, tiles * 16}, xc.options());
+  const int64_t rows = xc.size(0), k = xc.size(1), tiles = blocks_t.size(0), blocks = k / kQBlock;
+  TORCH_CHECK(k % kQBlock == 0 && blocks_t.size(1) == blocks &&
+                  blocks_t.size(2) == (bits == 4 ? record_bytes<4>() : record_bytes<8>()),
+              "vnni_matmul: weight blocks do not match x's width");
+  at::Tensor out = at::empty({rows, tiles * 16}, xc.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0) return out;
   QuantizedRows q;
   quantize_rows(bf16_ptr(xc), rows, k, q);
-  const uint8_t* w = codes.data_ptr<uint8_t>();
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
-  const uint16_t* z = reinterpret_cast<const uint16_t*>(zeros.data_ptr<int16_t>());
-  uint16_t* o = bf16_mut(out);
-  const int64_t n = tiles * 16, tile_bytes = codes.stride(0);
+  const uint8_t* w = blocks_t.data_ptr<uint8_t>();
+  uint16_t* o = float_out ? nullptr : bf16_mut(out);
+  float* of = float_out ? out.data_ptr<float>() : nullptr;
+  const int64_t n = tiles * 16, tile_bytes = blocks_t.stride(0);
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
     float partial[16 * kMaxRowsAtOnce];
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t r0 = 0; r0 < rows; r0 += kMaxRowsAtOnce) {
         const int r = static_cast<int>(std::min<int64_t>(kMaxRowsAtOnce, rows - r0));
         if (bits == 4)
-          vnni_tile_rows<4>(w + t * tile_bytes, s + t * blocks * 16, z + t * blocks * 16, q, r0, r, blocks, partial);
+          vnni_tile_rows<4>(w + t * tile_bytes, q, r0, r, blocks, partial);
         else
-          vnni_tile_rows<8>(w + t * tile_bytes, s + t * blocks * 16, z + t * blocks * 16, q, r0, r, blocks, partial);
-        for (int i = 0; i < r; ++i)
-          for (int c = 0; c < 16; ++c) o[(r0 + i) * n + t * 16 + c] = f2bf(partial[16 * i + c]);
+          vnni_tile_rows<8>(w + t * tile_bytes, q, r0, r, blocks, partial);
+        for (int i = 0; i < r; ++i) {
+          if (of != nullptr)
+            std::memcpy(of + (r0 + i) * n + t * 16, partial + 16 * i, 16 * sizeof(float));
+          else
+            for (int c = 0; c < 16; ++c) o[(r0 + i) * n + t * 16 + c] = f2bf(partial[16 * i + c]);
+        }
       }
     }
   });
@@ -152,7 +162,7 @@ at::Tensor vnni_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
 }
 
 #else
-at::Tensor vnni_matmul(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+at::Tensor vnni_matmul(const at::Tensor&, const at::Tensor&, int64_t, bool) {
   TORCH_CHECK(false, "vnni_matmul: this CPU has no AVX512-VNNI");
 }
 #endif  // AVX512-VNNI

@@ -138,8 +138,11 @@ class LlamaForCausalLM(nn.Module):
             weight = self.lm_head.weight
         else:
             weight = self.embed_tokens.weight
-            if self.tied_lm_head_int4 is not None and 0 < hidden.shape[0] <= INT4_MAX_ROWS:
-                logits = self.tied_lm_head_int4.matmul(hidden)
+            head = self.tied_lm_head_int4
+            if head is not None and hidden.shape[0] > 0 and head.vnni_applies(hidden.shape[0]):
+                return head.matmul(hidden, float_out=True)  # float32 sums of the exact codes: nothing to refine
+            if head is not None and 0 < hidden.shape[0] <= INT4_MAX_ROWS:
+                logits = head.matmul(hidden)
             elif self.tied_lm_head_packed is not None and hidden.shape[0] > 0:
                 logits = packed_linear(hidden, self.tied_lm_head_packed, None)
             else:

@@ -128,11 +128,10 @@ def decode_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> BlockCod
 class VnniWeight:
     """The same codes laid out for the compiled VNNI kernel (models/cpu_vnni_matmul.h): an unsigned code per weight
     (4 bits, or 8 for Q8_0's two planes joined), value = scale * code + zero per 32-weight block, scale and zero
-    float16 (GGUF's own precision), 16 output rows to a tile."""
+    float16 (GGUF's own precision), 16 output rows to a tile, and per tile and block one record: the codes, then
+    the 16 rows' scales, then their zeros."""
 
-    codes: torch.Tensor  # uint8 [N / 16, K / 32, bits * 64]
-    scales: torch.Tensor  # float16 bits as int16 [N / 16, K / 32, 16]
-    zeros: torch.Tensor  # likewise
+    blocks: torch.Tensor  # uint8 [N / 16, K / 32, bits * 64 + 64]
     bits: int
 
     @classmethod
@@ -156,26 +155,27 @@ class VnniWeight:
         if bits == 4:  # pair q in the low nibbles, q + 8 in the high ones
             tiled = tiled[:, :, :8] | (tiled[:, :, 8:] << 4)
 
-        def per_tile(values: np.ndarray) -> torch.Tensor:
+        def per_tile(values: np.ndarray) -> np.ndarray:  # [tile, block, 16 columns] float16 as bytes
             half = values.astype(np.float16).reshape(n // 16, 16, groups).transpose(0, 2, 1)
-            return torch.from_numpy(np.ascontiguousarray(half).view(np.int16))
+            return np.ascontiguousarray(half).view(np.uint8)
 
-        return cls(torch.from_numpy(np.ascontiguousarray(tiled).reshape(n // 16, groups, -1)), per_tile(scale),
-                   per_tile(zero), bits)
+        record = np.concatenate([tiled.reshape(n // 16, groups, -1), per_tile(scale), per_tile(zero)], axis=-1)
+        return cls(torch.from_numpy(record), bits)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros))
+        return self.blocks.numel()
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: what the kernel multiplies by (tests)."""
-        tiles, groups, _ = self.codes.shape
-        raw = self.codes.view(tiles, groups, -1, 16, 2)
+        tiles, groups, _ = self.blocks.shape
+        code_bytes = self.bits * 64
+        raw = self.blocks[..., :code_bytes].reshape(tiles, groups, -1, 16, 2)
         if self.bits == 4:
             raw = torch.cat([raw & 15, raw >> 4], dim=2)
         codes = raw.permute(0, 3, 1, 2, 4).reshape(tiles * 16, groups, GROUP_SIZE).float()
-        scale, zero = (t.view(torch.float16).float().transpose(1, 2).reshape(tiles * 16, groups, 1)
-                       for t in (self.scales, self.zeros))
+        scale, zero = (self.blocks[..., at:at + 32].contiguous().view(torch.float16).float().transpose(1, 2)
+                       .reshape(tiles * 16, groups, 1) for at in (code_bytes, code_bytes + 32))
         return (codes * scale + zero).reshape(tiles * 16, -1)
 
 
@@ -216,12 +216,16 @@ class Int4Weight:
         return self.packed.numel() * self.packed.element_size() + \
             self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def vnni_applies(self, rows: int) -> bool:
+        """Whether a matmul of `rows` rows takes the VNNI kernel."""
+        return self.vnni is not None and rows <= VNNI_MAX_ROWS and _vnni_kernel["on"]
+
+    def matmul(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """x [rows, in_features] (this weight's dtype) -> [rows, out_features]: the VNNI kernel once the compiled
-        extension is loaded (and up to VNNI_MAX_ROWS rows), else torch's int4 kernel."""
-        if self.vnni is not None and x.shape[0] <= VNNI_MAX_ROWS and _vnni_kernel["on"]:
-            v = self.vnni
-            return torch.ops.stallfree_cpu.vnni_matmul(x, v.codes, v.scales, v.zeros, v.bits)
+        extension is loaded (and up to VNNI_MAX_ROWS rows; float32 sums when `float_out`), else torch's int4
+        kernel (in x's dtype)."""
+        if self.vnni_applies(x.shape[0]):
+            return torch.ops.stallfree_cpu.vnni_matmul(x, self.vnni.blocks, self.vnni.bits, float_out)
         if self.planes == 2:
             x = torch.cat([x, x], dim=-1)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # 2: the int8 kernel's copies (VnniWeight)
+FORMAT = 2  # 2: the VNNI kernel's copies (VnniWeight)
 ENV = "STALLFREE_WEIGHT_CACHE"
 _VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "llama.py")
 _TIED_HEAD = "tied_lm_head_int4"
@@ -67,9 +67,7 @@ def save(model: "LlamaForCausalLM", path: Path) -> bool:
         tensors[f"{name}.int4.packed"], tensors[f"{name}.int4.scales"] = w.packed, w.scales_and_zeros
         planes[name] = w.planes
         if w.vnni is not None:
-            for part in ("codes", "scales", "zeros"):
-                tensors[f"{name}.vnni.{part}"] = getattr(w.vnni, part)
-            bits[name] = w.vnni.bits
+            tensors[f"{name}.vnni.blocks"], bits[name] = w.vnni.blocks, w.vnni.bits
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,8 +114,8 @@ def load(model: "LlamaForCausalLM", path: Path) -> bool:
     for name, p in params.items():
         p.data = tensors[name] if name in transient else tensors[name].clone()
     for name, count in planes.items():
-        vnni = VnniWeight(*(tensors[f"{name}.vnni.{part}"].clone() for part in ("codes", "scales", "zeros")),
-                          bits[name]) if name in bits and cpu_has_vnni() else None
+        vnni = VnniWeight(tensors[f"{name}.vnni.blocks"].clone(), bits[name]) if name in bits and cpu_has_vnni() \
+            else None
         weight = Int4Weight.from_packed(tensors[f"{name}.int4.packed"].clone(), tensors[f"{name}.int4.scales"].clone(),
                                         count, vnni)
         if name == _TIED_HEAD:
