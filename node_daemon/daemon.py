@@ -2,7 +2,8 @@
 
 The HTTP server answers at once (/health 200, /ready 503 "loading model"); a start-up thread
 loads the model (or builds the sim backend), reads this engine's profile from the profile cache or
-measures it within --profile-max-seconds (node_daemon/measure/profiler.py, profile_cache.py), picks the
+measures it within --profile-max-seconds (node_daemon/measure/profiler.py, profile_cache.py; while the compiled
+CPU forward is still compiling, without a TPOT SLO later, on the idle engine, else again once it is in use), picks the
 starting token budget from --tpot-slo-ms when --token-budget is auto, has the scheduler cut prefill chunks over
 a long prefix to the budget's iteration time (node_daemon/engine/iteration_cost.py), and starts the engine loop;
 /ready turns 200 then. Each step logs a "start-up:" line with its duration. A start-up failure ends the daemon
@@ -96,8 +97,6 @@ def start_engine(opts: ServeOptions, daemon) -> None:
 
     from stallfree.node_daemon.engine.async_engine import AsyncEngine
     from stallfree.node_daemon.engine.observers import FanoutObserver
-    from stallfree.node_daemon.engine.iteration_cost import OnlineIterationCost, prior_per_prefix_pair
-    from stallfree.contracts import SLO_MARGIN
     from stallfree.node_daemon.measure.profiler import starting_tuning
     from stallfree.node_daemon.measure.stall_watch import StallWatch, compute_threads
     from stallfree.node_daemon.server.app import LiveCounts
@@ -114,7 +113,8 @@ def start_engine(opts: ServeOptions, daemon) -> None:
     retry = None
     if not opts.args.no_profile:
         daemon.starting = "profiling"
-        daemon.profile, retry = _startup_profile(opts, engine, device)
+        daemon.profile, retry = _startup_profile(opts, engine, device,
+                                                 defer_while_compiling=opts.args.tpot_slo_ms is None)
     if opts.auto_budget and opts.args.tpot_slo_ms is not None and daemon.profile is not None and daemon.profile.mixed:
         tuning = starting_tuning(daemon.profile, opts.args.tpot_slo_ms, engine.ceilings, engine.get_tuning())
         engine.set_tuning(tuning)
@@ -129,17 +129,7 @@ def start_engine(opts: ServeOptions, daemon) -> None:
         log.info("start-up: token budget %d (the CPU's default: --token-budget N or --tpot-slo-ms choose another)",
                  engine.get_tuning().token_budget)
     scheduler, kv_cache = engine.scheduler, engine.kv_cache
-    if (daemon.profile is not None and daemon.profile.mixed and opts.args.backend == "model"
-            and not opts.args.no_prefix_cut):
-        # A chunk of a long prompt's tail attends to all of it: cut it so the iteration stays as long as the
-        # budget means, by what served iterations show a cached prefix costs (the profile cannot see it).
-        target = SLO_MARGIN * opts.args.tpot_slo_ms if opts.args.tpot_slo_ms is not None else None
-        shape = engine.executor.loaded.shape
-        scheduler.set_prefix_cost(OnlineIterationCost(daemon.profile, target,
-                                                      prior_per_prefix_pair(daemon.profile, shape)))
-        log.info("start-up: prefill chunks over a cached prefix are cut to the budget's iteration time%s (the "
-                 "prefix's cost learned from served iterations)",
-                 f" and to {target:.0f} ms (the TPOT SLO's iteration target)" if target else "")
+    use_profile(opts, engine, daemon.profile)
     daemon.vocab_size = engine.vocab_size
     daemon.kv_capacity_tokens = kv_cache.num_blocks * kv_cache.block_size
     daemon.max_chars_per_token = max_chars_per_token(engine.tokenizer)
@@ -158,6 +148,7 @@ def start_engine(opts: ServeOptions, daemon) -> None:
     gc.freeze()  # the profile's leftovers too
     async_engine = AsyncEngine(engine, opts.served_model_name, watch=StallWatch(threads=compute_threads()))
     if retry is not None:
+        retry.on_profile = lambda profile: use_profile(opts, engine, profile, when="profile")
         async_engine.when_idle(retry.delay_s, lambda eng, stop: retry(daemon, eng, stop))
     daemon.engine_error = lambda: None if async_engine.is_running else "the engine loop is not running"
     daemon.engine = async_engine
@@ -165,6 +156,23 @@ def start_engine(opts: ServeOptions, daemon) -> None:
     log.info("start-up: ready in %.1f s (%.1f s since the process started): serving %s on %s (max_model_len %d, "
              "%d KV blocks of %d)", time.monotonic() - started, _process_age_s(), opts.served_model_name, device,
              engine.max_model_len, kv_cache.num_blocks, kv_cache.block_size)
+
+
+def use_profile(opts: ServeOptions, engine, profile, when: str = "start-up") -> None:
+    """What the engine takes from its profile once it has one (at start-up, or measured later while idle): a
+    chunk of a long prompt's tail attends to all of it, so the scheduler cuts it to keep the iteration as long as
+    the budget means, by what served iterations show a cached prefix costs (the profile cannot see it)."""
+    from stallfree.contracts import SLO_MARGIN
+    from stallfree.node_daemon.engine.iteration_cost import OnlineIterationCost, prior_per_prefix_pair
+
+    if profile is None or not profile.mixed or opts.args.backend != "model" or opts.args.no_prefix_cut:
+        return
+    target = SLO_MARGIN * opts.args.tpot_slo_ms if opts.args.tpot_slo_ms is not None else None
+    engine.scheduler.set_prefix_cost(OnlineIterationCost(profile, target,
+                                                         prior_per_prefix_pair(profile, engine.executor.loaded.shape)))
+    log.info("%s: prefill chunks over a cached prefix are cut to the budget's iteration time%s (the prefix's cost "
+             "learned from served iterations)", when,
+             f" and to {target:.0f} ms (the TPOT SLO's iteration target)" if target else "")
 
 
 def cpu_starting_tuning(tuning, ceilings):
@@ -211,20 +219,33 @@ def _process_age_s() -> float:
         return float("nan")
 
 
-def _startup_profile(opts: ServeOptions, engine, device: str):
-    """The profile from the cache, else measured within the time budget; and a retry when it is not trusted."""
+def _startup_profile(opts: ServeOptions, engine, device: str, defer_while_compiling: bool = False):
+    """The profile from the cache, else measured within the time budget; and a retry when it is not trusted, or
+    when it timed the Python path while the compiled CPU forward compiles (it is replaced once that is in use).
+
+    With `defer_while_compiling` (no TPOT SLO: neither the starting budget nor an operator reads the profile) and
+    the compiled forward still compiling, nothing is measured now: the daemon serves at once, and the retry reads
+    or measures the profile on the idle engine thread once the compiled forward is in use (a fresh install's
+    first start: about 5 s shorter)."""
     from stallfree.node_daemon.measure.profile_cache import ProfileCache, profile_key
     from stallfree.node_daemon.measure.profiler import ProfileSettings, run_profile
+    from stallfree.node_daemon.models import cpu_decode
 
     a = opts.args
     settings = ProfileSettings(max_seconds=a.profile_max_seconds, progress=lambda line: log.info("start-up: %s", line))
     cache = None if a.no_profile_cache else ProfileCache(a.profile_cache_dir)
+    compiling = cpu_decode.is_building()
+    if defer_while_compiling and compiling:
+        log.info("start-up: profile deferred: the compiled CPU forward is still compiling (the Python path serves "
+                 "meanwhile); read or measured on the idle engine once it is in use")
+        return None, _Remeasure(settings, cache, device, delay_s=_COMPILE_POLL_S)
     key = profile_key(engine, device, settings) if cache is not None else None
+    later = _Remeasure(settings, cache, device, delay_s=_COMPILE_POLL_S) if compiling else None
     if cache is not None:
         cached, why = cache.load(key)
         if cached is not None:
             log.info("start-up: %s (%d mixed points, %d decode-only)", why, len(cached.mixed), len(cached.decode_only))
-            return cached, None
+            return cached, later
         log.info("start-up: %s: measuring (time budget %g s)", why, a.profile_max_seconds)
     run = run_profile(engine, device, settings)
     log.info("start-up: profile on %s in %.1f s: %s", device, run.seconds,
@@ -234,50 +255,76 @@ def _startup_profile(opts: ServeOptions, engine, device: str):
             path = cache.store(key, run.profile, {"seconds": run.seconds, "cpu_share": run.cpu_share})
             if path is not None:
                 log.info("start-up: profile cached at %s", path)
-        return run.profile, None
+        return run.profile, later
     log.warning("start-up: the profile is not trusted (%s): served with, not cached; measured again when idle",
                 "; ".join(run.warnings) or "stopped early")
-    return run.profile, _Remeasure(settings, cache, key, device)
+    return run.profile, later or _Remeasure(settings, cache, device)
+
+
+# How often a deferred profile looks whether the compiled forward has loaded.
+_COMPILE_POLL_S = 2.0
 
 
 class _Remeasure:
-    """Measure the profile again on the idle engine thread until one run is trusted (then cache it).
+    """Measure the profile on the idle engine thread until one run is trusted (then cache it): again after an
+    untrusted start-up run, for the first time after a deferred one, or again once the compiled CPU forward that
+    was compiling is in use. It waits for that compile, then reads the cache first (the compiled forward's
+    arrival changes the key: a profile measured on an earlier start may be there).
 
     A request arriving mid-run stops it at the next iteration (should_stop), so serving waits at most
-    one profile iteration; backs off (x2) between tries, gives up after `tries`."""
+    one profile iteration; backs off (x2) between tries, gives up after `tries`. on_profile(profile) is called
+    with each profile it gives the daemon (on the engine thread)."""
 
-    def __init__(self, settings, cache, key, device: str, delay_s: float = 30.0, tries: int = 5) -> None:
-        self.settings, self.cache, self.key, self.device = settings, cache, key, device
+    def __init__(self, settings, cache, device: str, delay_s: float = 30.0, tries: int = 5) -> None:
+        self.settings, self.cache, self.device = settings, cache, device
         self.delay_s, self.tries = delay_s, tries
+        self.on_profile = lambda profile: None
 
     def __call__(self, daemon, engine, should_stop) -> float | None:
         """Runs on the engine thread; returns the delay before the next try, or None when done."""
         import dataclasses
         import os
 
+        from stallfree.node_daemon.measure.profile_cache import profile_key
         from stallfree.node_daemon.measure.profiler import run_profile
+        from stallfree.node_daemon.models import cpu_decode
 
+        if cpu_decode.is_building():
+            return _COMPILE_POLL_S
+        key = profile_key(engine, self.device, self.settings) if self.cache is not None else None
+        if self.cache is not None:
+            cached, why = self.cache.load(key)
+            if cached is not None:
+                log.info("profile: %s", why)
+                self._give(daemon, cached)
+                return None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         if os.getloadavg()[0] > cores:  # still busy: measuring now would only be wrong again, and slow
-            return self.delay_s
+            return max(self.delay_s, 30.0)
         self.tries -= 1
         settings = dataclasses.replace(self.settings, should_stop=should_stop, progress=None)
         run = run_profile(engine, self.device, settings)
         if run.trusted:
-            daemon.profile = run.profile
-            where = self.cache.store(self.key, run.profile, {"seconds": run.seconds, "cpu_share": run.cpu_share}) \
+            again = daemon.profile is not None
+            self._give(daemon, run.profile)
+            where = self.cache.store(key, run.profile, {"seconds": run.seconds, "cpu_share": run.cpu_share}) \
                 if self.cache is not None else None
-            log.info("profile re-measured while idle in %.1f s: %s%s", run.seconds,
+            log.info("profile %s while idle in %.1f s: %s%s", "re-measured" if again else "measured", run.seconds,
                      ", ".join(f"{p.tokens} tok {p.iteration_ms:.1f} ms" for p in run.profile.mixed),
                      f" (cached at {where})" if where else "")
             return None
         log.info("profile re-measure %s (%s)", "interrupted by a request" if run.stopped else "still not trusted",
                  "; ".join(run.warnings) or "stopped")
         if self.tries <= 0:
-            log.warning("profile: giving up re-measuring; the start-up profile stays (not cached)")
+            log.warning("profile: giving up measuring while idle; %s",
+                        "the start-up profile stays (not cached)" if daemon.profile is not None else "no profile")
             return None
-        self.delay_s *= 2
+        self.delay_s = max(self.delay_s, 30.0) * 2
         return self.delay_s
+
+    def _give(self, daemon, profile) -> None:
+        daemon.profile = profile
+        self.on_profile(profile)
 
 
 def build_daemon(opts: ServeOptions):

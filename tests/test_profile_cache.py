@@ -202,3 +202,56 @@ def test_the_engine_build_hashes_the_compiled_forwards_sources(monkeypatch) -> N
     finally:
         monkeypatch.undo()
         engine_build.cache_clear()
+
+
+def test_a_start_while_the_compiled_forward_compiles_serves_first_and_profiles_it_once_loaded(
+        tmp_path, quiet_rule, monkeypatch) -> None:
+    from stallfree.node_daemon.models import cpu_decode
+
+    building = {"now": True}
+    monkeypatch.setattr(cpu_decode, "is_building", lambda: building["now"])
+    opts, engine, device = _serve_engine(tmp_path)
+    # The starting budget does not come from the profile: nothing is measured (or read) while it compiles.
+    profile, retry = _startup_profile(opts, engine, device, defer_while_compiling=True)
+    assert profile is None and retry is not None and list(tmp_path.glob("profile-*.json")) == []
+    given = []
+    retry.on_profile = given.append
+    daemon = type("D", (), {"profile": None})()
+    assert retry(daemon, engine, lambda: False) == retry.delay_s  # still compiling: asks again soon
+    assert daemon.profile is None and given == []
+    # Loaded: measured on the idle engine, given to the daemon and its engine, cached under the key of now.
+    building["now"] = False
+    assert retry(daemon, engine, lambda: False) is None
+    assert daemon.profile is not None and daemon.profile.mixed and given == [daemon.profile]
+    assert ProfileCache(tmp_path).load(profile_key(engine, device, ProfileSettings()))[0] == daemon.profile
+    # The next deferred start finds it in the cache: read, not measured.
+    building["now"] = True
+    _, retry = _startup_profile(opts, engine, device, defer_while_compiling=True)
+    building["now"], later = False, type("D", (), {"profile": None})()
+    monkeypatch.setattr(profiler, "run_profile", lambda *a, **k: pytest.fail("measured although cached"))
+    assert retry(later, engine, lambda: False) is None and later.profile == daemon.profile
+
+
+def test_a_start_with_a_tpot_slo_measures_while_compiling_and_measures_again_once_compiled(
+        tmp_path, quiet_rule, monkeypatch) -> None:
+    from stallfree.node_daemon.models import cpu_decode
+
+    building = {"now": True}
+    monkeypatch.setattr(cpu_decode, "is_building", lambda: building["now"])
+    opts, engine, device = _serve_engine(tmp_path)
+    # An operator's daemon reads its profile at once (the starting budget, the operator's calibration).
+    profile, retry = _startup_profile(opts, engine, device, defer_while_compiling=False)
+    assert profile is not None and profile.mixed and retry is not None
+    daemon = type("D", (), {"profile": profile})()
+    assert retry(daemon, engine, lambda: False) == retry.delay_s and daemon.profile is profile
+    # Compiled: the key changes (here by a stand-in for the compiled forward's part of it), and the profile of
+    # the path in use replaces the Python path's.
+    from stallfree.node_daemon.measure import profile_cache
+
+    keyed = profile_cache.profile_key
+    monkeypatch.setattr(profile_cache, "profile_key",
+                        lambda *args: {**keyed(*args), "compiled_forward": not building["now"]})
+    building["now"] = False
+    assert retry(daemon, engine, lambda: False) is None
+    assert daemon.profile is not profile and daemon.profile.mixed
+    assert len(list(tmp_path.glob("profile-*.json"))) == 2  # the Python path's and the compiled forward's

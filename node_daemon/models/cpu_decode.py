@@ -92,6 +92,12 @@ def is_loaded() -> bool:
     return bool(_state["loaded"])
 
 
+def is_building() -> bool:
+    """Whether a background build is under way (the Python path serves until it loads)."""
+    thread = _state["thread"]
+    return thread is not None and thread.is_alive() and not _state["loaded"]  # type: ignore[union-attr]
+
+
 def why_not() -> str | None:
     """Why the compiled path is not in use (None once loaded, or while a build is under way)."""
     return None if _state["loaded"] else _state["why"]  # type: ignore[return-value]

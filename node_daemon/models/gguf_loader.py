@@ -93,7 +93,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
             _attach_int4(model, reader, codes, dtype)
         how = "decoded from the file"
         if cached is not None:
-            weight_cache.save(model, cached)  # later starts map these tensors instead of decoding again
+            weight_cache.save(model, cached, background=True)  # later starts map these instead of decoding again
     log.info("loaded %s in %.1f s (%s, %s)", os.path.basename(path), time.monotonic() - started,
              str(dtype).removeprefix("torch."), how)
     eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]

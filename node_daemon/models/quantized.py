@@ -136,31 +136,32 @@ class VnniWeight:
 
     @classmethod
     def from_codes(cls, block: BlockCodes) -> "VnniWeight":
+        """Packed in torch (its copies run on the process's threads: part of a fresh start's load)."""
         n, width = block.codes.shape
         k = width // block.planes
         groups = k // GROUP_SIZE
+        codes = torch.from_numpy(block.codes)
         if block.planes == 1:
-            codes, bits = block.codes, 4
+            bits = 4
             scale, zero = block.scale, block.zero - 8.0 * block.scale
         else:  # Q8_0: the two nibble planes join into one byte, plane 1's scale is 16x plane 0's
-            lo, hi = block.codes[:, :k].astype(np.uint16), block.codes[:, k:].astype(np.uint16)
-            codes, bits = (lo + 16 * hi).astype(np.uint8), 8
+            codes, bits = codes[:, :k] | (codes[:, k:] << 4), 8
             s0, s1 = block.scale[:, :groups], block.scale[:, groups:]
             if not np.array_equal(s1, 16.0 * s0):
                 raise ValueError("two code planes whose scales are not 1 : 16")
             scale = s0
             zero = block.zero[:, :groups] - 8.0 * s0 + block.zero[:, groups:] - 8.0 * s1
         # [tile, column, block, pair of k, k in pair] -> [tile, block, pair, column, k in pair]
-        tiled = codes.reshape(n // 16, 16, groups, 16, 2).transpose(0, 2, 3, 1, 4)
+        tiled = codes.reshape(n // 16, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
         if bits == 4:  # pair q in the low nibbles, q + 8 in the high ones
             tiled = tiled[:, :, :8] | (tiled[:, :, 8:] << 4)
 
-        def per_tile(values: np.ndarray) -> np.ndarray:  # [tile, block, 16 columns] float16 as bytes
-            half = values.astype(np.float16).reshape(n // 16, 16, groups).transpose(0, 2, 1)
-            return np.ascontiguousarray(half).view(np.uint8)
+        def per_tile(values: np.ndarray) -> torch.Tensor:  # [tile, block, 16 columns] float16 as bytes
+            half = torch.from_numpy(values).to(torch.float16).view(n // 16, 16, groups).transpose(1, 2)
+            return half.contiguous().view(torch.uint8)
 
-        record = np.concatenate([tiled.reshape(n // 16, groups, -1), per_tile(scale), per_tile(zero)], axis=-1)
-        return cls(torch.from_numpy(record), bits)
+        record = torch.cat([tiled.reshape(n // 16, groups, -1), per_tile(scale), per_tile(zero)], dim=-1)
+        return cls(record, bits)
 
     @property
     def nbytes(self) -> int:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,11 +57,11 @@ def _int4_weights(model: "LlamaForCausalLM") -> dict[str, Int4Weight]:
     return found
 
 
-def save(model: "LlamaForCausalLM", path: Path) -> bool:
-    """Write every parameter and int4 pack (atomically: a reader never sees half a file). False on an OS error."""
-    from safetensors.torch import save_file
+def save(model: "LlamaForCausalLM", path: Path, background: bool = False) -> bool:
+    """Write every parameter and int4 pack (atomically: a reader never sees half a file). False on an OS error.
 
-    started = time.monotonic()
+    `background`: the tensors are gathered here and written by a thread (a fresh start serves 0.4 s sooner; the
+    process waits for it at exit, and flush() waits for it); True then."""
     tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
     planes, bits = {}, {}
     for name, w in _int4_weights(model).items():
@@ -68,11 +69,32 @@ def save(model: "LlamaForCausalLM", path: Path) -> bool:
         planes[name] = w.planes
         if w.vnni is not None:
             tensors[f"{name}.vnni.blocks"], bits[name] = w.vnni.blocks, w.vnni.bits
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    metadata = {"planes": json.dumps(planes), "vnni_bits": json.dumps(bits), "format": str(FORMAT)}
+    if not background:
+        return _write(tensors, metadata, path)
+    thread = threading.Thread(target=_write, args=(tensors, metadata, path), name="weight-cache-write")
+    _writers.append(thread)
+    thread.start()
+    return True
+
+
+def flush() -> None:
+    """Wait for the weight cache files being written in the background."""
+    while _writers:
+        _writers.pop().join()
+
+
+_writers: list[threading.Thread] = []
+
+
+def _write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> bool:
+    from safetensors.torch import save_file
+
+    started = time.monotonic()
+    tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")  # two writers never share one
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp), metadata={"planes": json.dumps(planes), "vnni_bits": json.dumps(bits),
-                                                    "format": str(FORMAT)})
+        save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("weight cache: not written (%s)", exc)

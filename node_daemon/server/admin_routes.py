@@ -71,7 +71,8 @@ async def get_profile(request: Request, tpot_slo_ms: float | None = None) -> JSO
     daemon = get_daemon(request)
     engine = daemon.require_engine()
     if daemon.profile is None:
-        raise APIError(404, "this daemon has no profile (started with --no-profile)", code="no_profile",
+        raise APIError(404, "this daemon has no profile: started with --no-profile, or measured once the compiled "
+                       "CPU forward it was compiling is in use and the engine is idle", code="no_profile",
                        reason="not_found")
     if tpot_slo_ms is not None and not (math.isfinite(tpot_slo_ms) and 0 < tpot_slo_ms <= 1e6):
         raise APIError(400, f"tpot_slo_ms must be a positive number of milliseconds (at most 1e6), got {tpot_slo_ms}",
