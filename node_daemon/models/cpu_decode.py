@@ -13,18 +13,23 @@ not cover (a dense projection, a bias) stay on the Python path.
 
 The extension is compiled once per source, torch build and CPU (the key of its folder in
 $STALLFREE_EXT_CACHE, else $XDG_CACHE_HOME/stallfree/ext) and loaded from there in milliseconds afterwards.
-It is never compiled on the serving path: `ensure_built(background=True)` compiles it on a low-priority thread
-while the Python path serves, and the runner switches over at the next iteration once it is loaded.
+It is never compiled on the serving path: `ensure_built(background=True)` compiles it in a nice-19 child process
+while the Python path serves (killed with its compilers if the daemon stops first), and the runner switches over
+at the next iteration once it is loaded.
 STALLFREE_CPU_DECODE=0 turns it off; STALLFREE_CPU_MIXED=0 keeps iterations with a prefill chunk on the Python
 path, STALLFREE_CPU_CHUNK_KERNEL=0 gives prefill chunks ATen's attention instead of the AVX512-BF16 kernel
 (cpu_chunk_attention.h) and STALLFREE_CPU_VNNI=0 gives few-row projections torch's int4 kernel (A/B switches); without a C++ compiler it stays off and start-up says why.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -52,7 +57,7 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 MAX_ROWS = 64
 
 _lock = threading.Lock()
-_state: dict[str, object] = {"loaded": False, "why": None, "thread": None}
+_state: dict[str, object] = {"loaded": False, "why": None, "thread": None, "child": None}
 
 
 def enabled(switch: str = ENV_SWITCH) -> bool:
@@ -159,11 +164,73 @@ def ensure_built(background: bool) -> bool:
 
 
 def _build_quietly() -> None:
-    try:  # the compiler processes inherit this thread's priority: serving keeps the cores
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    """Compile in a child process (`python -m` this module) at nice 19, in a session of its own, then load. The
+    compilers inherit both: serving keeps the cores, and a daemon that stops takes its compilers with it (at exit
+    it kills the session; a child whose parent dies kills its own), instead of leaving them to run ~20 s."""
+    started = time.monotonic()
+    try:
+        child = subprocess.Popen([sys.executable, "-m", __name__], start_new_session=True)
+    except OSError as exc:
+        _state["why"] = f"compile failed: {exc}"
+        return
+    _state["child"] = child
+    atexit.register(_stop_build)
+    code = child.wait()
+    if _load_or_build(build=False):
+        log.info("compiled CPU decode path in %.1f s (%s)", time.monotonic() - started, _library_path(build_key()))
+    elif code != 0:
+        _state["why"] = f"compile failed (exit code {code}; the compiler's messages are above)"
+        log.warning("compiled CPU decode path: %s", _state["why"])
+
+
+def _stop_build() -> None:
+    child = _state.get("child")
+    if child is not None and child.poll() is None:  # type: ignore[union-attr]
+        kill_session(child.pid)  # type: ignore[union-attr]
+
+
+def kill_session(sid: int, passes: int = 50) -> None:
+    """SIGKILL every process of session `sid` (ninja gives each compiler a process group of its own, so a group
+    kill misses them; the session, which ninja keeps, holds them all). Again until a pass finds none: a driver
+    may fork its compiler between a pass's reading of /proc and its kill."""
+    me = os.getpid()
+    for _ in range(passes):
+        found = False
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == me:
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state ppid pgrp session ...
+                if int(fields[3]) == sid and fields[0] != "Z":
+                    os.kill(int(entry.name), signal.SIGKILL)
+                    found = True
+            except (OSError, ValueError, IndexError):
+                pass
+        if not found:
+            return
+        time.sleep(0.01)
+
+
+def _build_in_child() -> int:
+    """The background build's child process: nice 19, and gone (with its compilers) when its parent is."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
+    except OSError:
+        pass
+    def stop(*_) -> None:  # the session's compilers first, then this process
+        kill_session(os.getsid(0))
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:  # Linux: SIGTERM to this process when the parent dies, however it dies
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-    _load_or_build(build=True)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        return 1
+    return 0 if _load_or_build(build=True) else 1
 
 
 def unsupported(model: "LlamaForCausalLM") -> str | None:
@@ -221,3 +288,8 @@ class CpuDecode:
         return torch.ops.stallfree_cpu.forward(
             input_ids, positions, slot_mapping, block_tables.contiguous(), seq_lens, query_start_loc, self.embed,
             self.cos_sin, self.norms, self.weights, self.planes, self.bits, self.kv, *self.dims)
+
+
+if __name__ == "__main__":  # the background build's child (_build_quietly)
+    logging.basicConfig(level=logging.WARNING)  # a failed compile's warning; the parent logs the success
+    sys.exit(_build_in_child())
