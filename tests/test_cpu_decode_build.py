@@ -1,6 +1,7 @@
 """The compiled forward's background build (models/cpu_decode.py): it compiles in a child process of its own
 session, and a daemon that stops while it compiles takes the compiler with it. A process starts a build into an
-empty cache, exits once the compiler runs, and no process of the build's session is left."""
+empty cache, exits once the compiler runs, and no process of the build's session is left; and what the killed
+build left behind (cpp_extension's lock file among it) does not stop the next build, which compiles and loads."""
 from __future__ import annotations
 
 import os
@@ -31,6 +32,12 @@ for _ in range(300):  # until the compiler runs (the child imports torch first)
 else:
     raise AssertionError("no compiler started")
 sys.exit(0)  # a stopping daemon: atexit kills the build's session
+"""
+
+
+BUILDS_HERE = """
+from stallfree.node_daemon.models import cpu_decode
+assert cpu_decode.ensure_built(background=False), cpu_decode.why_not()
 """
 
 
@@ -65,3 +72,7 @@ def test_a_daemon_that_stops_while_compiling_leaves_no_compiler_running(tmp_path
         time.sleep(0.1)
     assert _session(sid) == []
     assert not list(tmp_path.rglob("*.so"))  # stopped before it finished
+    assert list(tmp_path.rglob("lock"))  # cpp_extension's lock, left by the killed build
+    again = subprocess.run([sys.executable, "-c", BUILDS_HERE], env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert list(tmp_path.rglob("*.so"))

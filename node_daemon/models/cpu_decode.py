@@ -23,6 +23,7 @@ path, STALLFREE_CPU_CHUNK_KERNEL=0 gives prefill chunks ATen's attention instead
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import logging
 import os
@@ -127,9 +128,10 @@ def _load_or_build(build: bool) -> bool:
             started = time.monotonic()
             library.parent.mkdir(parents=True, exist_ok=True)
             try:
-                built = cpp_extension.load(name=f"stallfree_cpu_{key}", sources=[str(SOURCE)],
-                                           extra_cflags=_CFLAGS, build_directory=str(library.parent),
-                                           is_python_module=False, verbose=False)
+                with _one_build_at_a_time(library.parent):
+                    built = cpp_extension.load(name=f"stallfree_cpu_{key}", sources=[str(SOURCE)],
+                                               extra_cflags=_CFLAGS, build_directory=str(library.parent),
+                                               is_python_module=False, verbose=False)
             except (RuntimeError, OSError, ImportError) as exc:  # a failed compile: the Python path stays
                 _state["why"] = f"compile failed: {str(exc).splitlines()[0][:200]}"
                 log.warning("compiled CPU decode path: %s", _state["why"])
@@ -142,6 +144,19 @@ def _load_or_build(build: bool) -> bool:
         use_vnni_kernel(enabled(VNNI_SWITCH) and torch.ops.stallfree_cpu.vnni_available())
         _state["loaded"], _state["why"] = True, None
         return True
+
+
+@contextlib.contextmanager
+def _one_build_at_a_time(folder: Path):
+    """Hold an flock on the build folder for a build (the kernel drops it with its process, however that ends),
+    and clear cpp_extension's own lock file there first: a build killed mid-way leaves that file, and every
+    later build would wait on it forever. No build runs while this flock is held, so the file is stale."""
+    import fcntl
+
+    with open(folder / "stallfree-build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        yield
 
 
 def ensure_built(background: bool) -> bool:
