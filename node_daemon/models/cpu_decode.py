@@ -193,6 +193,9 @@ def _build_quietly() -> None:
     code = child.wait()
     if _load_or_build(build=False):
         log.info("compiled CPU decode path in %.1f s (%s)", time.monotonic() - started, _library_path(build_key()))
+    elif code < 0:  # killed: this process is stopping (_stop_build), or someone stopped the build
+        _state["why"] = f"compile stopped (signal {-code})"
+        log.info("compiled CPU decode path: %s", _state["why"])
     elif code != 0:
         _state["why"] = f"compile failed (exit code {code}; the compiler's messages are above)"
         log.warning("compiled CPU decode path: %s", _state["why"])
