@@ -35,7 +35,8 @@ def _compiled_steps(forward, repeats: int = 5) -> dict[str, float]:
     torch.ops.stallfree_cpu.phase_seconds()  # zeroes the clock's sums
     for _ in range(repeats):
         forward()
-    return {name: round(s * 1000 / repeats, 3) for name, s in zip(COMPILED_STEPS, torch.ops.stallfree_cpu.phase_seconds())}
+    seconds = torch.ops.stallfree_cpu.phase_seconds()
+    return {name: round(s * 1000 / repeats, 3) for name, s in zip(COMPILED_STEPS, seconds)}
 
 
 def _without_vnni(runner):
@@ -263,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             print("the compiled forward by step (ms a forward; the LM head runs after it, under matmul above):")
             print(f"{'seqs':>5} " + " ".join(f"{name:>10}" for name in COMPILED_STEPS))
             for row in stepped:
-                print(f"{row['seqs']:>5} " + " ".join(f"{row['compiled_steps_ms'][name]:>10.2f}" for name in COMPILED_STEPS))
+                steps = row["compiled_steps_ms"]
+                print(f"{row['seqs']:>5} " + " ".join(f"{steps[name]:>10.2f}" for name in COMPILED_STEPS))
         result_extra = {"memory_bandwidth_gb_s": round(bandwidth, 2)}
     else:
         result_extra = {}

@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         print("  (no VNNI kernel here: this CPU lacks AVX512-VNNI or the extension did not build)", flush=True)
     results = []
     print(f"{'rows':>4} {'group':>6} " + " ".join(f"{k + ' ms':>10}" for k in kernels) + "   " +
-          " ".join(f"{k + ' GB/s':>11}" for k in kernels) + "   " + " ".join(f"{k + '/' + kernels[0]:>12}" for k in kernels[1:]),
-          flush=True)
+          " ".join(f"{k + ' GB/s':>11}" for k in kernels) + "   " +
+          " ".join(f"{k + '/' + kernels[0]:>12}" for k in kernels[1:]), flush=True)
     with torch.no_grad():
         for n in rows:
             for group, weights in groups.items():

@@ -3,11 +3,11 @@
 The HTTP server answers at once (/health 200, /ready 503 "loading model"); a start-up thread
 loads the model (or builds the sim backend), reads this engine's profile from the profile cache or
 measures it within --profile-max-seconds (node_daemon/measure/profiler.py, profile_cache.py; while the compiled
-CPU forward is still compiling, without a TPOT SLO later, on the idle engine, else again once it is in use), picks the
-starting token budget from --tpot-slo-ms when --token-budget is auto, has the scheduler cut prefill chunks over
-a long prefix to the budget's iteration time (node_daemon/engine/iteration_cost.py), and starts the engine loop;
-/ready turns 200 then. Each step logs a "start-up:" line with its duration. A start-up failure ends the daemon
-(`run` returns it).
+CPU forward is still compiling: without a TPOT SLO later, on the idle engine, else now and again once it is in
+use), picks the starting token budget from --tpot-slo-ms when --token-budget is auto, has the scheduler cut
+prefill chunks over a long prefix to the budget's iteration time (node_daemon/engine/iteration_cost.py), and
+starts the engine loop; /ready turns 200 then. Each step logs a "start-up:" line with its duration. A start-up
+failure ends the daemon (`run` returns it).
 """
 from __future__ import annotations
 

@@ -70,7 +70,8 @@ def test_layout_holds_the_gguf_weights(name):
                                   "token_embd.weight"])
 def test_matmul_is_the_dequantized_one(name, rows):
     codes = _codes(name)
-    x = torch.randn(rows, codes.codes.shape[1] // codes.planes, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    width = codes.codes.shape[1] // codes.planes
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)).bfloat16()
     got = _matmul(VnniWeight.from_codes(codes), x)
     want = x.double() @ torch.from_numpy(codes.dequantize()).double().T
     assert got.dtype == torch.bfloat16 and got.shape == (rows, codes.rows)

@@ -391,8 +391,8 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
   const int64_t rows = input_ids.size(0), hidden = embed.size(1), layers = static_cast<int64_t>(kv.size()) / 2;
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(embed.scalar_type() == at::kBFloat16, "forward: bfloat16 weights only");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 16 * layers && static_cast<int64_t>(planes.size()) == 4 * layers &&
-                  static_cast<int64_t>(bits.size()) == 4 * layers,
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 16 * layers &&
+                  static_cast<int64_t>(planes.size()) == 4 * layers && static_cast<int64_t>(bits.size()) == 4 * layers,
               "forward: 4 projections a layer");
   const RowLimits limits{int4_max_rows, vnni_max_rows};
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers + 1, "forward: 2 norms a layer and a final one");

@@ -18,7 +18,8 @@ while the Python path serves (killed with its compilers if the daemon stops firs
 at the next iteration once it is loaded.
 STALLFREE_CPU_DECODE=0 turns it off; STALLFREE_CPU_MIXED=0 keeps iterations with a prefill chunk on the Python
 path, STALLFREE_CPU_CHUNK_KERNEL=0 gives prefill chunks ATen's attention instead of the AVX512-BF16 kernel
-(cpu_chunk_attention.h) and STALLFREE_CPU_VNNI=0 gives few-row projections torch's int4 kernel (A/B switches); without a C++ compiler it stays off and start-up says why.
+(cpu_chunk_attention.h) and STALLFREE_CPU_VNNI=0 gives few-row projections torch's int4 kernel (A/B switches);
+without a C++ compiler it stays off and start-up says why.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ MIXED_SWITCH = "STALLFREE_CPU_MIXED"
 CHUNK_KERNEL_SWITCH = "STALLFREE_CPU_CHUNK_KERNEL"
 VNNI_SWITCH = "STALLFREE_CPU_VNNI"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
-# Decode batches up to this many rows take the compiled path (int4 up to INT4_MAX_ROWS, oneDNN's bfloat16 past it).
+# Decode batches up to this many rows take the compiled path (the VNNI or int4 kernel for a few rows, oneDNN's
+# bfloat16 GEMM past them).
 MAX_ROWS = 64
 
 _lock = threading.Lock()
@@ -160,8 +162,8 @@ def _one_build_at_a_time(folder: Path):
 
 
 def ensure_built(background: bool) -> bool:
-    """Load the compiled path, compiling it if needed: on a nice-19 thread when `background` (returns at once,
-    False until it is loaded), else here. False when switched off."""
+    """Load the compiled path, compiling it if needed: in a nice-19 child process watched by a thread when
+    `background` (returns at once, False until it is loaded), else here. False when switched off."""
     if not enabled():
         _state["why"] = f"{ENV_SWITCH}=0"
         return False
@@ -182,6 +184,9 @@ def _build_quietly() -> None:
     """Compile in a child process (`python -m` this module) at nice 19, in a session of its own, then load. The
     compilers inherit both: serving keeps the cores, and a daemon that stops takes its compilers with it (at exit
     it kills the session; a child whose parent dies kills its own), instead of leaving them to run ~20 s."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        _state["why"] = "no C++ compiler (c++) on PATH"
+        return
     started = time.monotonic()
     try:
         child = subprocess.Popen([sys.executable, "-m", __name__], start_new_session=True)

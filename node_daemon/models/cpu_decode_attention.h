@@ -24,7 +24,8 @@ inline __m512 sum16(const __m512* v) {
     e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
                          _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
   for (int i = 0; i < 2; ++i)  // -> 2: two lanes a vector
-    f[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0x44), _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0xEE));
+    f[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0xEE));
   return _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
 }
 
