@@ -204,12 +204,18 @@ def test_the_engine_build_hashes_the_compiled_forwards_sources(monkeypatch) -> N
         engine_build.cache_clear()
 
 
-def test_a_start_while_the_compiled_forward_compiles_serves_first_and_profiles_it_once_loaded(
-        tmp_path, quiet_rule, monkeypatch) -> None:
+def _compiling(monkeypatch) -> dict[str, bool]:
+    """A compiled forward under way while building["now"] (cpu_decode.is_building follows it)."""
     from stallfree.node_daemon.models import cpu_decode
 
     building = {"now": True}
     monkeypatch.setattr(cpu_decode, "is_building", lambda: building["now"])
+    return building
+
+
+def test_a_start_while_the_compiled_forward_compiles_serves_first_and_profiles_it_once_loaded(
+        tmp_path, quiet_rule, monkeypatch) -> None:
+    building = _compiling(monkeypatch)
     opts, engine, device = _serve_engine(tmp_path)
     # The starting budget does not come from the profile: nothing is measured (or read) while it compiles.
     profile, retry = _startup_profile(opts, engine, device, defer_while_compiling=True)
@@ -234,10 +240,7 @@ def test_a_start_while_the_compiled_forward_compiles_serves_first_and_profiles_i
 
 def test_a_start_with_a_tpot_slo_measures_while_compiling_and_measures_again_once_compiled(
         tmp_path, quiet_rule, monkeypatch) -> None:
-    from stallfree.node_daemon.models import cpu_decode
-
-    building = {"now": True}
-    monkeypatch.setattr(cpu_decode, "is_building", lambda: building["now"])
+    building = _compiling(monkeypatch)
     opts, engine, device = _serve_engine(tmp_path)
     # An operator's daemon reads its profile at once (the starting budget, the operator's calibration).
     profile, retry = _startup_profile(opts, engine, device, defer_while_compiling=False)

@@ -75,6 +75,17 @@ inline void exp_inplace(float* x, int64_t n) {
   for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
 
+// s[t] = exp(s[t] - max s) over t < n; returns 1 / their sum (the softmax's normaliser).
+inline float exp_shifted(float* s, int64_t n) {
+  float top = s[0];
+  for (int64_t t = 1; t < n; ++t) top = std::max(top, s[t]);
+  for (int64_t t = 0; t < n; ++t) s[t] -= top;
+  exp_inplace(s, n);
+  float total = 0.f;
+  for (int64_t t = 0; t < n; ++t) total += s[t];
+  return 1.f / total;
+}
+
 // sum_i q[i] * k[i], q float, k bfloat16. AVX-512: 16 lanes and one horizontal sum (the compiler's own
 // reduction went through memory lane by lane, the attention's largest cost).
 inline float dot_bf16(const float* q, const uint16_t* k, int64_t n) {
@@ -253,13 +264,7 @@ void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < group; ++j) {
         float* sj = scores.data() + j * L;
-        float top = sj[0];
-        for (int64_t t = 1; t < L; ++t) top = std::max(top, sj[t]);
-        for (int64_t t = 0; t < L; ++t) sj[t] -= top;
-        exp_inplace(sj, L);
-        float total = 0.f;
-        for (int64_t t = 0; t < L; ++t) total += sj[t];
-        const float inv = 1.f / total;
+        const float inv = exp_shifted(sj, L);
         for (int64_t t = 0; t < L; ++t) sj[t] *= inv;
       }
       for (int64_t t = 0; t < L; ++t) {

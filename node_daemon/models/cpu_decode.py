@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS, VNNI_MAX_ROWS, use_vnni_kernel
+from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS, VNNI_MAX_ROWS, cpu_flags, use_vnni_kernel
 
 if TYPE_CHECKING:
     from stallfree.node_daemon.models.llama import KVCache, LlamaForCausalLM
@@ -67,20 +67,11 @@ def enabled(switch: str = ENV_SWITCH) -> bool:
     return os.environ.get(switch, "1") not in ("0", "false", "no", "off")
 
 
-def _cpu_key() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return flags
-
-
 def build_key() -> str:
     """What the compiled file depends on: the sources, the flags, torch's build and the CPU (-march=native)."""
     digest = hashlib.sha256()
     parts = (SOURCE.read_bytes(), *(h.read_bytes() for h in HEADERS), " ".join(_CFLAGS).encode(),
-             torch.__version__.encode(), _cpu_key().encode())
+             torch.__version__.encode(), cpu_flags().encode())
     for part in parts:
         digest.update(part)
     return digest.hexdigest()[:16]

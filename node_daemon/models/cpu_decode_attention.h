@@ -1,5 +1,5 @@
 // Decode attention (one query row per sequence) over the paged KV cache with AVX512-BF16 dot products; included by
-// cpu_decode.cpp inside its anonymous namespace (it uses bf2f, f2bf and exp_inplace from there).
+// cpu_decode.cpp inside its anonymous namespace (it uses f2bf and exp_shifted from there).
 //
 // Why: scoring key by key with a float dot product ends every key in a 16-lane horizontal sum, and those sums were
 // most of a 16-stream step (10 ms of 35 at 128 cached tokens, `stallfree bench iteration --breakdown`). Here 16
@@ -66,13 +66,7 @@ void decode_attention_bf16(const uint16_t* q, const uint16_t* kh, const uint16_t
       _mm512_mask_storeu_ps(sj + t0, static_cast<__mmask16>((1u << n) - 1),
                             _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
     }
-    float top = sj[0];
-    for (int64_t t = 1; t < L; ++t) top = std::max(top, sj[t]);
-    for (int64_t t = 0; t < L; ++t) sj[t] -= top;
-    exp_inplace(sj, L);
-    float total = 0.f;
-    for (int64_t t = 0; t < L; ++t) total += sj[t];
-    const float inv = 1.f / total;
+    const float inv = exp_shifted(sj, L);
     __m512 o[DV];
     for (int d = 0; d < DV; ++d) o[d] = _mm512_setzero_ps();
     for (int64_t t0 = 0; t0 < L; t0 += block_size) {  // block by block: the table read once a block

@@ -56,13 +56,18 @@ def vnni_kernel_in_use() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_has_vnni() -> bool:
-    """AVX512-VNNI (the VNNI kernel's integer dot products) on this CPU, from /proc/cpuinfo's flags."""
+def cpu_flags() -> str:
+    """/proc/cpuinfo's flags line ("" where there is none): what the CPU kernels can use."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return False
+        return ""
+
+
+def cpu_has_vnni() -> bool:
+    """AVX512-VNNI (the VNNI kernel's integer dot products) on this CPU."""
+    flags = cpu_flags().split()
     return "avx512_vnni" in flags and "avx512bw" in flags
 
 
