@@ -5,7 +5,9 @@
 #   e2e/cluster/install.sh [EXAMPLE] [NAMESPACE]
 #     EXAMPLE    an InferenceService manifest (default: manifests/examples/smollm2-cpu.yaml)
 #     NAMESPACE  where the example goes (default: default)
-#   env: STALLFREE_IMAGE  image for the operator and the daemons (default: the manifests' own)
+#   env: REGISTRY, TAG    where build-images.sh pushed the two images (default: the manifests' own,
+#                         ghcr.io/stallfree and 0.1.0): REGISTRY/stallfree-control-plane:TAG runs the
+#                         operator and its routers, REGISTRY/stallfree:TAG the daemons
 #        TIMEOUT          how long to wait for Ready (default: 900s; the first start loads and profiles)
 set -euo pipefail
 
@@ -37,20 +39,27 @@ kubectl apply --server-side -f crds/inferenceservice.yaml
 kubectl wait --for condition=established --timeout=60s "crd/$CRD"
 
 echo "== operator"
-kubectl apply -k manifests/operator
-if [[ -n "${STALLFREE_IMAGE:-}" ]]; then
-  kubectl -n "$OPERATOR_NS" set image deployment/stallfree-operator "operator=$STALLFREE_IMAGE"
-fi
+# An overlay, not `kubectl set image`: kustomize rewrites the operator's image and the images it renders
+# (manifests/operator/images-config.yaml) in one place, and the next apply of it keeps them.
+OVERLAY=$(mktemp -d manifests/overlays/install.XXXXXX)
+trap 'rm -rf "$OVERLAY"' EXIT
+cat > "$OVERLAY/kustomization.yaml" <<EOF
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources: [../../operator]
+images:
+- {name: ghcr.io/stallfree/stallfree, newName: ${REGISTRY:-ghcr.io/stallfree}/stallfree, newTag: "${TAG:-0.1.0}"}
+- {name: ghcr.io/stallfree/stallfree-control-plane, newName: ${REGISTRY:-ghcr.io/stallfree}/stallfree-control-plane, newTag: "${TAG:-0.1.0}"}
+EOF
+kubectl apply -k "$OVERLAY"
 kubectl -n "$OPERATOR_NS" rollout status deployment/stallfree-operator --timeout=300s
 
 echo "== example $EXAMPLE into namespace $NAMESPACE"
 NAME=$(kubectl create --dry-run=client -f "$EXAMPLE" -o jsonpath='{.metadata.name}')
 kubectl get namespace "$NAMESPACE" >/dev/null 2>&1 || kubectl create namespace "$NAMESPACE"
+# Secrets and RBAC objects: the operator may make them only in namespaces that grant it this binding.
+kubectl -n "$NAMESPACE" apply -f manifests/operator/namespaced/rolebinding.yaml
 kubectl -n "$NAMESPACE" apply -f "$EXAMPLE"
-if [[ -n "${STALLFREE_IMAGE:-}" ]]; then
-  kubectl -n "$NAMESPACE" patch inferenceservice "$NAME" --type merge \
-    -p "{\"spec\":{\"engine\":{\"image\":\"$STALLFREE_IMAGE\"}}}"
-fi
 
 echo "== waiting up to $TIMEOUT for $NAME to be Ready"
 if ! kubectl -n "$NAMESPACE" wait "inferenceservice/$NAME" --for=condition=Ready --timeout="$TIMEOUT"; then

@@ -23,7 +23,6 @@ KIND = "InferenceService"
 PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 SHORT_NAMES = ["infsvc", "sfis"]  # not "isvc": KServe has it
-DEFAULT_IMAGE = "ghcr.io/stallfree/stallfree:0.1.0"
 AUTO = "auto"
 
 
@@ -233,7 +232,8 @@ class MaxNumSeqsSpec(_Model):
 
 
 class EngineSpec(_Model):
-    image: str = Field(DEFAULT_IMAGE, min_length=1)
+    image: str | None = Field(None, min_length=1, description="the daemons' image; default: the serving image "
+                              "the operator was deployed with (its STALLFREE_SERVING_IMAGE)")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     backend: Literal["model", "sim"] = Field("model", description="sim: the cost model instead of a model")
     hardware: str | None = Field(None, description="hardware preset for the sim backend's cost model")

@@ -19,6 +19,7 @@ from typing import Any
 
 from stallfree.contracts import Tuning, min_budget_for
 from stallfree.operator.api import spec as s
+from stallfree.operator.reconcile import images
 
 DAEMON_PORT = 8000
 ROUTER_PORT = 8080
@@ -134,6 +135,7 @@ def rollout_view(spec: s.InferenceServiceSpec) -> dict[str, Any]:
     for key in LIVE_ENGINE_FIELDS:
         data["engine"].pop(key, None)
     data.pop("routing", None)  # the router is its own Deployment: switching it never restarts a daemon
+    data["engine"]["image"] = images.serving_image(spec.engine.image)  # a new default image rolls the daemons
     data["render_version"] = RENDER_VERSION
     return data
 
@@ -258,7 +260,7 @@ def pod_template(name: str, spec: s.InferenceServiceSpec, knobs: StartupKnobs) -
                  if v}
     container = {
         "name": "daemon",
-        "image": spec.engine.image,
+        "image": images.serving_image(spec.engine.image),
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["stallfree"],
         "args": args,
@@ -351,7 +353,7 @@ def router_args(name: str, spec: s.InferenceServiceSpec) -> list[str]:
 def router_deployment(name: str, namespace: str, spec: s.InferenceServiceSpec) -> dict[str, Any]:
     container = {
         "name": "router",
-        "image": spec.engine.image,
+        "image": images.control_plane_image(),
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["stallfree"],
         "args": router_args(name, spec),
