@@ -258,10 +258,10 @@ def test_slo_aware_routing_puts_the_router_in_front_and_the_daemons_behind_a_hea
     assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}]
     binding = by_name["RoleBinding", "chat-router"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "chat-router", "namespace": "ns"}]
-    # The ServiceMonitor scrapes the daemons' Service, not the router's.
+    # The ServiceMonitor scrapes the daemons' Service and the router's (tests/test_alert_rules.py: their labels).
     monitor = by_name["ServiceMonitor", "chat"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= daemons["metadata"]["labels"].items()
-    assert not monitor["spec"]["selector"]["matchLabels"].items() <= client["metadata"]["labels"].items()
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= client["metadata"]["labels"].items()
     assert {(api, kind, name) for api, kind, name in render.router_children_refs("chat")} == {
         (c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in children
         if c["metadata"]["name"] in ("chat-router", "chat-daemons")}

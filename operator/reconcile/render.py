@@ -335,11 +335,27 @@ def pod_disruption_budget(name: str, namespace: str) -> dict[str, Any]:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}}}
 
 
+def prometheus_label(label: str) -> str:
+    """A Kubernetes label as Prometheus' service discovery spells it (__meta_kubernetes_*_label_<this>)."""
+    return "".join(c if c.isalnum() else "_" for c in label)
+
+
 def service_monitor(name: str, namespace: str, interval_s: int = 15) -> dict[str, Any]:
+    """Scrape every pod of the service: the daemons and, in slo-aware routing, the routers.
+
+    It selects each Service carrying the service's label (the daemons' own, headless `NAME-daemons`
+    under the router, and the router's `NAME`), so every pod is scraped once. Prometheus would label a
+    daemon's series `service="NAME-daemons"` there; the rules, dashboard and Prometheus observer select
+    `service="NAME"`, so the relabeling sets it (and `component`: daemon or router) in both modes.
+    """
+    relabelings = [{"action": "replace", "targetLabel": "service", "replacement": name},
+                   {"action": "replace", "targetLabel": "component",
+                    "sourceLabels": [f"__meta_kubernetes_pod_label_{prometheus_label(LABEL_COMPONENT)}"]}]
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
             "metadata": _meta(name, namespace, name),
-            "spec": {"selector": {"matchLabels": selector_labels(name)},
-                     "endpoints": [{"port": "http", "path": "/metrics", "interval": f"{interval_s}s"}]}}
+            "spec": {"selector": {"matchLabels": {LABEL_SERVICE: name, LABEL_MANAGED_BY: MANAGED_BY}},
+                     "endpoints": [{"port": "http", "path": "/metrics", "interval": f"{interval_s}s",
+                                    "relabelings": relabelings}]}}
 
 
 # -- the router (spec.routing.mode slo-aware) ----------------------------------------------------------
