@@ -27,7 +27,7 @@ def test_kustomization_lists_files_that_exist_and_parse() -> None:
         for file in files:
             kinds += [d["kind"] for d in documents(file)]
     assert sorted(kinds) == sorted(["CustomResourceDefinition", "Namespace", "ServiceAccount", "ClusterRole",
-                                    "ClusterRoleBinding", "Deployment", "Service"])
+                                    "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"])
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")

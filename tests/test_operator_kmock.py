@@ -36,8 +36,9 @@ IS_URL = f"/apis/{s.GROUP}/{s.VERSION}/namespaces/{NS}/{s.PLURAL}"
 DEPLOYMENTS = "apps/v1/deployments"
 
 
-CLUSTER_ROLE = yaml.safe_load((pathlib.Path(__file__).resolve().parents[1] / "manifests" / "operator"
-                               / "clusterrole.yaml").read_text())
+# The operator's rights: cluster-wide, plus those a RoleBinding grants in each namespace it serves.
+RBAC_RULES = [rule for path in ("clusterrole.yaml", "namespaced/clusterrole.yaml") for rule in yaml.safe_load(
+    (pathlib.Path(__file__).resolve().parents[1] / "manifests" / "operator" / path).read_text())["rules"]]
 
 
 def rbac_verb(request: Any) -> str:
@@ -51,7 +52,7 @@ def assert_rbac_allows_what_the_operator_did(kmock: BridgedEmulator) -> None:
     """Least privilege, checked from the other side: every API call the operator made is allowed."""
     def allowed(group: str, resource: str, verb: str) -> bool:
         return any(group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]
-                   for rule in CLUSTER_ROLE["rules"])
+                   for rule in RBAC_RULES)
 
     calls = set()
     for request in kmock._requests:

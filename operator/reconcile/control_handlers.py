@@ -96,13 +96,16 @@ async def control_step(memo: kopf.Memo, owner: dict[str, Any], spec: s.Inference
     if state is None:
         # First step of this operator process: resume from what the last one recorded.
         state = ControlState.from_dict(((owner.get("status") or {}).get("control") or {}).get("state"))
-    if not getattr(memo, "control_admin_token", None):
-        memo.control_admin_token = await asyncio.to_thread(read_admin_token, kube, namespace, name)
+    # Read at every step, never cached: a Secret made anew (by hand, by GitOps, by the repair below) is
+    # used from the next step on, not after an operator restart.
+    token = await asyncio.to_thread(read_admin_token, kube, namespace, name)
+    if token is None and owner["metadata"].get("generation", 1) == (owner.get("status") or {}).get(
+            "observedGeneration"):
+        await asyncio.to_thread(repair_children, kube, owner)
     targets = await asyncio.to_thread(replica_targets, kube, namespace, name)
     client: httpx.AsyncClient = memo.control_http
     if client.is_closed:  # the operator is stopping
         raise kopf.TemporaryError("operator stopping", delay=TICK_S)
-    token = memo.control_admin_token
     loop = ControlLoop(policy, observer_for(client, token, namespace, name, spec, policy),
                        KubernetesActuator(kube, owner, client, token, targets, SCRAPE_TIMEOUT_S), state,
                        queue_source=queue_source_for(memo, client, namespace, name, spec, policy))
@@ -114,6 +117,14 @@ async def control_step(memo: kopf.Memo, owner: dict[str, Any], spec: s.Inference
     await asyncio.to_thread(kube.update_status, namespace, name, status_fields(result), conditions)
     METRICS.record(namespace, name, result, policy)
     return result
+
+
+def repair_children(kube: Kube, owner: dict[str, Any]) -> None:
+    """The admin Secret is gone though the spec was reconciled: reconcile again (Secrets are not watched,
+    which would take cluster-wide rights on every Secret)."""
+    from stallfree.operator.reconcile.handlers import reconcile_service  # registered by `stallfree operator`
+
+    reconcile_service(kube, owner, logging.getLogger("stallfree.operator"))
 
 
 def queue_source_for(memo: kopf.Memo, client: httpx.AsyncClient, namespace: str, name: str,

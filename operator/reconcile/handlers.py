@@ -24,6 +24,11 @@ from stallfree.operator.reconcile.kube import Kube, contains, load_configuration
 
 FINALIZER = f"{s.GROUP}/finalizer"
 SERVICE_MONITOR_API = ("monitoring.coreos.com/v1", "ServiceMonitor")
+MANAGED = {render.LABEL_MANAGED_BY: render.MANAGED_BY}
+CHILD_SELECTOR = f"{render.LABEL_MANAGED_BY}={render.MANAGED_BY}"
+# Children whose deletion is repaired at once. Secrets are not watched: that would need cluster-wide
+# rights on every Secret; the control loop notices a missing admin Secret instead (control_handlers.py).
+WATCHED_CHILDREN = (("apps", "v1", "deployments"), ("", "v1", "services"), ("policy", "v1", "poddisruptionbudgets"))
 
 
 @kopf.on.startup()
@@ -36,6 +41,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # Events are what the operator *does* (kopf.info/warn below), not every log line.
     settings.posting.loggers = False
     settings.posting.level = logging.INFO
+    # Watch only the operator's own children, filtered by the API server: memory and API load grow with
+    # stallfree's objects, not with the cluster's.
+    for resource in WATCHED_CHILDREN:
+        settings.watching.label_selectors[resource] = CHILD_SELECTOR
     if getattr(memo, "kube", None) is None:
         memo.kube = Kube.from_environment()
 
@@ -198,18 +207,36 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, logger: logging.LoggerAdapter, *
 
 # -- the Deployment reports back ------------------------------------------------------------------------
 
-@kopf.on.event("apps", "v1", "deployments", labels={render.LABEL_MANAGED_BY: render.MANAGED_BY})
+def _live_owner(kube: Kube, child: dict[str, Any]) -> dict[str, Any] | None:
+    """The InferenceService a child belongs to (by its label), unless it is gone or being deleted."""
+    name = (child.get("metadata", {}).get("labels") or {}).get(render.LABEL_SERVICE)
+    namespace = child.get("metadata", {}).get("namespace")
+    if not name or not namespace:
+        return None
+    owner = kube.get_service(namespace, name)
+    if owner is None or owner["metadata"].get("deletionTimestamp"):
+        return None  # being deleted: the children go with it
+    return owner
+
+
+@kopf.on.event("", "v1", "services", labels=MANAGED)
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
+def child_deleted(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: logging.LoggerAdapter,
+                  **_: Any) -> None:
+    """A Service or PodDisruptionBudget deleted by hand: level-triggered, so make it again now."""
+    if type == "DELETED" and (owner := _live_owner(memo.kube, dict(body))) is not None:
+        reconcile_service(memo.kube, owner, logger)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
 def deployment_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: logging.LoggerAdapter,
                        **_: Any) -> None:
     child_labels = body.get("metadata", {}).get("labels") or {}
-    name = child_labels.get(render.LABEL_SERVICE)
-    namespace = body.get("metadata", {}).get("namespace")
-    if not name or not namespace:
-        return
     kube: Kube = memo.kube
-    owner = kube.get_service(namespace, name)
-    if owner is None or owner["metadata"].get("deletionTimestamp"):
-        return  # being deleted: the children go with it
+    owner = _live_owner(kube, dict(body))
+    if owner is None:
+        return
+    namespace = owner["metadata"]["namespace"]
     if type == "DELETED":
         # Deleted by hand: level-triggered, so make it again.
         reconcile_service(kube, owner, logger)
