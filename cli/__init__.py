@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("stallfree.cli.simulate", "simulate a workload in virtual time on the cost model"),
     "profile": ("stallfree.cli.profile", "measure iteration time against tokens per iteration"),
     "crd": ("stallfree.cli.crd", "print the InferenceService CustomResourceDefinition"),
+    "render": ("stallfree.cli.render", "print every object the operator would create for an InferenceService"),
     "control": ("stallfree.cli.control", "closed-loop control runs on the sim backend (timelines)"),
 }
 
