@@ -207,8 +207,7 @@ async def test_create_makes_owned_children_with_the_right_fields(kmock: BridgedE
         assert args[args.index("--tpot-slo-ms") + 1] == "200"
         assert args[args.index("--admin-token-file") + 1] == "/etc/stallfree/admin/token"
         assert pod["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/ready"
-        assert pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0][
-            "topologyKey"] == "kubernetes.io/hostname"
+        assert pod["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
         assert deployment["spec"]["replicas"] == 1
         # slo-aware routing (the default): clients reach the router; the daemons sit behind a headless Service.
         assert obj(kmock, "v1/services", "chat")["spec"]["selector"] == render.router_selector_labels("chat")

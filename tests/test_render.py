@@ -163,9 +163,10 @@ def test_deployment_is_one_hardened_daemon_per_node() -> None:
     pod = spec["template"]["spec"]
     labels = spec["template"]["metadata"]["labels"]
     assert render.selector_labels("chat").items() <= labels.items()
-    anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert anti == [{"labelSelector": {"matchLabels": render.selector_labels("chat")},
-                     "topologyKey": "kubernetes.io/hostname"}]
+    # Packed by resource requests, spread where the scheduler can (tests/test_placement.py); one per node on request.
+    assert "podAntiAffinity" not in pod["affinity"]
+    assert [c["topologyKey"] for c in pod["topologySpreadConstraints"]] == [
+        "kubernetes.io/hostname", "topology.kubernetes.io/zone"]
     assert "nodeAffinity" in pod["affinity"]  # the user's affinity is kept
     assert pod["nodeSelector"] == {"pool": "llm"} and pod["tolerations"] == [{"key": "llm", "operator": "Exists"}]
     container = pod["containers"][0]

@@ -24,7 +24,8 @@ def test_prints_what_the_reconciler_applies(capsys) -> None:
     assert [(o["kind"], o["metadata"]["name"]) for o in objects] == [
         ("Secret", render.admin_secret_name(name)), ("Service", name), ("Service", f"{name}-daemons"),
         ("ServiceAccount", f"{name}-router"), ("Role", f"{name}-router"), ("RoleBinding", f"{name}-router"),
-        ("PodDisruptionBudget", name), ("Deployment", name), ("Deployment", f"{name}-router"),
+        ("PodDisruptionBudget", name), ("Deployment", name), ("PodDisruptionBudget", f"{name}-router"),
+        ("Deployment", f"{name}-router"),
         ("ServiceMonitor", name)]
     assert {o["metadata"]["namespace"] for o in objects} == {"serving"}
     assert "made-by-the-operator" in objects[0]["stringData"]["token"]  # never a usable token

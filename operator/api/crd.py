@@ -58,6 +58,8 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], where: str) -> dict[
             out[key] = _structural(value, defs, f"{where}[]")
         elif key == "$defs":
             continue
+        elif key == "const":  # a structural schema has no const: a one-value enum says the same
+            out["enum"] = [value]
         else:
             out[key] = value
     if out.get("x-kubernetes-preserve-unknown-fields") and "type" not in out:
@@ -80,9 +82,11 @@ def _ordered(node: dict[str, Any]) -> dict[str, Any]:
 
 def _property(name: str, prop: dict[str, Any], required: bool, defs: dict[str, Any], where: str) -> dict[str, Any]:
     out = _structural(prop, defs, where)
-    # A sub-model with nothing required defaults to {} so the API server fills in its own defaults.
-    if not required and out.get("type") == "object" and "properties" in out and "default" not in out \
-            and not _resolve(prop, defs).get("required"):
+    # A sub-model with nothing required defaults to {} so the API server fills in its own defaults; an
+    # optional one (`X | None`, such as model.volume) stays absent until the user writes it.
+    optional = any(branch.get("type") == "null" for branch in prop.get("anyOf", ()))
+    if not required and not optional and out.get("type") == "object" and "properties" in out \
+            and "default" not in out and not _resolve(prop, defs).get("required"):
         out["default"] = {}
     return _ordered(out)
 

@@ -121,6 +121,13 @@ RULES: list[CrossFieldRule] = [
         lambda e: _is_auto(e.token_budget.initial) or not _is_auto(e.max_num_seqs.initial)
         or e.token_budget.initial >= min_budget_for(e.max_num_seqs.min)),
     CrossFieldRule(
+        "spec.model.volume",
+        "(has(self.persistentVolumeClaim) && !has(self.nfs) && !has(self.image)) || "
+        "(!has(self.persistentVolumeClaim) && has(self.nfs) && !has(self.image)) || "
+        "(!has(self.persistentVolumeClaim) && !has(self.nfs) && has(self.image))",
+        "model.volume must name exactly one source: persistentVolumeClaim, nfs or image",
+        lambda v: sum(x is not None for x in (v.persistent_volume_claim, v.nfs, v.image)) == 1),
+    CrossFieldRule(
         "spec.model", "self.source == 'embedded' || self.source == 'random' || has(self.path)",
         "model.path is required when model.source is hf-folder or gguf",
         lambda m: m.source in ("embedded", "random") or m.path is not None),
@@ -148,6 +155,62 @@ _INT_OR_AUTO = {"x-kubernetes-int-or-string": True,
 _FREE_FORM = {"x-kubernetes-preserve-unknown-fields": True}
 
 
+# -- pod fields the spec passes on, typed so a bad value is refused at apply (not a 422 on the child) --------
+
+class PVCSource(_Model):
+    claim_name: str = Field(min_length=1, max_length=253)
+    read_only: Literal[True] = Field(True, description="always mounted read-only")
+
+
+class NFSSource(_Model):
+    server: str = Field(min_length=1)
+    path: str = Field(pattern=r"^/")
+
+
+class ImageSource(_Model):
+    """An OCI image as a read-only volume (Kubernetes 1.31+, the ImageVolume feature)."""
+
+    reference: str = Field(min_length=1)
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+
+
+class ModelVolume(_Model):
+    """Where the model's files are: one read-only source. No hostPath: a pod reading its node's disk is
+    a privilege this operator does not hand out."""
+
+    persistent_volume_claim: PVCSource | None = None
+    nfs: NFSSource | None = None
+    image: ImageSource | None = None
+
+    @model_validator(mode="after")
+    def _rules(self) -> "ModelVolume":
+        _check_rules(self, "spec.model.volume")
+        return self
+
+    def to_pod_volume(self) -> dict[str, Any]:
+        if self.persistent_volume_claim is not None:
+            return {"persistentVolumeClaim": {"claimName": self.persistent_volume_claim.claim_name, "readOnly": True}}
+        if self.nfs is not None:
+            return {"nfs": {"server": self.nfs.server, "path": self.nfs.path, "readOnly": True}}
+        assert self.image is not None
+        return {"image": {"reference": self.image.reference, "pullPolicy": self.image.pull_policy}}
+
+
+class Toleration(_Model):
+    key: str | None = Field(None, max_length=316)
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = Field(None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(None, description="NoExecute only: how long the pod stays bound")
+
+
+class PlacementSpec(_Model):
+    """How replicas land on nodes. By default they pack by their resource requests (GPUs: nvidia.com/gpu),
+    spread across nodes and zones where the scheduler can; one per node only when asked."""
+
+    one_per_node: bool = Field(False, description="at most one replica per node (required anti-affinity)")
+
+
 # -- spec -----------------------------------------------------------------------------------------------
 
 class ModelSpec(_Model):
@@ -163,9 +226,8 @@ class ModelSpec(_Model):
                                           description="the name clients use in the OpenAI API")
     max_model_len: int | None = Field(None, ge=16, le=1 << 20,
                                       description="max context (prompt + output tokens); default the model's own")
-    volume: dict[str, Any] | None = Field(
-        None, json_schema_extra=_FREE_FORM,
-        description="a Kubernetes volume source (e.g. persistentVolumeClaim) holding the model, mounted read-only")
+    volume: ModelVolume | None = Field(
+        None, description="a volume holding the model (persistentVolumeClaim, nfs or image), mounted read-only")
     mount_path: str = Field("/models", pattern=r"^/", description="where the volume is mounted")
 
     @model_validator(mode="after")
@@ -305,7 +367,8 @@ class RoutingSpec(_Model):
         "(with prefix affinity); service: a plain Kubernetes Service spreads requests")
     policy: Literal["slo-aware", "least-outstanding", "round-robin", "random"] = Field(
         "slo-aware", description="the router's policy (the others are baselines)")
-    replicas: int = Field(1, ge=1, le=16, description="router pods (each polls every daemon)")
+    replicas: int = Field(2, ge=1, le=16, description="router pods (each polls every daemon and keeps its own "
+                          "queue; 2 by default, with a PodDisruptionBudget, so none is a single point of failure)")
 
 
 class ResourcesSpec(_Model):
@@ -324,7 +387,8 @@ class InferenceServiceSpec(_Model):
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, json_schema_extra={"items": _FREE_FORM})
+    tolerations: list[Toleration] = Field(default_factory=list)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
     affinity: dict[str, Any] | None = Field(None, json_schema_extra=_FREE_FORM)
     replicas: int = Field(1, ge=0, le=1000, description="desired replicas (the /scale subresource's)")
 

@@ -213,14 +213,25 @@ def admin_secret(name: str, namespace: str, token: str) -> dict[str, Any]:
             "stringData": {ADMIN_TOKEN_KEY: token}}
 
 
-def _affinity(spec: s.InferenceServiceSpec, name: str) -> dict[str, Any]:
-    """The user's affinity plus one daemon per node (each daemon owns its node's accelerator)."""
+def _affinity(spec: s.InferenceServiceSpec, name: str) -> dict[str, Any] | None:
+    """The user's affinity, plus one daemon per node only where the spec asks for it."""
     affinity = json.loads(json.dumps(spec.affinity or {}))  # deep copy of plain JSON
-    anti = affinity.setdefault("podAntiAffinity", {})
-    terms = anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", [])
-    terms.append({"labelSelector": {"matchLabels": selector_labels(name)},
-                  "topologyKey": "kubernetes.io/hostname"})
-    return affinity
+    if spec.placement.one_per_node:
+        anti = affinity.setdefault("podAntiAffinity", {})
+        terms = anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", [])
+        terms.append({"labelSelector": {"matchLabels": selector_labels(name)},
+                      "topologyKey": "kubernetes.io/hostname"})
+    return affinity or None
+
+
+def spread(selector: dict[str, str]) -> list[dict[str, Any]]:
+    """Spread replicas over nodes, then zones, where the scheduler can; never leave one Pending for it.
+
+    Replicas pack by their resource requests (an 8-GPU node takes eight 1-GPU daemons), as KServe and
+    llm-d render model servers; the spread only prefers emptier nodes and zones."""
+    return [{"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": dict(selector)}}
+            for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")]
 
 
 def _volumes(spec: s.InferenceServiceSpec, name: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -240,7 +251,7 @@ def _volumes(spec: s.InferenceServiceSpec, name: str) -> tuple[list[dict[str, An
             "items": [{"key": API_KEY_KEY, "path": API_KEY_KEY}]}})
         mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
     if spec.model.volume is not None:
-        volumes.append({"name": "model", **spec.model.volume})
+        volumes.append({"name": "model", **spec.model.volume.to_pod_volume()})
         mounts.append({"name": "model", "mountPath": spec.model.mount_path, "readOnly": True})
     return volumes, mounts
 
@@ -282,7 +293,7 @@ def pod_template(name: str, spec: s.InferenceServiceSpec, knobs: StartupKnobs) -
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
-        "affinity": _affinity(spec, name),
+        "topologySpreadConstraints": spread(selector_labels(name)),
         "automountServiceAccountToken": False,  # the daemon never talks to the API server
         "enableServiceLinks": False,
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "fsGroup": RUN_AS_USER,
@@ -290,10 +301,13 @@ def pod_template(name: str, spec: s.InferenceServiceSpec, knobs: StartupKnobs) -
         # SIGTERM starts the daemon's drain; give it the drain timeout plus the preStop pause.
         "terminationGracePeriodSeconds": math.ceil(spec.engine.drain_timeout_seconds) + PRESTOP_SLEEP_S + 10,
     }
+    affinity = _affinity(spec, name)
+    if affinity:
+        pod_spec["affinity"] = affinity
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+        pod_spec["tolerations"] = [t.to_manifest() for t in spec.tolerations]
     return {
         "metadata": {
             "labels": labels(name),
@@ -314,7 +328,7 @@ def deployment(name: str, namespace: str, spec: s.InferenceServiceSpec, knobs: S
         "spec": {
             "replicas": spec.desired_replicas(),
             "selector": {"matchLabels": selector_labels(name)},
-            # No surge: one daemon per node and scarce accelerators leave no room for an extra pod.
+            # No surge: scarce accelerators leave no room for an extra pod during a roll.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": 1200,
@@ -379,6 +393,8 @@ def router_deployment(name: str, namespace: str, spec: s.InferenceServiceSpec) -
         "volumeMounts": [{"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True}],
         "livenessProbe": _probe("/health", 10, 3),
         "readinessProbe": _probe("/ready", 2, 2, timeout_s=2),
+        # As the daemons': the endpoints controller takes the pod out of the Service before SIGTERM.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
                             "capabilities": {"drop": ["ALL"]}},
@@ -391,9 +407,12 @@ def router_deployment(name: str, namespace: str, spec: s.InferenceServiceSpec) -
         "volumes": [{"name": "admin-token", "secret": {"secretName": admin_secret_name(name), "defaultMode": 0o440}}],
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "fsGroup": RUN_AS_USER,
                             "seccompProfile": {"type": "RuntimeDefault"}},
+        "topologySpreadConstraints": spread(router_selector_labels(name)),  # two routers, two nodes
+        # In-flight requests (streams included) finish after the preStop pause; queued ones are sent on.
+        "terminationGracePeriodSeconds": math.ceil(spec.engine.drain_timeout_seconds) + PRESTOP_SLEEP_S + 10,
     }
     if spec.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+        pod_spec["tolerations"] = [t.to_manifest() for t in spec.tolerations]
     meta = {"name": router_name(name), "namespace": namespace, "labels": router_labels(name)}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
@@ -409,6 +428,13 @@ def router_deployment(name: str, namespace: str, spec: s.InferenceServiceSpec) -
                          "spec": pod_spec},
         },
     }
+
+
+def router_pod_disruption_budget(name: str, namespace: str) -> dict[str, Any]:
+    """A node drain takes one router at a time: with 2 (the default) one always answers."""
+    meta = {"name": router_name(name), "namespace": namespace, "labels": router_labels(name)}
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta,
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": router_selector_labels(name)}}}
 
 
 def router_rbac(name: str, namespace: str) -> list[dict[str, Any]]:
@@ -441,7 +467,8 @@ def daemons_service(name: str, namespace: str) -> dict[str, Any]:
 
 def router_children_refs(name: str) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of what slo-aware routing adds: removed again when the mode is service."""
-    return [("apps/v1", "Deployment", router_name(name)), ("v1", "Service", daemons_service_name(name)),
+    return [("apps/v1", "Deployment", router_name(name)), ("policy/v1", "PodDisruptionBudget", router_name(name)),
+            ("v1", "Service", daemons_service_name(name)),
             ("rbac.authorization.k8s.io/v1", "RoleBinding", router_name(name)),
             ("rbac.authorization.k8s.io/v1", "Role", router_name(name)),
             ("v1", "ServiceAccount", router_name(name))]
@@ -456,7 +483,7 @@ def children(name: str, namespace: str, spec: s.InferenceServiceSpec, knobs: Sta
         out += [daemons_service(name, namespace), *router_rbac(name, namespace)]
     out += [pod_disruption_budget(name, namespace), deployment(name, namespace, spec, knobs)]
     if routed:
-        out.append(router_deployment(name, namespace, spec))
+        out += [router_pod_disruption_budget(name, namespace), router_deployment(name, namespace, spec)]
     if with_service_monitor:
         out.append(service_monitor(name, namespace))
     return out
