@@ -3,6 +3,11 @@
 The router reports counters (requests and prompt tokens that arrived); rates come from two readings: over
 the stats window (the demand) and over the last control interval (the panic window's). A router that
 restarted (its counters went back) starts the readings afresh; one that cannot be read is no information.
+
+Several router pods (two by default) each keep their own queue: a request waits in the one its connection
+reached. The scaler sizes for their sum (summed_reader): depths, queued tokens and arrival counters add up,
+the oldest wait is the oldest of any. A router that leaves takes its counters with it, which reads as a
+restart (the rates start afresh), never as a burst.
 """
 from __future__ import annotations
 
@@ -46,6 +51,24 @@ class RouterQueueSource:
                                 recent_prompt_tokens=last[2] - previous[2], recent_requests=last[1] - previous[1],
                                 recent_s=last[0] - previous[0], arrival_requests_per_s=count / span if span > 0 else 0.0,
                                 prompt_cv2=cv2)
+
+
+_SUMMED = ("depth", "queued_prompt_tokens", "arrivals", "arrived_prompt_tokens", "arrived_prompt_tokens_sq")
+
+
+def summed_reader(readers: Callable[[], Awaitable[list[Reader]]]) -> Reader:
+    """One reading of every router `readers()` names now, added up; None when none answers."""
+    async def read() -> dict[str, Any] | None:
+        statuses = [s for s in [await r() for r in await readers()] if s is not None]
+        if not statuses:
+            return None
+        total: dict[str, Any] = {key: sum(float(s.get(key, 0.0)) for s in statuses) for key in _SUMMED}
+        total["depth"], total["arrivals"] = int(total["depth"]), int(total["arrivals"])
+        total["oldest_wait_ms"] = max(float(s["oldest_wait_ms"]) for s in statuses)
+        total["routers"] = len(statuses)
+        return total
+
+    return read
 
 
 def http_queue_reader(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> Reader:

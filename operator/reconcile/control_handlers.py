@@ -32,12 +32,13 @@ from stallfree.operator.api import conditions as cond
 from stallfree.operator.api import spec as s
 from stallfree.operator.control.loop import ControlLoop, ControlState, StepResult
 from stallfree.operator.control.policy import ControlPolicy
-from stallfree.operator.reconcile.k8s_actuator import KubernetesActuator, read_admin_token, replica_targets
+from stallfree.operator.reconcile.k8s_actuator import (KubernetesActuator, read_admin_token, replica_targets,
+                                                       router_urls)
 from stallfree.operator.reconcile import render
 from stallfree.operator.reconcile.kube import Kube
 from stallfree.operator.control.observe import Observer
 from stallfree.operator.control.observe_http import HttpObserver
-from stallfree.operator.control.observe_router import RouterQueueSource, http_queue_reader
+from stallfree.operator.control.observe_router import RouterQueueSource, http_queue_reader, summed_reader
 from stallfree.operator.control.observe_prometheus import PrometheusObserver
 from stallfree.operator.control.operator_metrics import OperatorMetrics
 
@@ -129,15 +130,20 @@ def repair_children(kube: Kube, owner: dict[str, Any]) -> None:
 
 def queue_source_for(memo: kopf.Memo, client: httpx.AsyncClient, namespace: str, name: str,
                      spec: s.InferenceServiceSpec, policy: ControlPolicy) -> RouterQueueSource | None:
-    """The router's queue (flow control) when the operator runs one for this service; kept across steps (its
-    arrival rate comes from two readings of the router's counters)."""
+    """The routers' queues (flow control) when the operator runs routers for this service, summed over their
+    pods (found afresh at each reading); kept across steps (arrival rates come from two readings)."""
     if spec.routing.mode != "slo-aware":
         return None
     sources = memo.setdefault("queue_sources", {})  # kopf.Memo is a dict
     key = (namespace, name)
     if key not in sources:
-        url = f"http://{render.router_name(name)}.{namespace}.svc:{render.ROUTER_PORT}"
-        sources[key] = RouterQueueSource(http_queue_reader(client, url, SCRAPE_TIMEOUT_S), policy.window_s)
+        kube: Kube = memo.kube
+
+        async def readers() -> list:
+            urls = await asyncio.to_thread(router_urls, kube, namespace, name)
+            return [http_queue_reader(client, url, SCRAPE_TIMEOUT_S) for url in urls]
+
+        sources[key] = RouterQueueSource(summed_reader(readers), policy.window_s)
     return sources[key]
 
 

@@ -56,6 +56,20 @@ def replica_targets(kube: Kube, namespace: str, name: str) -> list[ReplicaTarget
     return sorted((t for t in targets if t is not None), key=lambda t: t.name)
 
 
+def router_urls(kube: Kube, namespace: str, name: str) -> list[str]:
+    """The ready router pods of one InferenceService: each keeps its own queue, the control loop reads all."""
+    selector = render.router_selector_labels(name)
+    pods = kube.list("v1", "Pod", namespace, ",".join(f"{k}={v}" for k, v in sorted(selector.items())))
+    urls = []
+    for pod in pods:
+        if not selector.items() <= ((pod.get("metadata") or {}).get("labels") or {}).items():
+            continue  # the server filters already; a daemon's address must never be read as a router's
+        target = pod_target(pod)
+        if target is not None and target.ready and target.url:
+            urls.append(target.url)
+    return sorted(urls)
+
+
 def read_admin_token(kube: Kube, namespace: str, name: str) -> str | None:
     """The service's admin token from the Secret the reconciler made (None while it does not exist)."""
     secret = kube.get("v1", "Secret", namespace, render.admin_secret_name(name))
