@@ -12,8 +12,8 @@ Every sequence has `--context` tokens cached (the KV content does not change the
 plus one C-token prefill chunk over a P-token cached prefix; the rate then counts the chunk's tokens too.
 `--ab-compiled` times the Python forward and the compiled forward (models/cpu_decode.py) on the same inputs,
 alternately within every iteration (A/B side by side on a busy machine), and prints both with their ratio;
-`--ab-vnni` the same for the compiled forward with the VNNI kernel and with torch's int4 kernel for its few-row
-matmuls (models/cpu_vnni_matmul.h).
+`--ab-code` the same for the compiled forward with the code kernel and with torch's int4 kernel (and oneDNN's) for its
+matmuls (models/cpu_code_matmul.h).
 """
 from __future__ import annotations
 
@@ -32,31 +32,33 @@ def _compiled_steps(forward, repeats: int = 5) -> dict[str, float]:
     """ms a forward in each kind of step of the compiled forward (its own clock between steps)."""
     import torch
 
-    torch.ops.stallfree_cpu.phase_seconds()  # zeroes the clock's sums
+    from stallfree.node_daemon.models import cpu_decode
+
+    cpu_decode.ops().phase_seconds()  # zeroes the clock's sums
     for _ in range(repeats):
         forward()
-    seconds = torch.ops.stallfree_cpu.phase_seconds()
+    seconds = cpu_decode.ops().phase_seconds()
     return {name: round(s * 1000 / repeats, 3) for name, s in zip(COMPILED_STEPS, seconds)}
 
 
-def _without_vnni(runner):
-    """The runner's compiled forward again, its few-row matmuls on torch's int4 kernel (STALLFREE_CPU_VNNI=0)."""
+def _without_code_kernel(runner):
+    """The runner's compiled forward again, its matmuls on torch's int4 kernel (STALLFREE_CPU_CODE_KERNEL=0)."""
     import os
 
     from stallfree.node_daemon.models import cpu_decode
 
     if runner.cpu_decode is None or not any(runner.cpu_decode.bits):
-        raise SystemExit("stallfree bench iteration: --ab-vnni needs the compiled forward with the VNNI kernel "
-                         f"(an AVX512-VNNI CPU, a GGUF model): {cpu_decode.why_not() or 'not in use'}")
-    saved = os.environ.get(cpu_decode.VNNI_SWITCH)
-    os.environ[cpu_decode.VNNI_SWITCH] = "0"
+        raise SystemExit("stallfree bench iteration: --ab-code needs the compiled forward with the code kernel "
+                         f"(a GGUF model): {cpu_decode.why_not() or 'not in use'}")
+    saved = os.environ.get(cpu_decode.CODE_KERNEL_SWITCH)
+    os.environ[cpu_decode.CODE_KERNEL_SWITCH] = "0"
     try:
         return cpu_decode.CpuDecode(runner.model, runner.kv_caches)
     finally:
         if saved is None:
-            del os.environ[cpu_decode.VNNI_SWITCH]
+            del os.environ[cpu_decode.CODE_KERNEL_SWITCH]
         else:
-            os.environ[cpu_decode.VNNI_SWITCH] = saved
+            os.environ[cpu_decode.CODE_KERNEL_SWITCH] = saved
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -73,7 +75,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=0,
                    help="mixed iterations: the decodes plus one prefill chunk of this many tokens (0: decode only)")
     p.add_argument("--prefix", type=int, default=0, help="cached tokens before the --chunk (its prompt's prefix)")
-    p.add_argument("--ab-vnni", action="store_true",
+    p.add_argument("--ab-code", action="store_true",
                    help="time the compiled forward with the VNNI kernel and with torch's int4 kernel for its few-row "
                         "matmuls (the LM head's too) alternately on the same inputs (implies the build)")
     p.add_argument("--breakdown", action="store_true",
@@ -127,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     counts = [int(n) for n in args.seqs.split(",") if n.strip()]
     if (not counts or min(counts) < (0 if args.chunk else 1) or args.context < 1 or args.iterations < 1
-            or args.chunk < 0 or args.prefix < 0 or args.chunk == 1 or (args.ab_compiled and args.ab_vnni)):
+            or args.chunk < 0 or args.prefix < 0 or args.chunk == 1 or (args.ab_compiled and args.ab_code)):
         print("stallfree bench iteration: error: --seqs, --context and --iterations must be positive (--seqs may be 0 "
               "with --chunk), --chunk 0 or at least 2, --prefix not negative; at most one of --ab-compiled and "
-              "--ab-vnni", file=sys.stderr)
+              "--ab-code", file=sys.stderr)
         return 2
     from stallfree.bench.op_breakdown import count_ops, memory_bandwidth_gb_s, op_shares, weight_bytes_per_forward
     from stallfree.node_daemon.engine.config import CacheConfig
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     from stallfree.node_daemon.engine.sampler import Sampler
     from stallfree.node_daemon.engine.sampling_params import SamplingParams
     from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-    from stallfree.node_daemon.models.quantized import use_vnni_kernel
+    from stallfree.node_daemon.models.quantized import _code_kernel, use_code_kernel
 
     steps = args.iterations + 3
     bs = args.block_size
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     runner = ModelRunner(ModelConfig(model=args.model, device=args.device, dtype=args.dtype,
                                      attention_backend=args.attention_backend, threads=args.threads,
-                                     compiled_decode="now" if args.ab_compiled or args.ab_vnni
+                                     compiled_decode="now" if args.ab_compiled or args.ab_code
                                      else args.compiled_decode),
                          CacheConfig(block_size=bs, num_blocks=max(counts) * blocks_per_seq + chunk_blocks + 1),
                          max_num_tokens=max(counts) + args.chunk, max_num_seqs=max(counts) + 1)
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
           f"attention {runner.attn.name}, threads {runner.threads}", flush=True)
     if args.compile:
         _compile_forward(runner)
-    int4_decode = _without_vnni(runner) if args.ab_vnni else None
+    int4_decode = _without_code_kernel(runner) if args.ab_code else None
+    code_kernel = dict(_code_kernel)
     sampler = Sampler(runner.device)
     greedy = SamplingParams(max_tokens=steps + 1, temperature=0.0)
     rows = []
@@ -196,12 +199,12 @@ def main(argv: list[str] | None = None) -> int:
                 runner.cpu_decode = None
             if int4_decode is not None:  # B first: torch's int4 kernel for the few-row matmuls, same inputs
                 runner.cpu_decode = int4_decode
-                use_vnni_kernel(False)
+                use_code_kernel(None, 0)
                 tb = time.perf_counter()
                 runner.model.compute_logits(runner.run_model(inputs)[inputs.logits_indices])
                 fwd_b.append(time.perf_counter() - tb)
                 runner.cpu_decode = compiled
-                use_vnni_kernel(True)
+                use_code_kernel(code_kernel["op"], code_kernel["max_rows"])
             t1 = time.perf_counter()
             logits = runner.model.compute_logits(runner.run_model(inputs)[inputs.logits_indices])
             t2 = time.perf_counter()
@@ -228,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"({row['python_over_compiled']:.2f}x faster than the Python forward beside it)", flush=True)
         if int4_decode is not None:
             row["int4_forward_ms"] = round(statistics.median(fwd_b[3:]) * 1000, 3)
-            row["int4_over_vnni"] = round(row["int4_forward_ms"] / f, 3)
-            print(f"      with torch's int4 kernel instead: {row['int4_forward_ms']:.2f} ms (the VNNI kernel "
-                  f"{row['int4_over_vnni']:.2f}x faster beside it)", flush=True)
+            row["int4_over_code"] = round(row["int4_forward_ms"] / f, 3)
+            print(f"      with torch's int4 kernel instead: {row['int4_forward_ms']:.2f} ms (the code kernel "
+                  f"{row['int4_over_code']:.2f}x faster beside it)", flush=True)
         if args.compile:
             row["compiled_vs_eager"] = _compiled_vs_eager(runner, runner.prepare_inputs(output))
             print(f"      compiled against eager logits: max |diff| / max |logit| {row['compiled_vs_eager']:.2e}",

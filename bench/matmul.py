@@ -2,11 +2,13 @@
 
 For each row count, every projection of every layer in forward order (the weights stream from memory as in a
 decode step, none stays in cache between repeats) and the LM head apart, through:
-- `vnni`: the compiled extension's kernel on the GGUF codes (models/cpu_vnni_matmul.h, AVX512-VNNI),
+- `code`: the compiled extension's kernel on the GGUF codes (models/cpu_code_matmul.h: AVX512-VNNI, AVX2 or the
+  portable loops, as the CPU's tier or STALLFREE_CPU_TIER says),
 - `int4`: torch's `_weight_int4pack_mm_for_cpu` on the same codes (the Python path's few-row kernel),
-- `onednn`: oneDNN's bfloat16 GEMM on the prepacked dense copy (the path past a few rows).
+- `onednn`: oneDNN's bfloat16 GEMM on the prepacked dense copy (the path past a few rows on AVX-512; absent below).
 Kernels alternate repeat by repeat (a shared machine's load drifts); medians, the bytes each read, and each
-kernel's time over vnni's. This is where models/quantized.py's VNNI_MAX_ROWS and INT4_MAX_ROWS come from.
+kernel's time over the code kernel's. This is where models/quantized.py's CODE_MAX_ROWS and INT4_MAX_ROWS come
+from. The JSON records the CPU's flags, its tier and the kernel each name stands for.
 """
 from __future__ import annotations
 
@@ -47,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loading {args.model} and the compiled extension ...", flush=True)
     loaded = load_model(ModelConfig(model=args.model, dtype="bfloat16", threads=args.threads))
     model = loaded.model
-    vnni = cpu_decode.ensure_built(background=False) and torch.ops.stallfree_cpu.vnni_available()
+    code = cpu_decode.ensure_built(background=False)
+    from stallfree.node_daemon.models.cpu_tier import cpu_flags, cpu_tier
+
+    print(f"CPU tier {cpu_tier().describe()}; code kernel: "
+          f"{cpu_decode.ops().code_kernel() if code else cpu_decode.why_not()}", flush=True)
     layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head and m.int4 is not None]
     head = model.tied_lm_head_int4 if model.lm_head is None else None
     if not layers:
@@ -55,13 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     head_packed = model.tied_lm_head_packed
     groups = {"layers": [(m.int4, m.packed) for m in layers]}
-    if head is not None and head_packed is not None:
+    if head is not None:
         groups["head"] = [(head, head_packed)]
 
     def run(kernel: str, weights, xs) -> None:
         for (w, packed), x in zip(weights, xs):
-            if kernel == "vnni":
-                torch.ops.stallfree_cpu.vnni_matmul(x, w.vnni.blocks, w.vnni.bits)
+            if kernel == "code":
+                cpu_decode.ops().code_matmul(x, w.tiles.blocks, w.tiles.bits)
             elif kernel == "int4":
                 torch.ops.aten._weight_int4pack_mm_for_cpu(torch.cat([x, x], 1) if w.planes == 2 else x, w.packed,
                                                            GROUP_SIZE, w.scales_and_zeros)
@@ -69,16 +75,19 @@ def main(argv: list[str] | None = None) -> int:
                 packed_linear(x, packed, None)
 
     def nbytes(kernel: str, weights) -> int:
-        if kernel == "vnni":
-            return sum(w.vnni.nbytes for w, _ in weights)
+        if kernel == "code":
+            return sum(w.tiles.nbytes for w, _ in weights)
         if kernel == "int4":
             return sum(w.packed.numel() + w.scales_and_zeros.numel() * w.scales_and_zeros.element_size()
                        for w, _ in weights)
         return sum(p.numel() * 2 for _, p in weights)  # bfloat16
 
-    kernels = (["vnni"] if vnni and all(w.vnni is not None for w, _ in groups["layers"]) else []) + ["int4", "onednn"]
-    if "vnni" not in kernels:
-        print("  (no VNNI kernel here: this CPU lacks AVX512-VNNI or the extension did not build)", flush=True)
+    onednn = all(p is not None for weights in groups.values() for _, p in weights)
+    kernels = (["code"] if code else []) + ["int4"] + (["onednn"] if onednn else [])
+    if not code:
+        print("  (no code kernel here: the extension did not build)", flush=True)
+    if not onednn:
+        print("  (no oneDNN copies: this tier serves every row count from the codes)", flush=True)
     results = []
     print(f"{'rows':>4} {'group':>6} " + " ".join(f"{k + ' ms':>10}" for k in kernels) + "   " +
           " ".join(f"{k + ' GB/s':>11}" for k in kernels) + "   " +
@@ -103,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
                       " ".join(f"{ms[k] / ms[kernels[0]]:>11.2f}x" for k in kernels[1:]), flush=True)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "threads": torch.get_num_threads(), "results": results}, indent=1))
+    out.write_text(json.dumps({"model": args.model, "threads": torch.get_num_threads(), "cpu_tier": cpu_tier().name,
+                               "cpu_flags": cpu_flags().split(":", 1)[-1].split(),
+                               "code_kernel": str(cpu_decode.ops().code_kernel()) if code else None,
+                               "results": results}, indent=1))
     print(f"wrote {out}")
     return 0
 

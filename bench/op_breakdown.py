@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-# The weight-only int4/int8 kernels, the compiled VNNI kernel and dense GEMMs (the projections and the LM head).
+# The weight-only int4/int8 kernels, the compiled code kernel and dense GEMMs (the projections and the LM head).
 MATMUL_OPS = {"aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "aten::mm", "aten::addmm",
-              "aten::_weight_int4pack_mm", "mkldnn::_linear_pointwise", "stallfree_cpu::vnni_matmul"}
+              "aten::_weight_int4pack_mm", "mkldnn::_linear_pointwise", "stallfree_cpu_avx512_bf16::code_matmul", "stallfree_cpu_avx512::code_matmul",
+              "stallfree_cpu_avx2::code_matmul", "stallfree_cpu_generic::code_matmul"}
 # The KV cache's writes and gathers, the score and value products, softmax.
 ATTENTION_OPS = {"aten::bmm", "aten::baddbmm", "aten::index_select", "aten::index_copy_", "aten::_softmax",
                  "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"}

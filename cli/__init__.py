@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(version("stallfree"))
         return 0
+    from stallfree.node_daemon.models.cpu_tier import cap_libraries_at_forced_tier
+
+    cap_libraries_at_forced_tier()  # before torch is imported: a forced CPU tier caps torch's kernels too
     return run_module_main(COMMANDS, argv[0], argv[1:], _usage())
 
 

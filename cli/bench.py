@@ -14,7 +14,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "router": ("stallfree.bench.router", "routing policies through `stallfree router` on 4 sim daemons"),
     "engine": ("stallfree.bench.engine", "every row of the engine-speed table against a real daemon (JSON)"),
     "iteration": ("stallfree.bench.iteration", "host (input prep + sampling) vs forward time per decode iteration"),
-    "matmul": ("stallfree.bench.matmul", "a quantized model's projections through the VNNI, int4 and oneDNN kernels"),
+    "matmul": ("stallfree.bench.matmul", "a quantized model's projections through the code, int4 and oneDNN kernels"),
     "soak": ("stallfree.bench.soak", "thousands of requests, cancellations and a kill across local replicas"),
     "kv-estimate": ("stallfree.bench.kv_estimate", "chats without max_tokens run together; a 2-token request behind them"),
     "hostile": ("stallfree.bench.hostile", "streams' gaps and /health while 1.33M token ids or 100k messages arrive"),

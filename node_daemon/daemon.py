@@ -140,11 +140,14 @@ def start_engine(opts: ServeOptions, daemon) -> None:
         scheduler.kv_reserved)
     daemon.metrics.set_tuning(engine.get_tuning())
     ceilings, a = engine.ceilings, opts.args
-    daemon.metrics.set_engine_config({
+    engine_info = {
         "backend": a.backend, "device": device, "dtype": _engine_dtype(engine, a.dtype),
         "attention_backend": a.attention_backend, "block_size": kv_cache.block_size, "num_kv_blocks": num_blocks,
         "max_model_len": engine.max_model_len, "max_token_budget": ceilings.max_token_budget,
-        "max_num_seqs": ceilings.max_num_seqs, "policy": "stall_free", "prefix_caching": not a.no_prefix_caching})
+        "max_num_seqs": ceilings.max_num_seqs, "policy": "stall_free", "prefix_caching": not a.no_prefix_caching}
+    daemon.metrics.set_engine_config(engine_info)
+    if a.backend == "model" and device == "cpu":
+        _report_cpu_paths(daemon, engine_info)
     gc.freeze()  # the profile's leftovers too
     async_engine = AsyncEngine(engine, opts.served_model_name, watch=StallWatch(threads=compute_threads()))
     if retry is not None:
@@ -156,6 +159,21 @@ def start_engine(opts: ServeOptions, daemon) -> None:
     log.info("start-up: ready in %.1f s (%.1f s since the process started): serving %s on %s (max_model_len %d, "
              "%d KV blocks of %d)", time.monotonic() - started, _process_age_s(), opts.served_model_name, device,
              engine.max_model_len, kv_cache.num_blocks, kv_cache.block_size)
+
+
+def _report_cpu_paths(daemon, engine_info: dict) -> None:
+    """The CPU's tier and the kernel each part of the forward takes, in the log and in /metrics' engine info: now,
+    and again once a background compile of the compiled forward has loaded."""
+    from stallfree.node_daemon.models import cpu_decode
+
+    def report() -> None:
+        paths = cpu_decode.paths_taken()
+        log.info("CPU paths: %s", ", ".join(f"{k} {v}" for k, v in paths.items()))
+        daemon.metrics.set_engine_config({**engine_info, **{f"cpu_{k.removeprefix('cpu_')}": v
+                                                            for k, v in paths.items()}})
+
+    report()
+    cpu_decode.when_loaded(report)
 
 
 def use_profile(opts: ServeOptions, engine, profile, when: str = "start-up") -> None:

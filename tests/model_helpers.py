@@ -1,6 +1,8 @@
 """Shared by the model tests: requests with hand-placed KV blocks, chunked prefills, a cached SmolLM2 runner."""
 from __future__ import annotations
 
+import contextlib
+
 import functools
 
 import torch
@@ -79,3 +81,41 @@ def greedy_decode(runner: ModelRunner, req: Request, last_logits: torch.Tensor, 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).abs().max() / want.double().abs().max())
+
+
+def needs_onednn_bf16():
+    """Skip where this run's CPU tier has no oneDNN bfloat16 GEMM (below AVX-512: its projections are served from
+    their GGUF codes instead, models/cpu_tier.py)."""
+    import pytest
+
+    from stallfree.node_daemon.models.cpu_tier import cpu_tier
+
+    tier = cpu_tier()
+    return pytest.mark.skipif(not tier.onednn_bf16, reason=f"CPU tier {tier.name}: oneDNN runs bfloat16 GEMMs only "
+                                                           "with avx512bw, avx512vl and avx512dq")
+
+
+@contextlib.contextmanager
+def forced_cpu_tier(name: str):
+    """This process's CPU tier forced to `name` (STALLFREE_CPU_TIER) for the block, as a daemon started with it
+    would be, then the CPU's own again; the compiled extension's state is set aside and restored around it."""
+    import os
+
+    from stallfree.node_daemon.models import cpu_decode, cpu_tier, quantized
+
+    saved_env, saved_state = os.environ.get(cpu_tier.ENV), dict(cpu_decode._state)
+    saved_kernel = dict(quantized._code_kernel)
+    os.environ[cpu_tier.ENV] = name
+    cpu_tier.cpu_tier.cache_clear()
+    cpu_decode._state.update(loaded=False, why=None, thread=None, child=None)
+    quantized.use_code_kernel(None, 0)
+    try:
+        yield cpu_tier.cpu_tier()
+    finally:
+        if saved_env is None:
+            os.environ.pop(cpu_tier.ENV, None)
+        else:
+            os.environ[cpu_tier.ENV] = saved_env
+        cpu_tier.cpu_tier.cache_clear()
+        cpu_decode._state.update(saved_state)
+        quantized.use_code_kernel(saved_kernel["op"], saved_kernel["max_rows"])

@@ -1,11 +1,12 @@
-"""The compiled VNNI kernel (models/cpu_vnni_matmul.h) on GGUF block codes: its layout holds exactly the weights
-gguf dequantizes to, and its matmul (int16 activations, integer dot products) is the float64 matmul of those
-weights within bfloat16's rounding of the output, on SmolLM2's own Q4_1 and Q8_0 tensors and on Q4_0 blocks, for
-row counts on both sides of its 8-row passes; a zero block, wide-ranging activations and zero rows hold, and a
-weight of the wrong width is refused with a clear error.
+"""The compiled code kernel (models/cpu_code_matmul.h) on GGUF block codes, on every x86 tier this CPU has
+(AVX512-VNNI, AVX2, portable loops; the lower tiers forced on a bigger CPU, each from its own library): its layout
+holds exactly the weights gguf dequantizes to, and its matmul (int16 activations, integer dot products) is the
+float64 matmul of those weights within bfloat16's rounding of the output, on SmolLM2's own Q4_1 and Q8_0 tensors and
+on Q4_0 blocks, for row counts on both sides of its row passes; every tier gives the same sums; a zero block,
+wide-ranging activations and zero rows hold, and a weight of the wrong width is refused with a clear error.
 
-The extension is compiled once per machine into the stallfree cache; without a C++ compiler or AVX512-VNNI these
-tests skip (the int4 path stays in use there)."""
+Each tier's extension is compiled once per machine into the stallfree cache; without a C++ compiler these tests
+skip, and a tier the CPU lacks skips with its instructions named."""
 from __future__ import annotations
 
 import functools
@@ -16,22 +17,31 @@ import torch
 
 from model_helpers import relative_error
 from stallfree.node_daemon.models import cpu_decode
-from stallfree.node_daemon.models.quantized import BlockCodes, VnniWeight, cpu_has_vnni, decode_blocks
+from stallfree.node_daemon.models.cpu_tier import TIERS, _NEEDS, detected_tier, resolve_tier
+from stallfree.node_daemon.models.quantized import BlockCodes, TiledCodes, decode_blocks
 
 # bfloat16 output rounding (2^-9 of a value) is the kernel's error: measured 0.0016-0.0017 here, int16 activations'
 # rounding adding nothing visible. int8 activations measured 0.015-0.024 on the same tensors.
-VNNI_TOLERANCE = 4e-3
+CODE_TOLERANCE = 4e-3
 # float32 output: int16 activations' rounding alone (measured 1.1e-4 here), a tenth of bfloat16's 2^-9.
 FLOAT_OUT_TOLERANCE = 3e-4
+# Tiers whose kernels differ: AVX512-VNNI (the avx512_bf16 tier's library), AVX2 and the portable loops.
+KERNEL_TIERS = ["avx512_bf16", "avx2", "generic"]
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel():
-    if not cpu_has_vnni():
-        pytest.skip("this CPU has no AVX512-VNNI")
-    if not cpu_decode.ensure_built(background=False):
-        pytest.skip(f"compiled extension unavailable: {cpu_decode.why_not()}")
-    return torch.ops.stallfree_cpu.vnni_matmul
+def _kernel(tier: str):
+    if TIERS.index(tier) > TIERS.index(detected_tier()):
+        pytest.skip(f"this CPU lacks the {tier} tier ({', '.join(_NEEDS[tier])})")
+    kernels = cpu_decode.kernels_for(resolve_tier(tier))
+    if kernels is None:
+        pytest.skip("compiled extension unavailable (no C++ compiler, or the compile failed: see the log)")
+    return kernels.code_matmul
+
+
+@pytest.fixture(params=KERNEL_TIERS)
+def tier(request) -> str:
+    return request.param
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,49 +62,62 @@ def _q4_0(rows: int, cols: int, seed: int) -> BlockCodes:
     return BlockCodes(rng.integers(0, 16, (rows, cols), dtype=np.uint8), d, np.zeros_like(d), 1, "Q4_0")
 
 
-def _matmul(weight: VnniWeight, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
-    return _kernel()(x, weight.blocks, weight.bits, float_out)
+def _matmul(tier: str, weight: TiledCodes, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+    return _kernel(tier)(x, weight.blocks, weight.bits, float_out)
 
 
 @pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight"])
 def test_layout_holds_the_gguf_weights(name):
     codes = _codes(name)
-    weight = VnniWeight.from_codes(codes)
+    weight = TiledCodes.from_codes(codes)
     assert weight.bits == (8 if codes.qtype == "Q8_0" else 4)
     want = codes.dequantize()
     np.testing.assert_allclose(weight.dequantize().numpy(), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 70])
 @pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.3.ffn_gate.weight", "blk.7.ffn_down.weight",
                                   "token_embd.weight"])
-def test_matmul_is_the_dequantized_one(name, rows):
+def test_matmul_is_the_dequantized_one(tier, name, rows):
     codes = _codes(name)
     width = codes.codes.shape[1] // codes.planes
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)).bfloat16()
-    got = _matmul(VnniWeight.from_codes(codes), x)
+    got = _matmul(tier, TiledCodes.from_codes(codes), x)
     want = x.double() @ torch.from_numpy(codes.dequantize()).double().T
     assert got.dtype == torch.bfloat16 and got.shape == (rows, codes.rows)
-    assert relative_error(got, want) < VNNI_TOLERANCE
-    exact = _matmul(VnniWeight.from_codes(codes), x, float_out=True)  # an LM head's logits: the float32 sums
+    assert relative_error(got, want) < CODE_TOLERANCE
+    exact = _matmul(tier, TiledCodes.from_codes(codes), x, float_out=True)  # an LM head's logits: the float32 sums
     assert exact.dtype == torch.float32 and relative_error(exact, want) < FLOAT_OUT_TOLERANCE
 
 
-def test_q4_0_blocks_with_a_zero_block_and_wide_ranging_rows():
+def test_q4_0_blocks_with_a_zero_block_and_wide_ranging_rows(tier):
     codes = _q4_0(48, 128, seed=3)
     x = torch.randn(4, 128, generator=torch.Generator().manual_seed(1))
     x[0, 32:64] = 0.0  # a block of zeros: its scale is 0, it adds nothing
     x[1] *= 1e4  # large and small rows: each block has its own scale
     x[2] *= 1e-4
     x = x.bfloat16()
-    got = _matmul(VnniWeight.from_codes(codes), x)
+    got = _matmul(tier, TiledCodes.from_codes(codes), x)
     want = x.double() @ torch.from_numpy(codes.dequantize()).double().T
     for r in range(4):
-        assert relative_error(got[r], want[r]) < VNNI_TOLERANCE
+        assert relative_error(got[r], want[r]) < CODE_TOLERANCE
 
 
-def test_no_rows_and_a_weight_of_the_wrong_width():
-    weight = VnniWeight.from_codes(_q4_0(16, 64, seed=4))
-    assert _matmul(weight, torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 16)
+def test_no_rows_and_a_weight_of_the_wrong_width(tier):
+    weight = TiledCodes.from_codes(_q4_0(16, 64, seed=4))
+    assert _matmul(tier, weight, torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 16)
     with pytest.raises(RuntimeError, match="do not match x's width"):
-        _matmul(weight, torch.zeros(2, 96, dtype=torch.bfloat16))
+        _matmul(tier, weight, torch.zeros(2, 96, dtype=torch.bfloat16))
+
+
+def test_every_tier_gives_the_same_sums():
+    """The tiers differ in instructions, not arithmetic: exact int32 sums a block, float32 across blocks in the
+    same order (the VNNI and AVX2 kernels' fused multiply-adds round alike), so their float32 outputs agree to
+    float32 rounding."""
+    codes = _codes("blk.3.ffn_gate.weight")
+    x = torch.randn(5, codes.codes.shape[1], generator=torch.Generator().manual_seed(9)).bfloat16()
+    weight = TiledCodes.from_codes(codes)
+    have = [t for t in KERNEL_TIERS if TIERS.index(t) <= TIERS.index(detected_tier())]
+    outs = [_matmul(t, weight, x, float_out=True) for t in have]
+    for other in outs[1:]:
+        torch.testing.assert_close(other, outs[0], rtol=1e-5, atol=1e-4)

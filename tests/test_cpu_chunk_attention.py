@@ -17,10 +17,10 @@ HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 def ops():
     if not cpu_decode.ensure_built(background=False):
         pytest.skip(f"compiled path unavailable: {cpu_decode.why_not()}")
-    if not torch.ops.stallfree_cpu.set_chunk_kernel(True):
+    if not cpu_decode.ops().set_chunk_kernel(True):
         pytest.skip("the chunk kernel needs AVX512-BF16")
-    yield torch.ops.stallfree_cpu
-    torch.ops.stallfree_cpu.set_chunk_kernel(cpu_decode.enabled(cpu_decode.CHUNK_KERNEL_SWITCH))  # as the env says
+    yield cpu_decode.ops()
+    cpu_decode.ops().set_chunk_kernel(cpu_decode.enabled(cpu_decode.CHUNK_KERNEL_SWITCH))  # as the env says
 
 
 def _batch(seqs: list[tuple[int, int]], num_blocks: int = 200, seed: int = 0):

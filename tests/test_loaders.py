@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model_helpers import (ENGLISH_PASSAGE, greedy_decode, make_request, prefill_all_rows, relative_error,
-                           smollm2_runner, smollm2_tokenizer)
+                           needs_onednn_bf16, smollm2_runner, smollm2_tokenizer)
 from stallfree.node_daemon.engine.config import CacheConfig
 from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.node_daemon.engine.model_runner import ModelRunner
@@ -266,6 +266,7 @@ def test_smollm2_predicts_english_prose_well():
     assert mean_nll < 3.3
 
 
+@needs_onednn_bf16()
 def test_cpu_bfloat16_models_prepack_dense_weights_with_the_same_logits():
     import torch
 

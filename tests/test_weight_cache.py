@@ -34,10 +34,9 @@ def test_a_model_from_the_cache_is_the_decoded_model(tmp_path, monkeypatch):
         assert got[name].planes == want[name].planes and got[name].out_features == want[name].out_features
         assert torch.equal(got[name].packed, want[name].packed) and \
             torch.equal(got[name].scales_and_zeros, want[name].scales_and_zeros), name
-        assert (got[name].vnni is None) == (want[name].vnni is None), name
-        if want[name].vnni is not None:  # the VNNI kernel's copy (AVX512-VNNI CPUs)
-            assert got[name].vnni.bits == want[name].vnni.bits and torch.equal(got[name].vnni.blocks,
-                                                                                want[name].vnni.blocks), name
+        # the code kernel's tiles
+        assert got[name].tiles.bits == want[name].tiles.bits and torch.equal(got[name].tiles.blocks,
+                                                                              want[name].tiles.blocks), name
     x = torch.randn(3, decoded.shape.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
     assert torch.equal(decoded.compute_logits(x), cached.compute_logits(x))
 
@@ -49,6 +48,22 @@ def test_the_key_follows_dtype_and_the_switch(tmp_path, monkeypatch):
     assert weight_cache.cache_file(path, torch.bfloat16).parent == tmp_path
     monkeypatch.setenv(weight_cache.ENV, "off")
     assert weight_cache.cache_file(path, torch.bfloat16) is None
+
+
+def test_the_key_follows_the_cpu_tier_and_torchs_vector_width(tmp_path, monkeypatch):
+    """torch's int4 packs are laid out for the vector width its kernels run at: a pack cached by an AVX-512 run and
+    read back at a forced AVX2 tier gave garbage logits (SmolLM2's greedy tokens all wrong), so each is its own file."""
+    from stallfree.node_daemon.models import cpu_tier
+
+    path = embedded_gguf_path()
+    monkeypatch.setenv(weight_cache.ENV, str(tmp_path))
+    native = weight_cache.cache_file(path, torch.bfloat16)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2-other")
+    assert weight_cache.cache_file(path, torch.bfloat16) != native
+    monkeypatch.undo()
+    monkeypatch.setenv(weight_cache.ENV, str(tmp_path))
+    monkeypatch.setattr(cpu_tier, "cpu_tier", lambda: cpu_tier.resolve_tier("generic"))
+    assert weight_cache.cache_file(path, torch.bfloat16) != native
 
 
 def test_an_unreadable_cache_file_is_decoded_again_and_rewritten(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model_helpers import needs_onednn_bf16
 from stallfree.node_daemon.engine.config import CacheConfig
 from stallfree.node_daemon.engine.model_runner import ModelRunner, _lazily_zeroed
 from stallfree.node_daemon.models.config import ModelConfig
@@ -18,6 +19,7 @@ def _rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
+@needs_onednn_bf16()
 def test_released_dense_weights_serve_the_same_logits_and_refuse_export():
     kept = load_model(ModelConfig(model="tiny", dtype="bfloat16")).model
     released = load_model(ModelConfig(model="tiny", dtype="bfloat16", release_dense_weights=True)).model

@@ -3,8 +3,8 @@
 //
 // Why: a step of a small model run op by op from Python is bound by the ops' count and Python around them
 // (about 5,700 ATen calls a token for SmolLM2-135M), not by arithmetic. Here each layer is four weight matmuls
-// (for a few rows the VNNI kernel of cpu_vnni_matmul.h or torch's int4 kernel, as the Python path calls them;
-// oneDNN's bfloat16 GEMM for more) and four plain loops: add + RMSNorm, RoPE with
+// (the code kernel of cpu_code_matmul.h, straight from the GGUF codes, for a few rows on AVX-512 and for every row
+// count below it; oneDNN's bfloat16 GEMM for more rows on AVX-512) and four plain loops: add + RMSNorm, RoPE with
 // the KV write, decode attention over the paged cache, SiLU-and-mul. The arithmetic and its rounding points
 // follow models/llama.py's CPU path: a float32 residual stream, bfloat16 activations into every matmul,
 // q and k rounded to bfloat16 after RoPE, attention in float32.
@@ -27,10 +27,17 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
+
+// The ops' namespace names the tier the library was compiled for (models/cpu_decode.py), so one process can load
+// the libraries of two tiers side by side (tests: the AVX2 kernels against the AVX-512 ones).
+#ifndef STALLFREE_OPS_NS
+#define STALLFREE_OPS_NS stallfree_cpu
 #endif
 
 namespace {
@@ -71,6 +78,26 @@ inline void exp_inplace(float* x, int64_t n) {
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, v), v, _mm512_add_ps(v, _mm512_set1_ps(1.f)));
     _mm512_storeu_ps(x + i, _mm512_scalef_ps(p, k));
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // The same polynomial 8 lanes wide; 2^k is built in the exponent bits (AVX2 has no scalef).
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_loadu_ps(x + i), lo), hi);
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_fnmadd_ps(k, c2, _mm256_fnmadd_ps(k, c1, v));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, v, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, v, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, v, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, v, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, v, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, v), v, _mm256_add_ps(v, _mm256_set1_ps(1.f)));
+    // 2^k for k in [-126, 127]: the clamps above keep it there (exp(-87.3) is FLT_MIN)
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  }
 #endif
   for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
@@ -86,7 +113,7 @@ inline float exp_shifted(float* s, int64_t n) {
   return 1.f / total;
 }
 
-// sum_i q[i] * k[i], q float, k bfloat16. AVX-512: 16 lanes and one horizontal sum (the compiler's own
+// sum_i q[i] * k[i], q float, k bfloat16. AVX-512 (AVX2): 16 (8) lanes and one horizontal sum (the compiler's own
 // reduction went through memory lane by lane, the attention's largest cost).
 inline float dot_bf16(const float* q, const uint16_t* k, int64_t n) {
   int64_t i = 0;
@@ -99,6 +126,16 @@ inline float dot_bf16(const float* q, const uint16_t* k, int64_t n) {
     acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), kf, acc);
   }
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(k + i));
+    const __m256 kf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kf, acc);
+  }
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  sum = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
 #endif
   for (; i < n; ++i) sum += q[i] * bf2f(k[i]);
   return sum;
@@ -112,7 +149,7 @@ inline uint16_t* bf16_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.
 // Inside this namespace: they use the helpers above.
 #include "cpu_chunk_attention.h"
 #include "cpu_decode_attention.h"
-#include "cpu_vnni_matmul.h"
+#include "cpu_code_matmul.h"
 
 // The row-wise loops below split across threads only past this many rows: decode batches (up to MAX_ROWS = 64 in
 // cpu_decode.py) run them on the calling thread, as before the loops were threaded.
@@ -160,15 +197,16 @@ at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed) {
 
 // Which kernel takes a projection of how many rows.
 struct RowLimits {
-  int64_t int4, vnni;  // torch's int4 kernel up to this many rows; the VNNI kernel (cpu_vnni_matmul.h) up to these
+  int64_t int4, code;  // torch's int4 kernel up to this many rows; the code kernel (cpu_code_matmul.h) up to these
 };
 
-// One projection: the VNNI kernel (where the weight has its copy: bits 4 or 8) or torch's int4 for a few rows,
-// the prepacked bfloat16 weight for more. w: packed int4, its scales, oneDNN (empty when the model was not
-// prepacked), the VNNI kernel's blocks (empty when bits is 0).
+// One projection: the code kernel (where the weight has its tiles: bits 4 or 8) for up to limits.code rows, and for
+// any number where there is no oneDNN copy (tiers below AVX-512); else torch's int4 for a few rows and the
+// prepacked bfloat16 weight for more. w: packed int4, its scales, oneDNN (empty when the model was not prepacked),
+// the code kernel's tiles (empty when bits is 0).
 at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t planes, int64_t bits, const RowLimits& limits) {
   const int64_t rows = x.size(0);
-  if (bits != 0 && rows <= limits.vnni) return vnni_matmul(x, w[3], bits, false);
+  if (bits != 0 && (rows <= limits.code || w[2].numel() == 0)) return code_matmul(x, w[3], bits, false);
   return rows <= limits.int4 || w[2].numel() == 0 ? int4_mm(x, w[0], w[1], planes) : packed_mm(x, w[2]);
 }
 
@@ -381,9 +419,9 @@ void silu_and_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t inter
   });
 }
 
-// weights: per layer qkv, o, gate_up, down as (int4 packed, scales_and_zeros, oneDNN packed, VNNI blocks)
-// quadruples; planes and bits (0: no VNNI copy): per projection. Rows up to vnni_max_rows take the VNNI
-// kernel where there is a copy, else up to int4_max_rows torch's int4 kernel; more take the oneDNN copies.
+// weights: per layer qkv, o, gate_up, down as (int4 packed, scales_and_zeros, oneDNN packed, code tiles)
+// quadruples; planes and bits (0: no tiles): per projection. Rows up to code_max_rows take the code kernel where
+// there are tiles, else up to int4_max_rows torch's int4 kernel; more take the oneDNN copies (project()).
 // norms: per layer input and post-attention RMSNorm weights (float32), then the final norm's.
 // kv: per layer k cache, v cache; query_start_loc [seqs + 1] int32: each sequence's first row.
 // Returns the final-norm hidden states [rows, hidden] bfloat16.
@@ -391,7 +429,7 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                    const at::Tensor& embed, const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
                    at::IntArrayRef planes, at::IntArrayRef bits, at::TensorList kv, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, double eps, int64_t int4_max_rows, int64_t vnni_max_rows) {
+                   int64_t num_kv_heads, int64_t head_dim, double eps, int64_t int4_max_rows, int64_t code_max_rows) {
   at::NoGradGuard no_grad;
   const int64_t rows = input_ids.size(0), hidden = embed.size(1), layers = static_cast<int64_t>(kv.size()) / 2;
   const int64_t num_seqs = seq_lens.size(0);
@@ -399,7 +437,7 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 16 * layers &&
                   static_cast<int64_t>(planes.size()) == 4 * layers && static_cast<int64_t>(bits.size()) == 4 * layers,
               "forward: 4 projections a layer");
-  const RowLimits limits{int4_max_rows, vnni_max_rows};
+  const RowLimits limits{int4_max_rows, code_max_rows};
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers + 1, "forward: 2 norms a layer and a final one");
   TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && query_start_loc.data_ptr<int32_t>()[num_seqs] == rows,
               "forward: query_start_loc must cover every row");
@@ -497,25 +535,30 @@ std::vector<double> phase_seconds() {
   return out;
 }
 
-// Whether vnni_matmul was compiled in (the CPU has AVX512-VNNI).
-bool vnni_available() {
-#ifdef STALLFREE_VNNI_MATMUL
-  return true;
+// Which code kernel was compiled in: avx512_vnni, avx2 or portable (cpu_code_matmul.h).
+std::string code_kernel() { return kCodeKernel; }
+
+// Which attention kernels were compiled in: AVX512-BF16 ones for decode rows and chunks, or the portable loops
+// (decode) and ATen's scaled_dot_product_attention (chunks).
+std::string attention_kernel() {
+#ifdef STALLFREE_DECODE_ATTENTION_KERNEL
+  return "avx512_bf16";
 #else
-  return false;
+  return "portable";
 #endif
 }
 
-TORCH_LIBRARY(stallfree_cpu, m) {
-  m.def("vnni_available() -> bool", &vnni_available);
+TORCH_LIBRARY(STALLFREE_OPS_NS, m) {
+  m.def("code_kernel() -> str", &code_kernel);
+  m.def("attention_kernel() -> str", &attention_kernel);
   m.def("phase_seconds() -> float[]", &phase_seconds);
-  m.def("vnni_matmul(Tensor x, Tensor blocks, int bits, bool float_out=False) -> Tensor", &vnni_matmul);
+  m.def("code_matmul(Tensor x, Tensor blocks, int bits, bool float_out=False) -> Tensor", &code_matmul);
   m.def("set_chunk_kernel(bool on) -> bool", &set_chunk_kernel);
   m.def("chunk_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor", &chunk_attention_only);
   m.def("forward(Tensor input_ids, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor embed, Tensor cos_sin, Tensor[] norms, Tensor[] weights, "
         "int[] planes, int[] bits, Tensor[] kv, int num_heads, int num_kv_heads, int head_dim, float eps, "
-        "int int4_max_rows, int vnni_max_rows) -> Tensor",
+        "int int4_max_rows, int code_max_rows) -> Tensor",
         &forward);
 }

@@ -1,25 +1,27 @@
-"""Iterations of an int4 (GGUF) model on the CPU in one compiled call: models/cpu_decode.cpp.
+"""Iterations of an int4 (GGUF) model on the CPU in one compiled call: models/cpu_decode.cpp, built for the CPU's tier.
 
 A decode step of a small model run op by op is bound by the ops' count and the Python around them, not by its
-arithmetic (`stallfree bench iteration --breakdown`). cpu_decode.cpp runs a whole forward in C++: for the
-projections of up to VNNI_MAX_ROWS rows the VNNI kernel (cpu_vnni_matmul.h, AVX512-VNNI; elsewhere torch's int4
-kernel) and the oneDNN-prepacked bfloat16 copies past it (the Python path's choice), plain threaded loops for the
-norms, RoPE with the KV write and SiLU-and-mul, and AVX512-BF16 attention kernels for decode rows
-(cpu_decode_attention.h) and prefill chunks (cpu_chunk_attention.h; elsewhere a float32 loop and ATen's
-scaled_dot_product_attention, the Python path's call). It takes decode-only iterations of
-up to MAX_ROWS rows and, when every projection has its oneDNN copy, iterations with prefill chunks of any size (a
-serving load's mixed iterations: the decodes plus a chunk). Decode-only batches past MAX_ROWS and models it does
-not cover (a dense projection, a bias) stay on the Python path.
+arithmetic (`stallfree bench iteration --breakdown`). cpu_decode.cpp runs a whole forward in C++: the projections
+straight from the GGUF codes (cpu_code_matmul.h: AVX512-VNNI, AVX2 or portable loops) for up to CODE_MAX_ROWS rows
+on AVX-512 and for every row count below it, the oneDNN-prepacked bfloat16 copies past CODE_MAX_ROWS on AVX-512
+(the Python path's choice), plain loops for the norms, RoPE with the KV write and SiLU-and-mul, and attention:
+AVX512-BF16 kernels for decode rows (cpu_decode_attention.h) and prefill chunks (cpu_chunk_attention.h) where the
+tier has them, else a float32 loop (AVX2 or portable) and ATen's scaled_dot_product_attention (the Python path's
+call). It takes decode-only iterations of up to MAX_ROWS rows and iterations with prefill chunks of any size
+(a serving load's mixed iterations: the decodes plus a chunk). Decode-only batches past MAX_ROWS and models it
+does not cover (a dense projection, a bias) stay on the Python path.
 
-The extension is compiled once per source, torch build and CPU (the key of its folder in
-$STALLFREE_EXT_CACHE, else $XDG_CACHE_HOME/stallfree/ext) and loaded from there in milliseconds afterwards.
-It is never compiled on the serving path: `ensure_built(background=True)` compiles it in a nice-19 child process
-while the Python path serves (killed with its compilers if the daemon stops first), and the runner switches over
-at the next iteration once it is loaded.
+The extension is compiled once per source, torch build, CPU and tier (models/cpu_tier.py; the key of its folder in
+$STALLFREE_EXT_CACHE, else $XDG_CACHE_HOME/stallfree/ext), its ops in a namespace of the tier's
+(torch.ops.stallfree_cpu_avx2, ...: two tiers' libraries load side by side), and loaded from there in
+milliseconds afterwards. It is never compiled on the serving path: `ensure_built(background=True)` compiles it in a
+nice-19 child process while the Python path serves (killed with its compilers if the daemon stops first), and the
+runner switches over at the next iteration once it is loaded. `kernels_for(tier)` builds and loads another
+tier's library in the foreground (tests and benchmarks of a lower tier on a bigger CPU).
 STALLFREE_CPU_DECODE=0 turns it off; STALLFREE_CPU_MIXED=0 keeps iterations with a prefill chunk on the Python
 path, STALLFREE_CPU_CHUNK_KERNEL=0 gives prefill chunks ATen's attention instead of the AVX512-BF16 kernel
-(cpu_chunk_attention.h) and STALLFREE_CPU_VNNI=0 gives few-row projections torch's int4 kernel (A/B switches);
-without a C++ compiler it stays off and start-up says why.
+(cpu_chunk_attention.h) and STALLFREE_CPU_CODE_KERNEL=0 gives the projections torch's int4 kernel and oneDNN's
+(A/B switches); without a C++ compiler it stays off and start-up says why.
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS, VNNI_MAX_ROWS, cpu_flags, use_vnni_kernel
+from stallfree.node_daemon.models.cpu_tier import CpuTier, cpu_flags, cpu_tier
+from stallfree.node_daemon.models.quantized import CODE_MAX_ROWS, INT4_MAX_ROWS, use_code_kernel
 
 if TYPE_CHECKING:
     from stallfree.node_daemon.models.llama import KVCache, LlamaForCausalLM
@@ -49,15 +52,16 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 # Included by SOURCE: part of the build key.
 HEADERS = [Path(__file__).with_name(name)
-           for name in ("cpu_chunk_attention.h", "cpu_decode_attention.h", "cpu_vnni_matmul.h")]
+           for name in ("cpu_chunk_attention.h", "cpu_code_matmul.h", "cpu_decode_attention.h", "cpu_vnni_matmul.h")]
 ENV_SWITCH = "STALLFREE_CPU_DECODE"
 MIXED_SWITCH = "STALLFREE_CPU_MIXED"
 CHUNK_KERNEL_SWITCH = "STALLFREE_CPU_CHUNK_KERNEL"
-VNNI_SWITCH = "STALLFREE_CPU_VNNI"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
-# Decode batches up to this many rows take the compiled path (the VNNI or int4 kernel for a few rows, oneDNN's
-# bfloat16 GEMM past them).
+CODE_KERNEL_SWITCH = "STALLFREE_CPU_CODE_KERNEL"
+_CFLAGS = ["-O3", "-fopenmp-simd"]  # and the tier's target (CpuTier.cflags)
+# Decode batches up to this many rows take the compiled path.
 MAX_ROWS = 64
+# The code kernel's row limit where nothing else can take more rows (below AVX-512: no oneDNN copies).
+ANY_ROWS = 1 << 40
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": False, "why": None, "thread": None, "child": None}
@@ -67,14 +71,24 @@ def enabled(switch: str = ENV_SWITCH) -> bool:
     return os.environ.get(switch, "1") not in ("0", "false", "no", "off")
 
 
-def build_key() -> str:
-    """What the compiled file depends on: the sources, the flags, torch's build and the CPU (-march=native)."""
+def namespace(tier: CpuTier) -> str:
+    """The torch.ops namespace of the tier's library."""
+    return f"stallfree_cpu_{tier.name}"
+
+
+def compile_flags(tier: CpuTier) -> list[str]:
+    return [*_CFLAGS, *tier.cflags, f"-DSTALLFREE_OPS_NS={namespace(tier)}"]
+
+
+def build_key(tier: CpuTier | None = None) -> str:
+    """What the compiled file depends on: the sources, the flags, torch's build, the CPU and the tier."""
+    tier = tier or cpu_tier()
     digest = hashlib.sha256()
-    parts = (SOURCE.read_bytes(), *(h.read_bytes() for h in HEADERS), " ".join(_CFLAGS).encode(),
-             torch.__version__.encode(), cpu_flags().encode())
+    parts = (SOURCE.read_bytes(), *(h.read_bytes() for h in HEADERS), " ".join(compile_flags(tier)).encode(),
+             torch.__version__.encode(), cpu_flags().encode(), tier.name.encode())
     for part in parts:
         digest.update(part)
-    return digest.hexdigest()[:16]
+    return f"{tier.name}-{digest.hexdigest()[:16]}"
 
 
 def cache_root() -> Path:
@@ -84,7 +98,82 @@ def cache_root() -> Path:
 
 
 def _library_path(key: str) -> Path:
-    return cache_root() / key / f"stallfree_cpu_{key}.so"
+    return cache_root() / key / f"stallfree_cpu_{key.replace('-', '_')}.so"
+
+
+def ops(tier: CpuTier | None = None):
+    """The loaded library's ops (torch.ops.stallfree_cpu_<tier>)."""
+    return getattr(torch.ops, namespace(tier or cpu_tier()))
+
+
+def _compile_or_load(tier: CpuTier, build: bool) -> str | None:
+    """Load the tier's cached library, compiling it first when `build` and it is missing; None once loaded, else
+    why not. The caller holds _lock."""
+    key = build_key(tier)
+    library = _library_path(key)
+    if library.exists():
+        torch.ops.load_library(str(library))
+        return None
+    if not build:
+        return "not compiled yet"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (c++) on PATH"
+    from torch.utils import cpp_extension
+
+    started = time.monotonic()
+    library.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with _one_build_at_a_time(library.parent):
+            built = cpp_extension.load(name=library.stem, sources=[str(SOURCE)], extra_cflags=compile_flags(tier),
+                                       build_directory=str(library.parent), is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as exc:  # a failed compile: the Python path stays
+        why = f"compile failed: {str(exc).splitlines()[0][:200]}"
+        log.warning("compiled CPU decode path (%s): %s", tier.name, why)
+        return why
+    log.info("compiled CPU decode path for %s in %.1f s (%s)", tier.name, time.monotonic() - started, built)
+    return None
+
+
+_loaded_tiers: set[str] = set()
+_on_load: list = []
+
+
+def when_loaded(callback) -> None:
+    """Call `callback()` once the serving tier's library has loaded (from the background build's thread), unless
+    it already has (the caller has read the state then)."""
+    with _lock:
+        if not _state["loaded"]:
+            _on_load.append(callback)
+
+
+def kernels_for(tier: CpuTier):
+    """Another tier's library (compiled here if needed), loaded beside the serving one: its ops, or None with the
+    reason logged (no compiler, a failed compile)."""
+    with _lock:
+        if tier.name not in _loaded_tiers:
+            why = _compile_or_load(tier, build=True)
+            if why is not None:
+                log.warning("%s kernels unavailable: %s", tier.name, why)
+                return None
+            _loaded_tiers.add(tier.name)
+    return ops(tier)
+
+
+def paths_taken() -> dict[str, str]:
+    """Which kernel each part of the CPU forward takes now (start-up logs, /metrics' engine info, benchmarks)."""
+    tier = cpu_tier()
+    if not is_loaded():
+        why = why_not() or "compiling"
+        return {"cpu_tier": tier.name, "forward": f"python ({why})", "matmul": "torch int4 (few rows)" +
+                (", oneDNN bfloat16" if tier.onednn_bf16 else ", torch int4 (many rows)"), "attention": "aten"}
+    kernels = ops()
+    code = str(kernels.code_kernel()) if enabled(CODE_KERNEL_SWITCH) else "torch int4"
+    many = "oneDNN bfloat16 prepacked" if tier.onednn_bf16 else code
+    attention = str(kernels.attention_kernel())
+    return {"cpu_tier": tier.name, "forward": "compiled", "matmul": f"{code} (few rows), {many} (many rows)",
+            "attention": f"{attention} (decode), " +
+                         ("avx512_bf16" if attention == "avx512_bf16" and enabled(CHUNK_KERNEL_SWITCH) else "aten sdpa")
+                         + " (chunks)"}
 
 
 def is_loaded() -> bool:
@@ -103,38 +192,22 @@ def why_not() -> str | None:
 
 
 def _load_or_build(build: bool) -> bool:
-    """Load the cached library; compile it first when `build` and it is missing. True once loaded."""
+    """Load the serving tier's cached library; compile it first when `build` and it is missing. True once loaded."""
     with _lock:
         if _state["loaded"]:
             return True
-        key = build_key()
-        library = _library_path(key)
-        if not library.exists():
-            if not build:
-                _state["why"] = "not compiled yet"
-                return False
-            if shutil.which(os.environ.get("CXX", "c++")) is None:
-                _state["why"] = "no C++ compiler (c++) on PATH"
-                return False
-            from torch.utils import cpp_extension
-
-            started = time.monotonic()
-            library.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                with _one_build_at_a_time(library.parent):
-                    built = cpp_extension.load(name=f"stallfree_cpu_{key}", sources=[str(SOURCE)],
-                                               extra_cflags=_CFLAGS, build_directory=str(library.parent),
-                                               is_python_module=False, verbose=False)
-            except (RuntimeError, OSError, ImportError) as exc:  # a failed compile: the Python path stays
-                _state["why"] = f"compile failed: {str(exc).splitlines()[0][:200]}"
-                log.warning("compiled CPU decode path: %s", _state["why"])
-                return False
-            log.info("compiled CPU decode path in %.1f s (%s)", time.monotonic() - started, built)
-        else:
-            torch.ops.load_library(str(library))
-        torch.ops.stallfree_cpu.set_chunk_kernel(enabled(CHUNK_KERNEL_SWITCH))
-        # Few-row matmuls of quantized weights, here and on the Python path (Int4Weight.matmul), take the VNNI kernel.
-        use_vnni_kernel(enabled(VNNI_SWITCH) and torch.ops.stallfree_cpu.vnni_available())
+        tier = cpu_tier()
+        why = _compile_or_load(tier, build)
+        if why is not None:
+            _state["why"] = why
+            return False
+        _loaded_tiers.add(tier.name)
+        kernels = ops(tier)
+        kernels.set_chunk_kernel(enabled(CHUNK_KERNEL_SWITCH))
+        # Matmuls of quantized weights, here and on the Python path (Int4Weight.matmul), take the code kernel: a few
+        # rows where oneDNN takes the rest (AVX-512), every row count below it.
+        if enabled(CODE_KERNEL_SWITCH):
+            use_code_kernel(kernels.code_matmul, CODE_MAX_ROWS if tier.onednn_bf16 else ANY_ROWS)
         _state["loaded"], _state["why"] = True, None
         return True
 
@@ -189,6 +262,8 @@ def _build_quietly() -> None:
     code = child.wait()
     if _load_or_build(build=False):
         log.info("compiled CPU decode path in %.1f s (%s)", time.monotonic() - started, _library_path(build_key()))
+        while _on_load:
+            _on_load.pop(0)()
     elif code < 0:  # killed: this process is stopping (_stop_build), or someone stopped the build
         _state["why"] = f"compile stopped (signal {-code})"
         log.info("compiled CPU decode path: %s", _state["why"])
@@ -268,25 +343,27 @@ class CpuDecode:
         self.embed = model.embed_tokens.weight
         self.cos_sin = model.rotary.cos_sin_cache
         self.norms, self.weights, self.planes, self.bits = [], [], [], []
-        vnni_on = enabled(VNNI_SWITCH)
+        code_on = enabled(CODE_KERNEL_SWITCH)
         none = torch.empty(0, dtype=torch.uint8)
         for layer in model.layers:
             self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj):
                 packed = linear.packed if linear.packed is not None else torch.empty(0, dtype=model.dtype)
-                vnni = linear.int4.vnni if vnni_on else None
+                tiles = linear.int4.tiles if code_on else None
                 self.weights += [linear.int4.packed, linear.int4.scales_and_zeros, packed,
-                                 vnni.blocks if vnni is not None else none]
+                                 tiles.blocks if tiles is not None else none]
                 self.planes.append(linear.int4.planes)
-                self.bits.append(vnni.bits if vnni is not None else 0)
+                self.bits.append(tiles.bits if tiles is not None else 0)
         self.norms.append(model.norm.weight)
         self.kv = [t for pair in kv_caches for t in pair]
         shape = model.shape
+        tier = cpu_tier()
         self.dims = (shape.num_heads, shape.num_kv_heads, shape.head_dim, float(shape.rms_norm_eps), INT4_MAX_ROWS,
-                     VNNI_MAX_ROWS)
-        # Past INT4_MAX_ROWS the projections take the oneDNN copies: only when every one has them.
-        self.packed = all(w.numel() for w in self.weights[2::4])
+                     CODE_MAX_ROWS if tier.onednn_bf16 else ANY_ROWS)
+        # Past INT4_MAX_ROWS the projections take the oneDNN copies, or the code kernel where there are none:
+        # only when every projection has one or the other.
+        self.packed = all(w.numel() or bits for w, bits in zip(self.weights[2::4], self.bits))
         self.max_rows = MAX_ROWS if self.packed else INT4_MAX_ROWS
         self.mixed = enabled(MIXED_SWITCH)
 
@@ -299,7 +376,7 @@ class CpuDecode:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
         """Final-norm hidden states [rows, hidden] (bfloat16) of one iteration, KV written."""
-        return torch.ops.stallfree_cpu.forward(
+        return ops().forward(
             input_ids, positions, slot_mapping, block_tables.contiguous(), seq_lens, query_start_loc, self.embed,
             self.cos_sin, self.norms, self.weights, self.planes, self.bits, self.kv, *self.dims)
 

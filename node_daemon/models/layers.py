@@ -31,7 +31,8 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (prepack_for_cpu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+        # Past INT4_MAX_ROWS the oneDNN copy where there is one (AVX-512), else still the codes (no dense copy).
+        if self.int4 is not None and (x.shape[0] <= INT4_MAX_ROWS or self.packed is None):
             y = self.int4.matmul(x)
             return y if self.bias is None else y + self.bias
         if self.packed is not None:
@@ -43,8 +44,12 @@ class Linear(nn.Module):
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """oneDNN's prepacked bfloat16 matmul: CPU, bfloat16, torch built with mkldnn."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """oneDNN's prepacked bfloat16 matmul: CPU, bfloat16, torch built with mkldnn, a tier whose oneDNN runs
+    bfloat16 (AVX-512: below it oneDNN refuses the reorder)."""
+    from stallfree.node_daemon.models.cpu_tier import cpu_tier
+
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and cpu_tier().onednn_bf16)
 
 
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor:

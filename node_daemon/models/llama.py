@@ -139,9 +139,10 @@ class LlamaForCausalLM(nn.Module):
         else:
             weight = self.embed_tokens.weight
             head = self.tied_lm_head_int4
-            if head is not None and hidden.shape[0] > 0 and head.vnni_applies(hidden.shape[0]):
+            if head is not None and hidden.shape[0] > 0 and head.code_kernel_applies(hidden.shape[0]):
                 return head.matmul(hidden, float_out=True)  # float32 sums of the exact codes: nothing to refine
-            if head is not None and 0 < hidden.shape[0] <= INT4_MAX_ROWS:
+            if head is not None and hidden.shape[0] > 0 and (hidden.shape[0] <= INT4_MAX_ROWS
+                                                           or self.tied_lm_head_packed is None):
                 logits = head.matmul(hidden)
             elif self.tied_lm_head_packed is not None and hidden.shape[0] > 0:
                 logits = packed_linear(hidden, self.tied_lm_head_packed, None)
@@ -166,6 +167,17 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             self.tied_lm_head_packed = prepack_weight(self.embed_tokens.weight)
         return True
+
+    def release_coded_dense_weights(self) -> int:
+        """Drop the plain dense copy of every projection served from its codes alone (tiers without oneDNN's
+        bfloat16 GEMM: models/cpu_tier.py), as release_dense_weights does for prepacked ones. Returns the bytes freed."""
+        freed = 0
+        for module in self.modules():
+            if isinstance(module, Linear) and module is not self.lm_head and module.int4 is not None \
+                    and module.packed is None:
+                freed += _release(module)
+        self.dense_released = self.dense_released or freed > 0
+        return freed
 
     def release_dense_weights(self) -> int:
         """Drop the plain dense copy of every projection that has a prepacked one: the serving path reads only

@@ -62,6 +62,9 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     if loaded.model.prepack_for_cpu(release=model_config.release_dense_weights):
         log.info("prepacked the dense weights for oneDNN in %.2f s%s", time.monotonic() - started,
                  "; their plain copies released" if loaded.model.dense_released else "")
+    elif model_config.release_dense_weights and (freed := loaded.model.release_coded_dense_weights()):
+        # Below AVX-512 every iteration reads the codes: the dense copies would only hold memory.
+        log.info("projections served from their GGUF codes alone; %.0f MB of dense copies released", freed / 1e6)
     return loaded
 
 
@@ -71,7 +74,7 @@ def _load(model_config: ModelConfig) -> LoadedModel:
     if name.lower() == EMBEDDED_MODEL:
         from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path, load_gguf
 
-        return load_gguf(embedded_gguf_path(), resolve_dtype(model_config.dtype, device), device,
+        return load_gguf(embedded_gguf_path(), resolve_dtype(model_config.dtype, device, quantized=True), device,
                          model_config.max_model_len, name=EMBEDDED_MODEL)
     if name.lower() in SHAPES or name.lower().startswith(RANDOM_PREFIX):
         shape = get_shape(name.lower().removeprefix(RANDOM_PREFIX))
@@ -85,7 +88,8 @@ def _load(model_config: ModelConfig) -> LoadedModel:
     if name.endswith(".gguf") and os.path.isfile(name):
         from stallfree.node_daemon.models.gguf_loader import load_gguf
 
-        return load_gguf(name, resolve_dtype(model_config.dtype, device), device, model_config.max_model_len)
+        return load_gguf(name, resolve_dtype(model_config.dtype, device, quantized=True), device,
+                         model_config.max_model_len)
     raise ValueError(f"unknown model {name!r}: give one of {', '.join(known_model_names())}, "
                      f"'random:<shape>', a Hugging Face model folder or a .gguf file")
 
@@ -113,12 +117,14 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device, checkpoint: str | None = None) -> torch.dtype:
-    """`auto`: on the CPU bfloat16 where it has bfloat16 arithmetic (AVX512-BF16 or AMX), else float32;
-    on CUDA the checkpoint's float16, else bfloat16."""
+def resolve_dtype(name: str, device: torch.device, checkpoint: str | None = None,
+                  quantized: bool = False) -> torch.dtype:
+    """`auto`: on the CPU bfloat16 where it has bfloat16 arithmetic (AVX512-BF16 or AMX), and for a GGUF file
+    (`quantized`: its codes are served by the code kernel on every tier, models/cpu_tier.py), else float32; on
+    CUDA the checkpoint's float16, else bfloat16."""
     if name == "auto":
         if device.type == "cpu":
-            return torch.bfloat16 if cpu_has_bf16() else torch.float32
+            return torch.bfloat16 if cpu_has_bf16() or quantized else torch.float32
         return torch.float16 if checkpoint == "float16" else torch.bfloat16
     try:
         return _DTYPES[name]
@@ -127,10 +133,11 @@ def resolve_dtype(name: str, device: torch.device, checkpoint: str | None = None
 
 
 def cpu_has_bf16() -> bool:
-    """AVX512-BF16 or AMX: oneDNN runs bfloat16 GEMMs natively (elsewhere bfloat16 is emulated, slower than float32)."""
-    cpu = getattr(torch, "cpu", None)
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(cpu, p, lambda: False)() for p in probes)
+    """AVX512-BF16 or AMX at the tier in use: oneDNN runs dense bfloat16 GEMMs natively (elsewhere bfloat16 is
+    emulated, slower than float32)."""
+    from stallfree.node_daemon.models.cpu_tier import cpu_tier
+
+    return cpu_tier().bf16_native
 
 
 def check_fits(shape: ModelShape, dtype: torch.dtype, device: torch.device) -> None:

@@ -14,21 +14,17 @@ blocks map onto it exactly, up to the rounding of scale and zero to the activati
 Other types (Q5_*, K-quants, ...) have no such mapping here; their tensors are dequantized and the loader
 says so at start-up.
 
-Where it pays: an iteration of a few rows (decode) is bound by reading the weights, and 4-bit codes are a
-quarter of bfloat16's bytes. Past INT4_MAX_ROWS rows the work is compute-bound and oneDNN's bfloat16 GEMM
-(AVX512-BF16/AMX) beats the int4 kernel, which dequantizes every tile it touches; those iterations use the
-dequantized bfloat16 copy each layer keeps (`stallfree bench iteration` shows the crossover).
-
-Where the CPU has AVX512-VNNI, each weight also keeps the same codes in the layout of the compiled extension's
-kernel (VnniWeight, models/cpu_vnni_matmul.h): activations quantized to int16 per 32-wide block and the codes
-multiplied as they are stored, with no float weight ever made. The compiled forward of a few rows runs 1.1-1.3x
-faster with it than with torch's int4 kernel (`stallfree bench iteration --ab-vnni`; `stallfree bench matmul` per
-kernel), within bfloat16's rounding of the float32 reference.
-STALLFREE_CPU_VNNI=0 keeps torch's int4 kernel.
+Every weight with codes also keeps them as TiledCodes, the layout of the compiled extension's code kernel
+(models/cpu_code_matmul.h): activations quantized to int16 per 32-wide block and the codes multiplied as they are
+stored, no float weight ever made, on every x86 tier (AVX512-VNNI, AVX2, portable loops; models/cpu_tier.py). Where
+oneDNN runs bfloat16 GEMMs (the AVX-512 tiers) iterations past CODE_MAX_ROWS rows take the dense copy prepacked
+for it (compute-bound there; `stallfree bench iteration` shows the crossover); below AVX-512 every row count takes
+the code kernel and no dense copy is kept. Before the extension is loaded (a first start compiles it in the
+background) torch's int4 kernel serves the same codes. STALLFREE_CPU_CODE_KERNEL=0 keeps torch's int4 kernel
+(an A/B switch).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,37 +34,23 @@ GROUP_SIZE = 32
 # Rows (tokens in an iteration) up to which a linear layer takes its int4 weight (measured crossover on
 # a 2-core AVX512-BF16 CPU: int4 wins up to 8 rows, bfloat16 from 16).
 INT4_MAX_ROWS = 8
-# Rows up to which the compiled VNNI kernel (models/cpu_vnni_matmul.h) takes the quantized weights, measured in
-# SmolLM2's compiled forward on a 2-core AVX512-VNNI CPU against torch's int4 kernel and oneDNN's bfloat16 GEMM:
-# 1.11x at 1 row, 1.19x at 4, 1.33x at 8; at 16 rows it is compute-bound and oneDNN's GEMM is 1.15x faster.
-VNNI_MAX_ROWS = 8
+# Rows up to which the compiled code kernel (models/cpu_code_matmul.h) takes the quantized weights where oneDNN's
+# bfloat16 GEMM takes the rest (AVX-512), measured in SmolLM2's compiled forward on a 2-core AVX512-VNNI CPU against
+# torch's int4 kernel and oneDNN's GEMM: 1.11x at 1 row, 1.19x at 4, 1.33x at 8; at 16 rows it is compute-bound and
+# oneDNN's GEMM is 1.15x faster. Below AVX-512 the code kernel takes every row count (there is no oneDNN GEMM).
+CODE_MAX_ROWS = 8
 PACK_ROWS = 4096  # a multiple of the packing's row blocks
-# Whether Int4Weight.matmul takes the VNNI kernel: set by models/cpu_decode.py once its extension is loaded.
-_vnni_kernel = {"on": False}
+# The code kernel Int4Weight.matmul takes, and up to how many rows: set by models/cpu_decode.py once its extension
+# is loaded (None until then: torch's int4 kernel).
+_code_kernel: dict = {"op": None, "max_rows": 0}
 
 
-def use_vnni_kernel(on: bool) -> None:
-    _vnni_kernel["on"] = on
+def use_code_kernel(op, max_rows: int) -> None:
+    _code_kernel["op"], _code_kernel["max_rows"] = op, max_rows
 
 
-def vnni_kernel_in_use() -> bool:
-    return _vnni_kernel["on"]
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> str:
-    """/proc/cpuinfo's flags line ("" where there is none): what the CPU kernels can use."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def cpu_has_vnni() -> bool:
-    """AVX512-VNNI (the VNNI kernel's integer dot products) on this CPU."""
-    flags = cpu_flags().split()
-    return "avx512_vnni" in flags and "avx512bw" in flags
+def code_kernel_in_use() -> bool:
+    return _code_kernel["op"] is not None
 
 
 # GGUF type name -> (bytes per 32-weight block, code planes along K).
@@ -133,8 +115,8 @@ def decode_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> BlockCod
 
 
 @dataclass
-class VnniWeight:
-    """The same codes laid out for the compiled VNNI kernel (models/cpu_vnni_matmul.h): an unsigned code per weight
+class TiledCodes:
+    """The same codes laid out for the compiled code kernel (models/cpu_code_matmul.h): an unsigned code per weight
     (4 bits, or 8 for Q8_0's two planes joined), value = scale * code + zero per 32-weight block, scale and zero
     float16 (GGUF's own precision), 16 output rows to a tile, and per tile and block one record: the codes, then
     the 16 rows' scales, then their zeros."""
@@ -143,7 +125,7 @@ class VnniWeight:
     bits: int
 
     @classmethod
-    def from_codes(cls, block: BlockCodes) -> "VnniWeight":
+    def from_codes(cls, block: BlockCodes) -> "TiledCodes":
         """Packed in torch (its copies run on the process's threads: part of a fresh start's load)."""
         n, width = block.codes.shape
         k = width // block.planes
@@ -193,8 +175,8 @@ class Int4Weight:
 
     def __init__(self, codes: BlockCodes, dtype: torch.dtype) -> None:
         n = codes.rows
-        # The VNNI kernel's copy, where the CPU can run it (AVX512-VNNI): the compiled path's few-row matmuls.
-        self.vnni = VnniWeight.from_codes(codes) if cpu_has_vnni() else None
+        # The code kernel's copy (every tier): the compiled path's matmuls.
+        self.tiles = TiledCodes.from_codes(codes)
         if n % 16:
             raise ValueError(f"the int4 kernel needs a multiple of 16 output rows, got {n}")
         self.planes = codes.planes
@@ -210,31 +192,31 @@ class Int4Weight:
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor, planes: int,
-                    vnni: VnniWeight | None) -> "Int4Weight":
+                    tiles: TiledCodes | None) -> "Int4Weight":
         """One already packed (models/weight_cache.py keeps them)."""
         weight = cls.__new__(cls)
-        weight.packed, weight.scales_and_zeros, weight.planes, weight.vnni = packed, scales_and_zeros, planes, vnni
+        weight.packed, weight.scales_and_zeros, weight.planes, weight.tiles = packed, scales_and_zeros, planes, tiles
         weight.out_features, weight.dtype = packed.shape[0], scales_and_zeros.dtype
         return weight
 
     @property
     def nbytes(self) -> int:
-        """The bytes a matmul of a few rows reads: the VNNI kernel's copy where it is in use."""
-        if self.vnni is not None and _vnni_kernel["on"]:
-            return self.vnni.nbytes
+        """The bytes a matmul of a few rows reads: the code kernel's copy where it is in use."""
+        if self.tiles is not None and code_kernel_in_use():
+            return self.tiles.nbytes
         return self.packed.numel() * self.packed.element_size() + \
             self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
 
-    def vnni_applies(self, rows: int) -> bool:
-        """Whether a matmul of `rows` rows takes the VNNI kernel."""
-        return self.vnni is not None and rows <= VNNI_MAX_ROWS and _vnni_kernel["on"]
+    def code_kernel_applies(self, rows: int) -> bool:
+        """Whether a matmul of `rows` rows takes the compiled code kernel."""
+        return self.tiles is not None and code_kernel_in_use() and rows <= _code_kernel["max_rows"]
 
     def matmul(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
-        """x [rows, in_features] (this weight's dtype) -> [rows, out_features]: the VNNI kernel once the compiled
-        extension is loaded (and up to VNNI_MAX_ROWS rows; float32 sums when `float_out`), else torch's int4
-        kernel (in x's dtype)."""
-        if self.vnni_applies(x.shape[0]):
-            return torch.ops.stallfree_cpu.vnni_matmul(x, self.vnni.blocks, self.vnni.bits, float_out)
+        """x [rows, in_features] (this weight's dtype) -> [rows, out_features]: the code kernel once the compiled
+        extension is loaded (up to its row limit; float32 sums when `float_out`), else torch's int4 kernel (in x's
+        dtype)."""
+        if self.code_kernel_applies(x.shape[0]):
+            return _code_kernel["op"](x, self.tiles.blocks, self.tiles.bits, float_out)
         if self.planes == 2:
             x = torch.cat([x, x], dim=-1)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)

@@ -2,7 +2,7 @@
 
 Loading SmolLM2's GGUF decodes 4-bit blocks, dequantizes them to bfloat16 and packs them again for torch's int4
 kernel: 2.5 s of a start on a busy 2-core machine. The result (every parameter, every int4 pack with its scales,
-and on an AVX512-VNNI CPU the int8 kernel's copies) is written once as a safetensors file; later starts map it
+and the code kernel's tiles of the same codes) is written once as a safetensors file; later starts map it
 (safetensors loads lazily: pages are read as touched), copy out what they keep and only prepack for oneDNN. The
 file's key is the GGUF file's identity (path, size, mtime), the dtype, torch's version, FORMAT and the source of the
 modules that decide the tensors' values, so a change in any of them is a new file. $STALLFREE_WEIGHT_CACHE is the
@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stallfree.node_daemon.models.quantized import Int4Weight, VnniWeight, cpu_has_vnni
+from stallfree.node_daemon.models.quantized import Int4Weight, TiledCodes
 
 if TYPE_CHECKING:
     from stallfree.node_daemon.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # 2: the VNNI kernel's copies (VnniWeight)
+FORMAT = 3  # 2: the VNNI kernel's copies; 3: the code kernel's tiles on every tier (TiledCodes)
 ENV = "STALLFREE_WEIGHT_CACHE"
 _VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "llama.py")
 _TIED_HEAD = "tied_lm_head_int4"
@@ -42,8 +42,13 @@ def cache_file(gguf_path: str, dtype: torch.dtype) -> Path | None:
     root = Path(setting) if setting else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
         "stallfree" / "weights"
     stat = os.stat(gguf_path)
+    # torch's int4 packing lays its codes out for the vector width its kernels run at (ATen's CPU capability), so a
+    # pack made at one tier is garbage at another: the capability and the tier are part of the key.
+    from stallfree.node_daemon.models.cpu_tier import cpu_tier
+
     digest = hashlib.sha256(json.dumps([FORMAT, os.path.abspath(gguf_path), stat.st_size, stat.st_mtime_ns,
-                                        str(dtype), torch.__version__]).encode())
+                                        str(dtype), torch.__version__, torch.backends.cpu.get_cpu_capability(),
+                                        cpu_tier().name]).encode())
     here = Path(__file__).parent
     for name in _VALUE_SOURCES:
         digest.update((here / name).read_bytes())
@@ -67,9 +72,9 @@ def save(model: "LlamaForCausalLM", path: Path, background: bool = False) -> boo
     for name, w in _int4_weights(model).items():
         tensors[f"{name}.int4.packed"], tensors[f"{name}.int4.scales"] = w.packed, w.scales_and_zeros
         planes[name] = w.planes
-        if w.vnni is not None:
-            tensors[f"{name}.vnni.blocks"], bits[name] = w.vnni.blocks, w.vnni.bits
-    metadata = {"planes": json.dumps(planes), "vnni_bits": json.dumps(bits), "format": str(FORMAT)}
+        if w.tiles is not None:
+            tensors[f"{name}.tiles.blocks"], bits[name] = w.tiles.blocks, w.tiles.bits
+    metadata = {"planes": json.dumps(planes), "tile_bits": json.dumps(bits), "format": str(FORMAT)}
     if not background:
         return _write(tensors, metadata, path)
     thread = threading.Thread(target=_write, args=(tensors, metadata, path), name="weight-cache-write")
@@ -115,7 +120,7 @@ def load(model: "LlamaForCausalLM", path: Path) -> bool:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata()
             planes = json.loads(metadata.get("planes", "{}"))
-            bits = json.loads(metadata.get("vnni_bits", "{}"))
+            bits = json.loads(metadata.get("tile_bits", "{}"))
         tensors = load_file(str(path))
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         log.warning("weight cache: %s unreadable (%s): loading the GGUF file", path, exc)
@@ -123,7 +128,7 @@ def load(model: "LlamaForCausalLM", path: Path) -> bool:
     params = dict(model.named_parameters())
     if any(name not in tensors or tensors[name].shape != p.shape or tensors[name].dtype != p.dtype
            for name, p in params.items()) or any(f"{n}.int4.packed" not in tensors for n in planes) \
-            or (cpu_has_vnni() and set(bits) != set(planes)):
+            or set(bits) != set(planes):
         log.warning("weight cache: %s does not match this model: loading the GGUF file", path)
         return False
     from stallfree.node_daemon.models.layers import Linear
@@ -136,10 +141,9 @@ def load(model: "LlamaForCausalLM", path: Path) -> bool:
     for name, p in params.items():
         p.data = tensors[name] if name in transient else tensors[name].clone()
     for name, count in planes.items():
-        vnni = VnniWeight(tensors[f"{name}.vnni.blocks"].clone(), bits[name]) if name in bits and cpu_has_vnni() \
-            else None
+        tiles = TiledCodes(tensors[f"{name}.tiles.blocks"].clone(), bits[name])
         weight = Int4Weight.from_packed(tensors[f"{name}.int4.packed"].clone(), tensors[f"{name}.int4.scales"].clone(),
-                                        count, vnni)
+                                        count, tiles)
         if name == _TIED_HEAD:
             model.tied_lm_head_int4 = weight
         else:

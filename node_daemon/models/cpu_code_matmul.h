@@ -1,0 +1,219 @@
+// x @ W^T straight from GGUF block codes on every x86 tier (models/quantized.py TiledCodes); included by
+// cpu_decode.cpp inside its anonymous namespace (it uses f2bf and bf16_ptr from there).
+//
+// One layout, three kernels, chosen when the extension is compiled for a tier (models/cpu_tier.py):
+//   AVX512-VNNI  cpu_vnni_matmul.h: VPDPWSSD, two codes times two activations a lane, 16 columns a register;
+//   AVX2         here: VPMADDWD + VPADDD, the same products 8 columns a register (Haswell .. Zen 3);
+//   portable     here: the same integer sums in plain loops (any other CPU; the compiler vectorizes what it can).
+// Each 32-wide block of a row's activations is quantized to int16 once per call (xscale = max|x| / 32767) and
+//   sum_k w x = scale * xscale * sum(u * xq) + zero * sum(x)
+// for a weight w = scale * u + zero (u the unsigned code: 0..15, or 0..255 for Q8_0); the integer sums stay exact in
+// int32 within a block (255 * 32767 * 32 < 2^31), float32 across blocks. So every tier computes the same sums, up to
+// the order of the float32 additions across blocks.
+//
+// Layout: 16 output columns a tile; per tile and block one record: 8 chunks of 32 bytes of codes (4-bit; 16 chunks
+// 8-bit), then the 16 columns' float16 scales, then their zeros. Chunk q's byte pair 2c, 2c + 1 holds column c's codes
+// at k = 2q, 2q + 1; with 4-bit codes those are the low nibbles, and the high nibbles hold k = 2q + 16, 2q + 17.
+//
+// On AVX2 and portable CPUs the same kernel also takes many-row iterations (prefill chunks): there is no oneDNN
+// bfloat16 GEMM below AVX-512, and codes read once per tile serve up to kMaxRowsAtOnce rows from registers.
+#pragma once
+
+constexpr int64_t kQBlock = 32;
+constexpr int64_t kPrefetchBytes = 1024;  // about 4 blocks ahead: the stream prefetcher restarts at each 4 KB page
+
+template <int BITS>
+constexpr int64_t record_bytes() {
+  return BITS * kQBlock * 16 / 8 + 2 * 16 * 2;  // codes, then 16 float16 scales and 16 zeros
+}
+
+// Each row's blocks of 32 as int16 codes with their scale and exact sum.
+struct QuantizedRows {
+  std::vector<int16_t> codes;  // [rows, K]
+  std::vector<float> scale, sum;  // [rows, K / 32]
+  int64_t rows = 0, k = 0;
+};
+
+// Portable quantization (round to nearest even, as the AVX-512 one): rows * K values, small beside the matmul.
+inline void quantize_rows_portable(const uint16_t* x, int64_t rows, int64_t k, QuantizedRows& q) {
+  const int64_t blocks = k / kQBlock;
+  q.rows = rows, q.k = k;
+  q.codes.resize(rows * k), q.scale.resize(rows * blocks), q.sum.resize(rows * blocks);
+  at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    float v[kQBlock];
+    for (int64_t i = begin; i < end; ++i) {
+      float amax = 0.f, sum = 0.f;
+      for (int64_t j = 0; j < kQBlock; ++j) {
+        v[j] = bf2f(x[i * kQBlock + j]);
+        amax = std::max(amax, std::fabs(v[j]));
+        sum += v[j];
+      }
+      const float m = amax > 0.f ? 32767.f / amax : 0.f;
+      int16_t* dst = q.codes.data() + i * kQBlock;
+      for (int64_t j = 0; j < kQBlock; ++j) dst[j] = static_cast<int16_t>(std::nearbyint(v[j] * m));
+      q.scale[i] = amax / 32767.f;
+      q.sum[i] = sum;
+    }
+  });
+}
+
+inline float half_to_float(uint16_t h) {
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include "cpu_vnni_matmul.h"  // quantize_rows, code_tile_rows and kMaxRowsAtOnce for AVX512-VNNI
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int kMaxRowsAtOnce = 4;  // rows sharing one pass over a tile's codes
+
+// One tile's 16 columns for rows r0 .. r0 + R - 1 -> out[r][c] (float32, 16 a row). (Taking a block in two halves
+// of 8 columns, one accumulator a row and up to 8 rows a pass, measured 1.4x slower at one row and no faster at 16.)
+template <int BITS, int R>
+inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int64_t blocks, float* out) {
+  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS>();
+  constexpr int chunks = BITS == 4 ? 8 : 16;
+  const int64_t blocks_per_row = x.k / kQBlock;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi16(0x0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = w + b * block_bytes;
+    for (int64_t line = 0; line < block_bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    const int32_t* xq[R];  // the rows' block as int16 pairs
+    for (int r = 0; r < R; ++r) xq[r] = reinterpret_cast<const int32_t*>(x.codes.data() + (r0 + r) * x.k + b * kQBlock);
+    for (int q = 0; q < chunks; ++q) {
+      const __m128i* chunk = reinterpret_cast<const __m128i*>(wb + 32 * q);
+      // columns 0-7 and 8-15, each lane pair one column's two codes
+      const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(chunk));
+      const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(chunk + 1));
+      if constexpr (BITS == 4) {
+        const __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_srli_epi16(v0, 4);
+        const __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_srli_epi16(v1, 4);
+        for (int r = 0; r < R; ++r) {
+          const __m256i xa = _mm256_set1_epi32(xq[r][q]), xb = _mm256_set1_epi32(xq[r][q + 8]);
+          dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_add_epi32(_mm256_madd_epi16(lo0, xa), _mm256_madd_epi16(hi0, xb)));
+          dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_add_epi32(_mm256_madd_epi16(lo1, xa), _mm256_madd_epi16(hi1, xb)));
+        }
+      } else {
+        for (int r = 0; r < R; ++r) {
+          const __m256i xa = _mm256_set1_epi32(xq[r][q]);
+          dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(v0, xa));
+          dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(v1, xa));
+        }
+      }
+    }
+    const __m128i* sp = reinterpret_cast<const __m128i*>(wb + code_bytes);
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(sp)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(sp + 1));
+    const __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128(sp + 2)), z1 = _mm256_cvtph_ps(_mm_loadu_si128(sp + 3));
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * blocks_per_row + b;
+      const __m256 xs = _mm256_set1_ps(x.scale[i]), xsum = _mm256_set1_ps(x.sum[i]);
+      acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, xs), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, xs), acc[r][1]);
+      acc[r][0] = _mm256_fmadd_ps(z0, xsum, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(z1, xsum, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + 16 * r, acc[r][0]);
+    _mm256_storeu_ps(out + 16 * r + 8, acc[r][1]);
+  }
+}
+
+template <int BITS>
+void code_tile_rows(const uint8_t* w, const QuantizedRows& x, int64_t r0, int rows, int64_t blocks, float* out) {
+  switch (rows) {
+    case 1: return code_tile<BITS, 1>(w, x, r0, blocks, out);
+    case 2: return code_tile<BITS, 2>(w, x, r0, blocks, out);
+    case 3: return code_tile<BITS, 3>(w, x, r0, blocks, out);
+    default: return code_tile<BITS, 4>(w, x, r0, blocks, out);
+  }
+}
+constexpr const char* kCodeKernel = "avx2";
+inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedRows& q) {
+  quantize_rows_portable(x, rows, k, q);
+}
+
+#else
+constexpr int kMaxRowsAtOnce = 4;
+
+// The same sums in plain loops: column c's codes of pair p are bytes 2c, 2c + 1 of chunk p (4-bit: low nibbles for
+// pairs 0-7, high nibbles for pairs 8-15).
+template <int BITS>
+void code_tile_rows(const uint8_t* w, const QuantizedRows& x, int64_t r0, int rows, int64_t blocks, float* out) {
+  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS>();
+  const int64_t blocks_per_row = x.k / kQBlock;
+  float acc[kMaxRowsAtOnce][16] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = w + b * block_bytes;
+    int32_t dot[kMaxRowsAtOnce][16] = {};
+    for (int p = 0; p < 16; ++p) {
+      const uint8_t* chunk = wb + 32 * (BITS == 4 ? p % 8 : p);
+      for (int r = 0; r < rows; ++r) {
+        const int16_t* xq = x.codes.data() + (r0 + r) * x.k + b * kQBlock + 2 * p;
+        for (int c = 0; c < 16; ++c) {
+          int32_t u0 = chunk[2 * c], u1 = chunk[2 * c + 1];
+          if (BITS == 4) u0 = p < 8 ? u0 & 15 : u0 >> 4, u1 = p < 8 ? u1 & 15 : u1 >> 4;
+          dot[r][c] += u0 * xq[0] + u1 * xq[1];
+        }
+      }
+    }
+    const uint16_t* sz = reinterpret_cast<const uint16_t*>(wb + code_bytes);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t i = (r0 + r) * blocks_per_row + b;
+      for (int c = 0; c < 16; ++c)
+        acc[r][c] += static_cast<float>(dot[r][c]) * (half_to_float(sz[c]) * x.scale[i]) + half_to_float(sz[16 + c]) * x.sum[i];
+    }
+  }
+  for (int r = 0; r < rows; ++r) std::memcpy(out + 16 * r, acc[r], 16 * sizeof(float));
+}
+constexpr const char* kCodeKernel = "portable";
+inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedRows& q) {
+  quantize_rows_portable(x, rows, k, q);
+}
+#endif
+
+// x [rows, K] bfloat16 @ W^T -> [rows, N] bfloat16 (rounded once, from the float32 sum), or the float32 sums when
+// float_out (an LM head's logits). blocks: uint8 [N / 16, K / 32, record bytes].
+at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t bits, bool float_out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "code_matmul: x [rows, K] bfloat16");
+  TORCH_CHECK(bits == 4 || bits == 8, "code_matmul: 4- or 8-bit codes");
+  TORCH_CHECK(blocks_t.dim() == 3 && blocks_t.scalar_type() == at::kByte && blocks_t.is_contiguous(),
+              "code_matmul: weight blocks [N / 16, K / 32, bytes] uint8, contiguous");
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), k = xc.size(1), tiles = blocks_t.size(0), blocks = k / kQBlock;
+  TORCH_CHECK(k % kQBlock == 0 && blocks_t.size(1) == blocks &&
+                  blocks_t.size(2) == (bits == 4 ? record_bytes<4>() : record_bytes<8>()),
+              "code_matmul: weight blocks do not match x's width");
+  at::Tensor out = at::empty({rows, tiles * 16}, xc.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (rows == 0) return out;
+  QuantizedRows q;
+  quantize_rows(bf16_ptr(xc), rows, k, q);
+  const uint8_t* w = blocks_t.data_ptr<uint8_t>();
+  uint16_t* o = float_out ? nullptr : bf16_mut(out);
+  float* of = float_out ? out.data_ptr<float>() : nullptr;
+  const int64_t n = tiles * 16, tile_bytes = blocks_t.stride(0);
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    float partial[16 * kMaxRowsAtOnce];
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRowsAtOnce) {
+        const int r = static_cast<int>(std::min<int64_t>(kMaxRowsAtOnce, rows - r0));
+        if (bits == 4)
+          code_tile_rows<4>(w + t * tile_bytes, q, r0, r, blocks, partial);
+        else
+          code_tile_rows<8>(w + t * tile_bytes, q, r0, r, blocks, partial);
+        for (int i = 0; i < r; ++i) {
+          if (of != nullptr)
+            std::memcpy(of + (r0 + i) * n + t * 16, partial + 16 * i, 16 * sizeof(float));
+          else
+            for (int c = 0; c < 16; ++c) o[(r0 + i) * n + t * 16 + c] = f2bf(partial[16 * i + c]);
+        }
+      }
+    }
+  });
+  return out;
+}

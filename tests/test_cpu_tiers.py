@@ -1,0 +1,97 @@
+"""One engine for every x86 tier (models/cpu_tier.py): the tier read from the CPU's flags, forced lower by
+STALLFREE_CPU_TIER (never higher), and SmolLM2 served at the tiers below AVX-512 from its GGUF codes alone: no oneDNN
+copy, no dense copy kept, the compiled forward's decode rows and prefill chunks through the AVX2 (or portable) code
+kernel, with the float32 reference's greedy answers and logits within bfloat16's rounding of it.
+
+On an AVX-512 CPU the lower tiers are forced here, so their paths are tested there too; a tier the CPU lacks skips
+with its instructions named. Each tier's extension is compiled once per machine into the stallfree cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import (forced_cpu_tier, greedy_decode, make_request, prefill_all_rows, relative_error,
+                           smollm2_runner, smollm2_tokenizer)
+from stallfree.node_daemon.engine.config import CacheConfig
+from stallfree.node_daemon.engine.model_runner import ModelRunner
+from stallfree.node_daemon.models import cpu_decode
+from stallfree.node_daemon.models.config import ModelConfig
+from stallfree.node_daemon.models.cpu_tier import TIERS, _NEEDS, cap_libraries_at_forced_tier, detected_tier, \
+    resolve_tier
+from stallfree.node_daemon.models.layers import Linear
+
+BF16_LOGIT_TOLERANCE = 0.05  # test_quantized's: bfloat16 activations against the float32 reference
+
+AVX512_BF16 = "flags : fpu sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni"
+AVX512 = "flags : fpu sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512dq"
+ZEN3 = "flags : fpu sse2 avx avx2 fma f16c bmi2"
+
+
+def test_the_tier_is_read_from_the_flags():
+    assert resolve_tier(None, AVX512_BF16).name == "avx512_bf16" and resolve_tier(None, AVX512_BF16).vnni
+    assert resolve_tier(None, AVX512).name == "avx512" and not resolve_tier(None, AVX512).vnni
+    zen3 = resolve_tier(None, ZEN3)
+    assert zen3.name == "avx2" and not zen3.onednn_bf16 and not zen3.bf16_native and not zen3.vnni
+    assert resolve_tier(None, "flags : fpu sse2").name == "generic"
+    assert "-march=x86-64-v3" in zen3.cflags  # never -march=native: a forced tier compiles only its instructions
+
+
+def test_a_lower_tier_can_be_forced_and_a_higher_one_is_refused():
+    forced = resolve_tier("avx2", AVX512_BF16)
+    assert forced.name == "avx2" and forced.forced and "forced" in forced.describe() and not forced.vnni
+    with pytest.raises(ValueError, match="needs avx2, fma, f16c, avx512f"):
+        resolve_tier("avx512", ZEN3)
+    with pytest.raises(ValueError, match="not a tier; use one of generic, avx2"):
+        resolve_tier("sse9", ZEN3)
+
+
+def test_a_forced_tier_caps_torch_and_onednn_unless_they_are_set():
+    env = {"STALLFREE_CPU_TIER": "avx2"}
+    cap_libraries_at_forced_tier(env)
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    env = {"STALLFREE_CPU_TIER": "avx2", "ATEN_CPU_CAPABILITY": "default"}
+    cap_libraries_at_forced_tier(env)
+    assert env["ATEN_CPU_CAPABILITY"] == "default"
+    env = {}
+    cap_libraries_at_forced_tier(env)
+    assert env == {}
+
+
+def _tier_runner(tier: str) -> ModelRunner:
+    if TIERS.index(tier) > TIERS.index(detected_tier()):
+        pytest.skip(f"this CPU lacks the {tier} tier ({', '.join(_NEEDS[tier])})")
+    runner = ModelRunner(ModelConfig(model="smollm2-135m", dtype="bfloat16", compiled_decode="now",
+                                     release_dense_weights=True),
+                         CacheConfig(block_size=16, num_blocks=96), max_num_tokens=512, max_num_seqs=8)
+    if runner.cpu_decode is None:
+        pytest.skip(f"compiled forward unavailable at {tier}: {cpu_decode.why_not()}")
+    return runner
+
+
+@pytest.mark.parametrize("tier", ["avx2", "generic"])
+def test_a_tier_below_avx512_serves_smollm2_from_its_codes(tier):
+    tokenizer = smollm2_tokenizer()
+    question = tokenizer.encode("The capital of France is")
+    passage = tokenizer.encode("The history of the printing press begins in the fifteenth century, when a "
+                               "goldsmith in Mainz combined movable metal type with an oil-based ink and")
+    reference = smollm2_runner()
+    want_answer = tokenizer.decode(greedy_decode(reference, make_request("q", question, [10, 11]),
+                                                 prefill_all_rows(reference, make_request("q", question, [10, 11]),
+                                                                  len(question))[-1], 6))
+    want_rows = prefill_all_rows(reference, make_request("p", passage, [12, 13, 14]), 12)
+    with forced_cpu_tier(tier):
+        runner = _tier_runner(tier)
+        model = runner.model
+        projections = [m for m in model.modules() if isinstance(m, Linear)]
+        # served from the codes alone: no oneDNN copy, the dense copies released
+        assert all(m.packed is None and m.int4 is not None and m.weight.device.type == "meta" for m in projections)
+        paths = cpu_decode.paths_taken()
+        assert paths["cpu_tier"] == tier and paths["forward"] == "compiled"
+        assert paths["matmul"].startswith("avx2" if tier == "avx2" else "portable")
+        req = make_request("q", question, [1, 2])
+        answer = tokenizer.decode(greedy_decode(runner, req, prefill_all_rows(runner, req, len(question))[-1], 6))
+        rows = prefill_all_rows(runner, make_request("p", passage, [3, 4, 5]), 12)  # chunks of 12 over a prefix
+    assert answer == want_answer
+    assert relative_error(rows, want_rows) < BF16_LOGIT_TOLERANCE
+    assert (rows.argmax(-1) == want_rows.argmax(-1)).float().mean() >= 0.9
+    assert torch.isfinite(rows).all()
