@@ -1,7 +1,8 @@
 """Load a Llama-family GGUF file (llama.cpp's format) into LlamaForCausalLM; quantised weights stay quantised.
 
-Serving in bfloat16 on the CPU, Q4_0, Q4_1 and Q8_0 tensors are also packed for torch's int4 weight-only
-matmul (models/quantized.py: the mapping is exact up to bfloat16 rounding of the block scales), which
+Serving in bfloat16 on the CPU, Q4_0, Q4_1, Q8_0, Q4_K and Q5_K tensors are also packed for torch's int4
+weight-only matmul (models/quantized.py: the mapping is exact up to bfloat16 rounding of the block scales), and
+Q6_K re-coded to 8-bit codes per 32 weights (models/kquant_codes.py: within 1/8 of its own step), which
 iterations of a few rows take; every other type is dequantized, and start-up says which. Each layer keeps
 a dequantized copy in the serving dtype for larger iterations (compute-bound there) and for float32,
 the reference path. llama.cpp's converter permutes the rows of Q and K of `llama` models so its
@@ -189,9 +190,10 @@ def _attach_int4(model: LlamaForCausalLM, reader, codes: dict[str, BlockCodes], 
     kinds = sorted({b.qtype for b in codes.values()})
     others = sorted({t.tensor_type.name for t in reader.tensors if _hf_name(t.name) not in codes
                      and len(t.shape) > 1})
-    log.info("int4 weight-only matmul (%s) for iterations of a few rows; %d projections dense%s%s",
+    recoded = "; Q6_K re-coded to 8-bit codes per 32 weights" if "Q6_K" in kinds else ""
+    log.info("int4 weight-only matmul (%s) for iterations of a few rows; %d projections dense%s%s%s",
              ", ".join(kinds) or "none", len(dense), f" ({', '.join(dense[:4])}{', ...' if len(dense) > 4 else ''})"
-             if dense else "", f"; dequantized types: {', '.join(others)}" if others else "")
+             if dense else "", f"; dequantized types: {', '.join(others)}" if others else "", recoded)
 
 
 def _hf_name(gguf_name: str) -> str:

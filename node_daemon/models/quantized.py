@@ -11,8 +11,9 @@ blocks map onto it exactly, up to the rounding of scale and zero to the activati
                                    -> two code planes along K: lo (scale d, zero 8d), hi (scale 16d, zero 0);
                                       the activations are repeated once along K ([x, x]) to meet both.
 
-Other types (Q5_*, K-quants, ...) have no such mapping here; their tensors are dequantized and the loader
-says so at start-up.
+The K-quants (Q4_K, Q5_K exactly; Q6_K re-coded to 8-bit codes per 32 weights, within 0.126 of its own 6-bit
+step) map the same way: models/kquant_codes.py. Other types (Q5_0, Q2_K, IQ*, ...) have no such mapping here; their
+tensors are dequantized and the loader says so at start-up.
 
 Every weight with codes also keeps them as TiledCodes, the layout of the compiled extension's code kernel
 (models/cpu_code_matmul.h): activations quantized to int16 per 32-wide block and the codes multiplied as they are
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from stallfree.node_daemon.models import kquant_codes
 
 GROUP_SIZE = 32
 # Rows (tokens in an iteration) up to which a linear layer takes its int4 weight (measured crossover on
@@ -94,6 +97,10 @@ class BlockCodes:
 
 def decode_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> BlockCodes | None:
     """GGUF block bytes [rows, bytes_per_row] -> BlockCodes, or None for a type without an int4 mapping."""
+    if qtype in kquant_codes.BLOCK_BYTES:
+        if cols % kquant_codes.QK_K:
+            return None
+        return BlockCodes(*kquant_codes.decode(raw, qtype, rows, cols), qtype)
     if qtype not in INT4_MAPPABLE or cols % GROUP_SIZE:
         return None
     block_bytes, planes = INT4_MAPPABLE[qtype]
@@ -227,11 +234,24 @@ def int4_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16
 
 
+def as_two_planes(block: BlockCodes) -> BlockCodes:
+    """A one-plane BlockCodes as two (its codes in the lo plane, a hi plane of zero codes whose value
+    (0 - 8) * 16s + 128s is 0): 8-bit codes in TiledCodes. For fused projections whose parts differ, as Q4_K_M's
+    q and k (Q4_K) beside a Q6_K v."""
+    if block.planes == 2:
+        return block
+    return BlockCodes(np.concatenate([block.codes, np.zeros_like(block.codes)], axis=1),
+                      np.concatenate([block.scale, 16.0 * block.scale], axis=1),
+                      np.concatenate([block.zero, 128.0 * block.scale], axis=1), 2, block.qtype)
+
+
 def stack_parts(parts: list[tuple[slice, BlockCodes]], rows: int) -> BlockCodes | None:
     """One BlockCodes for a fused projection from its row parts (q, k, v or gate, up); None unless every row
-    is covered by parts of one layout."""
-    if not parts or len({p.planes for _, p in parts}) != 1:
+    is covered. Parts of one and two planes are joined as two (the one-plane parts widened to 8-bit codes)."""
+    if not parts:
         return None
+    if len({p.planes for _, p in parts}) > 1:
+        parts = [(rows_slice, as_two_planes(p)) for rows_slice, p in parts]
     ordered = sorted(parts, key=lambda item: item[0].start or 0)
     covered = 0
     for rows_slice, part in ordered:

@@ -1,0 +1,118 @@
+"""GGUF's K-quants (Q4_K, Q5_K, Q6_K) as code planes of 32-weight groups (models/quantized.py's BlockCodes form:
+value = (code - 8) * scale + zero per group, summed over the planes).
+
+The byte layouts are read as the installed gguf package's dequantize_blocks read them (gguf/quants.py), with its
+own get_scale_min for the packed 6-bit scales and mins. A 256-weight super-block holds a float16 d (and dmin) and
+per-sub-block integer scales:
+
+    Q4_K  w = d*sc*q - dmin*m, q 4 bits, (sc, m) 6 bits per 32   -> one plane: scale d*sc, zero 8*d*sc - dmin*m
+                                                                    (exact)
+    Q5_K  the same with q 5 bits                                  -> two planes of the 8-bit code u = q: lo = u & 15
+                                                                    (scale s, zero z + 8s), hi = u >> 4 (scale 16s,
+                                                                    zero 128s), s = d*sc, z = -dmin*m (exact)
+    Q6_K  w = d*sc*q, q in -32..31, sc int8 per 16 weights        -> not affine per 32 where the two 16-scales
+                                                                    differ: RE-CODED to an 8-bit code per 32
+
+Q6_K's re-coding: per 32 weights the integers P = sc*q (w = d*P). Where P / gcd(P) fits in -128..127 the block is
+exact (s = d*gcd, as whenever both 16-scales are equal); otherwise s = d*max|P|/127 and u = round(P/(max|P|/127)),
+which adds at most max|w|/254 per weight, i.e. at most 32/254 = 0.126 of the larger 6-bit step d*max|sc| of the
+block (tests/test_kquants.py measures it). The codes take Q8_0's form w = s*(u - 128) (zeros 8s and 0: multiples of
+s, so rounding the scales to bfloat16 for torch's int4 kernel adds no offset error).
+
+The compiled kernel's layout (quantized.TiledCodes) holds scale and zero in float16: d*sc has up to 17 significant
+bits, so there K-quant scales are rounded to float16 (about 2^-12 of a weight's magnitude); an exact kernel would
+multiply the integer sub-block scales and apply d once per super-block, as llama.cpp's does.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+QK_K = 256  # weights per super-block
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+PLANES = {"Q4_K": 1, "Q5_K": 2, "Q6_K": 2}
+# Rows decoded at a time: bounds the integer and float temporaries (SmolLM2-sized vocabularies of 2048-wide rows
+# would otherwise take several hundred MB at start-up).
+_CHUNK_ROWS = 1024
+
+
+def decode(raw: np.ndarray, qtype: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Block bytes [rows, bytes_per_row] of a K-quant -> (codes [rows, planes*cols] uint8 in 0..15,
+    scale and zero [rows, planes*cols/32] float32, planes)."""
+    planes = PLANES[qtype]
+    groups = cols // 32
+    codes = np.empty((rows, planes * cols), np.uint8)
+    scale = np.empty((rows, planes * groups), np.float32)
+    zero = np.empty((rows, planes * groups), np.float32)
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // QK_K, BLOCK_BYTES[qtype])
+    decode_chunk = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}[qtype]
+    for start in range(0, rows, _CHUNK_ROWS):
+        part = blocks[start:start + _CHUNK_ROWS]
+        n = part.shape[0]
+        c, s, z = decode_chunk(part.reshape(-1, BLOCK_BYTES[qtype]))
+        # c: [n * supers, planes, 256]; s, z: [n * supers, planes, 8] -> planes side by side along K
+        codes[start:start + n] = c.reshape(n, -1, planes, QK_K).transpose(0, 2, 1, 3).reshape(n, -1)
+        scale[start:start + n] = s.reshape(n, -1, planes, 8).transpose(0, 2, 1, 3).reshape(n, -1)
+        zero[start:start + n] = z.reshape(n, -1, planes, 8).transpose(0, 2, 1, 3).reshape(n, -1)
+    return codes, scale, zero, planes
+
+
+def _f16(two_bytes: np.ndarray) -> np.ndarray:
+    return two_bytes.copy().view(np.float16)[:, 0].astype(np.float32)
+
+
+def _sub_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: (d*sc, dmin*m) per 32-weight sub-block, [n, 8] float32, computed as gguf computes them."""
+    from gguf.quants import Q4_K
+
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+    return d[:, None] * sc.astype(np.float32), dmin[:, None] * m.astype(np.float32)
+
+
+def _low_nibbles_then_high(qs: np.ndarray) -> np.ndarray:
+    """[n, 128] bytes -> [n, 256] 4-bit values: each 32 bytes give one sub-block in their low nibbles, the next
+    sub-block in their high ones."""
+    q = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (q & 15).reshape(-1, QK_K)
+
+
+def _q4_k(blocks: np.ndarray):
+    s, dm = _sub_scales(blocks)
+    codes = _low_nibbles_then_high(blocks[:, 16:144])
+    return codes[:, None], s[:, None], (8.0 * s - dm)[:, None]  # (q - 8)*s + 8s - dm = s*q - dm
+
+
+def _q5_k(blocks: np.ndarray):
+    s, dm = _sub_scales(blocks)
+    qh = blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    hi = (qh & 1).reshape(-1, QK_K)  # sub-block i's fifth bit: bit i of the 32 qh bytes
+    lo = _low_nibbles_then_high(blocks[:, 48:176])
+    return _unsigned_as_planes(lo, hi, s, -dm)
+
+
+def _unsigned_as_planes(lo, hi, s, z):
+    """w = s*u + z, u = lo + 16*hi: lo plane (scale s, zero z + 8s), hi plane (scale 16s, zero 128s)."""
+    codes = np.stack([lo, hi], axis=1)
+    return codes, np.stack([s, 16.0 * s], axis=1), np.stack([z + 8.0 * s, 128.0 * s], axis=1)
+
+
+def _q6_k(blocks: np.ndarray):
+    n = blocks.shape[0]
+    ql = blocks[:, 0:128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    q = ((ql & 15).reshape(n, QK_K) | ((qh & 3).reshape(n, QK_K) << 4)).astype(np.int32) - 32
+    sc = blocks[:, 192:208].view(np.int8).astype(np.int32)  # one per 16 weights
+    d = _f16(blocks[:, 208:210])
+    p = (q.reshape(n, 16, 16) * sc[:, :, None]).reshape(n, 8, 32)  # w = d * p exactly, per 32-weight group
+    g = np.gcd.reduce(p, axis=-1, keepdims=True)
+    g[g == 0] = 1
+    exact = p // g
+    fits = ((exact.min(axis=-1) >= -128) & (exact.max(axis=-1) <= 127))[..., None]
+    amax = np.abs(p).max(axis=-1, keepdims=True)
+    step = np.where(fits, g, amax / 127.0)  # in units of d
+    signed = np.where(fits, exact, np.rint(p / step)).astype(np.int16)  # -127..127 where re-coded
+    u = (signed + 128).astype(np.uint8).reshape(n, QK_K)
+    s = (d[:, None] * step[..., 0]).astype(np.float32)
+    # w = s*(u - 128): Q8_0's planes, lo (scale s, zero 8s) and hi (scale 16s, zero 0)
+    codes = np.stack([u & 15, u >> 4], axis=1)
+    return codes, np.stack([s, 16.0 * s], axis=1), np.stack([8.0 * s, np.zeros_like(s)], axis=1)
