@@ -14,10 +14,13 @@ per-sub-block integer scales:
                                                                     differ: RE-CODED to an 8-bit code per 32
 
 Q6_K's re-coding: per 32 weights the integers P = sc*q (w = d*P). Where P / gcd(P) fits in -128..127 the block is
-exact (s = d*gcd, as whenever both 16-scales are equal); otherwise s = d*max|P|/127 and u = round(P/(max|P|/127)),
-which adds at most max|w|/254 per weight, i.e. at most 32/254 = 0.126 of the larger 6-bit step d*max|sc| of the
-block (tests/test_kquants.py measures it). The codes take Q8_0's form w = s*(u - 128) (zeros 8s and 0: multiples of
-s, so rounding the scales to bfloat16 for torch's int4 kernel adds no offset error).
+exact (s = d*gcd, as whenever both 16-scales are equal in magnitude). Otherwise the grid is a quarter of the larger
+16-scale's step, s = d*sc_larger/4: that half is exact (u = 4q + 128 spans 0..252) and the other half, whose |sc| is
+smaller, fits the same 256 levels rounded, at most s/2 = 1/8 of the block's larger 6-bit step d*max|sc| per weight
+(RMS about 0.05 of it; Q6_K's own rounding is up to half a step, RMS 0.29; tests/test_kquants.py measures it). A
+grid spread over the range (s = range/255) would round both halves: RMS 0.07 of a step. The codes take Q8_0's form
+w = s*(u - 128) (zeros 8s and 0: multiples of s, so rounding the scales to bfloat16 for torch's int4 kernel adds no
+offset error).
 
 The compiled kernel's layout (quantized.TiledCodes) holds scale and zero in float16: d*sc has up to 17 significant
 bits, so there K-quant scales are rounded to float16 (about 2^-12 of a weight's magnitude); an exact kernel would
@@ -108,9 +111,12 @@ def _q6_k(blocks: np.ndarray):
     g[g == 0] = 1
     exact = p // g
     fits = ((exact.min(axis=-1) >= -128) & (exact.max(axis=-1) <= 127))[..., None]
-    amax = np.abs(p).max(axis=-1, keepdims=True)
-    step = np.where(fits, g, amax / 127.0)  # in units of d
-    signed = np.where(fits, exact, np.rint(p / step)).astype(np.int16)  # -127..127 where re-coded
+    # Not exact: the two 16-scales differ in magnitude. On a grid of big/4, big the larger one with its sign, that
+    # half gives 4q (-128..124) exactly and the other, |P| < 32 |big|, rounds inside -127..127.
+    pairs = sc.reshape(n, 8, 2)
+    big = np.take_along_axis(pairs, np.abs(pairs).argmax(axis=-1)[..., None], axis=-1)
+    step = np.where(fits, g, np.where(big == 0, 1, big) / 4.0)  # in units of d
+    signed = np.where(fits, exact, np.rint(p / step)).astype(np.int16)
     u = (signed + 128).astype(np.uint8).reshape(n, QK_K)
     s = (d[:, None] * step[..., 0]).astype(np.float32)
     # w = s*(u - 128): Q8_0's planes, lo (scale s, zero 8s) and hi (scale 16s, zero 0)

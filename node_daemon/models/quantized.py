@@ -11,7 +11,7 @@ blocks map onto it exactly, up to the rounding of scale and zero to the activati
                                    -> two code planes along K: lo (scale d, zero 8d), hi (scale 16d, zero 0);
                                       the activations are repeated once along K ([x, x]) to meet both.
 
-The K-quants (Q4_K, Q5_K exactly; Q6_K re-coded to 8-bit codes per 32 weights, within 0.126 of its own 6-bit
+The K-quants (Q4_K, Q5_K exactly; Q6_K re-coded to 8-bit codes per 32 weights, within 1/8 of its own 6-bit
 step) map the same way: models/kquant_codes.py. Other types (Q5_0, Q2_K, IQ*, ...) have no such mapping here; their
 tensors are dequantized and the loader says so at start-up.
 
