@@ -1,10 +1,11 @@
 """Least privilege, from both sides: the operator's RBAC is exactly what its code calls (plus the few
 rights Kubernetes needs without a call, each with its reason), and nothing dangerous is cluster-wide.
 
-The real operator (reconciler and control loop, under kopf) runs against kmock through a service's
-whole life: made with a ServiceMonitor API present, children deleted by hand and repaired, scaled
-through /scale, switched to a plain Service, deleted. Every request it sent is mapped to the RBAC
-(apiGroup, resource, verb) it needs.
+The real reconciler (under kopf) runs against kmock through a service's whole life: made with a
+ServiceMonitor API present, children deleted by hand and repaired, switched to a plain Service, deleted;
+the control loop's API calls (its pods, routers, admin token, status, /scale) are made
+through its own functions with the same client. Every request is mapped to the RBAC (apiGroup, resource,
+verb) it needs.
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import yaml
 from kmock_bridge import BridgedEmulator
 from stallfree.operator.api import spec as s
 from stallfree.operator.reconcile import render
-from stallfree.operator.reconcile.k8s_actuator import KubernetesActuator
+from stallfree.operator.reconcile.k8s_actuator import read_admin_token, replica_targets, router_urls
 from stallfree.operator.reconcile.kube import Kube
 from test_operator_kmock import (DEPLOYMENTS, IS_RESOURCE, IS_URL, NS, create, eventually, exists, kubeconfig,  # noqa: F401
-                                 manifest, obj, patch_spec, rbac_verb)
+                                 manifest, obj, patch_spec, rbac_verb, reconciler_registry)
 
 pytestmark = [pytest.mark.kmock(cls=BridgedEmulator),
               pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")]
@@ -73,10 +74,12 @@ def test_secrets_and_rbac_objects_are_granted_only_per_namespace() -> None:
 
 
 class Operator:
+    """The reconciler under kopf; the control loop's calls are made below through its own functions (its kopf
+    timer is exercised in tests/test_control_handlers.py)."""
+
     def __init__(self) -> None:
-        self.runner = kopf.testing.KopfRunner(
-            ["run", "--standalone", "--namespace", NS, "-m", "stallfree.operator.reconcile.handlers",
-             "-m", "stallfree.operator.reconcile.control_handlers"], timeout=30)
+        self.runner = kopf.testing.KopfRunner(["run", "--standalone", "--namespace", NS],
+                                              registry=reconciler_registry(), timeout=30)
 
     async def __aenter__(self) -> "Operator":
         self.runner.__enter__()
@@ -87,6 +90,19 @@ class Operator:
         assert self.runner.exit_code == 0, self.runner.output
 
 
+def control_loop_calls(owner: dict[str, Any]) -> None:
+    """What one control step asks of the API server (control_handlers.control_step), and the scaler's write."""
+    kube = Kube.from_environment()
+    try:
+        replica_targets(kube, NS, "chat")
+        router_urls(kube, NS, "chat")
+        assert read_admin_token(kube, NS, "chat")
+        kube.update_status(NS, "chat", {"p99TpotMs": 1.0})
+        kube.scale_service(NS, "chat", 2)
+    finally:
+        kube.close()
+
+
 async def delete_and_wait_for_repair(kmock: BridgedEmulator, path: str, resource: str, name: str) -> None:
     uid = obj(kmock, resource, name)["metadata"]["uid"]
     response = await kmock.delete(f"{path}/{name}")
@@ -95,29 +111,23 @@ async def delete_and_wait_for_repair(kmock: BridgedEmulator, path: str, resource
                      timeout=30)
 
 
-async def test_the_rules_are_what_the_operator_calls(kmock: BridgedEmulator, monkeypatch) -> None:
-    monkeypatch.setenv("STALLFREE_OPERATOR_METRICS_PORT", "0")
+async def test_the_rules_are_what_the_operator_calls(kmock: BridgedEmulator) -> None:
     kmock.resources["monitoring.coreos.com/v1/servicemonitors"] = kmock.ResourceInfo(
         kind="ServiceMonitor", namespaced=True, verbs={"get", "list", "create", "patch", "delete"})
     async with Operator():
         await create(kmock, manifest(tuning={"intervalSeconds": 1}))
         await eventually(lambda: exists(kmock, "monitoring.coreos.com/v1/servicemonitors", "chat")
                          and exists(kmock, "rbac.authorization.k8s.io/v1/rolebindings", "chat-router"))
-        await eventually(lambda: obj(kmock, IS_RESOURCE, "chat")["status"].get("control"), timeout=30)
-        # Children deleted by hand come back without a spec change: watched ones at once, the admin
-        # Secret (not watched: no cluster-wide Secret rights) at the control loop's next step.
+        await asyncio.to_thread(control_loop_calls, obj(kmock, IS_RESOURCE, "chat"))
+        # Children deleted by hand come back without a spec change (the admin Secret is not watched: that
+        # would take cluster-wide Secret rights; the control loop's step makes it again, repair_children).
         for path, resource, name in ((f"/api/v1/namespaces/{NS}/services", "v1/services", "chat-daemons"),
                                      (f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets",
                                       "policy/v1/poddisruptionbudgets", "chat"),
-                                     (f"/apis/apps/v1/namespaces/{NS}/deployments", DEPLOYMENTS, "chat-router"),
-                                     (f"/api/v1/namespaces/{NS}/secrets", "v1/secrets", "chat-admin-token")):
+                                     (f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets",
+                                      "policy/v1/poddisruptionbudgets", "chat-router"),
+                                     (f"/apis/apps/v1/namespaces/{NS}/deployments", DEPLOYMENTS, "chat-router")):
             await delete_and_wait_for_repair(kmock, path, resource, name)
-        # The scaler's one write, through the same client the operator uses.
-        kube = Kube.from_environment()
-        try:
-            await KubernetesActuator(kube, obj(kmock, IS_RESOURCE, "chat"), None, None, []).set_replicas(2)
-        finally:
-            kube.close()
         await patch_spec(kmock, "chat", {"routing": {"mode": "service"}})
         await eventually(lambda: not exists(kmock, "rbac.authorization.k8s.io/v1/roles", "chat-router"))
         response = await kmock.delete(f"{IS_URL}/chat")
