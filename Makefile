@@ -28,8 +28,19 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/stallfree up -f manifests/examples/smollm2-cpu.yaml --demo
 
+# The tests whose paths depend on the CPU's tier (models/cpu_tier.py).
+TIER_TESTS := tests/test_cpu_tiers.py tests/test_code_matmul.py tests/test_quantized.py tests/test_cpu_decode.py \
+	tests/test_cpu_chunk_attention.py tests/test_loaders.py tests/test_weight_cache.py tests/test_weights_held_once.py \
+	tests/test_llama_model.py tests/test_model_runner.py
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	@# On an AVX-512 CPU those tests run again at a forced AVX2 tier, torch and oneDNN capped at AVX2 too: what an
+	@# AVX2-only CPU (AMD Zen 1-3, Intel Haswell-Comet Lake) runs.
+	@if grep -qw avx512f /proc/cpuinfo; then \
+	  echo "== the tier-dependent tests again at a forced AVX2 tier (STALLFREE_CPU_TIER=avx2)"; \
+	  STALLFREE_CPU_TIER=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -q $(TIER_TESTS); \
+	fi
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -76,7 +76,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="mixed iterations: the decodes plus one prefill chunk of this many tokens (0: decode only)")
     p.add_argument("--prefix", type=int, default=0, help="cached tokens before the --chunk (its prompt's prefix)")
     p.add_argument("--ab-code", action="store_true",
-                   help="time the compiled forward with the VNNI kernel and with torch's int4 kernel for its few-row "
+                   help="time the compiled forward with the code kernel and with torch's int4 kernel for its few-row "
                         "matmuls (the LM head's too) alternately on the same inputs (implies the build)")
     p.add_argument("--breakdown", action="store_true",
                    help="also split each forward into weight matmuls, attention, other ops and Python (profiler)")

@@ -1,7 +1,8 @@
 """The compiled forward's prefill-chunk attention (models/cpu_chunk_attention.h) against ATen's
 scaled_dot_product_attention (the Python path's call) and a float64 reference: chunks alone and over a cached
 prefix, ragged lengths, grouped query heads, several chunks and decode rows in one batch, shuffled blocks.
-Without a C++ compiler, or on a CPU without AVX512-BF16 (where the kernel is not compiled in), these tests skip."""
+Each tier's kernel (AVX512-BF16; AVX2, forced on a bigger CPU) is tested where the CPU has it; without a C++
+compiler these tests skip."""
 from __future__ import annotations
 
 import pytest
@@ -9,18 +10,23 @@ import torch
 import torch.nn.functional as F
 
 from stallfree.node_daemon.models import cpu_decode
+from stallfree.node_daemon.models.cpu_tier import TIERS, _NEEDS, detected_tier, resolve_tier
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
 
-@pytest.fixture(scope="module")
-def ops():
-    if not cpu_decode.ensure_built(background=False):
-        pytest.skip(f"compiled path unavailable: {cpu_decode.why_not()}")
-    if not cpu_decode.ops().set_chunk_kernel(True):
-        pytest.skip("the chunk kernel needs AVX512-BF16")
-    yield cpu_decode.ops()
-    cpu_decode.ops().set_chunk_kernel(cpu_decode.enabled(cpu_decode.CHUNK_KERNEL_SWITCH))  # as the env says
+@pytest.fixture(scope="module", params=["avx512_bf16", "avx2"])
+def ops(request):
+    """The chunk kernel of each tier this CPU has: AVX512-BF16, and AVX2 (forced on a bigger CPU, its own library)."""
+    tier = request.param
+    if TIERS.index(tier) > TIERS.index(detected_tier()):
+        pytest.skip(f"this CPU lacks the {tier} tier ({', '.join(_NEEDS[tier])})")
+    kernels = cpu_decode.kernels_for(resolve_tier(tier))
+    if kernels is None:
+        pytest.skip("compiled extension unavailable (no C++ compiler, or the compile failed: see the log)")
+    assert kernels.set_chunk_kernel(True) and str(kernels.chunk_attention_kernel()) == tier
+    yield kernels
+    kernels.set_chunk_kernel(cpu_decode.enabled(cpu_decode.CHUNK_KERNEL_SWITCH))  # as the env says
 
 
 def _batch(seqs: list[tuple[int, int]], num_blocks: int = 200, seed: int = 0):

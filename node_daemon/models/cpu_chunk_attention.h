@@ -1,4 +1,5 @@
-// Prefill-chunk attention over the paged KV cache with AVX512-BF16 dot products; included by cpu_decode.cpp inside
+// Prefill-chunk attention over the paged KV cache with AVX512-BF16 dot products (and an AVX2 form below, in float32,
+// for the tiers without them); included by cpu_decode.cpp inside
 // its anonymous namespace (it uses bf2f, f2bf and exp_inplace from there, and the headers it includes).
 //
 // Why: ATen's flash attention for the CPU ran a chunk at 55-100 GFLOP/s here (a 256-token chunk over a 1,024-token
@@ -12,6 +13,7 @@
 
 #if defined(__AVX512BF16__)
 #define STALLFREE_CHUNK_KERNEL 1
+constexpr const char* kChunkAttentionKernel = "avx512_bf16";
 
 constexpr int64_t kKeyBlock = 16;   // keys per zmm of scores
 constexpr int64_t kKeyPad = 32;     // keys are padded to this: the score loop takes two key blocks at a time
@@ -170,4 +172,134 @@ inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>&
   });
 }
 
-#endif  // __AVX512BF16__
+#elif defined(__AVX2__) && defined(__FMA__)
+#define STALLFREE_CHUNK_KERNEL 1
+constexpr const char* kChunkAttentionKernel = "avx2";
+
+// The AVX2 form: the same blocking (a task is a kv head and 16 query rows, its rows stop at their last visible key,
+// the group's heads share one packing of the keys and values), in float32 throughout: AVX2 has no bfloat16 dot
+// product, so keys and values are widened once per layer as they are packed, and the probabilities stay float32
+// (a rounding fewer than the flash kernel's).
+constexpr int64_t kKeyBlock = 8;    // keys per ymm of scores
+constexpr int64_t kKeyPad = 16;     // keys are padded to this: the score loop takes two key blocks at a time
+constexpr int64_t kQueryRows = 16;  // query rows per task (times the group's heads)
+constexpr int64_t kVecs = 4;        // query vectors per pass: 8 score accumulators, or 8 output ones (16 dims)
+
+// Keys of one kv head, [key block][dim][8 keys] float32; values [key][dim] float32; keys past the sequence zero.
+struct PackedKV {
+  std::vector<float> k, v;
+  int64_t padded = 0;
+};
+
+inline void pack_kv(const uint16_t* kh, const uint16_t* vh, const int64_t* gather, int64_t keys, int64_t D,
+                    PackedKV& out) {
+  const int64_t padded = (keys + kKeyPad - 1) / kKeyPad * kKeyPad;
+  out.padded = padded;
+  out.k.assign(padded * D, 0.f);
+  out.v.assign(padded * D, 0.f);
+  for (int64_t t = 0; t < keys; ++t) {
+    const uint16_t* krow = kh + gather[t] * D;
+    const uint16_t* vrow = vh + gather[t] * D;
+    float* kdst = out.k.data() + (t / kKeyBlock) * D * kKeyBlock + t % kKeyBlock;
+    float* vdst = out.v.data() + t * D;
+    for (int64_t d = 0; d < D; ++d) kdst[d * kKeyBlock] = bf2f(krow[d]);
+    for (int64_t d = 0; d < D; ++d) vdst[d] = bf2f(vrow[d]);
+  }
+}
+
+// s[0 .. limit - 1] -> exp(s - max s) in place, zeros up to width; returns their sum.
+inline float softmax_numerators(float* s, int64_t limit, int64_t width) {
+  float top = s[0];
+  for (int64_t t = 1; t < limit; ++t) top = std::max(top, s[t]);
+  for (int64_t t = 0; t < limit; ++t) s[t] -= top;
+  exp_inplace(s, limit);
+  float total = 0.f;
+  for (int64_t t = 0; t < limit; ++t) total += s[t];
+  std::fill(s + limit, s + width, 0.f);
+  return total;
+}
+
+inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>& packed, int64_t first, int64_t len,
+                                 int64_t keys, uint16_t* out, int64_t heads, int64_t kv_heads, int64_t D, float scale) {
+  const int64_t group = heads / kv_heads, blocks = (len + kQueryRows - 1) / kQueryRows;
+  TORCH_CHECK(D % 16 == 0, "chunk attention: head_dim a multiple of 16");
+  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf, inv;
+    std::vector<int64_t> limits;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task / blocks, i0 = (task % blocks) * kQueryRows;
+      const int64_t i1 = std::min(len, i0 + kQueryRows), vecs = (i1 - i0) * group;
+      const int64_t visible = keys - len + i1;  // keys the block's last row sees
+      const int64_t width = (visible + kKeyPad - 1) / kKeyPad * kKeyPad;  // <= kv.padded
+      const PackedKV& kv = packed[g];
+      // Query vector u: row i0 + u / group, head g * group + u % group, widened to float32; padded to whole passes
+      // by repeating the last one (its results are dropped).
+      const int64_t padded_vecs = (vecs + kVecs - 1) / kVecs * kVecs;
+      scores.resize(padded_vecs * width);
+      qf.resize(padded_vecs * D);
+      inv.resize(padded_vecs);
+      limits.resize(padded_vecs);
+      for (int64_t u = 0; u < padded_vecs; ++u) {
+        const int64_t v = std::min(u, vecs - 1);
+        const uint16_t* src = q + ((first + i0 + v / group) * heads + g * group + v % group) * D;
+        for (int64_t d = 0; d < D; ++d) qf[u * D + d] = bf2f(src[d]);
+      }
+      const __m256 sc = _mm256_set1_ps(scale);
+      for (int64_t u0 = 0; u0 < padded_vecs; u0 += kVecs) {
+        const float* qv = qf.data() + u0 * D;
+        for (int64_t kb = 0; kb < width / kKeyBlock; kb += 2) {  // two key blocks: 8 independent accumulators
+          const float* kp = kv.k.data() + kb * D * kKeyBlock;
+          __m256 acc[kVecs][2];
+          for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; ++d) {
+            const __m256 k0 = _mm256_loadu_ps(kp + d * kKeyBlock), k1 = _mm256_loadu_ps(kp + (D + d) * kKeyBlock);
+            for (int64_t u = 0; u < kVecs; ++u) {
+              const __m256 b = _mm256_broadcast_ss(qv + u * D + d);
+              acc[u][0] = _mm256_fmadd_ps(b, k0, acc[u][0]);
+              acc[u][1] = _mm256_fmadd_ps(b, k1, acc[u][1]);
+            }
+          }
+          for (int64_t u = 0; u < kVecs; ++u) {
+            float* s = scores.data() + (u0 + u) * width + kb * kKeyBlock;
+            _mm256_storeu_ps(s, _mm256_mul_ps(acc[u][0], sc));
+            _mm256_storeu_ps(s + kKeyBlock, _mm256_mul_ps(acc[u][1], sc));
+          }
+        }
+      }
+      for (int64_t u = 0; u < padded_vecs; ++u) {
+        const int64_t limit = keys - len + i0 + std::min(u, vecs - 1) / group + 1;  // causal: keys 0 .. limit - 1
+        limits[u] = limit;
+        inv[u] = 1.f / softmax_numerators(scores.data() + u * width, limit, width);
+      }
+      for (int64_t u0 = 0; u0 < padded_vecs; u0 += kVecs) {
+        int64_t reach = 0;  // keys any of the pass's vectors sees
+        for (int64_t u = 0; u < kVecs; ++u) reach = std::max(reach, limits[u0 + u]);
+        const float* pv[kVecs];
+        for (int64_t u = 0; u < kVecs; ++u) pv[u] = scores.data() + (u0 + u) * width;
+        for (int64_t c = 0; c < D; c += 16) {  // 16 dims (2 ymm) of the output at a time: 8 accumulators
+          __m256 acc[kVecs][2];
+          for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
+          for (int64_t t = 0; t < reach; ++t) {
+            const float* vp = kv.v.data() + t * D + c;
+            const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
+            for (int64_t u = 0; u < kVecs; ++u) {
+              const __m256 p = _mm256_broadcast_ss(pv[u] + t);
+              acc[u][0] = _mm256_fmadd_ps(p, v0, acc[u][0]);
+              acc[u][1] = _mm256_fmadd_ps(p, v1, acc[u][1]);
+            }
+          }
+          for (int64_t u = 0; u < kVecs && u0 + u < vecs; ++u) {
+            const int64_t row = first + i0 + (u0 + u) / group, head = g * group + (u0 + u) % group;
+            uint16_t* o = out + (row * heads + head) * D + c;
+            float tmp[16];
+            _mm256_storeu_ps(tmp, _mm256_mul_ps(acc[u][0], _mm256_set1_ps(inv[u0 + u])));
+            _mm256_storeu_ps(tmp + 8, _mm256_mul_ps(acc[u][1], _mm256_set1_ps(inv[u0 + u])));
+            for (int64_t i = 0; i < 16; ++i) o[i] = f2bf(tmp[i]);
+          }
+        }
+      }
+    }
+  });
+}
+
+#endif  // __AVX512BF16__, AVX2

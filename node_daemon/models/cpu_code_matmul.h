@@ -65,17 +65,21 @@ inline float half_to_float(uint16_t h) {
 #include "cpu_vnni_matmul.h"  // quantize_rows, code_tile_rows and kMaxRowsAtOnce for AVX512-VNNI
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-constexpr int kMaxRowsAtOnce = 4;  // rows sharing one pass over a tile's codes
+constexpr int kMaxRowsAtOnce = 4;  // rows sharing one pass over a tile's codes (3: no faster at 16 or 256 rows)
 
-// One tile's 16 columns for rows r0 .. r0 + R - 1 -> out[r][c] (float32, 16 a row). (Taking a block in two halves
-// of 8 columns, one accumulator a row and up to 8 rows a pass, measured 1.4x slower at one row and no faster at 16.)
+// One tile's 16 columns for rows r0 .. r0 + R - 1 -> out[r][c] (float32, 16 a row). The float32 sums live in `out`
+// (read and written once a block), so the 2R int32 sums, the codes and the broadcast activations keep AVX2's 16
+// registers: held in registers too they spilled, and the int32 sums went through the stack at every product (1.6x
+// slower at 16 rows). (A block in two halves of 8 columns, one sum a row: 1.4x slower at one row.)
 template <int BITS, int R>
 inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int64_t blocks, float* out) {
   constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS>();
   constexpr int chunks = BITS == 4 ? 8 : 16;
   const int64_t blocks_per_row = x.k / kQBlock;
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + 16 * r, _mm256_setzero_ps());
+    _mm256_storeu_ps(out + 16 * r + 8, _mm256_setzero_ps());
+  }
   const __m256i nibble = _mm256_set1_epi16(0x0f);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = w + b * block_bytes;
@@ -83,8 +87,9 @@ inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
       _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
     __m256i dot[R][2];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-    const int32_t* xq[R];  // the rows' block as int16 pairs
-    for (int r = 0; r < R; ++r) xq[r] = reinterpret_cast<const int32_t*>(x.codes.data() + (r0 + r) * x.k + b * kQBlock);
+    const int32_t* xq = reinterpret_cast<const int32_t*>(x.codes.data() + r0 * x.k + b * kQBlock);
+    const int64_t row_pairs = x.k / 2;  // int16 pairs from one row's block to the next row's
+
     for (int q = 0; q < chunks; ++q) {
       const __m128i* chunk = reinterpret_cast<const __m128i*>(wb + 32 * q);
       // columns 0-7 and 8-15, each lane pair one column's two codes
@@ -94,13 +99,13 @@ inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
         const __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_srli_epi16(v0, 4);
         const __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_srli_epi16(v1, 4);
         for (int r = 0; r < R; ++r) {
-          const __m256i xa = _mm256_set1_epi32(xq[r][q]), xb = _mm256_set1_epi32(xq[r][q + 8]);
+          const __m256i xa = _mm256_set1_epi32(xq[r * row_pairs + q]), xb = _mm256_set1_epi32(xq[r * row_pairs + q + 8]);
           dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_add_epi32(_mm256_madd_epi16(lo0, xa), _mm256_madd_epi16(hi0, xb)));
           dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_add_epi32(_mm256_madd_epi16(lo1, xa), _mm256_madd_epi16(hi1, xb)));
         }
       } else {
         for (int r = 0; r < R; ++r) {
-          const __m256i xa = _mm256_set1_epi32(xq[r][q]);
+          const __m256i xa = _mm256_set1_epi32(xq[r * row_pairs + q]);
           dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(v0, xa));
           dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(v1, xa));
         }
@@ -112,15 +117,12 @@ inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * blocks_per_row + b;
       const __m256 xs = _mm256_set1_ps(x.scale[i]), xsum = _mm256_set1_ps(x.sum[i]);
-      acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, xs), acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, xs), acc[r][1]);
-      acc[r][0] = _mm256_fmadd_ps(z0, xsum, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(z1, xsum, acc[r][1]);
+      float* o = out + 16 * r;
+      __m256 a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, xs), _mm256_loadu_ps(o));
+      __m256 a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, xs), _mm256_loadu_ps(o + 8));
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(z0, xsum, a0));
+      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(z1, xsum, a1));
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out + 16 * r, acc[r][0]);
-    _mm256_storeu_ps(out + 16 * r + 8, acc[r][1]);
   }
 }
 

@@ -285,7 +285,7 @@ void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t
       const uint16_t* vh = v_cache + g * d.num_slots * D;
       const uint16_t* qg = q + (r * d.heads + g * group) * D;
 #ifdef STALLFREE_DECODE_ATTENTION_KERNEL
-      if (D == 64 || D == 128) {  // the AVX512-BF16 kernel (cpu_decode_attention.h)
+      if (D == 64 || D == 128) {  // the AVX512-BF16 or AVX2 kernel (cpu_decode_attention.h)
         uint16_t* o = out + (r * d.heads + g * group) * D;
         if (D == 64)
           decode_attention_bf16<4>(qg, kh, vh, table, d.block_size, L, group, scale, scores.data(), o);
@@ -366,13 +366,13 @@ Plan plan_rows(const int32_t* query_start, const int32_t* tables, const int32_t*
 
 // Every chunk's queries against its sequence's gathered keys and values: scaled_dot_product_attention with the
 // arguments the Python path gives it (q [1, heads, len, D] a transposed view, k and v [1, kv_heads, L, D]).
-// Whether chunks take the AVX512-BF16 kernel (cpu_chunk_attention.h) where it was compiled in (set_chunk_kernel).
+// Whether chunks take the AVX512-BF16 or AVX2 kernel (cpu_chunk_attention.h) where it was compiled in (set_chunk_kernel).
 bool g_chunk_kernel = true;
 
 void chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const Plan& plan,
                      at::Tensor& out, const Dims& d, double scale) {
 #ifdef STALLFREE_CHUNK_KERNEL
-  if (g_chunk_kernel && d.head_dim % 64 == 0 && !plan.chunks.empty()) {
+  if (g_chunk_kernel && d.head_dim % 64 == 0 && !plan.chunks.empty()) {  // the AVX512-BF16 or AVX2 kernel
     std::vector<PackedKV> packed(d.kv_heads);
     for (const Chunk& c : plan.chunks) {
       const int64_t keys = c.gather.size(0);
@@ -515,8 +515,8 @@ at::Tensor chunk_attention_only(const at::Tensor& q, const at::Tensor& k_cache, 
   return out.view({rows, heads, D});
 }
 
-// Chunks through the AVX512-BF16 kernel (true) or ATen's scaled_dot_product_attention; returns whether the kernel
-// is in use (false where the CPU lacks AVX512-BF16, whatever was asked).
+// Chunks through the AVX512-BF16 or AVX2 kernel (true) or ATen's scaled_dot_product_attention; returns whether the
+// kernel is in use (false where the tier has neither, whatever was asked).
 bool set_chunk_kernel(bool on) {
 #ifdef STALLFREE_CHUNK_KERNEL
   g_chunk_kernel = on;
@@ -538,19 +538,29 @@ std::vector<double> phase_seconds() {
 // Which code kernel was compiled in: avx512_vnni, avx2 or portable (cpu_code_matmul.h).
 std::string code_kernel() { return kCodeKernel; }
 
-// Which attention kernels were compiled in: AVX512-BF16 ones for decode rows and chunks, or the portable loops
-// (decode) and ATen's scaled_dot_product_attention (chunks).
+// Which decode-attention kernel was compiled in: AVX512-BF16, AVX2 or the portable loop (cpu_decode_attention.h).
 std::string attention_kernel() {
 #ifdef STALLFREE_DECODE_ATTENTION_KERNEL
-  return "avx512_bf16";
+  return kDecodeAttentionKernel;
 #else
   return "portable";
+#endif
+}
+
+// Which prefill-chunk attention kernel was compiled in: AVX512-BF16, AVX2 (cpu_chunk_attention.h) or none (ATen's
+// scaled_dot_product_attention).
+std::string chunk_attention_kernel() {
+#ifdef STALLFREE_CHUNK_KERNEL
+  return kChunkAttentionKernel;
+#else
+  return "aten";
 #endif
 }
 
 TORCH_LIBRARY(STALLFREE_OPS_NS, m) {
   m.def("code_kernel() -> str", &code_kernel);
   m.def("attention_kernel() -> str", &attention_kernel);
+  m.def("chunk_attention_kernel() -> str", &chunk_attention_kernel);
   m.def("phase_seconds() -> float[]", &phase_seconds);
   m.def("code_matmul(Tensor x, Tensor blocks, int bits, bool float_out=False) -> Tensor", &code_matmul);
   m.def("set_chunk_kernel(bool on) -> bool", &set_chunk_kernel);

@@ -169,11 +169,9 @@ def paths_taken() -> dict[str, str]:
     kernels = ops()
     code = str(kernels.code_kernel()) if enabled(CODE_KERNEL_SWITCH) else "torch int4"
     many = "oneDNN bfloat16 prepacked" if tier.onednn_bf16 else code
-    attention = str(kernels.attention_kernel())
+    chunks = str(kernels.chunk_attention_kernel()) if enabled(CHUNK_KERNEL_SWITCH) else "aten"
     return {"cpu_tier": tier.name, "forward": "compiled", "matmul": f"{code} (few rows), {many} (many rows)",
-            "attention": f"{attention} (decode), " +
-                         ("avx512_bf16" if attention == "avx512_bf16" and enabled(CHUNK_KERNEL_SWITCH) else "aten sdpa")
-                         + " (chunks)"}
+            "attention": f"{kernels.attention_kernel()} (decode), {chunks} (chunks)"}
 
 
 def is_loaded() -> bool:

@@ -1,4 +1,5 @@
-// Decode attention (one query row per sequence) over the paged KV cache with AVX512-BF16 dot products; included by
+// Decode attention (one query row per sequence) over the paged KV cache with AVX512-BF16 dot products (and an AVX2
+// form of the same below, for the tiers without them); included by
 // cpu_decode.cpp inside its anonymous namespace (it uses f2bf and exp_shifted from there).
 //
 // Why: scoring key by key with a float dot product ends every key in a 16-lane horizontal sum, and those sums were
@@ -10,6 +11,7 @@
 
 #if defined(__AVX512BF16__)
 #define STALLFREE_DECODE_ATTENTION_KERNEL 1
+constexpr const char* kDecodeAttentionKernel = "avx512_bf16";
 
 // [sum of v[0]'s lanes, ..., sum of v[15]'s]: four levels of shuffles and adds instead of 16 horizontal sums.
 // The tree leaves key k in lane kTreeOrder[k] (a 4x4 transpose, its own inverse): the inputs are taken in that order.
@@ -87,4 +89,64 @@ void decode_attention_bf16(const uint16_t* q, const uint16_t* kh, const uint16_t
   }
 }
 
-#endif  // AVX512-BF16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define STALLFREE_DECODE_ATTENTION_KERNEL 1
+constexpr const char* kDecodeAttentionKernel = "avx2";
+
+// [sum of v[0]'s lanes, ..., sum of v[7]'s]: three levels of horizontal adds and one cross-half add instead of
+// eight horizontal sums.
+inline __m256 sum8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [0 1 2 3 | 0 1 2 3], [4 5 6 7 | ...]
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline __m256 load_bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// The AVX2 form of the kernel above: the same products in float32 (q widened once a row), 8 keys' dot products side
+// by side and summed by one tree (sum8); the softmax and the product with V in float32. DV = D / 16.
+template <int DV>
+void decode_attention_bf16(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, const int32_t* table,
+                           int64_t block_size, int64_t L, int64_t group, float scale, float* scores, uint16_t* out) {
+  constexpr int64_t D = 16 * DV, QV = D / 8;
+  for (int64_t j = 0; j < group; ++j) {
+    __m256 qv[QV];
+    for (int64_t c = 0; c < QV; ++c) qv[c] = load_bf16x8(q + j * D + 8 * c);
+    float* sj = scores + j * L;
+    for (int64_t t0 = 0; t0 < L; t0 += 8) {
+      const int64_t n = std::min<int64_t>(8, L - t0);
+      __m256 acc[8];
+      int64_t block = t0 / block_size, offset = t0 % block_size;  // stepped, not divided, key by key
+      for (int64_t tt = 0; tt < 8; ++tt) {
+        acc[tt] = _mm256_setzero_ps();
+        if (tt >= n) continue;
+        const uint16_t* k = kh + (static_cast<int64_t>(table[block]) * block_size + offset) * D;
+        for (int64_t c = 0; c < QV; ++c) acc[tt] = _mm256_fmadd_ps(qv[c], load_bf16x8(k + 8 * c), acc[tt]);
+        if (++offset == block_size) offset = 0, ++block;
+      }
+      float dots[8];
+      _mm256_storeu_ps(dots, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));
+      std::memcpy(sj + t0, dots, n * sizeof(float));
+    }
+    const float inv = exp_shifted(sj, L);
+    __m256 o[2 * DV];
+    for (int d = 0; d < 2 * DV; ++d) o[d] = _mm256_setzero_ps();
+    for (int64_t t0 = 0; t0 < L; t0 += block_size) {  // block by block: the table read once a block
+      const uint16_t* v = vh + static_cast<int64_t>(table[t0 / block_size]) * block_size * D;
+      const int64_t n = std::min(block_size, L - t0);
+      for (int64_t tt = 0; tt < n; ++tt, v += D) {
+        const __m256 p = _mm256_set1_ps(sj[t0 + tt] * inv);
+        for (int d = 0; d < 2 * DV; ++d) o[d] = _mm256_fmadd_ps(p, load_bf16x8(v + 8 * d), o[d]);
+      }
+    }
+    float row[D];
+    for (int d = 0; d < 2 * DV; ++d) _mm256_storeu_ps(row + 8 * d, o[d]);
+    for (int64_t i = 0; i < D; ++i) out[j * D + i] = f2bf(row[i]);
+  }
+}
+
+#endif  // AVX512-BF16, AVX2
