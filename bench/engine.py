@@ -15,6 +15,10 @@ loadgen's client, temperature 0, `ignore_eos` so outputs have the asked length; 
 - start-up cold (empty profile cache) and cached: process start to first answer;
 - peak RSS (VmHWM) of the daemon after the 16 streams, beside the KV cache size it ran with.
 
+Every result records the CPU (its tier, flags and model, bench/cpu_record.py) and the paths each daemon's start-up
+named. A model past 1B: `stallfree bench write-gguf --type q4_0` (or q4_k_m) writes a random-weight GGUF of
+Llama-3.2-1B's shape, then `--model runs/llama-3.2-1b-shape-q4_0.gguf`.
+
 `--quick` shrinks every size (a smoke test, e.g. on the sim backend); its figures are not the table's.
 
 `--url URL --model NAME [--launch CMD...]` measures any OpenAI-compatible server instead (bench/engine_url.py),
@@ -38,6 +42,7 @@ from typing import Any
 
 import httpx
 
+from stallfree.bench.cpu_record import cpu_record, paths_from_logs
 from stallfree.bench.engine_streams import (Target, all_gaps, median, rank, run_landing, run_streams,
                                             steady_gaps)
 from stallfree.loadgen.prompts import PromptBuilder
@@ -78,7 +83,9 @@ GOALS = {
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stallfree bench engine", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="what `stallfree serve --model` takes: smollm2-135m (embedded), a shape name, a Hugging Face "
+                        "folder or a .gguf file (runs/llama-3.2-1b-shape-q4_0.gguf: `stallfree bench write-gguf`)")
     p.add_argument("--backend", choices=["model", "sim"], default="model")
     p.add_argument("--hardware", default="h100", help="sim backend: hardware preset")
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: a smoke test, not the table")
@@ -427,11 +434,12 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         finally:
             _keep_logs(work, args.keep_logs)
+        paths = paths_from_logs(work)
     verdict = verdicts(rows, judged=not args.quick and args.backend == "model")
     print(report(rows, sizes, verdict))
     result = {"benchmark": "engine", "model": args.model, "backend": args.backend, "quick": args.quick,
               "sizes": sizes.__dict__, "goals": GOALS, "verdicts": verdict, "rows": rows, "threads": os.cpu_count(),
-              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+              "cpu": cpu_record(), "cpu_paths": paths, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
@@ -464,10 +472,12 @@ def main_url(args: argparse.Namespace, sizes: Sizes) -> int:
             return 1
         finally:
             _keep_logs(work, args.keep_logs)
+        paths = paths_from_logs(work)  # a launched stallfree daemon's; none for other servers
     print(engine_url.report(rows, sizes, label))
     result = {"benchmark": "engine", "mode": "url", "label": label, "url": args.url, "model": args.model,
               "launch": args.launch, "quick": args.quick, "sizes": sizes.__dict__, "rows": rows,
-              "loadavg": os.getloadavg(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+              "loadavg": os.getloadavg(), "cpu": cpu_record(), "cpu_paths": paths,
+              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
