@@ -74,10 +74,11 @@ def _random_bytes(rng: np.random.Generator, *shape: int) -> np.ndarray:
 
 def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator, std: float = 0.02) -> np.ndarray:
     """[rows, bytes_per_row] valid blocks of `qtype` (Q4_0, Q4_K, Q5_K, Q6_K) whose weights have about `std`:
-    uniform codes, scales varied by a quarter around the one that gives `std`, mins centring each sub-block."""
-    if qtype == "Q4_0":
+    uniform codes, scales varied by a quarter around the one that gives `std` (signed where the type's are), mins
+    centring each sub-block."""
+    if qtype == "Q4_0":  # d of either sign, as llama.cpp's quantizer writes it (d = signed max / -8)
         n = rows * cols // 32
-        d = std / _UNIFORM_STD_16 * rng.uniform(0.75, 1.25, n)
+        d = std / _UNIFORM_STD_16 * rng.uniform(0.75, 1.25, n) * rng.choice([-1.0, 1.0], n)
         raw = np.concatenate([_f16_bytes(d), _random_bytes(rng, n, 16)], axis=1)
     elif qtype in ("Q4_K", "Q5_K"):
         n, levels = rows * cols // QK_K, (16 if qtype == "Q4_K" else 32)
@@ -91,7 +92,7 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator, st
         raw = pack(d, dmin, sc, m, q)
     elif qtype == "Q6_K":
         n = rows * cols // QK_K
-        sc = rng.integers(64, 128, (n, 16))
+        sc = rng.integers(64, 128, (n, 16)) * rng.choice([-1, 1], (n, 16))  # signed, as in llama.cpp's files
         d = np.full(n, std / _UNIFORM_STD_64 / 96)
         raw = pack_q6_k(d, sc, _random_bytes(rng, n, QK_K) & 63)
     else:

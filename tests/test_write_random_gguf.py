@@ -7,10 +7,11 @@ import logging
 import pytest
 import torch
 
-from model_helpers import make_request, prefill_all_rows, relative_error
+from model_helpers import make_request, prefill_all_rows, relative_error, step
 from stallfree.bench import write_random_gguf
 from stallfree.node_daemon.engine.config import CacheConfig
 from stallfree.node_daemon.engine.model_runner import ModelRunner
+from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk
 from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.node_daemon.models.layers import Linear
 from stallfree.node_daemon.models.loader import load_model
@@ -38,11 +39,24 @@ def test_q4_k_m_mix_follows_llama_cpp():
         == {"Q4_0"}
 
 
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """kind -> the small file, written once through the command line's entry point."""
+    paths: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in paths:
+            path = str(tmp_path_factory.mktemp("gguf") / f"small-{kind}.gguf")
+            assert write_random_gguf.main(["--type", kind, "--hidden", str(HIDDEN), "--layers", str(LAYERS),
+                                           "--out", path]) == 0
+            paths[kind] = path
+        return paths[kind]
+    return get
+
+
 @pytest.mark.parametrize("kind, types", [("q4_0", "Q4_0"), ("q4_k_m", "Q4_K, Q6_K")])
-def test_small_random_gguf_loads_from_its_codes(tmp_path, caplog, kind, types):
-    path = str(tmp_path / f"small-{kind}.gguf")
-    assert write_random_gguf.main(["--type", kind, "--hidden", str(HIDDEN), "--layers", str(LAYERS),
-                                   "--out", path]) == 0
+def test_small_random_gguf_loads_from_its_codes(written, caplog, kind, types):
+    path = written(kind)
     with caplog.at_level(logging.INFO, logger="stallfree.node_daemon.models.gguf_loader"):
         loaded = load_model(ModelConfig(model=path, dtype="bfloat16"))
     shape = loaded.shape
@@ -72,6 +86,26 @@ def _logits(loaded) -> torch.Tensor:
     runner = ModelRunner(ModelConfig(), CacheConfig(block_size=16, num_blocks=4), max_num_tokens=64, max_num_seqs=2,
                          loaded=loaded)
     return prefill_all_rows(runner, make_request("r", list(range(1, 21)), [0, 1]), chunk_size=20)
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_k_m"])
+def test_compiled_decode_on_the_codes_follows_float32(written, kind):
+    """The compiled forward's code kernel on these tiles (4-bit Q4_K, 8-bit Q6_K and widened q/k, signed scales)
+    against gguf's dequantization in float32, one decode step after a 20-token prompt."""
+    from stallfree.node_daemon.models import cpu_decode
+
+    if not cpu_decode.ensure_built(background=False):
+        pytest.skip(f"compiled decode path unavailable: {cpu_decode.why_not()}")
+    path, ids, rows = written(kind), list(range(100, 121)), []
+    for config in (ModelConfig(model=path, dtype="float32"),
+                   ModelConfig(model=path, dtype="bfloat16", compiled_decode="now")):
+        runner = ModelRunner(config, CacheConfig(block_size=16, num_blocks=4), max_num_tokens=64, max_num_seqs=2)
+        req = make_request("d", ids[:-1], [0, 1])
+        prefill_all_rows(runner, req, len(ids) - 1)
+        req.append_output_token(ids[-1])
+        rows.append(step(runner, [ScheduledChunk(req, req.num_tokens - 1, 1, is_prefill=False, samples=True)]))
+    assert runner.cpu_decode is not None
+    assert torch.isfinite(rows[1]).all() and relative_error(rows[1], rows[0]) < BF16_LOGIT_TOLERANCE
 
 
 def test_a_shape_that_k_quants_cannot_hold_is_refused(tmp_path, capsys):
