@@ -13,10 +13,10 @@ per-sub-block integer scales:
     Q6_K  w = d*sc*q, q in -32..31, sc int8 per 16 weights        -> not affine per 32 where the two 16-scales
                                                                     differ: RE-CODED to an 8-bit code per 32
 
-Q6_K's re-coding: per 32 weights the integers P = sc*q (w = d*P). Where P / gcd(P) fits in -128..127 the block is
-exact (s = d*gcd, as whenever both 16-scales are equal in magnitude). Otherwise the grid is a quarter of the larger
-16-scale's step, s = d*sc_larger/4: that half is exact (u = 4q + 128 spans 0..252) and the other half, whose |sc| is
-smaller, fits the same 256 levels rounded, at most s/2 = 1/8 of the block's larger 6-bit step d*max|sc| per weight
+Q6_K's re-coding: per 32 weights the integers P = sc*q (w = d*P). Where both 16-scales are equal in magnitude the
+block is exact (s = d*|sc|, u = P/|sc| + 128). Otherwise the grid is a quarter of the larger 16-scale's step,
+s = d*sc_larger/4: that half is exact (u = 4q + 128 spans 0..252) and the other half, whose |sc| is smaller, fits
+the same 256 levels rounded (exact where 4*sc_smaller*q/sc_larger is whole), at most s/2 = 1/8 of the block's larger 6-bit step d*max|sc| per weight
 (RMS about 0.05 of it; Q6_K's own rounding is up to half a step, RMS 0.29; tests/test_kquants.py measures it). A
 grid spread over the range (s = range/255) would round both halves: RMS 0.07 of a step. The codes take Q8_0's form
 w = s*(u - 128) (zeros 8s and 0: multiples of s, so rounding the scales to bfloat16 for torch's int4 kernel adds no
@@ -33,9 +33,9 @@ import numpy as np
 QK_K = 256  # weights per super-block
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 PLANES = {"Q4_K": 1, "Q5_K": 2, "Q6_K": 2}
-# Rows decoded at a time: bounds the integer and float temporaries (SmolLM2-sized vocabularies of 2048-wide rows
-# would otherwise take several hundred MB at start-up).
-_CHUNK_ROWS = 1024
+# Weights decoded at a time: bounds the temporaries (a 49k x 2048 embedding would take several hundred MB at
+# start-up) and keeps them in cache.
+_CHUNK_WEIGHTS = 1 << 19
 
 
 def decode(raw: np.ndarray, qtype: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -48,8 +48,9 @@ def decode(raw: np.ndarray, qtype: str, rows: int, cols: int) -> tuple[np.ndarra
     zero = np.empty((rows, planes * groups), np.float32)
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // QK_K, BLOCK_BYTES[qtype])
     decode_chunk = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}[qtype]
-    for start in range(0, rows, _CHUNK_ROWS):
-        part = blocks[start:start + _CHUNK_ROWS]
+    chunk_rows = max(1, _CHUNK_WEIGHTS // cols)
+    for start in range(0, rows, chunk_rows):
+        part = blocks[start:start + chunk_rows]
         n = part.shape[0]
         c, s, z = decode_chunk(part.reshape(-1, BLOCK_BYTES[qtype]))
         # c: [n * supers, planes, 256]; s, z: [n * supers, planes, 8] -> planes side by side along K
@@ -106,19 +107,16 @@ def _q6_k(blocks: np.ndarray):
     q = ((ql & 15).reshape(n, QK_K) | ((qh & 3).reshape(n, QK_K) << 4)).astype(np.int32) - 32
     sc = blocks[:, 192:208].view(np.int8).astype(np.int32)  # one per 16 weights
     d = _f16(blocks[:, 208:210])
-    p = (q.reshape(n, 16, 16) * sc[:, :, None]).reshape(n, 8, 32)  # w = d * p exactly, per 32-weight group
-    g = np.gcd.reduce(p, axis=-1, keepdims=True)
-    g[g == 0] = 1
-    exact = p // g
-    fits = ((exact.min(axis=-1) >= -128) & (exact.max(axis=-1) <= 127))[..., None]
-    # Not exact: the two 16-scales differ in magnitude. On a grid of big/4, big the larger one with its sign, that
-    # half gives 4q (-128..124) exactly and the other, |P| < 32 |big|, rounds inside -127..127.
+    p = (q.reshape(n, 16, 16) * sc[:, :, None]).reshape(n, 8, 32).astype(np.float32)  # w = d * p, |p| <= 4096
     pairs = sc.reshape(n, 8, 2)
-    big = np.take_along_axis(pairs, np.abs(pairs).argmax(axis=-1)[..., None], axis=-1)
-    step = np.where(fits, g, np.where(big == 0, 1, big) / 4.0)  # in units of d
-    signed = np.where(fits, exact, np.rint(p / step)).astype(np.int16)
+    a, b = np.abs(pairs[..., 0]), np.abs(pairs[..., 1])
+    big = np.where(a >= b, pairs[..., 0], pairs[..., 1])  # the larger 16-scale, with its sign
+    # Equal magnitudes: p / |sc| = +-q in -32..32, exact. Otherwise a grid of big/4 (in units of d): that half gives
+    # 4q (-128..124) exactly, and the other, |p| < 32 |big|, rounds inside -127..127.
+    step = np.where(a == b, np.maximum(a, 1), big / 4.0).astype(np.float32)[..., None]
+    signed = np.rint(p / step).astype(np.int16)
     u = (signed + 128).astype(np.uint8).reshape(n, QK_K)
-    s = (d[:, None] * step[..., 0]).astype(np.float32)
+    s = d[:, None] * step[..., 0]
     # w = s*(u - 128): Q8_0's planes, lo (scale s, zero 8s) and hi (scale 16s, zero 0)
     codes = np.stack([u & 15, u >> 4], axis=1)
     return codes, np.stack([s, 16.0 * s], axis=1), np.stack([8.0 * s, np.zeros_like(s)], axis=1)
