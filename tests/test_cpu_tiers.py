@@ -83,8 +83,10 @@ def test_a_tier_below_avx512_serves_smollm2_from_its_codes(tier):
         runner = _tier_runner(tier)
         model = runner.model
         projections = [m for m in model.modules() if isinstance(m, Linear)]
-        # served from the codes alone: no oneDNN copy, the dense copies released
+        # served from the codes alone: no oneDNN copy, the dense copies and torch's int4 packs released
         assert all(m.packed is None and m.int4 is not None and m.weight.device.type == "meta" for m in projections)
+        assert all(m.int4.packed is None and m.int4.tiles is not None for m in projections)
+        assert model.tied_lm_head_int4.packed is None
         paths = cpu_decode.paths_taken()
         assert paths["cpu_tier"] == tier and paths["forward"] == "compiled"
         assert paths["matmul"].startswith("avx2" if tier == "avx2" else "portable")
@@ -95,3 +97,23 @@ def test_a_tier_below_avx512_serves_smollm2_from_its_codes(tier):
     assert relative_error(rows, want_rows) < BF16_LOGIT_TOLERANCE
     assert (rows.argmax(-1) == want_rows.argmax(-1)).float().mean() >= 0.9
     assert torch.isfinite(rows).all()
+
+
+def test_a_released_int4_pack_is_refused_clearly_when_the_code_kernel_is_off():
+    import numpy as np
+
+    from stallfree.node_daemon.models.quantized import BlockCodes, Int4Weight, _code_kernel, use_code_kernel
+
+    d = np.full((16, 1), 0.05, dtype=np.float32)
+    weight = Int4Weight(BlockCodes(np.full((16, 32), 9, dtype=np.uint8), d, np.zeros_like(d), 1, "Q4_0"),
+                        torch.bfloat16)
+    x = torch.ones(2, 32, dtype=torch.bfloat16)
+    assert torch.allclose(weight.matmul(x).float(), torch.full((2, 16), 1.6), rtol=1e-2)  # (9 - 8) * 0.05 * 32
+    assert weight.release_int4_pack() > 0 and weight.packed is None
+    saved = dict(_code_kernel)
+    use_code_kernel(None, 0)
+    try:
+        with pytest.raises(RuntimeError, match="int4 pack was released"):
+            weight.matmul(x)
+    finally:
+        use_code_kernel(saved["op"], saved["max_rows"])

@@ -196,14 +196,27 @@ class ModelRunner:
             why = cpu_decode.why_not()
             if why and why.startswith("compiling"):
                 log.info("compiled decode path: %s", why)
-                return cpu_decode.CpuDecode(self.model, self.kv_caches)  # switches on once it has loaded
+                compiled = cpu_decode.CpuDecode(self.model, self.kv_caches)  # switches on once it has loaded
+                cpu_decode.when_loaded(self._release_int4_packs)
+                return compiled
         if why is not None:
             log.info("compiled decode path off: %s", why)
             return None
         compiled = cpu_decode.CpuDecode(self.model, self.kv_caches)
         log.info("compiled forward: decode-only iterations of up to %d rows%s", compiled.max_rows,
                  ", and iterations with prefill chunks" if compiled.mixed else "")
+        self._release_int4_packs()
         return compiled
+
+    def _release_int4_packs(self) -> None:
+        """Once the compiled extension is loaded its code kernel serves every quantized matmul (models/quantized.py):
+        torch's int4 packs, the Python path's until then, are dropped, so each weight is held once as its codes."""
+        from stallfree.node_daemon.models import cpu_decode, quantized
+
+        if quantized.code_kernel_in_use() and cpu_decode.enabled(cpu_decode.CODE_KERNEL_SWITCH):
+            freed = self.model.release_int4_packs()
+            if freed:
+                log.info("torch's int4 packs released (%.0f MB): the code kernel serves the GGUF codes", freed / 1e6)
 
     # --- KV cache --------------------------------------------------------------------------------------
 

@@ -12,10 +12,11 @@
 // Layouts: activations [rows, width] contiguous; the KV cache head-major [kv_heads, num_blocks, block_size,
 // head_dim] per layer (kernels/cpu_attention.py); block tables [seqs, width] int32; sequence i owns rows
 // query_start_loc[i] .. query_start_loc[i + 1] - 1. A one-row sequence (a decode) attends by the AVX512-BF16
-// kernel of cpu_decode_attention.h where the CPU has it (else the float32 loop below); a chunk of more rows by
-// the AVX512-BF16 kernel of cpu_chunk_attention.h where the CPU has it, else through ATen's
+// or AVX2 kernel of cpu_decode_attention.h, whichever the tier compiled in (else the float32 loop below); a chunk of
+// more rows by the AVX512-BF16 or AVX2 kernel of cpu_chunk_attention.h, else through ATen's
 // scaled_dot_product_attention over its gathered keys and values (the Python path's call,
-// kernels/cpu_attention.py); its gather index and mask are built once for all layers.
+// kernels/cpu_attention.py); its gather index and mask are built once for all layers. The tier is the compiler's
+// target (models/cpu_tier.py): the same source builds each tier's library.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>

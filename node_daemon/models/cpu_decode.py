@@ -349,8 +349,9 @@ class CpuDecode:
                            layer.mlp.down_proj):
                 packed = linear.packed if linear.packed is not None else torch.empty(0, dtype=model.dtype)
                 tiles = linear.int4.tiles if code_on else None
-                self.weights += [linear.int4.packed, linear.int4.scales_and_zeros, packed,
-                                 tiles.blocks if tiles is not None else none]
+                # torch's int4 pack is read only where there are no tiles (the model may release it: release_int4_packs)
+                int4 = (linear.int4.packed, linear.int4.scales_and_zeros) if tiles is None else (none, none)
+                self.weights += [*int4, packed, tiles.blocks if tiles is not None else none]
                 self.planes.append(linear.int4.planes)
                 self.bits.append(tiles.bits if tiles is not None else 0)
         self.norms.append(model.norm.weight)

@@ -168,6 +168,12 @@ class LlamaForCausalLM(nn.Module):
             self.tied_lm_head_packed = prepack_weight(self.embed_tokens.weight)
         return True
 
+    def release_int4_packs(self) -> int:
+        """Drop torch's int4 pack of every weight the code kernel serves (call once the compiled extension is
+        loaded: each 4-bit weight is then held once, as the kernel's tiles). Returns the bytes freed."""
+        weights = [m.int4 for m in self.modules() if isinstance(m, Linear) and m.int4 is not None]
+        return sum(w.release_int4_pack() for w in weights + [self.tied_lm_head_int4] if w is not None)
+
     def release_coded_dense_weights(self) -> int:
         """Drop the plain dense copy of every projection served from its codes alone (tiers without oneDNN's
         bfloat16 GEMM: models/cpu_tier.py), as release_dense_weights does for prepacked ones. Returns the bytes freed."""

@@ -197,6 +197,19 @@ class Int4Weight:
             .contiguous().to(dtype)
         self.dtype = dtype
 
+    def release_int4_pack(self) -> int:
+        """Drop torch's int4 pack once the code kernel serves every matmul of this weight (the compiled extension
+        is loaded): the Python path used it only until then. Returns the bytes freed."""
+        if self.tiles is None or self.packed is None:
+            return 0
+        freed = self.packed.numel() * self.packed.element_size() + \
+            self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+        # packed first: matmul() reads scales then packed, so it sees both or treats the pack as gone (another
+        # thread may be in it: the code kernel is already in use by then)
+        self.packed = None
+        self.scales_and_zeros = None
+        return freed
+
     @classmethod
     def from_packed(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor, planes: int,
                     tiles: TiledCodes | None) -> "Int4Weight":
@@ -209,7 +222,7 @@ class Int4Weight:
     @property
     def nbytes(self) -> int:
         """The bytes a matmul of a few rows reads: the code kernel's copy where it is in use."""
-        if self.tiles is not None and code_kernel_in_use():
+        if self.tiles is not None and (code_kernel_in_use() or self.packed is None):
             return self.tiles.nbytes
         return self.packed.numel() * self.packed.element_size() + \
             self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
@@ -222,11 +235,14 @@ class Int4Weight:
         """x [rows, in_features] (this weight's dtype) -> [rows, out_features]: the code kernel once the compiled
         extension is loaded (up to its row limit; float32 sums when `float_out`), else torch's int4 kernel (in x's
         dtype)."""
+        scales, packed = self.scales_and_zeros, self.packed  # in release_int4_pack's order
         if self.code_kernel_applies(x.shape[0]):
             return _code_kernel["op"](x, self.tiles.blocks, self.tiles.bits, float_out)
+        if packed is None or scales is None:
+            raise RuntimeError("int4 matmul: torch's int4 pack was released for the code kernel, which is not in use")
         if self.planes == 2:
             x = torch.cat([x, x], dim=-1)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP_SIZE, scales)
 
 
 def int4_supported(dtype: torch.dtype, device: torch.device) -> bool:
