@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     blocks_per_seq = -(-(args.context + steps + 1) // bs)
     chunk_blocks = -(-(args.prefix + args.chunk) // bs) if args.chunk else 0
     started = time.monotonic()
+    if args.ab_code:  # torch's int4 packs stay: the B side's forward reads them
+        ModelRunner._release_int4_packs = lambda self: None
     runner = ModelRunner(ModelConfig(model=args.model, device=args.device, dtype=args.dtype,
                                      attention_backend=args.attention_backend, threads=args.threads,
                                      compiled_decode="now" if args.ab_compiled or args.ab_code
