@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the checkpoint's, or what the device runs best")
     m.add_argument("--attention-backend", choices=["auto", "cpu", "torch", "triton", "flashinfer"], default="auto",
                    help="attention kernels (auto: the best the device has)")
+    m.add_argument("--cpu-dense-copy", choices=["auto", "on", "off"], default="auto",
+                   help="AVX-512 CPUs: oneDNN bfloat16 copies of a GGUF model's projections for prefill chunks "
+                        "(2 bytes a parameter beside the 4-bit codes; auto: while they take at most 1 GiB)")
     m.add_argument("--threads", type=int, default=0,
                    help="torch threads on the CPU (0: the cores this process is given: affinity, cgroup quota)")
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")

@@ -50,7 +50,7 @@ def engine_config(opts: ServeOptions):
     return EngineConfig(
         model=ModelConfig(model=a.model, device=a.device, dtype=a.dtype, attention_backend=a.attention_backend,
                           max_model_len=a.max_model_len, seed=a.seed, threads=a.threads, compiled_decode="background",
-                          release_dense_weights=True),
+                          release_dense_weights=True, cpu_dense_copy=a.cpu_dense_copy),
         cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_kv_blocks, kv_memory_fraction=a.kv_memory_fraction,
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(ceilings=opts.ceilings, tuning=opts.tuning, max_model_len=a.max_model_len or 2048),
@@ -147,7 +147,7 @@ def start_engine(opts: ServeOptions, daemon) -> None:
         "max_num_seqs": ceilings.max_num_seqs, "policy": "stall_free", "prefix_caching": not a.no_prefix_caching}
     daemon.metrics.set_engine_config(engine_info)
     if a.backend == "model" and device == "cpu":
-        _report_cpu_paths(daemon, engine_info)
+        _report_cpu_paths(daemon, engine, engine_info)
     gc.freeze()  # the profile's leftovers too
     async_engine = AsyncEngine(engine, opts.served_model_name, watch=StallWatch(threads=compute_threads()))
     if retry is not None:
@@ -161,13 +161,15 @@ def start_engine(opts: ServeOptions, daemon) -> None:
              engine.max_model_len, kv_cache.num_blocks, kv_cache.block_size)
 
 
-def _report_cpu_paths(daemon, engine_info: dict) -> None:
+def _report_cpu_paths(daemon, engine, engine_info: dict) -> None:
     """The CPU's tier and the kernel each part of the forward takes, in the log and in /metrics' engine info: now,
     and again once a background compile of the compiled forward has loaded."""
     from stallfree.node_daemon.models import cpu_decode
 
     def report() -> None:
-        paths = cpu_decode.paths_taken()
+        model = engine.executor.runner.model
+        paths = cpu_decode.paths_taken(dense_copy=any(
+            getattr(m, "packed", None) is not None for m in model.modules() if getattr(m, "int4", None) is not None))
         log.info("CPU paths: %s", ", ".join(f"{k} {v}" for k, v in paths.items()))
         daemon.metrics.set_engine_config({**engine_info, **{f"cpu_{k.removeprefix('cpu_')}": v
                                                             for k, v in paths.items()}})
@@ -180,7 +182,7 @@ def use_profile(opts: ServeOptions, engine, profile, when: str = "start-up") -> 
     """What the engine takes from its profile once it has one (at start-up, or measured later while idle): a
     chunk of a long prompt's tail attends to all of it, so the scheduler cuts it to keep the iteration as long as
     the budget means, by what served iterations show a cached prefix costs (the profile cannot see it)."""
-    from stallfree.contracts import SLO_MARGIN
+    from stallfree.profile_rules import SLO_MARGIN
     from stallfree.node_daemon.engine.iteration_cost import OnlineIterationCost, prior_per_prefix_pair
 
     if profile is None or not profile.mixed or opts.args.backend != "model" or opts.args.no_prefix_cut:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import (forced_cpu_tier, greedy_decode, make_request, prefill_all_rows, relative_error,
-                           smollm2_runner, smollm2_tokenizer)
+from model_helpers import (forced_cpu_tier, greedy_decode, make_request, needs_onednn_bf16, prefill_all_rows,
+                           relative_error, smollm2_runner, smollm2_tokenizer)
 from stallfree.node_daemon.engine.config import CacheConfig
 from stallfree.node_daemon.engine.model_runner import ModelRunner
 from stallfree.node_daemon.models import cpu_decode
@@ -117,3 +117,28 @@ def test_a_released_int4_pack_is_refused_clearly_when_the_code_kernel_is_off():
             weight.matmul(x)
     finally:
         use_code_kernel(saved["op"], saved["max_rows"])
+
+
+@needs_onednn_bf16()
+def test_on_avx512_the_onednn_copies_are_made_only_where_they_pay_and_their_memory_is_stated(monkeypatch):
+    """auto: SmolLM2's copies (0.27 GB) are made; a model whose copies would pass DENSE_COPY_AUTO_BYTES (a 1B
+    model's 2.5 GB) is served from its codes at every row count, as `off` serves any, with the same logits."""
+    from stallfree.node_daemon.models import loader
+    from stallfree.node_daemon.models.loader import load_model
+
+    def coded(model):
+        return [m for m in model.modules() if isinstance(m, Linear) and m.int4 is not None]
+
+    made = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16")).model
+    assert all(m.packed is not None for m in coded(made)) and made.tied_lm_head_packed is not None
+    assert 0.2e9 < made.dense_copy_bytes() < 0.3e9
+    monkeypatch.setattr(loader, "DENSE_COPY_AUTO_BYTES", 100 << 20)
+    for setting in ("auto", "off"):
+        codes_only = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16", cpu_dense_copy=setting)).model
+        assert all(m.packed is None for m in coded(codes_only)) and codes_only.tied_lm_head_packed is None
+    hidden = torch.randn(24, made.shape.hidden_size, generator=torch.Generator().manual_seed(2)).bfloat16()
+    linear = made.layers[3].mlp.gate_up_proj
+    twin = codes_only.layers[3].mlp.gate_up_proj
+    assert relative_error(twin(hidden), linear(hidden)) < 0.01  # 24 rows: the codes against oneDNN's copy
+    with pytest.raises(ValueError, match="cpu_dense_copy must be auto, on or off"):
+        load_model(ModelConfig(model="tiny", dtype="bfloat16", cpu_dense_copy="sometimes"))

@@ -60,8 +60,6 @@ CODE_KERNEL_SWITCH = "STALLFREE_CPU_CODE_KERNEL"
 _CFLAGS = ["-O3", "-fopenmp-simd"]  # and the tier's target (CpuTier.cflags)
 # Decode batches up to this many rows take the compiled path.
 MAX_ROWS = 64
-# The code kernel's row limit where nothing else can take more rows (below AVX-512: no oneDNN copies).
-ANY_ROWS = 1 << 40
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": False, "why": None, "thread": None, "child": None}
@@ -159,16 +157,18 @@ def kernels_for(tier: CpuTier):
     return ops(tier)
 
 
-def paths_taken() -> dict[str, str]:
-    """Which kernel each part of the CPU forward takes now (start-up logs, /metrics' engine info, benchmarks)."""
+def paths_taken(dense_copy: bool | None = None) -> dict[str, str]:
+    """Which kernel each part of the CPU forward takes now (start-up logs, /metrics' engine info, benchmarks).
+    `dense_copy`: whether the model holds oneDNN copies for many-row iterations (None: as the tier allows)."""
     tier = cpu_tier()
+    onednn = tier.onednn_bf16 if dense_copy is None else dense_copy
     if not is_loaded():
         why = why_not() or "compiling"
-        return {"cpu_tier": tier.name, "forward": f"python ({why})", "matmul": "torch int4 (few rows)" +
-                (", oneDNN bfloat16" if tier.onednn_bf16 else ", torch int4 (many rows)"), "attention": "aten"}
+        return {"cpu_tier": tier.name, "forward": f"python ({why})", "matmul": "torch int4 (few rows), " +
+                ("oneDNN bfloat16" if onednn else "torch int4") + " (many rows)", "attention": "aten"}
     kernels = ops()
     code = str(kernels.code_kernel()) if enabled(CODE_KERNEL_SWITCH) else "torch int4"
-    many = "oneDNN bfloat16 prepacked" if tier.onednn_bf16 else code
+    many = "oneDNN bfloat16 prepacked" if onednn else code
     chunks = str(kernels.chunk_attention_kernel()) if enabled(CHUNK_KERNEL_SWITCH) else "aten"
     return {"cpu_tier": tier.name, "forward": "compiled", "matmul": f"{code} (few rows), {many} (many rows)",
             "attention": f"{kernels.attention_kernel()} (decode), {chunks} (chunks)"}
@@ -203,9 +203,9 @@ def _load_or_build(build: bool) -> bool:
         kernels = ops(tier)
         kernels.set_chunk_kernel(enabled(CHUNK_KERNEL_SWITCH))
         # Matmuls of quantized weights, here and on the Python path (Int4Weight.matmul), take the code kernel: a few
-        # rows where oneDNN takes the rest (AVX-512), every row count below it.
+        # rows where a oneDNN copy takes the rest (AVX-512), every row count where there is none.
         if enabled(CODE_KERNEL_SWITCH):
-            use_code_kernel(kernels.code_matmul, CODE_MAX_ROWS if tier.onednn_bf16 else ANY_ROWS)
+            use_code_kernel(kernels.code_matmul, CODE_MAX_ROWS)
         _state["loaded"], _state["why"] = True, None
         return True
 
@@ -357,9 +357,9 @@ class CpuDecode:
         self.norms.append(model.norm.weight)
         self.kv = [t for pair in kv_caches for t in pair]
         shape = model.shape
-        tier = cpu_tier()
+        # Past CODE_MAX_ROWS a projection with a oneDNN copy takes it, one without takes the code kernel still.
         self.dims = (shape.num_heads, shape.num_kv_heads, shape.head_dim, float(shape.rms_norm_eps), INT4_MAX_ROWS,
-                     CODE_MAX_ROWS if tier.onednn_bf16 else ANY_ROWS)
+                     CODE_MAX_ROWS)
         # Past INT4_MAX_ROWS the projections take the oneDNN copies, or the code kernel where there are none:
         # only when every projection has one or the other.
         self.packed = all(w.numel() or bits for w, bits in zip(self.weights[2::4], self.bits))

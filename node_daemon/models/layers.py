@@ -33,7 +33,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Past INT4_MAX_ROWS the oneDNN copy where there is one (AVX-512), else still the codes (no dense copy).
         if self.int4 is not None and (x.shape[0] <= INT4_MAX_ROWS or self.packed is None):
-            y = self.int4.matmul(x)
+            y = self.int4.matmul(x, any_rows=self.packed is None)
             return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)

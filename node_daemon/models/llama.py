@@ -139,10 +139,10 @@ class LlamaForCausalLM(nn.Module):
         else:
             weight = self.embed_tokens.weight
             head = self.tied_lm_head_int4
-            if head is not None and hidden.shape[0] > 0 and head.code_kernel_applies(hidden.shape[0]):
-                return head.matmul(hidden, float_out=True)  # float32 sums of the exact codes: nothing to refine
-            if head is not None and hidden.shape[0] > 0 and (hidden.shape[0] <= INT4_MAX_ROWS
-                                                           or self.tied_lm_head_packed is None):
+            any_rows = self.tied_lm_head_packed is None
+            if head is not None and hidden.shape[0] > 0 and head.code_kernel_applies(hidden.shape[0], any_rows):
+                return head.matmul(hidden, float_out=True, any_rows=any_rows)  # the codes' float32 sums: exact
+            if head is not None and hidden.shape[0] > 0 and (hidden.shape[0] <= INT4_MAX_ROWS or any_rows):
                 logits = head.matmul(hidden)
             elif self.tied_lm_head_packed is not None and hidden.shape[0] > 0:
                 logits = packed_linear(hidden, self.tied_lm_head_packed, None)
@@ -152,21 +152,30 @@ class LlamaForCausalLM(nn.Module):
             return logits.float()
         return _refine_top_logits(logits.float(), hidden, weight)
 
-    def prepack_for_cpu(self, release: bool = False) -> bool:
+    def prepack_for_cpu(self, release: bool = False, coded: bool = True) -> bool:
         """Prepack every dense projection (and a tied output layer) for oneDNN when that pays (CPU, bfloat16);
         call once the weights are loaded. True if it did. `release`: release_dense_weights() one projection
-        at a time as it is packed, so the two copies never coexist for the whole model (the load's peak RSS)."""
+        at a time as it is packed, so the two copies never coexist for the whole model (the load's peak RSS).
+        `coded` False: only the projections without GGUF codes (the code kernel serves the others at every row
+        count, with no copy beside the codes)."""
         if not can_prepack(self.embed_tokens.weight):
             return False
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and (coded or module.int4 is None):
                 module.prepack_for_cpu()
                 if release and module is not self.lm_head:
                     _release(module)
                     self.dense_released = True
-        if self.lm_head is None:
+        if self.lm_head is None and (coded or self.tied_lm_head_int4 is None):
             self.tied_lm_head_packed = prepack_weight(self.embed_tokens.weight)
         return True
+
+    def dense_copy_bytes(self) -> int:
+        """What oneDNN copies of the coded projections (and a coded tied head) would hold: bfloat16 weights."""
+        weights = [m.weight for m in self.modules() if isinstance(m, Linear) and m.int4 is not None]
+        if self.lm_head is None and self.tied_lm_head_int4 is not None:
+            weights.append(self.embed_tokens.weight)
+        return sum(w.numel() * 2 for w in weights)
 
     def release_int4_packs(self) -> int:
         """Drop torch's int4 pack of every weight the code kernel serves (call once the compiled extension is

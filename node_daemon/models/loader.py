@@ -59,13 +59,39 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     loaded = _load(model_config)
     started = time.monotonic()
     # CPU bfloat16: dense weights in oneDNN's layout, once (and, asked to, their plain copies dropped meanwhile).
-    if loaded.model.prepack_for_cpu(release=model_config.release_dense_weights):
+    coded = dense_copy_pays(loaded.model, model_config.cpu_dense_copy)
+    if loaded.model.prepack_for_cpu(release=model_config.release_dense_weights, coded=coded):
         log.info("prepacked the dense weights for oneDNN in %.2f s%s", time.monotonic() - started,
                  "; their plain copies released" if loaded.model.dense_released else "")
-    elif model_config.release_dense_weights and (freed := loaded.model.release_coded_dense_weights()):
-        # Below AVX-512 every iteration reads the codes: the dense copies would only hold memory.
+    if model_config.release_dense_weights and (freed := loaded.model.release_coded_dense_weights()):
+        # Without oneDNN copies (below AVX-512, or a large model) every iteration reads the codes: the dense
+        # copies would only hold memory.
         log.info("projections served from their GGUF codes alone; %.0f MB of dense copies released", freed / 1e6)
     return loaded
+
+
+# The most memory oneDNN copies of a GGUF model's coded projections may take under cpu_dense_copy "auto": on
+# AVX-512 they serve many-row iterations 1.35x faster than the VNNI code kernel (SmolLM2's 64-row projections,
+# `stallfree bench matmul`), at 2 bytes a parameter beside the codes' 0.6: SmolLM2's 0.27 GB pays, a 1B model's
+# 2.5 GB would put its RSS past llama.cpp's by more than the speed is worth.
+DENSE_COPY_AUTO_BYTES = 1 << 30
+
+
+def dense_copy_pays(model: LlamaForCausalLM, setting: str) -> bool:
+    """Whether the coded projections get oneDNN copies (where the tier runs oneDNN's bfloat16 GEMM at all)."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"cpu_dense_copy must be auto, on or off, got {setting!r}")
+    from stallfree.node_daemon.models.cpu_tier import cpu_tier
+
+    size = model.dense_copy_bytes()
+    if not cpu_tier().onednn_bf16 or not size or setting == "off":
+        return False
+    if setting == "on" or size <= DENSE_COPY_AUTO_BYTES:
+        log.info("oneDNN bfloat16 copies of the coded projections for many-row iterations: %.0f MB", size / 1e6)
+        return True
+    log.info("no oneDNN copies of the coded projections (%.1f GB, past the %.1f GB that --cpu-dense-copy auto "
+             "allows): the code kernel serves every row count", size / 1e9, DENSE_COPY_AUTO_BYTES / 1e9)
+    return False
 
 
 def _load(model_config: ModelConfig) -> LoadedModel:

@@ -40,7 +40,8 @@ INT4_MAX_ROWS = 8
 # Rows up to which the compiled code kernel (models/cpu_code_matmul.h) takes the quantized weights where oneDNN's
 # bfloat16 GEMM takes the rest (AVX-512), measured in SmolLM2's compiled forward on a 2-core AVX512-VNNI CPU against
 # torch's int4 kernel and oneDNN's GEMM: 1.11x at 1 row, 1.19x at 4, 1.33x at 8; at 16 rows it is compute-bound and
-# oneDNN's GEMM is 1.15x faster. Below AVX-512 the code kernel takes every row count (there is no oneDNN GEMM).
+# oneDNN's GEMM is 1.15x faster. Where a weight has no oneDNN copy (below AVX-512, or a model too large for one:
+# models/loader.py) the code kernel takes every row count.
 CODE_MAX_ROWS = 8
 PACK_ROWS = 4096  # a multiple of the packing's row blocks
 # The code kernel Int4Weight.matmul takes, and up to how many rows: set by models/cpu_decode.py once its extension
@@ -227,16 +228,17 @@ class Int4Weight:
         return self.packed.numel() * self.packed.element_size() + \
             self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
 
-    def code_kernel_applies(self, rows: int) -> bool:
-        """Whether a matmul of `rows` rows takes the compiled code kernel."""
-        return self.tiles is not None and code_kernel_in_use() and rows <= _code_kernel["max_rows"]
+    def code_kernel_applies(self, rows: int, any_rows: bool = False) -> bool:
+        """Whether a matmul of `rows` rows takes the compiled code kernel: up to its row limit, or at any row count
+        (`any_rows`: nothing else holds this weight for many rows, no oneDNN copy)."""
+        return self.tiles is not None and code_kernel_in_use() and (any_rows or rows <= _code_kernel["max_rows"])
 
-    def matmul(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, float_out: bool = False, any_rows: bool = False) -> torch.Tensor:
         """x [rows, in_features] (this weight's dtype) -> [rows, out_features]: the code kernel once the compiled
-        extension is loaded (up to its row limit; float32 sums when `float_out`), else torch's int4 kernel (in x's
-        dtype)."""
+        extension is loaded (up to its row limit unless `any_rows`; float32 sums when `float_out`), else torch's
+        int4 kernel (in x's dtype)."""
         scales, packed = self.scales_and_zeros, self.packed  # in release_int4_pack's order
-        if self.code_kernel_applies(x.shape[0]):
+        if self.code_kernel_applies(x.shape[0], any_rows):
             return _code_kernel["op"](x, self.tiles.blocks, self.tiles.bits, float_out)
         if packed is None or scales is None:
             raise RuntimeError("int4 matmul: torch's int4 pack was released for the code kernel, which is not in use")
