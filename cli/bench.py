@@ -17,7 +17,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "matmul": ("stallfree.bench.matmul", "a quantized model's projections through the code, int4 and oneDNN kernels"),
     "soak": ("stallfree.bench.soak", "thousands of requests, cancellations and a kill across local replicas"),
     "kv-estimate": ("stallfree.bench.kv_estimate", "chats without max_tokens run together; a 2-token request behind them"),
-    "write-gguf": ("stallfree.bench.write_random_gguf", "write a random-weight GGUF of Llama-3.2-1B's shape (q4_0, q4_k_m)"),
+    "write-gguf": ("stallfree.bench.write_random_gguf", "a random-weight GGUF of Llama-3.2-1B's shape (q4_0, q4_k_m)"),
     "hostile": ("stallfree.bench.hostile", "streams' gaps and /health while 1.33M token ids or 100k messages arrive"),
 }
 

@@ -16,15 +16,16 @@ per-sub-block integer scales:
 Q6_K's re-coding: per 32 weights the integers P = sc*q (w = d*P). Where both 16-scales are equal in magnitude the
 block is exact (s = d*|sc|, u = P/|sc| + 128). Otherwise the grid is a quarter of the larger 16-scale's step,
 s = d*sc_larger/4: that half is exact (u = 4q + 128 spans 0..252) and the other half, whose |sc| is smaller, fits
-the same 256 levels rounded (exact where 4*sc_smaller*q/sc_larger is whole), at most s/2 = 1/8 of the block's larger 6-bit step d*max|sc| per weight
-(RMS about 0.05 of it; Q6_K's own rounding is up to half a step, RMS 0.29; tests/test_kquants.py measures it). A
-grid spread over the range (s = range/255) would round both halves: RMS 0.07 of a step. The codes take Q8_0's form
-w = s*(u - 128) (zeros 8s and 0: multiples of s, so rounding the scales to bfloat16 for torch's int4 kernel adds no
-offset error).
+the same 256 levels rounded (exact where 4*sc_smaller*q/sc_larger is whole): at most s/2 = 1/8 of the block's
+larger 6-bit step d*max|sc| per weight, RMS 0.05 of it (Q6_K's own rounding is up to half a step, RMS 0.29;
+tests/test_kquants.py measures both). A grid spread over the range (s = range/255) would round both halves: RMS
+0.07. The codes take Q8_0's form w = s*(u - 128) (zeros 8s and 0: multiples of s, so rounding the scales to
+bfloat16 for torch's int4 kernel adds no offset error).
 
 The compiled kernel's layout (quantized.TiledCodes) holds scale and zero in float16: d*sc has up to 17 significant
-bits, so there K-quant scales are rounded to float16 (about 2^-12 of a weight's magnitude); an exact kernel would
-multiply the integer sub-block scales and apply d once per super-block, as llama.cpp's does.
+bits, so there K-quant scales and zeros are rounded to float16 (a half ulp, 2^-11, of each: under 1% of a 4-bit
+step); an exact kernel would multiply the integer sub-block scales and apply d once per super-block, as llama.cpp's
+does.
 """
 from __future__ import annotations
 
