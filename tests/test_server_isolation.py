@@ -285,3 +285,7 @@ def test_prompt_and_generation_token_histograms_and_engine_info(live: LiveDaemon
                   'backend="model"', 'num_kv_blocks="2048"'):
         assert label in info, (label, info)
     assert 'dtype="float32"' in info or 'dtype="bfloat16"' in info, info  # --dtype auto: bf16 where the CPU has it
+    from stallfree.node_daemon.models.cpu_tier import cpu_tier
+
+    # the CPU's tier and the path each part of the forward takes (a dense model: the Python path's matmuls)
+    assert f'cpu_tier="{cpu_tier().name}"' in info and 'cpu_matmul="' in info and 'cpu_attention="' in info, info
