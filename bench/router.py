@@ -32,6 +32,7 @@ import httpx
 
 from stallfree.contracts import Profile, WindowStats
 from stallfree.net import free_port
+from stallfree.operator.router.rates import prefill_tokens_per_ms
 
 TOKEN = "bench-router"
 MODEL = "llama-3-70b"
@@ -163,14 +164,12 @@ def admin_get(url: str, path: str) -> Any:
 
 
 def prefill_capacity_tokens_per_s(replica_urls: list[str]) -> float:
-    """Sum over replicas of (budget - running decodes the profile assumed) / iteration time at the budget."""
+    """Sum over replicas of what the router counts each one to prefill (operator/router/rates.py)."""
     total = 0.0
     for url in replica_urls:
         profile = Profile.from_dict(admin_get(url, "/admin/profile"))
         stats = WindowStats.from_dict(admin_get(url, "/admin/stats"))
-        budget = stats.tuning.token_budget
-        decodes = max((p.num_decodes for p in profile.mixed), default=0)
-        total += (budget - decodes) / profile.iteration_ms_at(budget) * 1000.0
+        total += prefill_tokens_per_ms(profile, stats) * 1000.0
     return total
 
 

@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
         return 2
     from stallfree.node_daemon.measure.profile_cache import ProfileCache, profile_key
     from stallfree.node_daemon.measure.profiler import ProfileSettings, run_profile, suggest_token_budget
+    from stallfree.profile_rules import SLO_MARGIN
     from stallfree.cli.serve import parse_options
     from stallfree.node_daemon.daemon import build_llm_engine
 
@@ -87,11 +88,12 @@ def main(argv: list[str]) -> int:
     targets = args.tpot_slo_ms or list(DEFAULT_TARGETS_MS)
     suggestions = {}
     if profile.mixed:
-        print("TPOT target ms -> token budget (largest whose iteration time fits)")
+        print(f"TPOT target ms -> token budget (the daemon's start: largest whose iteration fits {SLO_MARGIN:.0%} "
+              "of the target)")
         for target in targets:
-            budget = suggest_token_budget(profile, target, engine.ceilings, max_num_seqs=1)
+            budget = suggest_token_budget(profile, target, engine.ceilings, engine.get_tuning())
             suggestions[str(target)] = budget
-            fits = profile.iteration_ms_at(budget) <= target
+            fits = profile.iteration_ms_at(budget) <= SLO_MARGIN * target
             print(f"  {target:>14g} -> {budget}{'' if fits else '  (nothing measured fits: the smallest point)'}")
 
     out = profile.to_dict()

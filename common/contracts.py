@@ -13,9 +13,6 @@ from typing import Any, Iterable, Sequence
 
 # A budget must leave real room for prefill after every running decode took its one token.
 MIN_PREFILL_HEADROOM_TOKENS = 32
-# A starting budget's iteration fits this share of the TPOT target: the profile is the fastest of its runs, and
-# served iterations also carry longer contexts, noise and the p99 (not the typical) gap. Daemon and tuner alike.
-SLO_MARGIN = 0.8
 
 
 class TuningError(ValueError):
@@ -272,13 +269,3 @@ class Profile:
         """The decode-only iteration for a batch of `num_decodes` (Curve's end rule); without decode-only
         points, the mixed curve at that many tokens."""
         return self.decode_curve.at(num_decodes)
-
-    def budget_for(self, iteration_target_ms: float, lo: int = 1, hi: int = 1 << 16) -> int:
-        """The one budget rule (Sarathi-Serve's recipe), for the daemon's start, the tuner's and every judge: the
-        largest measured budget whose iteration fits the target, else the smallest measured one (below it the
-        curve is flat: a smaller budget is predicted no faster), kept in [lo, hi].
-
-        Measured points only, never a budget between or past them: what was timed, not what a line says."""
-        curve = self.mixed_curve
-        best = curve.largest_point_within(iteration_target_ms)
-        return max(lo, min(hi, int(curve.xs[0] if best is None else best)))

@@ -18,6 +18,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from stallfree.contracts import Tuning, min_budget_for
+from stallfree.profile_rules import budget_for_tpot, give_way, prefill_tokens_per_s
 from stallfree.simulator.closed_loop import LoadPhase, VirtualCluster, poisson_arrivals
 from stallfree.simulator.closed_loop_judge import SLOS, WINDOW_FRACTION
 from stallfree.simulator.speed import SpeedSchedule
@@ -106,9 +107,9 @@ def _budgets(scenario: "Scenario") -> list[int]:
     """Candidate budgets, largest first: the profile's for 100%, 80% and 60% of the TPOT SLO."""
     spec = scenario.cluster
     profile = _replica(scenario, spec.start_tuning).profile()
-    seqs = spec.start_tuning.max_num_seqs
-    floor = min(spec.ceilings.max_token_budget, min_budget_for(seqs))
-    out = {max(floor, profile.budget_for(f * scenario.policy.slo.tpot_p99_ms, hi=spec.ceilings.max_token_budget))
+    seqs, hi = spec.start_tuning.max_num_seqs, spec.ceilings.max_token_budget
+    floor = min(hi, min_budget_for(seqs))
+    out = {max(floor, budget_for_tpot(profile, scenario.policy.slo.tpot_p99_ms, lo=1, hi=hi, margin=f))
            for f in (1.0, 0.8, 0.6)}
     return sorted(out, reverse=True)
 
@@ -128,8 +129,8 @@ def _mean(dist, samples: int = 4000) -> float:
 def _prefill_bound(scenario: "Scenario", budget: int) -> float:
     """Prompt tokens/s one replica could prefill at `budget` if no decode took a token: an upper bound."""
     profile = _replica(scenario, scenario.cluster.start_tuning).profile()
-    ms = profile.iteration_ms_at(budget)
-    return budget / (ms / 1000.0) if ms > 0 else float("inf")
+    rate = prefill_tokens_per_s(profile, budget, decodes=0)
+    return float("inf") if rate is None else rate
 
 
 def _split_at_speed_change(scenario: "Scenario") -> list[LoadPhase]:
@@ -159,9 +160,8 @@ def _steady_cached(name: str, seed: int, rate: float, replicas: int, prompt: str
     from stallfree.simulator.workload import parse_length
 
     scenario = replace(SCENARIOS[name][0](), seed=seed)
-    tuning = Tuning(budget, scenario.cluster.start_tuning.max_num_seqs)
-    while min_budget_for(tuning.max_num_seqs) > budget and tuning.max_num_seqs > 1:
-        tuning = replace(tuning, max_num_seqs=tuning.max_num_seqs - 1)
+    _, seqs = give_way(budget, scenario.cluster.start_tuning.max_num_seqs, 1, budget)
+    tuning = Tuning(budget, seqs)
     window, slo = scenario.policy.window_s, scenario.policy.slo
     cluster = VirtualCluster(replace(scenario.cluster, start_tuning=tuning, speed=SpeedSchedule(speed),
                                      queue_wait_slo_ms=scenario.cluster.queue_wait_slo_ms or slo.queue_wait_p99_ms),

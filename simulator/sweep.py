@@ -3,13 +3,14 @@
 A small budget keeps iterations short (low TPOT) but cuts prompts into many chunks (high TTFT, and
 lower prefill throughput from re-reading KV and paying the overhead more often); a large budget does
 the opposite. The rule the daemon and the tuner start from: the largest budget whose predicted
-iteration time fits `target_fraction` of the TPOT SLO (contracts.Profile.budget_for).
+iteration time fits `target_fraction` of the TPOT SLO (profile_rules.budget_for_tpot).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from stallfree.profile_rules import budget_for_tpot
 from stallfree.simulator.latency_summary import SLOs
 from stallfree.simulator.simulate import SimSetup, simulate
 from stallfree.simulator.workload import WorkloadSpec, generate
@@ -59,7 +60,7 @@ def budget_sweep(workload: WorkloadSpec, setup: SimSetup, budgets: list[int], sl
         points.append(SweepPoint(budget, summary["ttft_ms"]["p99"], summary["tpot_ms"]["p99"], summary["itl_ms"]["p99"],
                                  summary["queue_wait_ms"]["p50"], summary["goodput"], summary["slo_attainment"]))
     profile = replace(setup, policy="stall-free", token_budget=ceiling, max_token_budget=ceiling).build_replica().profile()
-    picked = profile.budget_for(target_fraction * slos.tpot_ms, lo=min(budgets), hi=ceiling)
+    picked = budget_for_tpot(profile, slos.tpot_ms, lo=min(budgets), hi=ceiling, margin=target_fraction)
     meeting = [p for p in points if p.tpot_p99_ms is not None and p.tpot_p99_ms <= slos.tpot_ms
                and p.ttft_p99_ms is not None]
     best = min(meeting, key=lambda p: p.ttft_p99_ms).token_budget if meeting else None

@@ -15,8 +15,7 @@ from stallfree.operator.control.observe import QueueObservation
 from stallfree.operator.control.queueing import prompt_cv2
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
 from stallfree.operator.router.pick import ReplicaView, pick
-from stallfree.operator.router.rates import decode_step_ms
-from stallfree.operator.router.replicas import replica_prefill_tokens_per_ms
+from stallfree.operator.router.rates import decode_step_ms, prefill_tokens_per_ms
 from stallfree.simulator.virtual_replica import VirtualReplica
 
 # How often the router's view of a replica's speed is refreshed (its /admin/stats poll, coarser in virtual
@@ -91,7 +90,7 @@ class VirtualRouter:
         stats = cached[1]
         profile = self.profile_of(name)
         return ReplicaView(name=name, queued_prefill_tokens=queued_prefill_tokens(replica),
-                           prefill_tokens_per_ms=replica_prefill_tokens_per_ms(profile, stats),
+                           prefill_tokens_per_ms=prefill_tokens_per_ms(profile, stats),
                            step_ms=decode_step_ms(profile, stats),
                            outstanding=replica.num_waiting + replica.num_running + replica.num_pending,
                            max_num_seqs=replica.tuning.max_num_seqs)

@@ -7,6 +7,7 @@ from stallfree.contracts import Profile, ProfilePoint
 from stallfree.shapes import get_shape
 from stallfree.node_daemon.sim.cost_model import ProfileCostModel, RooflineCostModel
 from stallfree.node_daemon.sim.hardware import HARDWARE, get_hardware
+from stallfree.profile_rules import budget_for_tpot
 
 # Llama-3-8B's figures, written out so the test does not trust the code it checks.
 H, I, L, HEADS, KV_HEADS, D, VOCAB = 4096, 14336, 32, 32, 8, 128, 128256
@@ -131,4 +132,4 @@ def test_roofline_profile_round_trips_through_the_profile_model(model):
         chunk = [(1024, point.tokens - point.num_decodes)]
         assert again.predict_ms(decodes, chunk) == pytest.approx(model.predict_ms(decodes, chunk))
     # Iteration time grows with tokens, so the profile rule picks a larger budget for a looser target.
-    assert profile.budget_for(40.0) > profile.budget_for(20.0) >= 64
+    assert budget_for_tpot(profile, 40.0, lo=1, margin=1.0) > budget_for_tpot(profile, 20.0, lo=1, margin=1.0) >= 64

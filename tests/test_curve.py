@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stallfree.contracts import Curve, Profile, ProfilePoint
+from stallfree.profile_rules import budget_for_tpot
 
 CURVE = Curve.through([(256, 14.0), (64, 5.0), (128, 8.0)])  # any order in
 
@@ -74,8 +75,11 @@ def test_a_profile_predicts_and_picks_its_budget_through_the_curve() -> None:
     assert profile.iteration_ms_at(96) == pytest.approx(6.5) and profile.iteration_ms_at(16) == 5.0
     assert profile.decode_ms_at(2) == pytest.approx(2.0 + 1.0 / 3) and profile.decode_ms_at(8) == pytest.approx(4.0 + 1.0 / 3)
     # The budget rule takes measured points only: 6.5 ms fits 96 tokens on the line, but 64 is what was timed.
-    assert profile.budget_for(6.5, lo=1, hi=2048) == 64 and profile.budget_for(8.0, lo=1, hi=2048) == 128
-    assert profile.budget_for(1.0, lo=1, hi=2048) == 64  # nothing fits: the smallest point (flat below it)
-    assert profile.budget_for(1.0, lo=100, hi=2048) == 100 and profile.budget_for(99.0, lo=1, hi=100) == 100
+    def budget(target_ms: float, lo: int = 1, hi: int = 2048) -> int:
+        return budget_for_tpot(profile, target_ms, lo=lo, hi=hi, margin=1.0)
+
+    assert budget(6.5) == 64 and budget(8.0) == 128
+    assert budget(1.0) == 64  # nothing fits: the smallest point (flat below it)
+    assert budget(1.0, lo=100) == 100 and budget(99.0, hi=100) == 100
     without_decodes = Profile(device="t", mixed=profile.mixed)
     assert without_decodes.decode_ms_at(96) == without_decodes.iteration_ms_at(96)

@@ -13,6 +13,7 @@ from stallfree.operator.control.observe import ReplicaObservation
 from stallfree.operator.control.policy import ControlPolicy, ScalingPolicy, SLOTargets, TuningBounds
 from stallfree.operator.control.scaler import ScaleDecision
 from stallfree.operator.control.tuner import BUDGET_LOWERED, ReplicaTunerState, decide_tuning
+from stallfree.profile_rules import calibrated_by
 
 PROFILE = Profile("cpu", decode_only=[ProfilePoint(n, n, ms) for n, ms in
                                       ((1, 20.0), (2, 24.3), (4, 29.2), (8, 47.2), (16, 72.7))],
@@ -38,7 +39,8 @@ def window(budget: int, tpot_p99: float, slowdown: float, prefill_tps: float = 2
 
 
 def observe(stats: WindowStats) -> ReplicaObservation:
-    return ReplicaObservation("r0", True, stats, PROFILE, None)
+    """The replica as the loop hands it on after its first window: the profile scaled by what that window saw."""
+    return ReplicaObservation("r0", True, stats, calibrated_by(stats, PROFILE), None)
 
 
 def test_a_calibrated_smallest_iteration_over_the_slo_makes_tpot_infeasible_with_its_numbers():

@@ -1,18 +1,23 @@
-"""The daemon's starting budget and the tuner's are one rule: the same budget for the same profile and TPOT SLO.
+"""The daemon's start, `/admin/profile`'s suggestion, feasibility and the tuner's first decision are one rule.
 
-A daemon started with --tpot-slo-ms picks its tuning from its profile (measure/profiler.starting_tuning); the
-operator's first step for a new replica picks one too (tuner, start_from_profile). Were they to differ, every new
-replica would be re-tuned at once by a PUT the daemon did not need.
+A daemon started with --tpot-slo-ms picks its tuning from its profile (measure/profiler.starting_tuning) and
+`/admin/profile` suggests that budget; the operator's first step for a new replica picks one too (tuner,
+start_from_profile), and feasibility names the largest budget the TPOT target allows. All come from
+profile_rules.budget_for_tpot; under the operator's default bounds they must agree, or every new replica would be
+re-tuned at once by a PUT the daemon did not need.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from control_helpers import observation, stats
-from stallfree.contracts import Ceilings, Profile, ProfilePoint, Tuning, min_budget_for
-from stallfree.node_daemon.measure.profiler import MIN_STARTING_SEQS, starting_tuning
-from stallfree.operator.control.policy import ControlPolicy, SLOTargets, TuningBounds
+from stallfree.contracts import Ceilings, Percentiles, Profile, ProfilePoint, Tuning, min_budget_for
+from stallfree.node_daemon.measure.profiler import starting_tuning, suggest_token_budget
+from stallfree.operator.control.feasibility import assess
+from stallfree.operator.control.policy import ControlPolicy, SLOTargets
 from stallfree.operator.control.tuner import HOLD, decide_tuning
 
 
@@ -27,20 +32,23 @@ def profiles(draw) -> Profile:
 
 
 @settings(max_examples=300, deadline=None)
-@given(profiles(), st.floats(1.0, 300.0, allow_nan=False), st.integers(128, 4096), st.integers(1, 256))
-def test_the_daemon_and_the_tuner_start_at_the_same_tuning(profile, tpot_slo_ms, max_budget, max_num_seqs) -> None:
+@given(profiles(), st.floats(1.0, 300.0, allow_nan=False), st.integers(32, 4096), st.integers(1, 256))
+def test_the_daemon_admin_profile_feasibility_and_the_tuner_agree_under_the_default_bounds(
+        profile, tpot_slo_ms, max_budget, max_num_seqs) -> None:
     ceilings = Ceilings(max_token_budget=max_budget, max_num_seqs=256)
     running = Tuning(token_budget=max(min_budget_for(max_num_seqs), min(512, max_budget)), max_num_seqs=max_num_seqs)
     if running.token_budget > max_budget:
         return  # no daemon starts with these ceilings
     daemon = starting_tuning(profile, tpot_slo_ms, ceilings, running)
-    # The service's bounds as loose as the daemon's own: the ceilings, and max_num_seqs' start-up floor.
-    policy = ControlPolicy(slo=SLOTargets(tpot_p99_ms=tpot_slo_ms),
-                           bounds=TuningBounds(min_token_budget=1, min_num_seqs=min(max_num_seqs, MIN_STARTING_SEQS)))
+    assert suggest_token_budget(profile, tpot_slo_ms, ceilings, running) == daemon.token_budget
+    policy = ControlPolicy(slo=SLOTargets(tpot_p99_ms=tpot_slo_ms))  # the default bounds
     # The new replica reports what it started with, over too few requests yet to judge (as at every start).
-    window = stats(ceilings=ceilings, tuning=daemon, count=1)
+    window = replace(stats(ceilings=ceilings, tuning=daemon, count=1), tpot_ms=Percentiles(count=1))
+    feasibility = assess([observation(window=window, profile=profile)], policy)
     decision, state = decide_tuning(observation(window=window, profile=profile, unknown="1 of 5 samples"), None,
-                                    policy, 10.0)
+                                    policy, 10.0, feasibility=feasibility)
     assert decision.reason == "start_from_profile"
-    assert state.tuning == daemon
-    assert decision.kind == HOLD  # nothing to PUT: the daemon already runs the tuner's start
+    assert state.tuning.token_budget == feasibility.tpot_budget  # always: one rule at the target the tuner aims at
+    if feasibility.tpot_feasible:  # else the tuner aims at the closest reachable TPOT, which the daemon cannot know
+        assert state.tuning == daemon
+        assert decision.kind == HOLD  # nothing to PUT: the daemon already runs the tuner's start

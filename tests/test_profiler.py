@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stallfree.contracts import SLO_MARGIN, Ceilings, Profile, ProfilePoint, Tuning, min_budget_for
+from stallfree.contracts import Ceilings, Profile, ProfilePoint, Tuning, min_budget_for
+from stallfree.profile_rules import MIN_TOKEN_BUDGET, SLO_MARGIN
 from stallfree.node_daemon.measure.profiler import (ProfileSettings, curve_problems, measure_profile, run_profile,
                                                   starting_tuning, suggest_token_budget, suspect_points)
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
@@ -92,17 +93,20 @@ PROFILE = Profile(device="test", mixed=[ProfilePoint(64, 16, 5.0), ProfilePoint(
                                         ProfilePoint(256, 16, 14.0), ProfilePoint(512, 16, 30.0)])
 
 
-def test_suggested_budget_is_the_largest_that_fits() -> None:
+def test_suggested_budget_is_the_daemons_start() -> None:
     ceilings = Ceilings(max_token_budget=2048, max_num_seqs=256)
-    # A measured point, never one between them (the tuner's rule too): 15 ms lies between 256 (14) and 512 (30).
-    assert suggest_token_budget(PROFILE, 15.0, ceilings, max_num_seqs=16) == 256
-    assert suggest_token_budget(PROFILE, 14.0, ceilings, max_num_seqs=16) == 256
-    assert suggest_token_budget(PROFILE, 30.0, ceilings, max_num_seqs=16) == 512
-    assert suggest_token_budget(PROFILE, 1000.0, Ceilings(max_token_budget=300), max_num_seqs=16) == 300
-    # Nothing fits: never below the prefill floor of max_num_seqs.
-    assert suggest_token_budget(PROFILE, 1.0, ceilings, max_num_seqs=64) == min_budget_for(64)
+    running = Tuning(max_num_seqs=16)
+    # A measured point, never one between them, fitting SLO_MARGIN of the target: 0.8 x 20 ms = 16 ms lies between
+    # 256 (14) and 512 (30).
+    assert suggest_token_budget(PROFILE, 20.0, ceilings, running) == 256
+    assert suggest_token_budget(PROFILE, 17.5, ceilings, running) == 256
+    assert suggest_token_budget(PROFILE, 37.5, ceilings, running) == 512
+    assert suggest_token_budget(PROFILE, 1000.0, Ceilings(max_token_budget=300), running) == 300
+    for target in (1.0, 6.0, 15.0, 40.0):
+        assert suggest_token_budget(PROFILE, target, ceilings, running) == \
+            starting_tuning(PROFILE, target, ceilings, running).token_budget
     with pytest.raises(ValueError):
-        suggest_token_budget(Profile(device="x"), 10.0, ceilings, 8)
+        suggest_token_budget(Profile(device="x"), 10.0, ceilings, running)
 
 
 def test_the_starting_budget_is_the_largest_measured_point_within_the_margin() -> None:
@@ -217,7 +221,10 @@ def test_a_slow_engine_keeps_serving_several_streams_under_a_tight_slo() -> None
     slow = Profile(device="cpu", mixed=[ProfilePoint(64, 4, 200.0), ProfilePoint(128, 4, 350.0)])
     tuning = starting_tuning(slow, 150.0, Ceilings(), Tuning(max_num_seqs=64))
     assert (tuning.token_budget, tuning.max_num_seqs) == (64, 32)  # the smallest point, with room beside 32
-    # A smaller first point would take max_num_seqs lower, but never under MIN_STARTING_SEQS (8).
+    # A smaller first point still starts at the default floor budget (MIN_TOKEN_BUDGET, the tuner's too).
     tiny = Profile(device="cpu", mixed=[ProfilePoint(16, 4, 200.0), ProfilePoint(64, 4, 350.0)])
     tuning = starting_tuning(tiny, 150.0, Ceilings(), Tuning(max_num_seqs=64))
-    assert tuning.max_num_seqs == 8 and tuning.token_budget == min_budget_for(8)
+    assert (tuning.token_budget, tuning.max_num_seqs) == (MIN_TOKEN_BUDGET, 32)
+    # A ceiling under that floor takes max_num_seqs lower, but never under MIN_STARTING_SEQS (8).
+    tuning = starting_tuning(tiny, 150.0, Ceilings(max_token_budget=36), Tuning(max_num_seqs=64))
+    assert tuning.max_num_seqs == 8 and tuning.token_budget == 36

@@ -7,6 +7,7 @@ from stallfree.contracts import Ceilings, Profile, TuningError, Tuning
 from stallfree.node_daemon.engine.config import SchedulerConfig
 from stallfree.node_daemon.sim.backend import build_cost_model
 from stallfree.simulator.virtual_replica import VirtualReplica
+from stallfree.profile_rules import budget_for_tpot
 
 
 @pytest.fixture
@@ -86,7 +87,7 @@ def test_profile_is_the_cost_models_curve(cost):
     point = profile.mixed[7]
     decodes = [1024] * point.num_decodes
     assert point.iteration_ms == pytest.approx(cost.predict_ms(decodes, [(1024, point.tokens - point.num_decodes)]))
-    assert profile.budget_for(30.0) > profile.budget_for(15.0)
+    assert budget_for_tpot(profile, 30.0, lo=1, margin=1.0) > budget_for_tpot(profile, 15.0, lo=1, margin=1.0)
 
 
 def test_for_model_sizes_the_kv_cache_and_refuses_requests_that_cannot_fit():
@@ -209,7 +210,7 @@ def test_budget_sweep_traces_the_ttft_tpot_tradeoff_and_the_profile_pick():
     assert tpot[0] < tpot[1] < tpot[2]
     assert ttft[0] > ttft[1] > ttft[2]
     profile = SimSetup(**{**MISTRAL_A100.__dict__, "token_budget": 2048, "max_token_budget": 2048}).build_replica().profile()
-    assert result.profile_budget == profile.budget_for(32.0, lo=128, hi=2048)
+    assert result.profile_budget == budget_for_tpot(profile, 32.0, lo=128, hi=2048, margin=1.0)
     assert 128 < result.profile_budget < 2048
     with pytest.raises(ValueError, match="TPOT SLO"):
         budget_sweep(workload, MISTRAL_A100, [128], SLOs())

@@ -11,6 +11,8 @@ from stallfree.contracts import Ceilings, Tuning, min_budget_for, validate_tunin
 from stallfree.operator.control.policy import ControlPolicy, SLOTargets, TuningBounds
 from stallfree.operator.control.tuner import (BUDGET_LOWERED, BUDGET_RAISED, HOLD, INITIAL, REAPPLY, SEQS_LOWERED,
                                       ReplicaTunerState, TunerConfig, decide_tuning)
+from stallfree.operator.control.learned_speed import LearnedSpeed
+from stallfree.profile_rules import budget_for_tpot, calibrated_by
 
 POLICY = ControlPolicy(slo=SLOTargets(ttft_p99_ms=2000, tpot_p99_ms=40, queue_wait_p99_ms=1000), window_s=10,
                        interval_s=10)
@@ -24,7 +26,7 @@ def test_starts_at_the_profile_budget_for_a_fraction_of_the_tpot_slo():
     profile = linear_profile(overhead_ms=5, ms_per_token=0.05)  # 32 ms (0.8 x 40) at 540 tokens
     decision, state = decide_tuning(observation(window=stats(budget=256), profile=profile), None, POLICY, 10.0)
     assert decision.kind == INITIAL and decision.reason == "start_from_profile"
-    assert decision.tuning.token_budget == profile.budget_for(32.0) == 512
+    assert decision.tuning.token_budget == budget_for_tpot(profile, 32.0, lo=1, margin=1.0) == 512
     assert state.tuning == decision.tuning
 
 
@@ -41,15 +43,15 @@ def test_starts_from_the_spec_budget_or_from_siblings():
 def test_tpot_breach_lowers_the_budget_multiplicatively_and_remembers_the_limit():
     tuning = Tuning(token_budget=1024, max_num_seqs=64)
     window = stats(tpot=50.0, budget=1024, utilisation=0.95)
-    decision, state = decide_tuning(observation(window=window, profile=linear_profile()), settled(tuning), POLICY, 100.0)
+    # The profile as the loop hands it on: scaled by the window's 20 ms over the profile's t(0.95 x 1024).
+    profile = calibrated_by(window, linear_profile())
+    decision, state = decide_tuning(observation(window=window, profile=profile), settled(tuning), POLICY, 100.0)
     assert decision.kind == BUDGET_LOWERED and decision.reason == "tpot_breach"
     new = decision.tuning.token_budget
     assert 0.5 * 1024 <= new <= 0.85 * 1024
-    # Sized by the calibrated profile to land at 75% of the SLO, only the prefill chunk shrinking: the decode
-    # step (10 running, calibrated by the window's 20 ms over the profile's t(0.95 x 1024)) stays.
-    profile = linear_profile()
-    cal = 20.0 / profile.iteration_ms_at(round(0.95 * 1024))
-    fixed, decode = cal * profile.iteration_ms_at(10), profile.iteration_ms_at(10)
+    # Sized by that profile to land at 75% of the SLO, only the prefill chunk shrinking: the decode step (10
+    # running) stays.
+    fixed = decode = profile.iteration_ms_at(10)
 
     def predicted(b: int) -> float:
         return fixed + (50.0 - fixed) * (profile.iteration_ms_at(b) - decode) / (profile.iteration_ms_at(1024) - decode)
@@ -230,5 +232,6 @@ def test_a_decode_step_over_the_slo_lowers_max_num_seqs_not_the_budget_and_raise
     # waiting at the lower cap, KV free: max_num_seqs comes back up, as far as the calibrated decode step fits.
     later = stats(tpot=40.0, budget=256, seqs=new, running=new, utilisation=new / 256, prefill_rate=10.0,
                   decode_rate=300.0, mean_iteration_ms=3.0 * new, waiting=20, kv=0.3, tuning=decision.tuning)
-    raised, _ = decide_tuning(observation(window=later, profile=profile), state, policy, 1000.0)
+    learned = LearnedSpeed().updated(window, profile).updated(later, profile)  # as the loop learns it
+    raised, _ = decide_tuning(observation(window=later, profile=learned.apply(profile)), state, policy, 1000.0)
     assert raised.tuning.max_num_seqs > new and raised.tuning.token_budget == 256

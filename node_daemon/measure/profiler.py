@@ -30,7 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from stallfree.contracts import SLO_MARGIN, Ceilings, Curve, Profile, ProfilePoint, Tuning, min_budget_for
+from stallfree.contracts import Ceilings, Curve, Profile, ProfilePoint, Tuning, min_budget_for
+from stallfree.profile_rules import MIN_TOKEN_BUDGET, SLO_MARGIN, budget_for_tpot, give_way
 from stallfree.node_daemon.engine.engine import LLMEngine
 from stallfree.node_daemon.engine.engine_protocol import IterationRecord
 from stallfree.node_daemon.engine.request import Request
@@ -224,7 +225,7 @@ class _Profiler:
         decodes = max(1, min(self.settings.mixed_decodes, ceilings.max_num_seqs - 1))
         top = min(self.settings.max_tokens or ceilings.max_token_budget, ceilings.max_token_budget,
                   self.engine.max_model_len - 1 + decodes)
-        start = max(64, min_budget_for(decodes + 1))
+        start = max(MIN_TOKEN_BUDGET, min_budget_for(decodes + 1))
         return decodes, _doubling(start, top) if top >= start else []
 
     def decode_plan(self, ceilings: Ceilings) -> list[int]:
@@ -390,30 +391,21 @@ def measure_profile(engine: LLMEngine, device: str, settings: ProfileSettings | 
     return run_profile(engine, device, settings).profile
 
 
-def suggest_token_budget(profile: Profile, tpot_slo_ms: float, ceilings: Ceilings, max_num_seqs: int) -> int:
-    """Sarathi-Serve's recipe (Profile.budget_for): the largest measured budget whose iteration time fits the
-    TPOT target, kept between max_num_seqs' prefill floor and the ceiling."""
+def suggest_token_budget(profile: Profile, tpot_slo_ms: float, ceilings: Ceilings, tuning: Tuning) -> int:
+    """The budget a daemon running `tuning` would start with for this TPOT SLO (what /admin/profile suggests)."""
     if not profile.mixed:
         raise ValueError("the profile has no mixed points to choose a budget from")
-    return profile.budget_for(tpot_slo_ms, lo=min_budget_for(max_num_seqs), hi=ceilings.max_token_budget)
+    return starting_tuning(profile, tpot_slo_ms, ceilings, tuning).token_budget
 
 
 def starting_tuning(profile: Profile, tpot_slo_ms: float, ceilings: Ceilings, tuning: Tuning,
                     margin: float = SLO_MARGIN) -> Tuning:
-    """The tuning a daemon starts with when told its TPOT SLO and no explicit budget.
-
-    The iteration must fit `margin` of the target: the profile is the fastest of its runs, served
-    iterations also carry longer contexts and noise, and the p99 gap (not the typical one) must hold.
-    When even the floor for `tuning.max_num_seqs` would overrun it, max_num_seqs comes down so the
-    budget can (a budget must leave prefill room beside every decode), but not below MIN_STARTING_SEQS:
-    past that the engine is too slow for the target, and the caller says so (the budget's predicted iteration).
-    The budget is the tuner's start too: the same rule (Profile.budget_for) at the same share of the target."""
-    budget = profile.budget_for(margin * tpot_slo_ms, lo=1, hi=ceilings.max_token_budget)
+    """The tuning a daemon starts with when told its TPOT SLO and no explicit budget: the tuner's start under
+    the default bounds (profile_rules.budget_for_tpot, then give_way), so a new replica needs no PUT.
+    max_num_seqs gives way to the budget's floor, but not below MIN_STARTING_SEQS."""
+    budget = budget_for_tpot(profile, tpot_slo_ms, lo=MIN_TOKEN_BUDGET, hi=ceilings.max_token_budget, margin=margin)
     max_num_seqs = min(tuning.max_num_seqs, ceilings.max_num_seqs)
-    floor = min(max_num_seqs, MIN_STARTING_SEQS)
-    while max_num_seqs > floor and min_budget_for(max_num_seqs) > budget:
-        max_num_seqs -= 1
-    budget = max(budget, min_budget_for(max_num_seqs))
-    return Tuning(token_budget=min(budget, ceilings.max_token_budget), max_num_seqs=max_num_seqs,
-                  max_partial_prefills=tuning.max_partial_prefills,
+    budget, max_num_seqs = give_way(budget, max_num_seqs, min(max_num_seqs, MIN_STARTING_SEQS),
+                                    ceilings.max_token_budget)
+    return Tuning(token_budget=budget, max_num_seqs=max_num_seqs, max_partial_prefills=tuning.max_partial_prefills,
                   long_prefill_threshold=tuning.long_prefill_threshold)

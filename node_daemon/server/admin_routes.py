@@ -82,5 +82,5 @@ async def get_profile(request: Request, tpot_slo_ms: float | None = None) -> JSO
     body["tpot_slo_ms"] = target
     body["suggested_token_budget"] = (
         None if target is None or not daemon.profile.mixed else
-        suggest_token_budget(daemon.profile, target, engine.ceilings, engine.get_tuning().max_num_seqs))
+        suggest_token_budget(daemon.profile, target, engine.ceilings, engine.get_tuning()))
     return JSONResponse(body)

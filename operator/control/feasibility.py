@@ -2,10 +2,11 @@
 
 Before the tuner moves a knob, it asks whether any setting can meet the SLO at all:
 - TPOT: an iteration is never faster than its decodes alone. The profile's decode-only iteration at
-  the fewest sequences the bounds allow (calibrated by what the window observed) is the TPOT floor.
+  the fewest sequences the bounds allow is the TPOT floor. The profile comes calibrated by the speed the
+  loop learned (learned_speed.py) and is taken as it is: never divided by a window again.
   Under prefill load it is higher: the decodes share iterations with prefill chunks of at least the
   smallest budget. The window's p99 TPOT says what share of a request's iterations carried a chunk; that
-  share at the smallest budget's (calibrated) iteration, the rest at the decode-only floor, is the lowest
+  share at the smallest budget's iteration, the rest at the decode-only floor, is the lowest
   p99 any setting reaches at this load. An SLO under it cannot be met by any budget or max_num_seqs, and
   the tuner then aims at the closest TPOT it can reach instead of sliding the budget to its floor.
 - queue wait and TTFT: at the largest budget the TPOT target allows, one replica prefills so many
@@ -21,9 +22,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from stallfree.operator.control.capacity import calibration, decode_ms_at
 from stallfree.operator.control.observe import ReplicaObservation
 from stallfree.operator.control.policy import ControlPolicy
+from stallfree.profile_rules import budget_for_tpot, decodes_per_iteration, prefill_room, prefill_tokens_per_s
 
 TPOT, QUEUE_WAIT, TTFT = "tpot", "queueWait", "ttft"
 LABELS = {TPOT: "TPOT", QUEUE_WAIT: "queue wait", TTFT: "TTFT"}
@@ -35,7 +36,7 @@ AIM = 0.75
 class Feasibility:
     infeasible: tuple[str, ...] = ()  # SLOs no setting meets within maxReplicas, in priority order
     held: str | None = None  # when SLOs conflict: the one the loop holds
-    tpot_floor_ms: float | None = None  # calibrated decode-only iteration at the fewest sequences
+    tpot_floor_ms: float | None = None  # decode-only iteration at the fewest sequences
     tpot_reachable_ms: float | None = None  # the lowest p99 TPOT any setting reaches at this load
     tpot_target_ms: float | None = None  # the TPOT the tuner aims under: the SLO, or the closest reachable
     tpot_budget: int | None = None  # the largest budget the TPOT target allows
@@ -43,7 +44,6 @@ class Feasibility:
     demand_tokens_per_s: float = 0.0
     replicas_needed: int | None = None  # to prefill the demand at that capacity
     ttft_floor_ms: float | None = None  # one mean prompt's prefill alone at that budget
-    calibration: float = 1.0
     message: str = ""
 
     @property
@@ -76,13 +76,12 @@ def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy,
     if not profiled:
         return Feasibility(message="no known replica with a profile: feasibility unknown")
     slo, scaling = policy.slo, policy.scaling
-    # The most conservative calibration of the known replicas (a slower one sets what is reachable).
-    obs = max(profiled, key=lambda o: calibration(o.stats, o.profile))
+    # The slowest known replica (by its learned speed) sets what is reachable.
+    obs = max(profiled, key=lambda o: o.profile.decode_ms_at(1) + o.profile.iteration_ms_at(o.stats.tuning.token_budget))
     stats, profile = obs.stats, obs.profile
-    cal = calibration(stats, profile)
     bounds = policy.bounds.clipped(stats.ceilings)
 
-    floor = cal * decode_ms_at(profile, bounds.min_num_seqs)
+    floor = profile.decode_ms_at(bounds.min_num_seqs)
     # The lowest p99 TPOT at this load: the worst replica's, each from its own window and calibration.
     loaded = max(profiled, key=lambda o: _tpot_at_smallest_budget(o, policy))
     under_load = _tpot_at_smallest_budget(loaded, policy)
@@ -91,11 +90,11 @@ def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy,
     # The TPOT to aim at: the SLO, or when it is out of reach, the closest the tuner can settle under.
     target = slo.tpot_p99_ms if tpot_ok else max(slo.tpot_p99_ms, reachable / AIM)
 
-    budget = _largest_budget(profile, cal, 0.8 * target, bounds.min_token_budget, bounds.max_token_budget)
-    decodes = _decodes_per_iteration(stats)
-    iteration_ms = cal * profile.iteration_ms_at(budget)
-    room = max(1.0, budget - decodes)
-    capacity = room / (iteration_ms / 1000.0) if iteration_ms > 0 else None
+    budget = budget_for_tpot(profile, target, bounds.min_token_budget, bounds.max_token_budget)
+    decodes = decodes_per_iteration(stats)
+    iteration_ms = profile.iteration_ms_at(budget)
+    room = prefill_room(budget, decodes)
+    capacity = prefill_tokens_per_s(profile, budget, decodes)
 
     demand = sum(o.stats.prompt_tokens_per_s for o in known)
     serving = sum(1 for o in observations if o.ready)
@@ -108,7 +107,9 @@ def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy,
     needed = max(1, math.ceil(demand / capacity)) if capacity and demand > 0 else (1 if capacity else None)
     queue_ok = needed is None or needed <= scaling.max_replicas
     mean_prompt = _mean_prompt(stats)
-    ttft_floor = math.ceil(mean_prompt / room) * iteration_ms if mean_prompt else None
+    ttft_floor = None
+    if mean_prompt:  # no prefill room at all: no prompt ever finishes
+        ttft_floor = math.ceil(mean_prompt / room) * iteration_ms if room > 0 else math.inf
     ttft_ok = queue_ok and (ttft_floor is None or ttft_floor <= slo.ttft_p99_ms)
 
     priority = policy.slo_priority
@@ -118,15 +119,14 @@ def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy,
     notes = []
     if not tpot_ok and floor > slo.tpot_p99_ms:
         notes.append(f"TPOT SLO {slo.tpot_p99_ms:g} ms is under the decode-only iteration at "
-                     f"{bounds.min_num_seqs} sequence(s), {floor:.1f} ms (profile x{cal:.2f} as observed): no budget "
+                     f"{bounds.min_num_seqs} sequence(s), {floor:.1f} ms: no budget "
                      f"meets it; aiming at {target:.0f} ms, budget {budget}")
     elif not tpot_ok:
         seen = loaded.stats
         lo = policy.bounds.clipped(seen.ceilings).min_token_budget
         notes.append(f"TPOT SLO {slo.tpot_p99_ms:g} ms is under what this load allows: {loaded.name} observed p99 "
                      f"{seen.tpot_ms.p99:.0f} ms at budget {seen.tuning.token_budget}, and even the smallest budget "
-                     f"{lo} with {bounds.min_num_seqs} sequence(s) would give {under_load:.0f} ms (profile "
-                     f"x{calibration(seen, loaded.profile):.2f} as observed): no setting meets it; aiming at "
+                     f"{lo} with {bounds.min_num_seqs} sequence(s) would give {under_load:.0f} ms: no setting meets it; aiming at "
                      f"{target:.0f} ms, budget {budget}")
     if not queue_ok:
         notes.append(f"at budget {budget} (TPOT {target:.0f} ms) one replica prefills {capacity:.0f} tok/s; demand "
@@ -142,7 +142,7 @@ def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy,
         notes.append(f"every SLO reachable: TPOT {reachable:.1f} ms at this load <= {slo.tpot_p99_ms:g} ms; at budget {budget} "
                      f"one replica prefills {capacity or 0:.0f} tok/s, demand {demand:.0f} tok/s needs "
                      f"{needed} of maxReplicas {scaling.max_replicas}")
-    return Feasibility(infeasible, held, floor, reachable, target, budget, capacity, demand, needed, ttft_floor, cal,
+    return Feasibility(infeasible, held, floor, reachable, target, budget, capacity, demand, needed, ttft_floor,
                        "; ".join(notes))
 
 
@@ -151,7 +151,7 @@ def _tpot_at_smallest_budget(obs: ReplicaObservation, policy: ControlPolicy) -> 
 
     Two kinds of iteration make a request's TPOT: those that carry a prefill chunk (the budget's full
     iteration) and decode-only ones. The observed p99 at the window's budget tells the share `phi` of the
-    former (calibrated profile both); at the smallest budget and the fewest sequences the same share costs
+    former (on the profile as given); at the smallest budget and the fewest sequences the same share costs
     `phi` x the smallest full iteration plus the rest x the decode-only floor. 0 when the window has no
     TPOT: then only the floor speaks.
     """
@@ -160,32 +160,15 @@ def _tpot_at_smallest_budget(obs: ReplicaObservation, policy: ControlPolicy) -> 
     if not tpot:
         return 0.0
     bounds = policy.bounds.clipped(stats.ceilings)
-    cal = calibration(stats, profile)
     running = max(1, min(stats.tuning.max_num_seqs, stats.num_running))
-    decode_only = cal * decode_ms_at(profile, running)
-    full = cal * profile.iteration_ms_at(max(stats.tuning.token_budget, bounds.min_token_budget))
+    decode_only = profile.decode_ms_at(running)
+    full = profile.iteration_ms_at(max(stats.tuning.token_budget, bounds.min_token_budget))
     if full > decode_only:
         phi = min(1.0, max(0.0, (tpot - decode_only) / (full - decode_only)))
     else:
         phi = 1.0 if tpot > decode_only else 0.0
-    smallest = cal * profile.iteration_ms_at(bounds.min_token_budget)
-    return phi * smallest + (1.0 - phi) * cal * decode_ms_at(profile, bounds.min_num_seqs)
-
-
-def _largest_budget(profile, cal: float, target_ms: float, lo: int, hi: int) -> int:
-    """Largest budget in [lo, hi] whose calibrated mixed iteration fits `target_ms` (lo when none does)."""
-    best = lo
-    for point in sorted(profile.mixed, key=lambda p: p.tokens):
-        if lo <= point.tokens <= hi and cal * point.iteration_ms <= target_ms:
-            best = point.tokens
-    return best
-
-
-def _decodes_per_iteration(stats) -> float:
-    total = stats.decode_tokens_per_s + stats.prefill_tokens_per_s
-    if total <= 0:
-        return float(stats.num_running)
-    return stats.budget_utilisation * stats.tuning.token_budget * stats.decode_tokens_per_s / total
+    smallest = profile.iteration_ms_at(bounds.min_token_budget)
+    return phi * smallest + (1.0 - phi) * profile.decode_ms_at(bounds.min_num_seqs)
 
 
 def _mean_prompt(stats) -> float | None:

@@ -2,12 +2,13 @@
 
 A profile is measured once, alone, on short contexts, or read from a cache keyed by another machine; then
 a noisy neighbour arrives, or the node is slower than its twin. Every window whose iterations can tell
-(capacity.observed_calibration: mostly decodes, or a budget at least half used) gives the observed mean
+(profile_rules.observed_over_predicted: mostly decodes, or a budget at least half used) gives the observed mean
 iteration over the profile's prediction; the loop keeps an exponential mean of those per replica (decode
 and mixed iterations apart) and hands the tuner, feasibility, the scaler and the capacity figure the
 profile scaled by it. A window that cannot tell (idle, lightly used) keeps what was learned instead of
 falling back to the profile, so a replica faster than its profile is not under-counted once its load
-drops below half its budget.
+drops below half its budget. The profile is calibrated here once: its users take it as it is (dividing it by
+a window's ratio again would undo the mean, leaving only the newest window).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from stallfree.contracts import Profile, WindowStats
-from stallfree.operator.control.capacity import observed_calibration
+from stallfree.profile_rules import observed_over_predicted, scaled
 
 WEIGHT = 0.5  # of the newest telling window: a slowdown shows within two windows, one odd window moves it half
 
@@ -28,7 +29,7 @@ class LearnedSpeed:
     mixed: float | None = None
 
     def updated(self, stats: WindowStats | None, profile: Profile | None) -> "LearnedSpeed":
-        seen = observed_calibration(stats, profile) if stats is not None else None
+        seen = observed_over_predicted(stats, profile) if stats is not None else None
         if seen is None:
             return self
         kind, ratio = seen
@@ -51,10 +52,3 @@ class LearnedSpeed:
     def from_dict(cls, data: dict[str, Any]) -> "LearnedSpeed":
         return cls(decode=data.get("decode"), mixed=data.get("mixed"))
 
-
-def scaled(profile: Profile, factor: float, mixed_factor: float | None = None) -> Profile:
-    """The profile with every decode-only iteration `factor` x as long and every mixed one `mixed_factor` x
-    (default `factor`): what a calibration says this machine does now."""
-    mixed = factor if mixed_factor is None else mixed_factor
-    return replace(profile, decode_only=[replace(p, iteration_ms=factor * p.iteration_ms) for p in profile.decode_only],
-                   mixed=[replace(p, iteration_ms=mixed * p.iteration_ms) for p in profile.mixed])

@@ -10,7 +10,7 @@ The law, per control step (observation and previous state in, a decision with it
   the concurrency whose decode step fits (the rest waits in the queue, where the scaler sees it) and
   comes back up when the decode step has room again;
 - p99 TPOT above it otherwise: multiplicative decrease of the budget, sized by the profile (calibrated
-  by what was just observed) for the part of the iteration the budget controls (the prefill chunk; the
+  by the speed the loop learned) for the part of the iteration the budget controls (the prefill chunk; the
   decodes stay) to land at `decrease_target`, each step between x`decrease_min` and x`decrease_max`;
   the breached budget is remembered and later raises stay under it;
 - p99 TPOT under `raise_below` of the SLO while prefill is the bottleneck (queue wait or TTFT pressure,
@@ -30,11 +30,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
-from stallfree.contracts import SLO_MARGIN, Profile, Tuning, WindowStats, min_budget_for
-from stallfree.operator.control.capacity import FULL_UTILISATION, calibration, decode_ms_at, largest_decodes_within
+from stallfree.contracts import Profile, Tuning, WindowStats, min_budget_for
+from stallfree.operator.control.capacity import FULL_UTILISATION, largest_decodes_within
 from stallfree.operator.control.feasibility import Feasibility
 from stallfree.operator.control.policy import ControlPolicy, TuningBounds
 from stallfree.operator.control.observe import ReplicaObservation
+from stallfree.profile_rules import SLO_MARGIN, budget_for_tpot, give_way
 
 BUDGET_GRANULE = 16  # budgets move in steps of this many tokens (kernel-friendly, readable)
 
@@ -46,7 +47,7 @@ SEQS_LOWERED, SEQS_RAISED = "max_num_seqs_lowered", "max_num_seqs_raised"
 
 @dataclass(frozen=True)
 class TunerConfig:
-    start_fraction: float = SLO_MARGIN  # the daemon starts at the same share (Profile.budget_for: one rule)
+    start_fraction: float = SLO_MARGIN  # the daemon starts at the same share (profile_rules.budget_for_tpot)
     decrease_target: float = 0.75
     decrease_min: float = 0.5
     decrease_max: float = 0.85
@@ -167,7 +168,8 @@ def _start(stats: WindowStats, profile: Profile | None, policy: ControlPolicy, b
         return tuning, "start_from_service", f"start at {_fmt(tuning)}, as sibling replicas settled"
     if policy.initial_token_budget is None and profile is not None and profile.mixed:
         target_ms = config.start_fraction * tpot_target
-        budget = profile.budget_for(target_ms, lo=bounds.min_token_budget, hi=bounds.max_token_budget)
+        budget = budget_for_tpot(profile, tpot_target, lo=bounds.min_token_budget, hi=bounds.max_token_budget,
+                                 margin=config.start_fraction)
         tuning = _fit(replace(stats.tuning, token_budget=budget), bounds)
         return tuning, "start_from_profile", (
             f"start at budget {tuning.token_budget}: the profile's largest budget within "
@@ -185,9 +187,9 @@ def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerSt
     slo = policy.slo
     tuning = state.tuning
     profile = obs.profile if obs.profile is not None and obs.profile.mixed else None
-    cal = calibration(stats, profile)
+    # The profile comes calibrated (the loop's learned speed): it is never divided by this window again.
     running = min(tuning.max_num_seqs, max(1, stats.num_running))
-    decode_ms = cal * decode_ms_at(profile, running) if profile is not None else None
+    decode_ms = profile.decode_ms_at(running) if profile is not None else None
     budget, seqs = tuning.token_budget, tuning.max_num_seqs
     tpot = stats.tpot_ms.p99 or 0.0
     limit = state.tpot_limit_budget
@@ -211,7 +213,7 @@ def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerSt
     if tpot > tpot_target and decode_ms is not None and decode_ms > config.decrease_target * tpot_target \
             and seqs > bounds.min_num_seqs:
         # The decodes alone break TPOT: no budget can restore it; fewer sequences can.
-        fit = largest_decodes_within(profile, config.decrease_target * tpot_target, cal, bounds.min_num_seqs,
+        fit = largest_decodes_within(profile, config.decrease_target * tpot_target, bounds.min_num_seqs,
                                      max(bounds.min_num_seqs, running - 1))
         new_seqs = fit if fit is not None else bounds.min_num_seqs
         seq_kind, reason, at_ceiling, decode_limited = "decode_bound", "decode_bound", True, True
@@ -280,7 +282,7 @@ def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerSt
         candidate = min(bounds.max_num_seqs, max(seqs + 1, int(seqs * config.seqs_raise)))
         if profile is not None:
             # Only as far as the decode step keeps room under the TPOT target.
-            fit = largest_decodes_within(profile, config.raise_target * tpot_target, cal, seqs, candidate)
+            fit = largest_decodes_within(profile, config.raise_target * tpot_target, seqs, candidate)
             candidate = seqs if fit is None else fit
         while candidate > seqs and min_budget_for(candidate) > max(new_budget, budget):
             candidate -= 1
@@ -321,7 +323,7 @@ def _tpot_predictor(stats: WindowStats, profile: Profile | None, budget: int, ob
     """p99 TPOT at another budget: the decodes' share stays, the rest scales with the prefill chunk.
 
     With a profile, the observed TPOT above the (calibrated) decode-only step is the budget's part; it
-    scales by the profile's iteration time over the decode step's from `budget` to `b`. The calibration
+    scales by the profile's iteration time over the decode step's from `budget` to `b`. The learned speed
     carries what the profile does not see (long prefixes' attention, a busy machine). With `decode_ms`
     None (raises), all of TPOT scales by the profile's iteration-time ratio: cautious. Without a profile,
     TPOT is taken as proportional to the budget: pessimistic for raises.
@@ -364,9 +366,7 @@ def _fit(tuning: Tuning, bounds: TuningBounds) -> Tuning:
     """Inside the bounds, with the budget at least min_budget_for(max_num_seqs) (max_num_seqs gives way)."""
     seqs = max(bounds.min_num_seqs, min(bounds.max_num_seqs, tuning.max_num_seqs))
     budget = max(bounds.min_token_budget, min(bounds.max_token_budget, tuning.token_budget))
-    while seqs > bounds.min_num_seqs and min_budget_for(seqs) > budget:
-        seqs -= 1
-    budget = max(budget, min(bounds.max_token_budget, min_budget_for(seqs)))
+    budget, seqs = give_way(budget, seqs, bounds.min_num_seqs, bounds.max_token_budget)
     return replace(tuning, token_budget=budget, max_num_seqs=seqs)
 
 

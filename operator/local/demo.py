@@ -23,8 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from stallfree.contracts import Profile, WindowStats
-from stallfree.operator.control.capacity import decode_ms_at
-from stallfree.operator.control.learned_speed import scaled
+from stallfree.profile_rules import MIN_TOKEN_BUDGET, SLO_MARGIN, budget_for_tpot, prefill_room, prefill_tokens_per_s, scaled
 from stallfree.operator.local.load import LoadPhase
 
 # p99 TPOT is a per-request mean: a reply decodes beside a long prompt's prefill for as many iterations as that
@@ -61,11 +60,12 @@ class DemoPlan:
 def plan_demo(profile: Profile, ceiling_budget: int, max_model_len: int, scale: float = 1.0) -> DemoPlan:
     # TPOT: what an iteration of a quarter-ceiling budget costs, with room (the tuner aims at 75-80% of the
     # SLO), and never under twice the decode-only step at the expected concurrency (decodes must fit).
-    target_budget = max(64, int(ceiling_budget * TARGET_BUDGET_SHARE))
-    decode_ms = decode_ms_at(profile, CHAT_STREAMS + 2)
-    tpot_slo = max(profile.iteration_ms_at(target_budget) / 0.8, 2.0 * decode_ms)
-    allowed = profile.budget_for(0.8 * tpot_slo, lo=64, hi=ceiling_budget)
-    prefill_rate = allowed / (profile.iteration_ms_at(allowed) / 1000.0)
+    target_budget = max(MIN_TOKEN_BUDGET, int(ceiling_budget * TARGET_BUDGET_SHARE))
+    decode_ms = profile.decode_ms_at(CHAT_STREAMS + 2)
+    tpot_slo = max(profile.iteration_ms_at(target_budget) / SLO_MARGIN, 2.0 * decode_ms)
+    allowed = budget_for_tpot(profile, tpot_slo, hi=ceiling_budget)
+    # Beside the chat streams' decodes, as feasibility and the scaler count it.
+    prefill_rate = prefill_tokens_per_s(profile, allowed, CHAT_STREAMS) or 1.0
     # Long prompts that the ceiling budget takes in a few stalling iterations.
     long_prompt = max(ceiling_budget, min(4 * ceiling_budget, max_model_len - 64) - LONG_OUTPUT_TOKENS)
     long_rate = prefill_rate / long_prompt  # long prompts per second one replica can prefill
@@ -96,9 +96,9 @@ def p99_tpot_beside_prefill(profile: Profile, budget: int, prompt_tokens: int,
     long prompts shows): as many of its gaps as the prefill has chunks at `budget` take that budget's
     iteration, the rest the decode-only step."""
     gaps = max(1, output_tokens - 1)
-    room = max(1, budget - decodes)
+    room = max(1.0, prefill_room(budget, decodes))
     stalled = min(gaps, -(-prompt_tokens // room))
-    return (stalled * profile.iteration_ms_at(budget) + (gaps - stalled) * decode_ms_at(profile, decodes)) / gaps
+    return (stalled * profile.iteration_ms_at(budget) + (gaps - stalled) * profile.decode_ms_at(decodes)) / gaps
 
 
 # Demand beyond one replica, as a multiple of one replica's measured prefill capacity: it needs a second
@@ -164,13 +164,15 @@ def predicted_iteration_ms(profile: Profile, decodes: float, prefill_tokens: flo
         slope = (points[1].iteration_ms - points[0].iteration_ms) / max(1, points[1].tokens - points[0].tokens)
     elif points:
         slope = points[0].iteration_ms / max(1, points[0].tokens)
-    return decode_ms_at(profile, max(1, round(decodes))) + slope * prefill_tokens
+    return profile.decode_ms_at(max(1, round(decodes))) + slope * prefill_tokens
 
 
 def calibrate(windows: Sequence[WindowStats], profile: Profile,
               long_prompt_factor: float | None = None) -> Calibration:
     """How much slower than the profile this replica's iterations ran over the warm-up windows (and, given, a
-    long prompt's prefill alone)."""
+    long prompt's prefill alone). A chat warm-up uses a sliver of its budget, which the control loop's estimator
+    (profile_rules.observed_over_predicted) declines to judge; so each window here is set against what its
+    iterations carried (predicted_iteration_ms), and the demo takes the median."""
     factors = []
     for w in windows:
         if w.iterations < MIN_WARMUP_ITERATIONS or not w.mean_iteration_ms or w.tuning.token_budget <= 0:

@@ -17,7 +17,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from stallfree.contracts import Tuning, min_budget_for
+from stallfree.contracts import Tuning
+from stallfree.profile_rules import give_way
 from stallfree.operator.api import spec as s
 from stallfree.operator.reconcile import images
 
@@ -122,8 +123,8 @@ def startup_max_num_seqs(spec: s.InferenceServiceSpec) -> int:
         return int(bounds.initial)
     seqs = max(bounds.min, min(Tuning().max_num_seqs, bounds.upper(spec.engine.ceilings)))
     budget = spec.engine.token_budget.initial
-    while budget != s.AUTO and seqs > bounds.min and min_budget_for(seqs) > int(budget):
-        seqs -= 1
+    if budget != s.AUTO:
+        _, seqs = give_way(int(budget), seqs, bounds.min, int(budget))
     return seqs
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from stallfree.contracts import Profile, WindowStats
+from stallfree.profile_rules import calibrated_by, decodes_per_iteration, prefill_room, prefill_tokens_per_s
 
 # Without a profile or stats: a conservative guess that still orders replicas by their queues.
 FALLBACK_PREFILL_TOKENS_PER_MS = 1.0
@@ -9,15 +10,17 @@ FALLBACK_STEP_MS = 20.0
 
 
 def prefill_tokens_per_ms(profile: Profile | None, stats: WindowStats | None) -> float:
-    """Prefill tokens per millisecond at the live budget, beside the running decodes."""
+    """Prefill tokens per millisecond at the live budget beside the window's decodes: the control loop's
+    capacity figure (profile_rules.prefill_tokens_per_s), on the profile scaled by what the window observed,
+    so the router and the scaler agree on what a replica prefills."""
     if stats is None:
         return FALLBACK_PREFILL_TOKENS_PER_MS
-    budget = stats.tuning.token_budget
-    room = max(1, budget - stats.num_running)
+    budget, decodes = stats.tuning.token_budget, decodes_per_iteration(stats)
     if profile is not None and profile.mixed:
-        return room / max(1e-3, profile.iteration_ms_at(budget))
+        rate = prefill_tokens_per_s(calibrated_by(stats, profile), budget, decodes)
+        return rate / 1000.0 if rate is not None else FALLBACK_PREFILL_TOKENS_PER_MS
     if stats.mean_iteration_ms:
-        return room / stats.mean_iteration_ms
+        return prefill_room(budget, decodes) / stats.mean_iteration_ms
     return FALLBACK_PREFILL_TOKENS_PER_MS
 
 

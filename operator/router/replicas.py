@@ -17,7 +17,6 @@ import httpx
 from stallfree.contracts import Profile, WindowStats
 from stallfree.operator.router.pick import ReplicaView
 from stallfree.operator.router.prefill_clock import PrefillClock
-from stallfree.operator.control.capacity import prefill_capacity_tokens_per_s
 from stallfree.operator.router.rates import decode_step_ms, prefill_tokens_per_ms
 
 log = logging.getLogger("stallfree.router")
@@ -48,7 +47,7 @@ class Replica:
         self.healthy, self.reason = healthy, reason
 
     def prefill_tokens_per_ms(self) -> float:
-        return replica_prefill_tokens_per_ms(self.profile, self.stats)
+        return prefill_tokens_per_ms(self.profile, self.stats)
 
     def view(self, now_s: float, cached_prefix_tokens: int = 0, home: bool = False) -> ReplicaView:
         stats = self.stats
@@ -63,17 +62,6 @@ class Replica:
             home=home,
             max_num_seqs=stats.tuning.max_num_seqs if stats is not None else None,
         )
-
-
-def replica_prefill_tokens_per_ms(profile: Profile | None, stats: WindowStats | None) -> float:
-    """The control loop's capacity figure (its profile calibrated by the window's observed iterations), so
-    the router and the scaler agree on what a replica prefills; the profile's own rate when the window
-    cannot tell."""
-    if stats is not None:
-        calibrated = prefill_capacity_tokens_per_s(stats, profile)
-        if calibrated:
-            return calibrated / 1000.0
-    return prefill_tokens_per_ms(profile, stats)
 
 
 class ReplicaPool:
