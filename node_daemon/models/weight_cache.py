@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 3  # 2: the VNNI kernel's copies; 3: the code kernel's tiles on every tier (TiledCodes)
 ENV = "STALLFREE_WEIGHT_CACHE"
-_VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "llama.py")
+_VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "kquant_codes.py", "llama.py")
 _TIED_HEAD = "tied_lm_head_int4"
 
 
