@@ -25,8 +25,8 @@ import torch
 
 from stallfree.node_daemon.models import weight_cache
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
-from stallfree.node_daemon.models.loader import LoadedModel, check_fits, resolve_max_model_len
-from stallfree.node_daemon.models.quantized import BlockCodes, decode_blocks, int4_supported
+from stallfree.node_daemon.models.loader import LoadedModel, check_fits, dense_copy_wanted, resolve_max_model_len
+from stallfree.node_daemon.models.quantized import decode_blocks, int4_supported
 from stallfree.shapes import ModelShape
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,10 @@ def embedded_gguf_path() -> str:
 
 
 def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
-              name: str | None = None) -> LoadedModel:
+              name: str | None = None, dense_copy: str = "auto", release_dense: bool = False) -> LoadedModel:
+    """`dense_copy` (loader.dense_copy_wanted): whether the coded projections also get oneDNN copies, for which
+    their dense values are decoded; where they do not and `release_dense` allows, a projection served by its codes
+    never has its dense weight written (its pages are never resident; released after the load)."""
     from stallfree.node_daemon.models.gguf_file import GGUFFile
 
     started = time.monotonic()
@@ -84,14 +87,23 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
     model = LlamaForCausalLM(shape, dtype, device, context)
     permute_qk = fields["general.architecture"] == "llama"
     int4 = int4_supported(dtype, device)
-    cached = weight_cache.cache_file(path, dtype) if int4 else None
+    model.dense_copy_wanted = not int4 or dense_copy_wanted(dense_copy, 2 * shape.num_parameters)
+    keep_dense = model.dense_copy_wanted or not release_dense
+    cached = weight_cache.cache_file(path, dtype, dense=keep_dense) if int4 else None
     if cached is not None and cached.exists() and weight_cache.load(model, cached):
         how = f"from the weight cache {cached}"
     else:
-        codes: dict[str, BlockCodes] | None = {} if int4 else None
-        model.load_weights(_hf_named_tensors(reader, shape, permute_qk, codes))
-        if codes is not None:
-            _attach_int4(model, reader, codes, dtype)
+        coded: dict[str, str] | None = {} if int4 else None  # coded tensor -> its GGUF type
+        skipped: set[str] = set()  # coded projections whose dense values were not decoded
+        model.load_weights(_hf_named_tensors(reader, shape, permute_qk, model if int4 else None, dtype, coded,
+                                             skipped if not keep_dense else None), served_by_codes=skipped)
+        if coded is not None:
+            # parts that could not be attached (a projection's other parts were dequantized): served dense
+            model.load_weights(((n, part.dequantize_torch()) for n, part in model.unattached_codes()),
+                               served_by_codes=set(model._expected_keys()))
+            _log_int4(model, reader, coded)
+        if skipped:
+            model.release_coded_dense_weights()
         how = "decoded from the file"
         if cached is not None:
             weight_cache.save(model, cached, background=True)  # later starts map these instead of decoding again
@@ -155,10 +167,16 @@ def _read_fields(reader) -> dict:
     return fields
 
 
-def _hf_named_tensors(reader, shape: ModelShape, permute_qk: bool,
-                      codes: dict[str, BlockCodes] | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 weight) of every tensor; with `codes`, int4-mappable tensors' codes go there."""
+def _hf_named_tensors(reader, shape: ModelShape, permute_qk: bool, model: LlamaForCausalLM | None,
+                      dtype: torch.dtype, coded: dict[str, str] | None,
+                      skipped: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 weight) of every tensor; with `model`, mappable tensors' codes are attached to
+    it as they come (model.add_codes; `coded` records them) and, with `skipped`, a projection's dense weight is
+    then not decoded at all (recorded there). The embedding and an untied head are always decoded (lookups, and
+    the logits' float32 refinement)."""
     from gguf.quants import dequantize
+
+    always_dense = ("model.embed_tokens.weight", "lm_head.weight")
 
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
@@ -169,12 +187,16 @@ def _hf_named_tensors(reader, shape: ModelShape, permute_qk: bool,
             heads = shape.num_kv_heads
         rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 0
         block = (decode_blocks(tensor.data, tensor.tensor_type.name, rows, int(tensor.shape[0]))
-                 if codes is not None and rows else None)
+                 if model is not None and rows else None)
         if block is not None:
             if heads is not None:
                 block = block.take_rows(unpermute_rope_rows(torch.arange(rows), heads).numpy())
-            codes[name] = block
-            yield name, block.dequantize_torch()
+            coded[name] = block.qtype
+            if skipped is None or name in always_dense:
+                yield name, block.dequantize_torch()
+            else:
+                skipped.add(name)
+            model.add_codes(name, block, dtype)
             continue
         array = dequantize(tensor.data, tensor.tensor_type)  # [rows, cols] = Hugging Face's [out, in]
         if not array.flags.writeable:
@@ -185,9 +207,9 @@ def _hf_named_tensors(reader, shape: ModelShape, permute_qk: bool,
         yield name, weight
 
 
-def _attach_int4(model: LlamaForCausalLM, reader, codes: dict[str, BlockCodes], dtype: torch.dtype) -> None:
-    dense = model.attach_int4(codes, dtype)
-    kinds = sorted({b.qtype for b in codes.values()})
+def _log_int4(model: LlamaForCausalLM, reader, codes: dict[str, str]) -> None:
+    dense = model.dense_projections()
+    kinds = sorted(set(codes.values()))
     others = sorted({t.tensor_type.name for t in reader.tensors if _hf_name(t.name) not in codes
                      and len(t.shape) > 1})
     recoded = "; Q6_K re-coded to 8-bit codes per 32 weights" if "Q6_K" in kinds else ""

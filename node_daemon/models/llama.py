@@ -112,6 +112,10 @@ class LlamaForCausalLM(nn.Module):
         self.tied_lm_head_int4: Int4Weight | None = None
         self.tied_lm_head_packed: torch.Tensor | None = None
         self.dense_released = False  # release_dense_weights() ran: the projections are served packed only
+        # GGUF codes of projections whose other parts have not come yet (add_codes), by id(Linear)
+        self._pending_codes: dict[int, tuple[Linear, list[tuple[str, slice, BlockCodes]]]] = {}
+        # Whether the coded projections keep dense values for oneDNN copies (set by the GGUF loader)
+        self.dense_copy_wanted = True
 
     @property
     def device(self) -> torch.device:
@@ -210,21 +214,41 @@ class LlamaForCausalLM(nn.Module):
     # --- int4 weights (GGUF) -------------------------------------------------------------------------
 
     def attach_int4(self, parts: dict[str, BlockCodes], dtype: torch.dtype) -> list[str]:
-        """Pack every projection whose parts (q/k/v, gate/up) all came as int4 codes of one layout; the names
-        of the projections left dense (their parts were dequantized, or their row count does not suit)."""
-        pieces: dict[int, tuple[Linear, list[tuple[slice, BlockCodes]]]] = {}
+        """Pack every projection whose parts (q/k/v, gate/up) all came as codes; the names of the projections left
+        dense (their parts were dequantized, or their row count does not suit)."""
         for name, codes in parts.items():
-            if name == "model.embed_tokens.weight":
-                if self.lm_head is None and codes.rows % 16 == 0:
-                    self.tied_lm_head_int4 = Int4Weight(codes, dtype)
-                continue
-            linear, rows = self._linear_of(name)
-            if linear is not None:
-                pieces.setdefault(id(linear), (linear, []))[1].append((rows, codes))
-        for linear, rows_and_codes in pieces.values():
-            whole = stack_parts(rows_and_codes, linear.out_features)
+            self.add_codes(name, codes, dtype)
+        self.unattached_codes()
+        return self.dense_projections()
+
+    def add_codes(self, name: str, codes: BlockCodes, dtype: torch.dtype) -> bool:
+        """Take one GGUF tensor's codes (a Hugging Face name); a projection is packed as soon as all its parts
+        (q/k/v, gate/up) have come, so a loader holds one layer's codes at a time. True once attached."""
+        if name == "model.embed_tokens.weight":
+            if self.lm_head is None and codes.rows % 16 == 0:
+                self.tied_lm_head_int4 = Int4Weight(codes, dtype)
+            return self.tied_lm_head_int4 is not None
+        linear, rows = self._linear_of(name)
+        if linear is None:
+            return False
+        pending = self._pending_codes.setdefault(id(linear), (linear, []))[1]
+        pending.append((name, rows, codes))
+        if sum(part.rows for _, _, part in pending) == linear.out_features:
+            whole = stack_parts([(r, part) for _, r, part in pending], linear.out_features)
             if whole is not None and whole.rows % 16 == 0:
                 linear.int4 = Int4Weight(whole, dtype)
+                del self._pending_codes[id(linear)]
+                return True
+        return False
+
+    def unattached_codes(self) -> list[tuple[str, BlockCodes]]:
+        """The parts add_codes could not attach (their projection's other parts were dequantized, or its rows do
+        not suit): they are served dense. Clears them."""
+        left = [(name, part) for _, parts in self._pending_codes.values() for name, _, part in parts]
+        self._pending_codes.clear()
+        return left
+
+    def dense_projections(self) -> list[str]:
         dense = [n for n, m in self.named_modules() if isinstance(m, Linear) and m.int4 is None]
         if self.lm_head is None and self.tied_lm_head_int4 is None:
             dense.append("lm_head (tied)")
@@ -252,8 +276,9 @@ class LlamaForCausalLM(nn.Module):
 
     # --- weights in Hugging Face names -------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in (any dtype/device); raise if one is unknown, misshapen or missing."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], served_by_codes: set[str] = frozenset()) -> None:
+        """Copy Hugging Face-named tensors in (any dtype/device); raise if one is unknown, misshapen or missing.
+        `served_by_codes`: projection weights that may be missing, their GGUF codes attached instead (add_codes)."""
         self._check_dense("load_weights")
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -266,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name}: expected shape {tuple(target[rows].shape)}, got {tuple(tensor.shape)}")
             target[rows].copy_(tensor)
             loaded.add(key)
-        missing = [n for n in self._expected_keys() if n not in loaded]
+        missing = [n for n in self._expected_keys() if n not in loaded and n not in served_by_codes]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:4])}")
         if self.tied_lm_head_packed is not None or any(isinstance(m, Linear) and m.packed is not None

@@ -56,11 +56,12 @@ def known_model_names() -> list[str]:
 def load_model(model_config: ModelConfig) -> LoadedModel:
     import time
 
+    if model_config.cpu_dense_copy not in ("auto", "on", "off"):
+        raise ValueError(f"cpu_dense_copy must be auto, on or off, got {model_config.cpu_dense_copy!r}")
     loaded = _load(model_config)
     started = time.monotonic()
     # CPU bfloat16: dense weights in oneDNN's layout, once (and, asked to, their plain copies dropped meanwhile).
-    coded = dense_copy_pays(loaded.model, model_config.cpu_dense_copy)
-    if loaded.model.prepack_for_cpu(release=model_config.release_dense_weights, coded=coded):
+    if loaded.model.prepack_for_cpu(release=model_config.release_dense_weights, coded=loaded.model.dense_copy_wanted):
         log.info("prepacked the dense weights for oneDNN in %.2f s%s", time.monotonic() - started,
                  "; their plain copies released" if loaded.model.dense_released else "")
     if model_config.release_dense_weights and (freed := loaded.model.release_coded_dense_weights()):
@@ -77,13 +78,13 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
 DENSE_COPY_AUTO_BYTES = 1 << 30
 
 
-def dense_copy_pays(model: LlamaForCausalLM, setting: str) -> bool:
-    """Whether the coded projections get oneDNN copies (where the tier runs oneDNN's bfloat16 GEMM at all)."""
+def dense_copy_wanted(setting: str, size: int) -> bool:
+    """Whether a GGUF model's coded projections get oneDNN copies of `size` bytes (where the tier runs oneDNN's
+    bfloat16 GEMM at all)."""
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"cpu_dense_copy must be auto, on or off, got {setting!r}")
     from stallfree.node_daemon.models.cpu_tier import cpu_tier
 
-    size = model.dense_copy_bytes()
     if not cpu_tier().onednn_bf16 or not size or setting == "off":
         return False
     if setting == "on" or size <= DENSE_COPY_AUTO_BYTES:
@@ -101,7 +102,8 @@ def _load(model_config: ModelConfig) -> LoadedModel:
         from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path, load_gguf
 
         return load_gguf(embedded_gguf_path(), resolve_dtype(model_config.dtype, device, quantized=True), device,
-                         model_config.max_model_len, name=EMBEDDED_MODEL)
+                         model_config.max_model_len, name=EMBEDDED_MODEL, dense_copy=model_config.cpu_dense_copy,
+                         release_dense=model_config.release_dense_weights)
     if name.lower() in SHAPES or name.lower().startswith(RANDOM_PREFIX):
         shape = get_shape(name.lower().removeprefix(RANDOM_PREFIX))
         return load_random(shape, resolve_dtype(model_config.dtype, device), device, model_config.max_model_len,
@@ -115,7 +117,8 @@ def _load(model_config: ModelConfig) -> LoadedModel:
         from stallfree.node_daemon.models.gguf_loader import load_gguf
 
         return load_gguf(name, resolve_dtype(model_config.dtype, device, quantized=True), device,
-                         model_config.max_model_len)
+                         model_config.max_model_len, dense_copy=model_config.cpu_dense_copy,
+                         release_dense=model_config.release_dense_weights)
     raise ValueError(f"unknown model {name!r}: give one of {', '.join(known_model_names())}, "
                      f"'random:<shape>', a Hugging Face model folder or a .gguf file")
 

@@ -165,6 +165,33 @@ class TiledCodes:
     def nbytes(self) -> int:
         return self.blocks.numel()
 
+    def _codes_and_affine(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(unsigned codes [N, K] uint8, scale and zero [N, K / 32] float32): value = scale * code + zero."""
+        tiles, groups, _ = self.blocks.shape
+        code_bytes = self.bits * 64
+        raw = self.blocks[..., :code_bytes].reshape(tiles, groups, -1, 16, 2)
+        if self.bits == 4:
+            raw = torch.cat([raw & 15, raw >> 4], dim=2)
+        codes = raw.permute(0, 3, 1, 2, 4).reshape(tiles * 16, groups * GROUP_SIZE)
+        scale, zero = (self.blocks[..., at:at + 32].contiguous().view(torch.float16).float().transpose(1, 2)
+                       .reshape(tiles * 16, groups) for at in (code_bytes, code_bytes + 32))
+        return codes, scale, zero
+
+    def to_block_codes(self) -> BlockCodes:
+        """The same weights as BlockCodes (one plane of 4-bit codes, or two for 8-bit ones): what torch's int4
+        pack is made from."""
+        codes, scale, zero = (t.numpy() for t in self._codes_and_affine())
+        if self.bits == 4:  # (u - 8) s + (z + 8s) = s u + z
+            return BlockCodes(np.ascontiguousarray(codes), scale, zero + 8.0 * scale, 1, "tiles")
+        # u = lo + 16 hi: (lo - 8) s + (z + 8s) + (hi - 8) 16s + 128s = s u + z, or the 128s moved onto the lo
+        # plane. The int4 kernel rounds scales and zeros to bfloat16: 128s rounds as 16s does, so the hi plane is
+        # exact either way, and of the lo plane's two zeros the smaller rounds least (Q8_0, z = -128s: 8s).
+        moved = np.abs(zero + 136.0 * scale) < np.abs(zero + 8.0 * scale)
+        lo_zero = np.where(moved, zero + 136.0 * scale, zero + 8.0 * scale)
+        hi_zero = np.where(moved, 0.0, 128.0 * scale).astype(np.float32)
+        return BlockCodes(np.concatenate([codes & 15, codes >> 4], axis=1), np.concatenate([scale, 16.0 * scale], 1),
+                          np.concatenate([lo_zero, hi_zero], 1), 2, "tiles")
+
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: what the kernel multiplies by (tests)."""
         tiles, groups, _ = self.blocks.shape
@@ -179,72 +206,83 @@ class TiledCodes:
 
 
 class Int4Weight:
-    """A packed int4 weight [out_features, in_features] for `_weight_int4pack_mm_for_cpu` in one dtype."""
+    """A GGUF weight [out_features, in_features] served from its codes: the code kernel's tiles, and torch's int4
+    pack (`_weight_int4pack_mm_for_cpu`, in one dtype) made from them at first use: the Python path's, needed only
+    until the compiled extension is loaded (a start with the extension cached never makes it)."""
 
     def __init__(self, codes: BlockCodes, dtype: torch.dtype) -> None:
-        n = codes.rows
-        # The code kernel's copy (every tier): the compiled path's matmuls.
+        if codes.rows % 16:
+            raise ValueError(f"the int4 kernel needs a multiple of 16 output rows, got {codes.rows}")
         self.tiles = TiledCodes.from_codes(codes)
-        if n % 16:
-            raise ValueError(f"the int4 kernel needs a multiple of 16 output rows, got {n}")
-        self.planes = codes.planes
-        self.out_features = n
-        # The kernel packs each row on its own: converted PACK_ROWS rows at a time, the int32 copy it takes is
-        # never the whole matrix (226 MB for SmolLM2's tied head: the load's peak RSS).
-        self.packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            torch.from_numpy(codes.codes[i:i + PACK_ROWS].astype(np.int32)), 1) for i in range(0, n, PACK_ROWS)])
-        # [groups, N, 2]: (scale, zero) of every group of every output row.
-        self.scales_and_zeros = torch.from_numpy(np.stack([codes.scale, codes.zero], axis=-1)).transpose(0, 1) \
-            .contiguous().to(dtype)
-        self.dtype = dtype
-
-    def release_int4_pack(self) -> int:
-        """Drop torch's int4 pack once the code kernel serves every matmul of this weight (the compiled extension
-        is loaded): the Python path used it only until then. Returns the bytes freed."""
-        if self.tiles is None or self.packed is None:
-            return 0
-        freed = self.packed.numel() * self.packed.element_size() + \
-            self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
-        # packed first: matmul() reads scales then packed, so it sees both or treats the pack as gone (another
-        # thread may be in it: the code kernel is already in use by then)
-        self.packed = None
-        self.scales_and_zeros = None
-        return freed
+        self.planes, self.out_features, self.dtype = codes.planes, codes.rows, dtype
+        self._pack: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed, scales_and_zeros), one attribute:
+        self._pack_released = False  # swapped whole, so a reader on another thread sees both or neither
 
     @classmethod
-    def from_packed(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor, planes: int,
-                    tiles: TiledCodes | None) -> "Int4Weight":
-        """One already packed (models/weight_cache.py keeps them)."""
+    def from_tiles(cls, tiles: TiledCodes, planes: int, dtype: torch.dtype) -> "Int4Weight":
+        """One from its tiles alone (models/weight_cache.py keeps them)."""
         weight = cls.__new__(cls)
-        weight.packed, weight.scales_and_zeros, weight.planes, weight.tiles = packed, scales_and_zeros, planes, tiles
-        weight.out_features, weight.dtype = packed.shape[0], scales_and_zeros.dtype
+        weight.tiles, weight.planes, weight.out_features, weight.dtype = tiles, planes, tiles.blocks.shape[0] * 16, dtype
+        weight._pack, weight._pack_released = None, False
         return weight
+
+    def _torch_pack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """torch's int4 pack, made from the tiles at first use (None once released)."""
+        pack = self._pack
+        if pack is None and not self._pack_released:
+            codes = self.tiles.to_block_codes()
+            n = codes.rows
+            # The kernel packs each row on its own: converted PACK_ROWS rows at a time, the int32 copy it takes is
+            # never the whole matrix (226 MB for SmolLM2's tied head).
+            packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                torch.from_numpy(codes.codes[i:i + PACK_ROWS].astype(np.int32)), 1) for i in range(0, n, PACK_ROWS)])
+            # [groups, N, 2]: (scale, zero) of every group of every output row.
+            scales = torch.from_numpy(np.stack([codes.scale, codes.zero], axis=-1)).transpose(0, 1) \
+                .contiguous().to(self.dtype)
+            pack = self._pack = (packed, scales)
+        return pack
+
+    @property
+    def packed(self) -> torch.Tensor | None:
+        pack = self._torch_pack()
+        return None if pack is None else pack[0]
+
+    @property
+    def scales_and_zeros(self) -> torch.Tensor | None:
+        pack = self._torch_pack()
+        return None if pack is None else pack[1]
+
+    def release_int4_pack(self) -> int:
+        """Drop torch's int4 pack (made or not) once the code kernel serves every matmul of this weight (the
+        compiled extension is loaded). Returns the bytes freed."""
+        pack, self._pack, self._pack_released = self._pack, None, True
+        return 0 if pack is None else sum(t.numel() * t.element_size() for t in pack)
 
     @property
     def nbytes(self) -> int:
-        """The bytes a matmul of a few rows reads: the code kernel's copy where it is in use."""
-        if self.tiles is not None and (code_kernel_in_use() or self.packed is None):
+        """The bytes a matmul of a few rows reads: the code kernel's tiles where it is in use."""
+        pack = self._pack
+        if code_kernel_in_use() or pack is None:
             return self.tiles.nbytes
-        return self.packed.numel() * self.packed.element_size() + \
-            self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+        return sum(t.numel() * t.element_size() for t in pack)
 
     def code_kernel_applies(self, rows: int, any_rows: bool = False) -> bool:
         """Whether a matmul of `rows` rows takes the compiled code kernel: up to its row limit, or at any row count
         (`any_rows`: nothing else holds this weight for many rows, no oneDNN copy)."""
-        return self.tiles is not None and code_kernel_in_use() and (any_rows or rows <= _code_kernel["max_rows"])
+        return code_kernel_in_use() and (any_rows or rows <= _code_kernel["max_rows"])
 
     def matmul(self, x: torch.Tensor, float_out: bool = False, any_rows: bool = False) -> torch.Tensor:
         """x [rows, in_features] (this weight's dtype) -> [rows, out_features]: the code kernel once the compiled
         extension is loaded (up to its row limit unless `any_rows`; float32 sums when `float_out`), else torch's
         int4 kernel (in x's dtype)."""
-        scales, packed = self.scales_and_zeros, self.packed  # in release_int4_pack's order
         if self.code_kernel_applies(x.shape[0], any_rows):
             return _code_kernel["op"](x, self.tiles.blocks, self.tiles.bits, float_out)
-        if packed is None or scales is None:
+        pack = self._torch_pack()
+        if pack is None:
             raise RuntimeError("int4 matmul: torch's int4 pack was released for the code kernel, which is not in use")
         if self.planes == 2:
             x = torch.cat([x, x], dim=-1)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP_SIZE, scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, pack[0], GROUP_SIZE, pack[1])
 
 
 def int4_supported(dtype: torch.dtype, device: torch.device) -> bool:

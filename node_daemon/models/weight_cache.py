@@ -1,12 +1,12 @@
 """A GGUF model's tensors as the CPU serves them, kept on disk after the first load and mapped at later starts.
 
-Loading SmolLM2's GGUF decodes 4-bit blocks, dequantizes them to bfloat16 and packs them again for torch's int4
-kernel: 2.5 s of a start on a busy 2-core machine. The result (every parameter, every int4 pack with its scales,
-and the code kernel's tiles of the same codes) is written once as a safetensors file; later starts map it
-(safetensors loads lazily: pages are read as touched), copy out what they keep and only prepack for oneDNN. The
-file's key is the GGUF file's identity (path, size, mtime), the dtype, torch's version, FORMAT and the source of the
-modules that decide the tensors' values, so a change in any of them is a new file. $STALLFREE_WEIGHT_CACHE is the
-folder (0/off: no cache), else $XDG_CACHE_HOME/stallfree/weights.
+Loading SmolLM2's GGUF decodes 4-bit blocks and lays them out again for the code kernel: 2.5 s of a start on a busy
+2-core machine. The result (every parameter held, and every coded weight's tiles; torch's int4 pack is made from
+the tiles if the Python path ever needs it) is written once as a safetensors file; later starts map it (safetensors
+loads lazily: pages are read as touched) and copy out what they keep. The file's key is the GGUF file's identity
+(path, size, mtime), the dtype, whether dense copies of the coded projections are kept, torch's version and CPU
+capability, the tier, FORMAT and the source of the modules that decide the tensors' values, so a change in any of
+them is a new file. $STALLFREE_WEIGHT_CACHE is the folder (0/off: no cache), else $XDG_CACHE_HOME/stallfree/weights.
 """
 from __future__ import annotations
 
@@ -28,13 +28,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # 2: the VNNI kernel's copies; 3: the code kernel's tiles on every tier (TiledCodes)
+FORMAT = 4  # 3: the code kernel's tiles on every tier (TiledCodes); 4: the tiles alone (torch's int4 pack made at use),
+# and no dense copy of a projection that its codes alone serve
 ENV = "STALLFREE_WEIGHT_CACHE"
 _VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "kquant_codes.py", "llama.py")
 _TIED_HEAD = "tied_lm_head_int4"
 
 
-def cache_file(gguf_path: str, dtype: torch.dtype) -> Path | None:
+def cache_file(gguf_path: str, dtype: torch.dtype, dense: bool = True) -> Path | None:
     """Where this GGUF file's tensors in `dtype` are (or would be) cached; None when the cache is off."""
     setting = os.environ.get(ENV, "")
     if setting.lower() in ("0", "off", "no", "false"):
@@ -48,7 +49,7 @@ def cache_file(gguf_path: str, dtype: torch.dtype) -> Path | None:
 
     digest = hashlib.sha256(json.dumps([FORMAT, os.path.abspath(gguf_path), stat.st_size, stat.st_mtime_ns,
                                         str(dtype), torch.__version__, torch.backends.cpu.get_cpu_capability(),
-                                        cpu_tier().name]).encode())
+                                        cpu_tier().name, dense]).encode())
     here = Path(__file__).parent
     for name in _VALUE_SOURCES:
         digest.update((here / name).read_bytes())
@@ -63,17 +64,16 @@ def _int4_weights(model: "LlamaForCausalLM") -> dict[str, Int4Weight]:
 
 
 def save(model: "LlamaForCausalLM", path: Path, background: bool = False) -> bool:
-    """Write every parameter and int4 pack (atomically: a reader never sees half a file). False on an OS error.
+    """Write every parameter held (a projection its codes alone serve holds none) and every weight's tiles
+    (atomically: a reader never sees half a file). False on an OS error.
 
     `background`: the tensors are gathered here and written by a thread (a fresh start serves 0.4 s sooner; the
     process waits for it at exit, and flush() waits for it); True then."""
-    tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+    tensors = {name: p.detach().contiguous() for name, p in model.named_parameters() if p.device.type != "meta"}
     planes, bits = {}, {}
     for name, w in _int4_weights(model).items():
-        tensors[f"{name}.int4.packed"], tensors[f"{name}.int4.scales"] = w.packed, w.scales_and_zeros
         planes[name] = w.planes
-        if w.tiles is not None:
-            tensors[f"{name}.tiles.blocks"], bits[name] = w.tiles.blocks, w.tiles.bits
+        tensors[f"{name}.tiles.blocks"], bits[name] = w.tiles.blocks, w.tiles.bits
     metadata = {"planes": json.dumps(planes), "tile_bits": json.dumps(bits), "format": str(FORMAT)}
     if not background:
         return _write(tensors, metadata, path)
@@ -126,26 +126,30 @@ def load(model: "LlamaForCausalLM", path: Path) -> bool:
         log.warning("weight cache: %s unreadable (%s): loading the GGUF file", path, exc)
         return False
     params = dict(model.named_parameters())
-    if any(name not in tensors or tensors[name].shape != p.shape or tensors[name].dtype != p.dtype
-           for name, p in params.items()) or any(f"{n}.int4.packed" not in tensors for n in planes) \
-            or set(bits) != set(planes):
-        log.warning("weight cache: %s does not match this model: loading the GGUF file", path)
-        return False
     from stallfree.node_daemon.models.layers import Linear
 
     modules = dict(model.named_modules())
+    # A projection served from its codes alone was saved without its dense weight: it comes back released.
+    codes_only = {f"{n}.weight" for n in planes if n != _TIED_HEAD and f"{n}.weight" not in tensors}
+    if any(name not in codes_only and (name not in tensors or tensors[name].shape != p.shape
+                                       or tensors[name].dtype != p.dtype) for name, p in params.items()) \
+            or any(f"{n}.tiles.blocks" not in tensors for n in planes) or set(bits) != set(planes):
+        log.warning("weight cache: %s does not match this model: loading the GGUF file", path)
+        return False
     # The projections' dense weights are read once, by the prepacking, and then released: they stay views of
     # the mapping. Everything kept is copied out, so no tensor holds the mapping afterwards and its pages (the
     # prepacking touched them all) leave the RSS with it.
     transient = {f"{n}.weight" for n, m in modules.items() if isinstance(m, Linear) and m is not model.lm_head}
     for name, p in params.items():
-        p.data = tensors[name] if name in transient else tensors[name].clone()
+        if name not in codes_only:
+            p.data = tensors[name] if name in transient else tensors[name].clone()
     for name, count in planes.items():
         tiles = TiledCodes(tensors[f"{name}.tiles.blocks"].clone(), bits[name])
-        weight = Int4Weight.from_packed(tensors[f"{name}.int4.packed"].clone(), tensors[f"{name}.int4.scales"].clone(),
-                                        count, tiles)
+        weight = Int4Weight.from_tiles(tiles, count, model.dtype)
         if name == _TIED_HEAD:
             model.tied_lm_head_int4 = weight
         else:
             modules[name].int4 = weight
+    if codes_only:
+        model.release_coded_dense_weights()
     return True
