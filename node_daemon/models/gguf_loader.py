@@ -213,7 +213,7 @@ def _log_int4(model: LlamaForCausalLM, reader, codes: dict[str, str]) -> None:
     others = sorted({t.tensor_type.name for t in reader.tensors if _hf_name(t.name) not in codes
                      and len(t.shape) > 1})
     recoded = "; Q6_K re-coded to 8-bit codes per 32 weights" if "Q6_K" in kinds else ""
-    log.info("int4 weight-only matmul (%s) for iterations of a few rows; %d projections dense%s%s%s",
+    log.info("served from their GGUF codes (%s); %d projections dense%s%s%s",
              ", ".join(kinds) or "none", len(dense), f" ({', '.join(dense[:4])}{', ...' if len(dense) > 4 else ''})"
              if dense else "", f"; dequantized types: {', '.join(others)}" if others else "", recoded)
 

@@ -164,15 +164,18 @@ class LlamaForCausalLM(nn.Module):
         count, with no copy beside the codes)."""
         if not can_prepack(self.embed_tokens.weight):
             return False
+        packed = 0
         for module in self.modules():
-            if isinstance(module, Linear) and (coded or module.int4 is None):
+            if isinstance(module, Linear) and (coded or module.int4 is None) and module.weight.device.type != "meta":
                 module.prepack_for_cpu()
+                packed += 1
                 if release and module is not self.lm_head:
                     _release(module)
                     self.dense_released = True
         if self.lm_head is None and (coded or self.tied_lm_head_int4 is None):
             self.tied_lm_head_packed = prepack_weight(self.embed_tokens.weight)
-        return True
+            packed += 1
+        return packed > 0
 
     def dense_copy_bytes(self) -> int:
         """What oneDNN copies of the coded projections (and a coded tied head) would hold: bfloat16 weights."""
