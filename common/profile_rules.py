@@ -107,6 +107,5 @@ def calibrated_by(stats: WindowStats | None, profile: Profile | None) -> Profile
     seen = observed_over_predicted(stats, profile) if stats is not None else None
     if seen is None:
         return profile
-    kind, ratio = seen
-    # A mixed window says nothing of decode-only iterations and a decode window nothing of long chunks: both move.
-    return scaled(profile, ratio, ratio)
+    # One window's ratio moves both curves, as the loop's learned speed does until it has seen both kinds.
+    return scaled(profile, seen[1])

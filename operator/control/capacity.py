@@ -25,7 +25,3 @@ def prefill_capacity_tokens_per_s(stats: WindowStats, profile: Profile | None) -
         return prefill_room(budget, decodes) / (stats.mean_iteration_ms / 1000.0)
     return None
 
-
-def largest_decodes_within(profile: Profile, target_ms: float, lo: int, hi: int) -> int | None:
-    """Largest batch of decodes in [lo, hi] whose decode-only iteration fits `target_ms`."""
-    return profile.decode_curve.largest_x_within(target_ms, lo, hi)

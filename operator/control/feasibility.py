@@ -24,7 +24,8 @@ from typing import Any, Sequence
 
 from stallfree.operator.control.observe import ReplicaObservation
 from stallfree.operator.control.policy import ControlPolicy
-from stallfree.profile_rules import budget_for_tpot, decodes_per_iteration, prefill_room, prefill_tokens_per_s
+from stallfree.profile_rules import (MIN_TOKEN_BUDGET, budget_for_tpot, decodes_per_iteration, prefill_room,
+                                     prefill_tokens_per_s)
 
 TPOT, QUEUE_WAIT, TTFT = "tpot", "queueWait", "ttft"
 LABELS = {TPOT: "TPOT", QUEUE_WAIT: "queue wait", TTFT: "TTFT"}
@@ -77,12 +78,12 @@ def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy,
         return Feasibility(message="no known replica with a profile: feasibility unknown")
     slo, scaling = policy.slo, policy.scaling
     # The slowest known replica (by its learned speed) sets what is reachable.
-    obs = max(profiled, key=lambda o: o.profile.decode_ms_at(1) + o.profile.iteration_ms_at(o.stats.tuning.token_budget))
+    obs = max(profiled, key=lambda o: o.profile.decode_ms_at(1) + o.profile.iteration_ms_at(MIN_TOKEN_BUDGET))
     stats, profile = obs.stats, obs.profile
     bounds = policy.bounds.clipped(stats.ceilings)
 
     floor = profile.decode_ms_at(bounds.min_num_seqs)
-    # The lowest p99 TPOT at this load: the worst replica's, each from its own window and calibration.
+    # The lowest p99 TPOT at this load: the worst replica's, each from its own window and learned speed.
     loaded = max(profiled, key=lambda o: _tpot_at_smallest_budget(o, policy))
     under_load = _tpot_at_smallest_budget(loaded, policy)
     reachable = max(floor, under_load)
@@ -104,8 +105,11 @@ def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy,
         demand = max(demand, arrived_demand)  # replicas see only what was dispatched to them
     if previous_demand is not None:
         demand = DEMAND_WEIGHT * demand + (1 - DEMAND_WEIGHT) * previous_demand
-    needed = max(1, math.ceil(demand / capacity)) if capacity and demand > 0 else (1 if capacity else None)
-    queue_ok = needed is None or needed <= scaling.max_replicas
+    if not capacity:  # None: the profile cannot say; 0: the decodes fill the budget, no prompt is prefilled
+        needed, queue_ok = None, capacity is None or demand <= 0
+    else:
+        needed = max(1, math.ceil(demand / capacity)) if demand > 0 else 1
+        queue_ok = needed <= scaling.max_replicas
     mean_prompt = _mean_prompt(stats)
     ttft_floor = None
     if mean_prompt:  # no prefill room at all: no prompt ever finishes
@@ -119,15 +123,15 @@ def assess(observations: Sequence[ReplicaObservation], policy: ControlPolicy,
     notes = []
     if not tpot_ok and floor > slo.tpot_p99_ms:
         notes.append(f"TPOT SLO {slo.tpot_p99_ms:g} ms is under the decode-only iteration at "
-                     f"{bounds.min_num_seqs} sequence(s), {floor:.1f} ms: no budget "
-                     f"meets it; aiming at {target:.0f} ms, budget {budget}")
+                     f"{bounds.min_num_seqs} sequence(s), {floor:.1f} ms: no budget meets it; aiming at "
+                     f"{target:.0f} ms, budget {budget}")
     elif not tpot_ok:
         seen = loaded.stats
         lo = policy.bounds.clipped(seen.ceilings).min_token_budget
         notes.append(f"TPOT SLO {slo.tpot_p99_ms:g} ms is under what this load allows: {loaded.name} observed p99 "
                      f"{seen.tpot_ms.p99:.0f} ms at budget {seen.tuning.token_budget}, and even the smallest budget "
-                     f"{lo} with {bounds.min_num_seqs} sequence(s) would give {under_load:.0f} ms: no setting meets it; aiming at "
-                     f"{target:.0f} ms, budget {budget}")
+                     f"{lo} with {bounds.min_num_seqs} sequence(s) would give {under_load:.0f} ms: no setting meets "
+                     f"it; aiming at {target:.0f} ms, budget {budget}")
     if not queue_ok:
         notes.append(f"at budget {budget} (TPOT {target:.0f} ms) one replica prefills {capacity:.0f} tok/s; demand "
                      f"{demand:.0f} tok/s needs {needed} replicas, maxReplicas is {scaling.max_replicas}: queue wait "

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
 from stallfree.contracts import Profile, Tuning, WindowStats, min_budget_for
-from stallfree.operator.control.capacity import FULL_UTILISATION, largest_decodes_within
+from stallfree.operator.control.capacity import FULL_UTILISATION
 from stallfree.operator.control.feasibility import Feasibility
 from stallfree.operator.control.policy import ControlPolicy, TuningBounds
 from stallfree.operator.control.observe import ReplicaObservation
@@ -213,8 +213,8 @@ def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerSt
     if tpot > tpot_target and decode_ms is not None and decode_ms > config.decrease_target * tpot_target \
             and seqs > bounds.min_num_seqs:
         # The decodes alone break TPOT: no budget can restore it; fewer sequences can.
-        fit = largest_decodes_within(profile, config.decrease_target * tpot_target, bounds.min_num_seqs,
-                                     max(bounds.min_num_seqs, running - 1))
+        fit = profile.decode_curve.largest_x_within(config.decrease_target * tpot_target, bounds.min_num_seqs,
+                                                    max(bounds.min_num_seqs, running - 1))
         new_seqs = fit if fit is not None else bounds.min_num_seqs
         seq_kind, reason, at_ceiling, decode_limited = "decode_bound", "decode_bound", True, True
         state = replace(state, tpot_limit_at=now)
@@ -282,7 +282,7 @@ def _feedback(obs: ReplicaObservation, stats: WindowStats, state: ReplicaTunerSt
         candidate = min(bounds.max_num_seqs, max(seqs + 1, int(seqs * config.seqs_raise)))
         if profile is not None:
             # Only as far as the decode step keeps room under the TPOT target.
-            fit = largest_decodes_within(profile, config.raise_target * tpot_target, seqs, candidate)
+            fit = profile.decode_curve.largest_x_within(config.raise_target * tpot_target, seqs, candidate)
             candidate = seqs if fit is None else fit
         while candidate > seqs and min_budget_for(candidate) > max(new_budget, budget):
             candidate -= 1

@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from stallfree.contracts import Profile, WindowStats
-from stallfree.profile_rules import MIN_TOKEN_BUDGET, SLO_MARGIN, budget_for_tpot, prefill_room, prefill_tokens_per_s, scaled
+from stallfree.profile_rules import (MIN_TOKEN_BUDGET, SLO_MARGIN, budget_for_tpot, prefill_room, prefill_tokens_per_s,
+                                     scaled)
 from stallfree.operator.local.load import LoadPhase
 
 # p99 TPOT is a per-request mean: a reply decodes beside a long prompt's prefill for as many iterations as that
