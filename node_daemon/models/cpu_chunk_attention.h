@@ -207,16 +207,11 @@ inline void pack_kv(const uint16_t* kh, const uint16_t* vh, const int64_t* gathe
   }
 }
 
-// s[0 .. limit - 1] -> exp(s - max s) in place, zeros up to width; returns their sum.
+// s[0 .. limit - 1] -> exp(s - max s) in place (exp_shifted), zeros up to width; returns their sum.
 inline float softmax_numerators(float* s, int64_t limit, int64_t width) {
-  float top = s[0];
-  for (int64_t t = 1; t < limit; ++t) top = std::max(top, s[t]);
-  for (int64_t t = 0; t < limit; ++t) s[t] -= top;
-  exp_inplace(s, limit);
-  float total = 0.f;
-  for (int64_t t = 0; t < limit; ++t) total += s[t];
+  const float inv = exp_shifted(s, limit);
   std::fill(s + limit, s + width, 0.f);
-  return total;
+  return 1.f / inv;
 }
 
 inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>& packed, int64_t first, int64_t len,
