@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--host", default="127.0.0.1",
                    help="address to bind; loopback unless told (containers pass 0.0.0.0)")
     h.add_argument("--port", type=int, default=8000, help="HTTP port")
+    # Off by default: local runs and tests take free ports one at a time; the operator's pods pass it.
+    h.add_argument("--probe-port", type=int, default=0,
+                   help="port of /health and /ready alone, with no connection cap, for kubelet probes (a flood on "
+                        "the serving port cannot fail liveness); 0: none (/health stays on --port too)")
     h.add_argument("--admin-token-file", default=None, help="file holding the admin bearer token "
                    "(else env STALLFREE_ADMIN_TOKEN; without one the admin API is closed)")
     h.add_argument("--api-key-file", default=None, help="file holding the API key (else env STALLFREE_API_KEY; "
@@ -126,6 +130,8 @@ def parse_options(argv: list[str]) -> ServeOptions:
         raise ValueError(f"--kv-memory-fraction must be in (0, 1], got {args.kv_memory_fraction}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be 1..65535, got {args.port}")
+    if not 0 <= args.probe_port < 65536 or args.probe_port == args.port:
+        raise ValueError(f"--probe-port must be 0 (none) or 1..65535 other than --port, got {args.probe_port}")
 
     ceilings = Ceilings(max_token_budget=args.max_token_budget, max_num_seqs=args.max_num_seqs_ceiling)
     auto_budget = args.token_budget == "auto"

@@ -386,6 +386,14 @@ def uvicorn_config(opts: ServeOptions, daemon, app):
                           timeout_graceful_shutdown=5, lifespan="off")
 
 
+def probe_servers(opts: ServeOptions, daemon) -> list:
+    """The probe listener on --probe-port (none with --probe-port 0)."""
+    from stallfree.node_daemon.server.probes import probe_server
+
+    a = opts.args
+    return [probe_server(daemon, a.host, a.probe_port, a.log_level)] if a.probe_port else []
+
+
 async def abort_in_flight(daemon, request_id: str) -> None:
     if daemon.engine is not None:
         await daemon.engine.abort(request_id)
@@ -402,7 +410,8 @@ def run(opts: ServeOptions) -> BaseException | None:
     prometheus_client.disable_created_metrics()  # no *_created series: one fewer sample per metric per scrape
 
     daemon, app = build_daemon(opts)
-    server = DrainingServer(uvicorn_config(opts, daemon, app), daemon.drain, lambda rid: abort_in_flight(daemon, rid))
+    server = DrainingServer(uvicorn_config(opts, daemon, app), daemon.drain, lambda rid: abort_in_flight(daemon, rid),
+                            companions=probe_servers(opts, daemon))
     failure: list[BaseException] = []
 
     def start_up() -> None:

@@ -13,7 +13,8 @@ import uvicorn
 from stallfree.node_daemon.server.app import Daemon
 from stallfree.net import free_port
 from stallfree.cli.serve import parse_options
-from stallfree.node_daemon.daemon import build_daemon, start_engine, uvicorn_config
+from stallfree.node_daemon.daemon import build_daemon, probe_servers, start_engine, uvicorn_config
+from stallfree.node_daemon.server.drain import DrainingServer
 
 ADMIN_TOKEN = "test-admin-token"
 # Small ceilings keep the tiny model's start-up profile to a second or two.
@@ -27,6 +28,7 @@ class LiveDaemon:
     daemon: Daemon
     url: str
     server: uvicorn.Server
+    probe_url: str | None = None  # the probe listener (running_daemon(probes=True))
 
     @property
     def admin_headers(self) -> dict[str, str]:
@@ -50,26 +52,31 @@ class LiveDaemon:
 
 @contextlib.contextmanager
 def running_daemon(extra_args: list[str] = (), admin_token: str | None = ADMIN_TOKEN,
-                   base_args: list[str] = TINY_ARGS) -> Iterator[LiveDaemon]:
+                   base_args: list[str] = TINY_ARGS, probes: bool = False) -> Iterator[LiveDaemon]:
+    """probes: also the probe listener (on a free port, LiveDaemon.probe_url), started as `stallfree serve` does."""
     port = free_port()
+    probe_args = ["--probe-port", str(free_port())] if probes else []
     with contextlib.ExitStack() as stack:
         stack.enter_context(_env("STALLFREE_ADMIN_TOKEN", admin_token))
         opts = parse_options([*base_args, "--log-level", "warning", *extra_args, "--host", "127.0.0.1",
-                              "--port", str(port)])
+                              "--port", str(port), *probe_args])
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the test machine is shared: one intra-op thread keeps iterations steady
         daemon, app = build_daemon(opts)
         start_engine(opts, daemon)
-        server = uvicorn.Server(uvicorn_config(opts, daemon, app))  # the daemon's own connection limits
+        # The daemon's own connection limits; the probe listener rides on the serving loop as in run().
+        server = DrainingServer(uvicorn_config(opts, daemon, app), daemon.drain, lambda rid: None,
+                                companions=probe_servers(opts, daemon))
         thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
         thread.start()
         try:
             deadline = time.monotonic() + 20
-            while not server.started:
+            while not (server.started and all(c.started for c in server.companions)):
                 if time.monotonic() > deadline or not thread.is_alive():
                     raise RuntimeError("uvicorn did not start")
                 time.sleep(0.01)
-            yield LiveDaemon(daemon, f"http://127.0.0.1:{port}", server)
+            probe_url = f"http://127.0.0.1:{opts.args.probe_port}" if probes else None
+            yield LiveDaemon(daemon, f"http://127.0.0.1:{port}", server, probe_url)
         finally:
             server.should_exit = True
             thread.join(timeout=10)

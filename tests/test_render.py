@@ -176,6 +176,13 @@ def test_deployment_is_one_hardened_daemon_per_node() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert container["startupProbe"]["httpGet"]["path"] == "/health"
+    # Liveness on a port of its own (issue 31): no connection flood on the serving port restarts the daemon.
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": render.DAEMON_PORT, "probes": render.PROBE_PORT}
+    assert flag(container["args"], "--probe-port") == str(render.PROBE_PORT)
+    assert container["livenessProbe"]["httpGet"]["port"] == "probes"
+    assert container["startupProbe"]["httpGet"]["port"] == "probes"
+    assert container["readinessProbe"]["httpGet"]["port"] == "http"  # its /ready reports the connection cap
     assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(render.PRESTOP_SLEEP_S)]
     assert pod["terminationGracePeriodSeconds"] == 45 + render.PRESTOP_SLEEP_S + 10
     assert container["securityContext"]["runAsNonRoot"] and not container["securityContext"]["allowPrivilegeEscalation"]

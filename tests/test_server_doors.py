@@ -30,7 +30,7 @@ BIG = 256 << 10  # bodies larger than this are parsed off the event loop
 @pytest.fixture(scope="module")
 def live() -> LiveDaemon:
     with running_daemon([*SIM_DAEMON_ARGS, "--max-connections", str(CAP), "--header-timeout-s", "30",
-                         "--max-body-bytes", str(BODY_LIMIT)], base_args=[]) as live:
+                         "--max-body-bytes", str(BODY_LIMIT)], base_args=[], probes=True) as live:
         yield live
 
 
@@ -90,6 +90,22 @@ def test_connections_past_the_probe_reserve_are_refused_at_once(live: LiveDaemon
     assert answer.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in answer, answer[:200]
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "too_many_connections"
     assert httpx.get(live.url + "/health", timeout=10).status_code == 200
+
+
+def test_the_probe_port_answers_liveness_past_the_cap_and_its_reserve(live: LiveDaemon, monkeypatch) -> None:
+    # Issue 31: with every serving connection and probe slot taken, the serving port refuses /health; the
+    # kubelet asks the probe port, which no client connection reaches.
+    monkeypatch.setattr(connections, "PROBE_HEADER_TIMEOUT_S", 30.0, raising=False)
+    host, port = live.url.removeprefix("http://").split(":")
+    with _idle_sockets(live, CAP + connections.PROBE_SLOTS):
+        with socket.create_connection((host, int(port)), timeout=10) as extra:
+            refused = extra.recv(65536)
+        health = httpx.get(live.probe_url + "/health", timeout=10)
+        ready = httpx.get(live.probe_url + "/ready", timeout=10)
+    assert refused.startswith(b"HTTP/1.1 503"), refused[:200]  # the serving port's /health is out of reach
+    assert health.status_code == 200 and health.json() == {"status": "ok"}, health.text
+    assert ready.status_code == 200 and ready.json() == {"ready": True}, ready.text
+    assert httpx.get(live.probe_url + "/v1/models", timeout=10).status_code == 404  # probes only
 
 
 # --- 2. no URL built from the Host header -----------------------------------------------------------
@@ -180,6 +196,22 @@ def test_structured_bodies_past_the_bounds_are_refused_before_parsing(live: Live
         assert response.json()["error"]["code"] == "too_many_values", response.text
     assert parses == []  # bounded before parsing: the 1.33 M ids and 100k messages never became objects
     assert httpx.get(live.url + "/health", timeout=10).status_code == 200
+
+
+def test_the_probe_port_answers_liveness_past_the_cap_and_its_reserve(live: LiveDaemon, monkeypatch) -> None:
+    # Issue 31: with every serving connection and probe slot taken, the serving port refuses /health; the
+    # kubelet asks the probe port, which no client connection reaches.
+    monkeypatch.setattr(connections, "PROBE_HEADER_TIMEOUT_S", 30.0, raising=False)
+    host, port = live.url.removeprefix("http://").split(":")
+    with _idle_sockets(live, CAP + connections.PROBE_SLOTS):
+        with socket.create_connection((host, int(port)), timeout=10) as extra:
+            refused = extra.recv(65536)
+        health = httpx.get(live.probe_url + "/health", timeout=10)
+        ready = httpx.get(live.probe_url + "/ready", timeout=10)
+    assert refused.startswith(b"HTTP/1.1 503"), refused[:200]  # the serving port's /health is out of reach
+    assert health.status_code == 200 and health.json() == {"status": "ok"}, health.text
+    assert ready.status_code == 200 and ready.json() == {"ready": True}, ready.text
+    assert httpx.get(live.probe_url + "/v1/models", timeout=10).status_code == 404  # probes only
 
 
 def test_a_big_body_is_parsed_once_and_off_the_event_loop(live: LiveDaemon) -> None:

@@ -28,6 +28,7 @@ from stallfree.node_daemon.server.body_limit import BodyLimitMiddleware
 from stallfree.node_daemon.server.connections import CONNECTIONS_FULL
 from stallfree.node_daemon.server.drain import DrainState
 from stallfree.node_daemon.server.errors import APIError, install_error_handlers
+from stallfree.node_daemon.server.probes import health_response
 from stallfree.node_daemon.measure.stats_window import StatsWindow
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -130,12 +131,11 @@ def create_app(daemon: Daemon, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 
     # Both probes answer even past the connection cap (connections.py keeps slots for them); only readiness
     # reports the cap: a full daemon is alive, and should get no new work.
+    # Kept on the serving port for compatibility; a kubelet asks the probe port's (probes.py), which no
+    # connection flood reaches.
     @app.get("/health")
     async def health() -> JSONResponse:
-        error = daemon.engine_error() if daemon.engine is not None else None
-        if error is not None:
-            return JSONResponse({"status": "unhealthy", "reason": error}, status_code=500)
-        return JSONResponse({"status": "ok"})
+        return health_response(daemon)
 
     @app.get("/ready")
     async def ready(request: Request) -> JSONResponse:

@@ -80,8 +80,11 @@ class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM/SIGINT drains before shutting down."""
 
     def __init__(self, config: uvicorn.Config, state: DrainState,
-                 abort: Callable[[str], Awaitable[None]]) -> None:
+                 abort: Callable[[str], Awaitable[None]], companions: list[uvicorn.Server] = ()) -> None:
         super().__init__(config)
+        # Servers on the same loop (the probe listener): they start with this one and stop after it, so
+        # liveness keeps answering through the drain.
+        self.companions = list(companions)
         self.drain_state = state
         self._abort = abort
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -90,7 +93,13 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        tasks = [asyncio.ensure_future(c.serve()) for c in self.companions]
+        try:
+            await super().serve(sockets)
+        finally:
+            for companion in self.companions:
+                companion.should_exit = True
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._loop is None or self.should_exit or self._drain_task is not None:

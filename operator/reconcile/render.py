@@ -23,6 +23,8 @@ from stallfree.operator.api import spec as s
 from stallfree.operator.reconcile import images
 
 DAEMON_PORT = 8000
+# The daemon's probe listener (`--probe-port`): no connection flood on DAEMON_PORT reaches it.
+PROBE_PORT = 8001
 ROUTER_PORT = 8080
 SERVICE_PORT = 80
 ADMIN_TOKEN_DIR = "/etc/stallfree/admin"
@@ -257,8 +259,8 @@ def _volumes(spec: s.InferenceServiceSpec, name: str) -> tuple[list[dict[str, An
     return volumes, mounts
 
 
-def _probe(path: str, period_s: int, failures: int, timeout_s: int = 3) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period_s,
+def _probe(path: str, period_s: int, failures: int, timeout_s: int = 3, port: str = "http") -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period_s,
             "timeoutSeconds": timeout_s, "failureThreshold": failures}
 
 
@@ -267,7 +269,7 @@ def pod_template(name: str, spec: s.InferenceServiceSpec, knobs: StartupKnobs) -
     api_key_file = f"{API_KEY_DIR}/{API_KEY_KEY}" if spec.engine.api_key_secret else None
     args = ["serve", *daemon_args(spec, knobs, admin_token_file=f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}",
                                   api_key_file=api_key_file),
-            "--host", "0.0.0.0", "--port", str(DAEMON_PORT)]
+            "--host", "0.0.0.0", "--port", str(DAEMON_PORT), "--probe-port", str(PROBE_PORT)]
     resources = {k: dict(v) for k, v in (("limits", spec.resources.limits), ("requests", spec.resources.requests))
                  if v}
     container = {
@@ -276,15 +278,18 @@ def pod_template(name: str, spec: s.InferenceServiceSpec, knobs: StartupKnobs) -
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["stallfree"],
         "args": args,
-        "ports": [{"name": "http", "containerPort": DAEMON_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": DAEMON_PORT, "protocol": "TCP"},
+                  {"name": "probes", "containerPort": PROBE_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
                 {"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "PYTHONUNBUFFERED", "value": "1"}],
         "resources": resources,
         "volumeMounts": mounts,
         # Loading the model and profiling the device take minutes on a cold node: a startup probe
-        # holds liveness off until /health first answers.
-        "startupProbe": _probe("/health", 5, 180),
-        "livenessProbe": _probe("/health", 10, 3, timeout_s=5),
+        # holds liveness off until /health first answers. Liveness asks the probe port (past the serving
+        # port's connection cap a busy daemon would be restarted); readiness asks the serving port, whose
+        # /ready says "connections full" so a full daemon gets no new work.
+        "startupProbe": _probe("/health", 5, 180, port="probes"),
+        "livenessProbe": _probe("/health", 10, 3, timeout_s=5, port="probes"),
         "readinessProbe": _probe("/ready", 5, 2),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
