@@ -22,6 +22,7 @@ import kopf.testing
 import pytest
 import yaml
 
+from kmock import KubernetesError
 from kmock_bridge import BridgedEmulator
 from stallfree.operator.reconcile import handlers  # noqa: F401  (registers the handlers with kopf)
 from stallfree.operator.reconcile import render
@@ -405,3 +406,35 @@ async def test_a_name_taken_by_someone_else_is_not_taken_over(kmock: BridgedEmul
         await eventually(lambda: events(kmock, "ChildConflict"))
         assert obj(kmock, DEPLOYMENTS, "chat")["spec"]["replicas"] == 5  # untouched
         assert not exists(kmock, "v1/secrets", "chat-admin-token")  # nothing half made
+
+
+async def test_a_child_the_api_server_refuses_sets_a_condition_and_is_not_retried(
+        kmock: BridgedEmulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 31: a 422 on the Deployment used to be an exception kopf retried forever, with no condition.
+    refused: list[str] = []
+    bridge_write = BridgedEmulator._bridge_write
+
+    def invalid_daemons(self: BridgedEmulator, request: Any) -> Any:
+        name = request.name or ((request.data or {}).get("metadata") or {}).get("name")
+        if request.resource is not None and request.resource.plural == "deployments" and name == "chat" \
+                and request.subresource is None:
+            refused.append(str(request.method.value))
+            raise KubernetesError(status=422, reason="Invalid", message='Deployment.apps "chat" is invalid: '
+                                        'spec.template.spec.volumes[1].hostPath.path: Invalid value: "/"')
+        return bridge_write(self, request)
+
+    monkeypatch.setattr(BridgedEmulator, "_bridge_write", invalid_daemons)
+    async with Operator():
+        await create(kmock, manifest())
+        degraded = await eventually(lambda: condition(kmock, "chat", "Degraded"))
+        assert degraded["status"] == "True" and degraded["reason"] == "InvalidChild"
+        assert "Deployment/chat" in degraded["message"] and "hostPath.path" in degraded["message"]
+        assert condition(kmock, "chat", "Ready")["status"] == "False"
+        assert condition(kmock, "chat", "Ready")["reason"] == "InvalidChild"
+        await eventually(lambda: events(kmock, "InvalidChild"))
+        # kopf records the spec as handled (a permanent failure): no retry is pending.
+        await eventually(lambda: HANDLED in obj(kmock, IS_RESOURCE, "chat")["metadata"].get("annotations", {}))
+        attempts = len(refused)
+        await asyncio.sleep(2.0)  # kopf's retry of a plain exception would come within its backoff
+        assert len(refused) == attempts <= 2, refused  # one apply, and its create fallback at most
+        assert not exists(kmock, DEPLOYMENTS, "chat")

@@ -84,6 +84,15 @@ def invalid_spec(message: str, generation: int | None, serving_previous: bool) -
     return out
 
 
+def invalid_child(message: str, generation: int | None, serving_previous: bool) -> list[dict[str, Any]]:
+    """A child the API server refused (422): the spec passed the schema but renders something invalid."""
+    out = [condition(DEGRADED, "True", "InvalidChild", message, generation),
+           condition(PROGRESSING, "False", "InvalidChild", "waiting for a spec the API server accepts", generation)]
+    if not serving_previous:
+        out.append(condition(READY, "False", "InvalidChild", message, generation))
+    return out
+
+
 def _deployment_condition(deployment: dict[str, Any], type_: str) -> dict[str, Any] | None:
     return find((deployment.get("status") or {}).get("conditions"), type_)
 

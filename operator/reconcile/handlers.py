@@ -4,7 +4,8 @@ Thin glue, level-triggered: every create, resume and update renders all children
 (render.py) and applies them (kube.py); the status is recomputed from the Deployment whenever the
 Deployment changes. A spec that cannot be deployed (checks.py, or a schema the API server did not
 enforce) gets an InvalidSpec condition and a Warning event, and nothing is made or changed: no
-exception, so kopf does not retry it until the spec changes.
+exception, so kopf does not retry it until the spec changes. A child the API server refuses as
+Invalid (422) would be refused again on every retry: an InvalidChild condition, and kopf.PermanentError.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from stallfree.operator.api import checks
 from stallfree.operator.api import conditions as cond
 from stallfree.operator.reconcile import render
 from stallfree.operator.api import spec as s
-from stallfree.operator.reconcile.kube import Kube, contains, load_configuration
+from stallfree.operator.reconcile.kube import Kube, KubeError, contains, load_configuration
 
 FINALIZER = f"{s.GROUP}/finalizer"
 SERVICE_MONITOR_API = ("monitoring.coreos.com/v1", "ServiceMonitor")
@@ -95,6 +96,20 @@ class ChildConflict(Exception):
     """An object the service would own already exists and belongs to someone else."""
 
 
+class InvalidChild(Exception):
+    """The API server refused a rendered child as Invalid (422): the same spec gets the same answer."""
+
+
+def _written(kube: Kube, child: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return kube.apply(child)
+    except KubeError as exc:
+        if exc.status != 422:
+            raise  # conflicts, timeouts, outages: kopf retries those
+        raise InvalidChild(f"{child['kind']}/{child['metadata']['name']} refused by the API server: "
+                           f"{exc.message}") from exc
+
+
 def _check_owned(current: dict[str, Any] | None, owner: dict[str, Any]) -> None:
     if current is None:
         return
@@ -130,7 +145,7 @@ def apply_children(kube: Kube, owner: dict[str, Any], spec: s.InferenceServiceSp
     deployment = None
     for child, current in zip(children, currents):
         kopf.adopt(child, owner=owner)
-        result = current if current is not None and contains(current, child) else kube.apply(child)
+        result = current if current is not None and contains(current, child) else _written(kube, child)
         if current is None:
             created.append(f"{child['kind']}/{child['metadata']['name']}")
         if _is_daemons(child, name):
@@ -189,6 +204,13 @@ def reconcile_service(kube: Kube, owner: dict[str, Any], logger: logging.Logger 
             cond.condition(cond.PROGRESSING, "False", "ChildConflict", "waiting for the name to be free", generation),
             cond.condition(cond.READY, "False", "ChildConflict", str(exc), generation)])
         return
+    except InvalidChild as exc:
+        logger.warning(f"not applied: {exc}")
+        kopf.warn(owner, reason="InvalidChild", message=str(exc))
+        kube.update_status(namespace, name, {"observedGeneration": generation},
+                           cond.invalid_child(str(exc), generation, serving_previous=existing is not None))
+        # No retry until the spec changes: a retry would meet the same 422, forever.
+        raise kopf.PermanentError(str(exc)) from exc
     if applied.created:
         kopf.info(owner, reason="Created", message=f"made {', '.join(applied.created)}")
     if applied.rolled:
