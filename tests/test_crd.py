@@ -95,6 +95,9 @@ def cel_failures(schema: dict[str, Any], value: Any) -> list[str]:
         for key, sub in schema.get("properties", {}).items():
             if key in value:
                 failures += cel_failures(sub, value[key])
+    elif isinstance(value, list) and "items" in schema:  # rules on list items (tolerations) hold for each
+        for item in value:
+            failures += cel_failures(schema["items"], item)
     return failures
 
 
@@ -213,6 +216,18 @@ BROKEN = [  # (id, spec edit, the reason it must be refused for)
     ("kv-fraction-over-one", {"engine": {"kvMemoryFraction": 1.5}}, "greater than the maximum"),
     ("unknown-scaling-mode", {"scaling": {"mode": "auto"}}, "'auto' is not one of"),
     ("node-selector-not-string", {"nodeSelector": {"gpu": 1}}, "1 is not of type 'string'"),
+    # Pod fields passed on to the Deployment: refused here, not as a 422 on the child that kopf retried (issue 31).
+    ("toleration-exists-with-value", {"tolerations": [{"key": "gpu", "operator": "Exists", "value": "a"}]},
+     "operator Exists takes no value"),
+    ("toleration-equal-without-key", {"tolerations": [{"value": "a"}]}, "without a key needs operator Exists"),
+    ("toleration-seconds-not-noexecute", {"tolerations": [{"key": "gpu", "effect": "NoSchedule",
+                                                           "tolerationSeconds": 30}]}, "needs effect NoExecute"),
+    ("anti-affinity-required-as-object", {"affinity": {"podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"topologyKey": "kubernetes.io/hostname"}}}},
+     "is not of type 'array'"),
+    ("node-affinity-preferred-as-object", {"affinity": {"nodeAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": {"weight": 1}}}}, "is not of type 'array'"),
+    ("affinity-not-an-object", {"affinity": ["nodeAffinity"]}, "is not of type 'object'"),
 ]
 
 

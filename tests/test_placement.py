@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from stallfree.operator.api import crd
 from stallfree.operator.api import spec as s
 from stallfree.operator.reconcile import render
 
@@ -103,3 +104,18 @@ def test_the_api_server_refuses_a_bad_toleration() -> None:
     manifest = {"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": {"name": "x"},
                 "spec": {"tolerations": [{"key": "k", "operator": "Sometimes"}]}}
     assert admission_errors(manifest)
+
+
+def test_affinity_is_typed_to_its_three_kinds() -> None:
+    # Issue 31: affinity was free-form, so a misspelt kind or a wrong shape was a 422 on the Deployment.
+    crd_affinity = crd.custom_resource_definition()["spec"]["versions"][0]["schema"]["openAPIV3Schema"][
+        "properties"]["spec"]["properties"]["affinity"]
+    assert sorted(crd_affinity["properties"]) == ["nodeAffinity", "podAffinity", "podAntiAffinity"]
+    assert "x-kubernetes-preserve-unknown-fields" not in crd_affinity  # unknown kinds are pruned, not passed on
+    with pytest.raises(ValidationError):
+        s.parse_spec({"affinity": {"nodeAfinity": {}}})
+    term = {"labelSelector": {"matchLabels": {"app": "db"}}, "topologyKey": "kubernetes.io/hostname"}
+    pod = daemon_pod({"affinity": {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 10, "podAffinityTerm": term}]}}})
+    assert pod["affinity"] == {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 10, "podAffinityTerm": term}]}}

@@ -127,6 +127,19 @@ RULES: list[CrossFieldRule] = [
         "(!has(self.persistentVolumeClaim) && !has(self.nfs) && has(self.image))",
         "model.volume must name exactly one source: persistentVolumeClaim, nfs or image",
         lambda v: sum(x is not None for x in (v.persistent_volume_claim, v.nfs, v.image)) == 1),
+    # Kubernetes' own Toleration checks: each would be a 422 on the Deployment, so the spec is refused first.
+    CrossFieldRule(
+        "spec.tolerations[]", "self.operator != 'Exists' || !has(self.value) || self.value == ''",
+        "a toleration with operator Exists takes no value",
+        lambda t: t.operator != "Exists" or not t.value),
+    CrossFieldRule(
+        "spec.tolerations[]", "self.operator == 'Exists' || (has(self.key) && self.key != '')",
+        "a toleration without a key needs operator Exists",
+        lambda t: t.operator == "Exists" or bool(t.key)),
+    CrossFieldRule(
+        "spec.tolerations[]", "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+        "tolerationSeconds needs effect NoExecute",
+        lambda t: t.toleration_seconds is None or t.effect == "NoExecute"),
     CrossFieldRule(
         "spec.model", "self.source == 'embedded' || self.source == 'random' || has(self.path)",
         "model.path is required when model.source is hf-folder or gguf",
@@ -202,6 +215,35 @@ class Toleration(_Model):
     value: str | None = Field(None, max_length=63)
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     toleration_seconds: int | None = Field(None, description="NoExecute only: how long the pod stays bound")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "Toleration":
+        _check_rules(self, "spec.tolerations[]")
+        return self
+
+
+# Terms stay free-form inside (their selectors are Kubernetes' own, checked by the API server); the shape
+# around them is typed, so a misspelt kind of affinity, or a list where an object goes, is refused at apply.
+_TERM = dict[str, Any]
+
+
+class NodeAffinity(_Model):
+    required_during_scheduling_ignored_during_execution: _TERM | None = Field(
+        None, description="nodeSelectorTerms: where the pods may run at all")
+    preferred_during_scheduling_ignored_during_execution: list[_TERM] | None = None
+
+
+class PodAffinityTerms(_Model):
+    required_during_scheduling_ignored_during_execution: list[_TERM] | None = None
+    preferred_during_scheduling_ignored_during_execution: list[_TERM] | None = None
+
+
+class Affinity(_Model):
+    """The pod affinity passed on to the daemons (Kubernetes' Affinity)."""
+
+    node_affinity: NodeAffinity | None = None
+    pod_affinity: PodAffinityTerms | None = None
+    pod_anti_affinity: PodAffinityTerms | None = None
 
 
 class PlacementSpec(_Model):
@@ -389,7 +431,7 @@ class InferenceServiceSpec(_Model):
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
-    affinity: dict[str, Any] | None = Field(None, json_schema_extra=_FREE_FORM)
+    affinity: Affinity | None = None
     replicas: int = Field(1, ge=0, le=1000, description="desired replicas (the /scale subresource's)")
 
     def desired_replicas(self) -> int:

@@ -218,7 +218,7 @@ def admin_secret(name: str, namespace: str, token: str) -> dict[str, Any]:
 
 def _affinity(spec: s.InferenceServiceSpec, name: str) -> dict[str, Any] | None:
     """The user's affinity, plus one daemon per node only where the spec asks for it."""
-    affinity = json.loads(json.dumps(spec.affinity or {}))  # deep copy of plain JSON
+    affinity = spec.affinity.to_manifest() if spec.affinity is not None else {}  # a fresh dict
     if spec.placement.one_per_node:
         anti = affinity.setdefault("podAntiAffinity", {})
         terms = anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", [])
