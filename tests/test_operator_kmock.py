@@ -438,3 +438,32 @@ async def test_a_child_the_api_server_refuses_sets_a_condition_and_is_not_retrie
         await asyncio.sleep(2.0)  # kopf's retry of a plain exception would come within its backoff
         assert len(refused) == attempts <= 2, refused  # one apply, and its create fallback at most
         assert not exists(kmock, DEPLOYMENTS, "chat")
+
+
+async def test_a_refused_roll_keeps_its_condition_through_rollout_reports(
+        kmock: BridgedEmulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A spec change whose Deployment the API server refuses: the old pods serve on, and their Deployment's
+    # status reports must not overwrite InvalidChild with a healthy-looking Degraded=False.
+    refusing = False
+    bridge_write = BridgedEmulator._bridge_write
+
+    def invalid_roll(self: BridgedEmulator, request: Any) -> Any:
+        if refusing and request.resource is not None and request.resource.plural == "deployments" \
+                and request.name == "chat" and request.subresource is None:
+            raise KubernetesError(status=422, reason="Invalid", message='Deployment.apps "chat" is invalid')
+        return bridge_write(self, request)
+
+    monkeypatch.setattr(BridgedEmulator, "_bridge_write", invalid_roll)
+    async with Operator():
+        await create(kmock, manifest())
+        await eventually(lambda: obj(kmock, IS_RESOURCE, "chat")["status"].get("observedGeneration") == 1)
+        refusing = True
+        await patch_spec(kmock, "chat", {"model": {"source": "random", "name": "tiny"}})
+        await eventually(lambda: condition(kmock, "chat", "Degraded")["reason"] == "InvalidChild")
+        assert condition(kmock, "chat", "Ready")["reason"] != "InvalidChild"  # the old pods still serve
+        response = await kmock.patch(f"/apis/apps/v1/namespaces/{NS}/deployments/chat/status", json={"status": {
+            "replicas": 1, "readyReplicas": 1, "updatedReplicas": 1, "availableReplicas": 1}},
+            headers={"Content-Type": "application/merge-patch+json"})
+        assert response.status == 200
+        await asyncio.sleep(1.5)  # the Deployment's event is handled well within this
+        assert condition(kmock, "chat", "Degraded")["reason"] == "InvalidChild"

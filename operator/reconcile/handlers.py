@@ -229,6 +229,13 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, logger: logging.LoggerAdapter, *
 
 # -- the Deployment reports back ------------------------------------------------------------------------
 
+def _refused_child(owner: dict[str, Any]) -> bool:
+    """Whether this generation's children were refused (422): a rollout report must not hide that."""
+    degraded = cond.find((owner.get("status") or {}).get("conditions"), cond.DEGRADED)
+    return bool(degraded and degraded.get("reason") == "InvalidChild"
+                and degraded.get("observedGeneration") == owner["metadata"].get("generation"))
+
+
 def _live_owner(kube: Kube, child: dict[str, Any]) -> dict[str, Any] | None:
     """The InferenceService a child belongs to (by its label), unless it is gone or being deleted."""
     name = (child.get("metadata", {}).get("labels") or {}).get(render.LABEL_SERVICE)
@@ -266,8 +273,8 @@ def deployment_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logge
     if child_labels.get(render.LABEL_COMPONENT, "daemon") != "daemon":
         return  # the router's Deployment: the status counts the daemons
     spec, problems = _parse(owner)
-    if spec is None or problems:
-        return  # the InvalidSpec conditions stand until the spec is fixed
+    if spec is None or problems or _refused_child(owner):
+        return  # the InvalidSpec or InvalidChild conditions stand until the spec is fixed
     generation = (owner.get("status") or {}).get("observedGeneration")
     # Events queue up; read the Deployment as it is now so a stale event never writes old counts.
     fresh = kube.get("apps/v1", "Deployment", namespace, body["metadata"]["name"])
