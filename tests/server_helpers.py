@@ -55,7 +55,7 @@ def running_daemon(extra_args: list[str] = (), admin_token: str | None = ADMIN_T
                    base_args: list[str] = TINY_ARGS, probes: bool = False) -> Iterator[LiveDaemon]:
     """probes: also the probe listener (on a free port, LiveDaemon.probe_url), started as `stallfree serve` does."""
     port = free_port()
-    probe_args = ["--probe-port", str(free_port())] if probes else []
+    probe_args = ["--probe-port", str(next(p for p in iter(free_port, None) if p != port))] if probes else []
     with contextlib.ExitStack() as stack:
         stack.enter_context(_env("STALLFREE_ADMIN_TOKEN", admin_token))
         opts = parse_options([*base_args, "--log-level", "warning", *extra_args, "--host", "127.0.0.1",

@@ -158,3 +158,41 @@ def test_long_prompts_are_counted_in_pieces_and_never_refused_when_they_fit() ->
     with pytest.raises(APIError) as caught:
         _encode(daemon, "x" * (4 * PIECE_CHARS))
     assert caught.value.status == 400 and caught.value.code == "context_length_exceeded"
+
+
+def test_probe_port_is_off_unless_given_and_never_the_serving_port() -> None:
+    from stallfree.cli.serve import parse_options
+
+    assert parse_options(["--backend", "sim"]).args.probe_port == 0
+    assert parse_options(["--backend", "sim", "--probe-port", "8001"]).args.probe_port == 8001
+    for bad in ("8000", "-1", "70000"):
+        with pytest.raises(ValueError, match="--probe-port"):
+            parse_options(["--backend", "sim", "--port", "8000", "--probe-port", bad])
+
+
+def test_the_probe_listener_reports_a_dead_engine_loop() -> None:
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from stallfree.node_daemon.server.probes import create_probe_app
+
+    daemon = SimpleNamespace(engine=object(), engine_error=lambda: None, not_ready_reason=lambda: None)
+    client = TestClient(create_probe_app(daemon))
+    assert client.get("/health").json() == {"status": "ok"} and client.get("/ready").status_code == 200
+    daemon.engine_error = lambda: "engine loop died"
+    daemon.not_ready_reason = lambda: "engine loop died"
+    health = client.get("/health")
+    assert health.status_code == 500 and health.json()["reason"] == "engine loop died"
+    assert client.get("/ready").status_code == 503
+
+
+def test_a_start_up_failure_stops_the_probe_listener_too(capsys) -> None:
+    from server_helpers import free_port
+    from stallfree.cli.serve import main
+
+    port = free_port()
+    probe_port = next(p for p in iter(free_port, None) if p != port)
+    assert main(["--model", "no-such-model", "--host", "127.0.0.1", "--port", str(port),
+                 "--probe-port", str(probe_port), "--log-level", "error"]) == 1
+    assert "no-such-model" in capsys.readouterr().err
