@@ -189,3 +189,22 @@ def test_models_it_does_not_cover_say_why():
     float32 = smollm2_runner()
     assert "bfloat16" in cpu_decode.unsupported(float32.model)
     assert float32.cpu_decode is None  # compiled_decode defaults to off
+
+
+def test_the_library_runs_on_torchs_threads_and_keeps_its_build_key():
+    """The kernels' at::parallel_for is OpenMP pragmas in ATen's headers: a library built without -fopenmp ran them
+    on one thread (half the cores on a 2-core machine). It must need torch's libgomp, and a build must leave the
+    build key as it was (cpp_extension.load appends to the flag lists it is given: a changed key meant a second
+    build of the same tier, whose namespace then aborted the process as it loaded)."""
+    import subprocess
+
+    from stallfree.node_daemon.models.cpu_tier import cpu_tier
+
+    _runner()
+    tier = cpu_tier()
+    library = cpu_decode._library_path(cpu_decode.build_key(tier))
+    assert library.exists(), "the loaded library is not the one the build key names"
+    needed = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    assert "libgomp.so.1" in needed
+    assert cpu_decode.kernels_for(tier) is not None  # loads nothing new: the same key
+    assert cpu_decode._library_path(cpu_decode.build_key(tier)) == library

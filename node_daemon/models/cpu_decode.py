@@ -57,7 +57,10 @@ ENV_SWITCH = "STALLFREE_CPU_DECODE"
 MIXED_SWITCH = "STALLFREE_CPU_MIXED"
 CHUNK_KERNEL_SWITCH = "STALLFREE_CPU_CHUNK_KERNEL"
 CODE_KERNEL_SWITCH = "STALLFREE_CPU_CODE_KERNEL"
-_CFLAGS = ["-O3", "-fopenmp-simd"]  # and the tier's target (CpuTier.cflags)
+# -fopenmp: ATen's at::parallel_for is a header template over OpenMP pragmas, so without it every kernel here ran
+# on one thread (torch's own libgomp serves the pragmas: the library needs libgomp.so.1, the soname torch loaded).
+_CFLAGS = ["-O3", "-fopenmp"]  # and the tier's target (CpuTier.cflags)
+_LDFLAGS = ("-fopenmp",)  # a tuple: cpp_extension.load appends to the list it is given
 # Decode batches up to this many rows take the compiled path.
 MAX_ROWS = 64
 
@@ -82,7 +85,8 @@ def build_key(tier: CpuTier | None = None) -> str:
     """What the compiled file depends on: the sources, the flags, torch's build, the CPU and the tier."""
     tier = tier or cpu_tier()
     digest = hashlib.sha256()
-    parts = (SOURCE.read_bytes(), *(h.read_bytes() for h in HEADERS), " ".join(compile_flags(tier)).encode(),
+    flags = " ".join([*compile_flags(tier), *_LDFLAGS])
+    parts = (SOURCE.read_bytes(), *(h.read_bytes() for h in HEADERS), flags.encode(),
              torch.__version__.encode(), cpu_flags().encode(), tier.name.encode())
     for part in parts:
         digest.update(part)
@@ -123,7 +127,8 @@ def _compile_or_load(tier: CpuTier, build: bool) -> str | None:
     try:
         with _one_build_at_a_time(library.parent):
             built = cpp_extension.load(name=library.stem, sources=[str(SOURCE)], extra_cflags=compile_flags(tier),
-                                       build_directory=str(library.parent), is_python_module=False, verbose=False)
+                                       extra_ldflags=list(_LDFLAGS), build_directory=str(library.parent),
+                                       is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:  # a failed compile: the Python path stays
         why = f"compile failed: {str(exc).splitlines()[0][:200]}"
         log.warning("compiled CPU decode path (%s): %s", tier.name, why)
