@@ -198,22 +198,6 @@ def test_structured_bodies_past_the_bounds_are_refused_before_parsing(live: Live
     assert httpx.get(live.url + "/health", timeout=10).status_code == 200
 
 
-def test_the_probe_port_answers_liveness_past_the_cap_and_its_reserve(live: LiveDaemon, monkeypatch) -> None:
-    # Issue 31: with every serving connection and probe slot taken, the serving port refuses /health; the
-    # kubelet asks the probe port, which no client connection reaches.
-    monkeypatch.setattr(connections, "PROBE_HEADER_TIMEOUT_S", 30.0, raising=False)
-    host, port = live.url.removeprefix("http://").split(":")
-    with _idle_sockets(live, CAP + connections.PROBE_SLOTS):
-        with socket.create_connection((host, int(port)), timeout=10) as extra:
-            refused = extra.recv(65536)
-        health = httpx.get(live.probe_url + "/health", timeout=10)
-        ready = httpx.get(live.probe_url + "/ready", timeout=10)
-    assert refused.startswith(b"HTTP/1.1 503"), refused[:200]  # the serving port's /health is out of reach
-    assert health.status_code == 200 and health.json() == {"status": "ok"}, health.text
-    assert ready.status_code == 200 and ready.json() == {"ready": True}, ready.text
-    assert httpx.get(live.probe_url + "/v1/models", timeout=10).status_code == 404  # probes only
-
-
 def test_a_big_body_is_parsed_once_and_off_the_event_loop(live: LiveDaemon) -> None:
     """/health answers while the body's parse is held on its worker, and the route never parses it again
     on the event loop (the thread named test-uvicorn)."""

@@ -75,22 +75,25 @@ def awaiting_observation(generation: int | None = None) -> list[dict[str, Any]]:
             condition(SLO_FEASIBLE, "Unknown", "AwaitingObservation", message, generation)]
 
 
-def invalid_spec(message: str, generation: int | None, serving_previous: bool) -> list[dict[str, Any]]:
-    """A spec the operator cannot deploy: nothing new is made; a running previous spec keeps serving."""
-    out = [condition(DEGRADED, "True", "InvalidSpec", message, generation),
-           condition(PROGRESSING, "False", "InvalidSpec", "waiting for a corrected spec", generation)]
+def _not_deployed(reason: str, waiting: str, message: str, generation: int | None,
+                  serving_previous: bool) -> list[dict[str, Any]]:
+    """Nothing new is made; a running previous spec keeps serving (Ready stays as it was)."""
+    out = [condition(DEGRADED, "True", reason, message, generation),
+           condition(PROGRESSING, "False", reason, waiting, generation)]
     if not serving_previous:
-        out.append(condition(READY, "False", "InvalidSpec", message, generation))
+        out.append(condition(READY, "False", reason, message, generation))
     return out
+
+
+def invalid_spec(message: str, generation: int | None, serving_previous: bool) -> list[dict[str, Any]]:
+    """A spec the operator cannot deploy."""
+    return _not_deployed("InvalidSpec", "waiting for a corrected spec", message, generation, serving_previous)
 
 
 def invalid_child(message: str, generation: int | None, serving_previous: bool) -> list[dict[str, Any]]:
     """A child the API server refused (422): the spec passed the schema but renders something invalid."""
-    out = [condition(DEGRADED, "True", "InvalidChild", message, generation),
-           condition(PROGRESSING, "False", "InvalidChild", "waiting for a spec the API server accepts", generation)]
-    if not serving_previous:
-        out.append(condition(READY, "False", "InvalidChild", message, generation))
-    return out
+    return _not_deployed("InvalidChild", "waiting for a spec the API server accepts", message, generation,
+                         serving_previous)
 
 
 def _deployment_condition(deployment: dict[str, Any], type_: str) -> dict[str, Any] | None:
