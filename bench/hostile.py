@@ -25,7 +25,7 @@ import httpx
 
 from stallfree.bench.daemon_process import stop, wait_ready
 from stallfree.net import free_port
-from stallfree.node_daemon.server.json_bounds import MAX_JSON_VALUES
+from stallfree.http_doors.json_bounds import MAX_JSON_VALUES
 from stallfree.node_daemon.server.protocol import MAX_MESSAGES
 
 PROBE_EVERY_S = 0.02

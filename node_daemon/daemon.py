@@ -378,7 +378,7 @@ def uvicorn_config(opts: ServeOptions, daemon, app):
     """uvicorn over the daemon's app with the connection limits (header deadline, connection cap)."""
     import uvicorn
 
-    from stallfree.node_daemon.server.connections import limited_h11_protocol
+    from stallfree.http_doors.connections import limited_h11_protocol
 
     a = opts.args
     protocol = limited_h11_protocol(a.header_timeout_s, a.max_connections, daemon.metrics.record_error)

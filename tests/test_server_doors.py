@@ -18,7 +18,7 @@ import pytest
 from server_helpers import LiveDaemon, running_daemon
 
 from stallfree.bench.soak import SIM_DAEMON_ARGS
-from stallfree.node_daemon.server import connections
+from stallfree.http_doors import connections
 
 MODEL = "llama-3-8b"  # the sim backend's model (SIM_DAEMON_ARGS)
 CAP = 8  # --max-connections

@@ -13,7 +13,7 @@ import pytest
 
 from server_helpers import LiveDaemon, running_daemon
 
-from stallfree.node_daemon.server.connections import PROBE_SLOTS
+from stallfree.http_doors.connections import PROBE_SLOTS
 
 MODEL = "tiny"
 FOUR_MB = 4_000_000

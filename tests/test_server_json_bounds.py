@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stallfree.node_daemon.server.json_bounds import (MAX_JSON_OBJECTS, MAX_JSON_VALUES, TooManyValues,
+from stallfree.http_doors.json_bounds import (MAX_JSON_OBJECTS, MAX_JSON_VALUES, TooManyValues,
                                                        _outside_strings, check_bounds)
 
 # Strings full of the characters the scan must not be fooled by: quotes, backslashes, delimiters.

@@ -7,7 +7,7 @@ Plain ASGI middleware (inside BodyLimitMiddleware, so the size cap applies while
   lone surrogates, non-finite numbers, 64-bit integers): each refusal a 400 in OpenAI's error shape, on every
   route (admin ones included), with one log line at most.
 Large bodies (and any whose structure must be counted string by string) are checked on a worker thread so
-the event loop keeps serving streams. The parsed body is left in the scope (parsed_body.PARSED_BODY) for the
+the event loop keeps serving streams. The parsed body is left in the scope (PARSED_BODY) for the
 route, so nothing parses it again on the event loop; the body itself is replayed to the app unchanged.
 """
 from __future__ import annotations
@@ -18,12 +18,13 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stallfree.node_daemon.server.body_limit import BodyTooLarge
-from stallfree.node_daemon.server.errors import error_body
-from stallfree.node_daemon.server.json_bounds import within_bounds_at_a_glance
-from stallfree.node_daemon.server.json_checks import NOT_JSON, BodyRefused, check_json
-from stallfree.node_daemon.server.parsed_body import PARSED_BODY
+from stallfree.http_doors.body_limit import BodyTooLarge
+from stallfree.http_doors.error_json import error_body
+from stallfree.http_doors.json_bounds import within_bounds_at_a_glance
+from stallfree.http_doors.json_checks import NOT_JSON, BodyRefused, check_json
 
+# The scope key under which a route finds the parsed body.
+PARSED_BODY = "stallfree.parsed_body"
 OFF_LOOP_BYTES = 256 << 10  # bodies larger than this are parsed on a worker thread
 
 

@@ -18,7 +18,7 @@ import time
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stallfree.node_daemon.server.errors import error_body
+from stallfree.http_doors.error_json import error_body
 
 # A refused body is read and dropped up to this many bytes; past it the connection is closed unread.
 DRAIN_MAX_BYTES = 64 << 20

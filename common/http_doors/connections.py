@@ -21,8 +21,8 @@ import json
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from stallfree.node_daemon.server.body_limit import drain
-from stallfree.node_daemon.server.errors import error_body
+from stallfree.http_doors.body_limit import drain
+from stallfree.http_doors.error_json import error_body
 
 PROBE_PATHS = frozenset({"/health", "/ready"})
 PROBE_SLOTS = 16  # connections over the cap that may still ask for a probe

@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from stallfree.node_daemon.server.json_bounds import TooManyValues, check_bounds
+from stallfree.http_doors.json_bounds import TooManyValues, check_bounds
 
 MAX_JSON_DEPTH = 32
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # int64 or uint64: what JSON clients can represent

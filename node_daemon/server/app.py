@@ -23,9 +23,9 @@ from stallfree.node_daemon.engine.engine_protocol import EngineClient
 from stallfree.node_daemon.server.metrics import EngineMetrics
 from stallfree.node_daemon.server.auth import Auth
 from stallfree.node_daemon.server.backpressure import AdmissionControl
-from stallfree.node_daemon.server.body_guard import BodyGuardMiddleware
-from stallfree.node_daemon.server.body_limit import BodyLimitMiddleware
-from stallfree.node_daemon.server.connections import CONNECTIONS_FULL
+from stallfree.http_doors.body_guard import BodyGuardMiddleware
+from stallfree.http_doors.body_limit import BodyLimitMiddleware
+from stallfree.http_doors.connections import CONNECTIONS_FULL
 from stallfree.node_daemon.server.drain import DrainState
 from stallfree.node_daemon.server.errors import APIError, install_error_handlers
 from stallfree.node_daemon.server.probes import health_response

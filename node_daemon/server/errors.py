@@ -16,21 +16,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-log = logging.getLogger("stallfree.server")
+from stallfree.http_doors.error_json import error_body
 
-_TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable_error",
-}
+log = logging.getLogger("stallfree.server")
 
 
 class APIError(Exception):
@@ -48,11 +36,6 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
-
-
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPE_BY_STATUS.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
 
 
 def error_response(err: APIError) -> JSONResponse:

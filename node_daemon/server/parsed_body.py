@@ -13,7 +13,7 @@ from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import Response
 
-PARSED_BODY = "stallfree.parsed_body"
+from stallfree.http_doors.body_guard import PARSED_BODY
 
 
 class _ParsedRequest(Request):
