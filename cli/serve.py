@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_options(argv: list[str]) -> ServeOptions:
     """Parse and check the command line; ValueError names the bad flag."""
-    from stallfree.node_daemon.server.auth import ADMIN_TOKEN_ENV, API_KEY_ENV, load_secret
+    from stallfree.node_daemon.server.auth import ADMIN_TOKEN_ENV, API_KEY_ENV, watched_secret
 
     args = build_parser().parse_args(argv)
     for flag in ("block_size", "max_token_budget", "max_num_seqs_ceiling", "max_num_seqs", "max_partial_prefills",
@@ -154,8 +154,8 @@ def parse_options(argv: list[str]) -> ServeOptions:
     return ServeOptions(
         args=args, ceilings=ceilings, tuning=tuning, auto_budget=auto_budget,
         served_model_name=args.served_model_name or args.model,
-        admin_token=load_secret(args.admin_token_file, ADMIN_TOKEN_ENV),
-        api_key=load_secret(args.api_key_file, API_KEY_ENV),
+        admin_token=watched_secret(args.admin_token_file, ADMIN_TOKEN_ENV),
+        api_key=watched_secret(args.api_key_file, API_KEY_ENV),
     )
 
 

@@ -160,3 +160,24 @@ async def test_the_operator_tunes_a_live_daemon_reports_and_resumes(kmock: Bridg
         await another_step(kmock, resumed)  # a wrong restart would have decided "initial" by its first step
     assert len(events(kmock, "TuningInitialised")) == initialised
     assert tuned() == budget
+
+
+async def test_a_deleted_admin_secret_is_made_again_by_the_next_control_step(kmock: BridgedEmulator, daemon,
+                                                                            monkeypatch) -> None:
+    # Secrets are not watched (that takes list/watch on every Secret of the namespace); the control loop reads
+    # the Secret at each step and, finding it gone, reconciles: the Secret is back within a step or two.
+    monkeypatch.setenv("STALLFREE_OPERATOR_METRICS_PORT", "0")
+    daemon_port = int(daemon.url.rsplit(":", 1)[1])
+    response = await kmock.post(f"/api/v1/namespaces/{NS}/pods", json=daemon_pod("chat-abc", daemon_port))
+    assert response.status in (200, 201), await response.text()
+    async with Operator(0):
+        await create(kmock, service())
+        secret = await eventually(lambda: obj(kmock, "v1/secrets", "chat-admin-token"), timeout=20)
+        await another_step(kmock, await eventually(lambda: last_step(kmock), timeout=20))
+        response = await kmock.delete(f"/api/v1/namespaces/{NS}/secrets/chat-admin-token")
+        assert response.status == 200, await response.text()
+        remade = await eventually(
+            lambda: (new := obj(kmock, "v1/secrets", "chat-admin-token"))["metadata"]["uid"]
+            != secret["metadata"]["uid"] and not kmock.objects["v1/secrets", NS, "chat-admin-token"].deleted and new,
+            timeout=20)
+        assert remade["stringData"]["token"] and remade["stringData"]["token"] != secret["stringData"]["token"]
