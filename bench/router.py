@@ -33,6 +33,7 @@ import httpx
 from stallfree.contracts import Profile, WindowStats
 from stallfree.net import free_port
 from stallfree.operator.router.rates import prefill_tokens_per_ms
+from stallfree.ready import wait_until_ready
 
 TOKEN = "bench-router"
 MODEL = "llama-3-70b"
@@ -133,18 +134,15 @@ class Fleet:
              "--port", str(port), "--log-level", "warning", *extra],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                body = httpx.get(self.router_url + "/ready", timeout=1).json()
-                if body.get("replicas_healthy") == len(self.replicas):
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            if self.router.poll() is not None:
-                raise RuntimeError(f"the router exited; see {self.log_dir}/router-{policy}.log")
-            time.sleep(0.2)
-        raise RuntimeError("the router never saw every replica ready")
+        wait_until_ready(self._router_sees_every_replica, 60.0, alive=lambda: self.router.poll() is None, poll_s=0.2,
+                         what=f"the router (its log: {self.log_dir}/router-{policy}.log)")
+
+    def _router_sees_every_replica(self) -> bool:
+        try:
+            body = httpx.get(self.router_url + "/ready", timeout=1).json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        return body.get("replicas_healthy") == len(self.replicas)
 
     def stop(self) -> None:
         if self.router is not None:

@@ -25,6 +25,7 @@ import httpx
 
 from stallfree.loadgen.prompts import PromptBuilder
 from stallfree.operator.local.daemons import LocalDaemonSet, LocalReplica
+from stallfree.ready import answers_ready_async, wait_until_ready_async
 
 SIM_DAEMON_ARGS = ["--backend", "sim", "--model", "llama-3-8b", "--hardware", "h100", "--max-model-len", "4096",
                    "--max-token-budget", "2048", "--token-budget", "1024", "--max-num-seqs-ceiling", "128",
@@ -177,25 +178,19 @@ class Soak:
             await asyncio.sleep(0.3)
 
     async def _refresh_ready(self, client: httpx.AsyncClient) -> None:
-        async def ok(replica: LocalReplica) -> bool:
-            try:
-                return (await client.get(f"{replica.url}/ready", timeout=1.0)).status_code == 200
-            except httpx.HTTPError:
-                return False
-
         replicas = list(self.daemons.replicas)
-        states = await asyncio.gather(*(ok(r) for r in replicas))
+        states = await asyncio.gather(*(answers_ready_async(client, r.url) for r in replicas))
         self.ready = {r.name for r, good in zip(replicas, states) if good}
 
     async def _wait_all_ready(self, client: httpx.AsyncClient, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        """Every replica answers /ready; a dead one is restarted meanwhile, as the supervisor would."""
+        async def all_ready() -> bool:
             self.restarts += len(self.daemons.restart_dead())
             await self._refresh_ready(client)
-            if len(self.ready) == len(self.daemons.replicas):
-                return
-            await asyncio.sleep(0.3)
-        raise TimeoutError(f"replicas not ready after {timeout_s:.0f}s; logs in {self.daemons.log_dir}")
+            return len(self.ready) == len(self.daemons.replicas)
+
+        await wait_until_ready_async(all_ready, timeout_s, poll_s=0.3,
+                                     what=f"replicas (logs in {self.daemons.log_dir})")
 
     async def _kv_after(self, client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
         """Each replica's KV usage once idle (waits briefly for aborted requests to be reaped)."""

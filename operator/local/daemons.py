@@ -14,9 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 from stallfree.net import free_port
+from stallfree.ready import ExitedBeforeReady, NotReadyInTime, answers_ready, wait_until_ready
 
 
 @dataclass
@@ -103,23 +102,25 @@ class LocalDaemonSet:
         return restarted
 
     def ready(self, replica: LocalReplica, timeout_s: float = 1.0) -> bool:
-        if not replica.alive or replica.draining:
-            return False
-        try:
-            return httpx.get(f"{replica.url}/ready", timeout=timeout_s).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return replica.alive and not replica.draining and answers_ready(replica.url, timeout_s)
 
     def wait_ready(self, timeout_s: float = 180.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.replicas and all(self.ready(r) for r in self.replicas):
-                return True
-            for replica in self.replicas:
-                if not replica.alive:
-                    raise RuntimeError(f"replica {replica.name} exited during start-up; see {replica.log_path}")
-            time.sleep(0.5)
-        return False
+        """True once every replica answers /ready; False at the deadline. A replica that exits while starting
+        raises ExitedBeforeReady (a RuntimeError) at once."""
+        try:
+            wait_until_ready(lambda: bool(self.replicas) and all(self.ready(r) for r in self.replicas), timeout_s,
+                             alive=lambda: all(r.alive for r in self.replicas), poll_s=0.5,
+                             what=f"a replica of {self.service}")
+        except NotReadyInTime:
+            return False
+        except ExitedBeforeReady:
+            raise ExitedBeforeReady(f"{self.exited_text()} while starting") from None
+        return True
+
+    def exited_text(self) -> str:
+        """Which replicas' processes have exited, and where their logs are."""
+        dead = [f"{r.name} (its log: {r.log_path})" for r in self.replicas if not r.alive]
+        return f"replica {', '.join(dead) or 'none'} exited"
 
     def kill(self, name: str) -> None:
         """Hard-kill a replica (fault injection): it is restarted by restart_dead()."""

@@ -25,6 +25,7 @@ from stallfree.operator.control.observe import ReplicaTarget
 from stallfree.operator.control.observe_http import HttpObserver
 from stallfree.operator.reconcile.render import daemon_args
 from stallfree.operator.api.spec import InferenceServiceSpec
+from stallfree.ready import ExitedBeforeReady, answers_ready_async, wait_until_ready_async
 
 
 @dataclass(frozen=True)
@@ -98,18 +99,16 @@ class LocalRuntime:
         self.daemons.scale_to(recorded if recorded is not None else max(1, self.spec.desired_replicas()))
 
     async def wait_ready(self, timeout_s: float, on_wait: Callable[[float], None] | None = None) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for replica in self.daemons.replicas:
-                if not replica.alive:
-                    raise RuntimeError(f"replica {replica.name} exited while starting; its log: {replica.log_path}")
+        async def all_ready() -> bool:
             targets = await self.targets()
-            if targets and all(t.ready for t in targets):
-                return
-            if on_wait:
-                on_wait(timeout_s - (deadline - time.monotonic()))
-            await asyncio.sleep(1.0)
-        raise TimeoutError(f"replicas not ready after {timeout_s:.0f}s; logs in {self.daemons.log_dir}")
+            return bool(targets) and all(t.ready for t in targets)
+
+        try:
+            await wait_until_ready_async(all_ready, timeout_s, poll_s=1.0, on_wait=on_wait,
+                                         alive=lambda: all(r.alive for r in self.daemons.replicas),
+                                         what=f"replicas (logs in {self.daemons.log_dir})")
+        except ExitedBeforeReady:
+            raise ExitedBeforeReady(f"{self.daemons.exited_text()} while starting") from None
 
     async def start_router(self, policy: str = "slo-aware") -> str:
         """`stallfree router` in this event loop, following the daemon set; returns its URL."""
@@ -167,12 +166,7 @@ class LocalRuntime:
 
     # -- internals ------------------------------------------------------------------------------------
     async def _ready(self, replica: LocalReplica) -> bool:
-        if not replica.alive or replica.draining:
-            return False
-        try:
-            return (await self.client.get(f"{replica.url}/ready", timeout=1.0)).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return replica.alive and not replica.draining and await answers_ready_async(self.client, replica.url)
 
     def _event(self, reason: str, message: str, warning: bool = False) -> None:
         self.events.append(Event(round(self.elapsed(), 1), reason, message, warning))

@@ -12,6 +12,7 @@ import uvicorn
 from stallfree.net import free_port
 from stallfree.operator.router.proxy import Router, RouterConfig, create_app
 from stallfree.operator.router.replicas import ReplicaPool
+from stallfree.ready import NotReadyInTime, wait_until_ready_async
 
 
 class InProcessRouter:
@@ -46,11 +47,10 @@ class InProcessRouter:
 
     async def wait_ready(self, timeout_s: float = 10.0) -> bool:
         """Until the router's own poll found a replica ready (its first poll follows `follow` closely)."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while not self.has_ready_replica():
-            if asyncio.get_running_loop().time() > deadline:
-                return False
-            await asyncio.sleep(0.05)
+        try:
+            await wait_until_ready_async(self.has_ready_replica, timeout_s, poll_s=0.05, what="the router")
+        except NotReadyInTime:
+            return False
         return True
 
     def has_ready_replica(self) -> bool:
