@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from stallfree.bench.daemon_process import stop, wait_ready
+from stallfree.bench.daemon_process import start, stop, wait_ready
 from stallfree.net import free_port
 from stallfree.http_doors.json_bounds import MAX_JSON_VALUES
 from stallfree.node_daemon.server.protocol import MAX_MESSAGES
@@ -146,9 +146,9 @@ def _start_daemon(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "stallfree.cli", "serve", "--model", args.model, "--backend", args.backend,
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *args.serve_arg]
-    process = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process, log_path = start(cmd, dict(os.environ))
     url = f"http://127.0.0.1:{port}"
-    wait_ready(process, url, timeout_s=300, poll_s=0.2)
+    wait_ready(process, url, timeout_s=300, poll_s=0.2, log_path=log_path)
     return process, url
 
 

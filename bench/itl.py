@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from stallfree.bench.daemon_process import stop, wait_ready
+from stallfree.bench.daemon_process import start, stop, wait_ready
 from stallfree.contracts import percentile
 from stallfree.net import free_port
 
@@ -140,9 +140,9 @@ def _start_daemon(args: argparse.Namespace, token: str, window_s: float) -> tupl
            "--max-num-seqs", str(max(args.streams, 1)), "--max-num-seqs-ceiling", str(max(args.streams, 256)),
            "--stats-window-s", str(window_s), "--log-level", "warning", *args.serve_arg]
     env = dict(os.environ, STALLFREE_ADMIN_TOKEN=token)
-    process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process, log_path = start(cmd, env)
     url = f"http://127.0.0.1:{port}"
-    wait_ready(process, url, timeout_s=300, poll_s=0.2)
+    wait_ready(process, url, timeout_s=300, poll_s=0.2, log_path=log_path)
     return process, url
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from stallfree.bench.daemon_process import stop, wait_ready
+from stallfree.bench.daemon_process import start, stop, wait_ready
 from stallfree.loadgen.stream import StreamError, stream_events
 from stallfree.net import free_port
 
@@ -212,9 +212,9 @@ def _start_daemon(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     if args.threads > 0:
         env["OMP_NUM_THREADS"] = str(args.threads)
     print(f"starting {' '.join(cmd[2:])} (model load and profile take a while) ...", flush=True)
-    process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process, log_path = start(cmd, env)
     url = f"http://127.0.0.1:{port}"
-    wait_ready(process, url, timeout_s=600, poll_s=0.5)
+    wait_ready(process, url, timeout_s=600, poll_s=0.5, log_path=log_path)
     return process, url
 
 

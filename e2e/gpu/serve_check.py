@@ -46,7 +46,7 @@ def serve_flags(args) -> list[str]:
 def serve_section(report: Report, args) -> None:
     import httpx
 
-    from stallfree.bench.daemon_process import stop, wait_ready
+    from stallfree.bench.daemon_process import start, stop, wait_ready
     from stallfree.net import free_port
 
     port = free_port()
@@ -54,10 +54,10 @@ def serve_section(report: Report, args) -> None:
     cmd = [sys.executable, "-m", "stallfree.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
            "--port", str(port), *serve_flags(args)]
     started = time.monotonic()
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process, log_path = start(cmd)
     try:
         try:
-            wait_ready(process, url, args.ready_timeout_s)
+            wait_ready(process, url, args.ready_timeout_s, log_path=log_path)
         except RuntimeError as exc:
             report.correct("serve ready", str(exc)[-400:], False, f"/ready 200 within {args.ready_timeout_s:.0f} s")
             return
