@@ -105,6 +105,7 @@ def start_engine(opts: ServeOptions, daemon) -> None:
     daemon.starting = "loading model"
     log.info("start-up: loading %s (%s backend)", opts.args.model, opts.args.backend)
     engine, device = build_llm_engine(opts, FanoutObserver(daemon.metrics, daemon.stats))
+    engine.on_observer_error = daemon.metrics.record_observer_error
     log.info("start-up: model loaded on %s in %.1f s", device, time.monotonic() - started)
     # What load made lives as long as the process: out of the collector's way, so no full collection
     # walks it while serving (a pause of the engine thread that no log would explain).

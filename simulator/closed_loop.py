@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+from stallfree.arrivals import arrival_times
 from stallfree.contracts import Ceilings, Profile, Tuning
 from stallfree.simulator.speed import SlowedCostModel, SpeedSchedule
 from stallfree.simulator.virtual_replica import VirtualReplica
@@ -245,15 +246,11 @@ class ClosedLoopRun:
 
 
 def poisson_arrivals(phase: LoadPhase, start: float, end: float, rng: random.Random) -> list[tuple[float, int, int]]:
-    arrivals = []
+    """The phase's arrivals in [start, end): each gap drawn, then that request's lengths (one rng, in that order)."""
     if phase.rate <= 0:
-        return arrivals
-    t = start
-    while True:
-        t += rng.expovariate(phase.rate)
-        if t >= end:
-            return arrivals
-        arrivals.append((t, phase.prompt_len.sample(rng), phase.output_len.sample(rng)))
+        return []
+    return [(t, phase.prompt_len.sample(rng), phase.output_len.sample(rng))
+            for t in arrival_times(phase.rate, rng, start=start, end=end)]
 
 
 def active_phase(phases: Sequence[LoadPhase], t: float) -> LoadPhase | None:

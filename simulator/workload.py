@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from stallfree.arrivals import arrival_times
 from stallfree.contracts import percentile
 
 
@@ -187,16 +188,10 @@ class WorkloadSpec:
             raise ValueError("num_prefix_groups must be at least 1")
 
 
-def interarrival_times(spec: WorkloadSpec, rng: random.Random) -> list[float]:
-    """Gaps between arrivals; the first request arrives at t=0."""
-    if math.isinf(spec.rate):
-        return [0.0] * spec.num_requests
-    gaps = [0.0]
+def arrival_times_of(spec: WorkloadSpec, rng: random.Random) -> list[float]:
+    """Every arrival time, the first at t=0, drawn before any length (so a seed keeps its workload)."""
     shape = spec.burstiness if spec.arrival == "gamma" else 1.0
-    scale = 1.0 / (spec.rate * shape)  # mean gap = shape * scale = 1 / rate
-    for _ in range(spec.num_requests - 1):
-        gaps.append(rng.gammavariate(shape, scale) if shape != 1.0 else rng.expovariate(spec.rate))
-    return gaps
+    return list(arrival_times(spec.rate, rng, count=spec.num_requests, first_at_start=True, burstiness=shape))
 
 
 def generate(spec: WorkloadSpec) -> list[RequestSpec]:
@@ -207,9 +202,7 @@ def generate(spec: WorkloadSpec) -> list[RequestSpec]:
         return [_clip(r, spec.max_total_len) for r in requests[: spec.num_requests]]
     rng = random.Random(spec.seed)
     requests = []
-    now = 0.0
-    for index, gap in enumerate(interarrival_times(spec, rng)):
-        now += gap
+    for index, now in enumerate(arrival_times_of(spec, rng)):
         if spec.duration_s is not None and now > spec.duration_s:
             break
         prompt_len = spec.prompt.sample(rng)

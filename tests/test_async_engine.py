@@ -8,7 +8,7 @@ import time
 import pytest
 
 from stallfree.contracts import Tuning, TuningError
-from stallfree.node_daemon.engine.async_engine import AsyncEngine, EngineDeadError
+from stallfree.node_daemon.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from stallfree.node_daemon.engine.engine_protocol import RequestOutput
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from tests.test_engine import make_engine, one_torch_thread, run_all, tokens_of  # noqa: F401 (autouse)
@@ -266,3 +266,47 @@ def test_a_slow_turn_is_logged_with_its_cause(caplog) -> None:
         assert "garbage collection (generation 2)" in caplog.records[-1].getMessage()
     finally:
         watch.close()
+
+
+class _LoopExitsOnRegister(dict):
+    """The streams table of an engine whose loop exits just as a stream is registered (the race of generate)."""
+
+    def __init__(self, client: AsyncEngine) -> None:
+        super().__init__()
+        self.client = client
+
+    def __setitem__(self, key, value) -> None:
+        self.client.shutdown_sync()  # the loop is gone, its exit path already ran
+        super().__setitem__(key, value)
+
+
+async def test_a_loop_that_exits_while_a_stream_registers_ends_the_stream() -> None:
+    client = AsyncEngine(make_engine(), model_name="tiny")
+    client._streams = _LoopExitsOnRegister(client)
+    # Checked before the stream was registered, the caller waited forever; now it learns the engine is gone.
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(collect(client, "late", PROMPTS["c"]), timeout=5.0)
+    assert client.num_in_flight == 0
+
+
+async def test_an_internal_fault_adding_a_request_is_logged_and_not_a_validation_error(client: AsyncEngine,
+                                                                                      reference, caplog) -> None:
+    real_add = client.engine.add_request
+
+    def broken_add(request_id, **kwargs):
+        raise KeyError("block table slot")
+
+    client.engine.add_request = broken_add
+    try:
+        with caplog.at_level("ERROR", logger="stallfree.node_daemon.engine.async_engine"):
+            with pytest.raises(RequestFailedError, match="KeyError"):
+                await collect(client, "x", PROMPTS["c"])
+    finally:
+        client.engine.add_request = real_add
+    assert any("adding request x failed" in r.getMessage() and r.exc_info for r in caplog.records)
+    # A request the engine refuses as invalid stays a ValueError (the caller's 400), and nothing is logged for it.
+    caplog.clear()
+    with pytest.raises(ValueError):
+        await collect(client, "bad", [10 ** 9])
+    assert not caplog.records
+    assert tokens_of(await collect(client, "c", PROMPTS["c"])) == reference["c"]

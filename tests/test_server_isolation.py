@@ -275,6 +275,63 @@ def test_an_engine_failure_of_one_request_fails_it_alone_and_counts_once(live: L
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
 
+def test_a_failed_request_of_n_choices_is_counted_once(live: LiveDaemon) -> None:
+    engine = live.llm_engine
+    live.wait_idle()
+    before = httpx.get(live.url + "/metrics", timeout=5).text
+    engine.executor = FailPrompt(engine.executor, engine.tokenizer)
+    try:
+        bad = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "two FAIL", "n": 2,
+                                                              "max_tokens": 8}, timeout=60)
+    finally:
+        engine.executor = engine.executor.executor
+    assert bad.status_code == 500 and bad.json()["error"]["code"] == "engine_error"
+    after = httpx.get(live.url + "/metrics", timeout=5).text
+    errors = 'stallfree_request_errors_total{model_name="tiny",reason="engine"}'
+    assert _metric(after, errors) - _metric(before, errors) == 1  # it was counted twice
+    live.wait_idle()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_an_internal_fault_admitting_a_request_is_a_logged_500_and_invalid_input_a_400(live: LiveDaemon,
+                                                                                        caplog) -> None:
+    engine = live.llm_engine
+    live.wait_idle()
+    before = httpx.get(live.url + "/metrics", timeout=5).text
+    real_add = engine.add_request
+
+    def broken_add(request_id, **kwargs):
+        raise KeyError("slot mapping")
+
+    engine.add_request = broken_add
+    try:
+        with caplog.at_level("ERROR"):
+            broken = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4},
+                                timeout=60)
+            with httpx.stream("POST", live.url + "/v1/completions", timeout=60, json={
+                    "model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True}) as stream:
+                events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    finally:
+        engine.add_request = real_add
+    # The engine's fault was a 400 that no log showed; now a 500 (no trace to the client), logged with its trace.
+    assert broken.status_code == 500 and broken.json()["error"]["code"] == "internal_error"
+    assert "KeyError" not in broken.text
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "internal_error"
+    assert sum("adding request" in r.getMessage() and r.exc_info is not None for r in caplog.records) == 2
+    after = httpx.get(live.url + "/metrics", timeout=5).text
+    internal = 'stallfree_request_errors_total{model_name="tiny",reason="internal"}'
+    assert _metric(after, internal) - _metric(before, internal) == 2
+    # The engine's own refusal of bad input stays a 400.
+    engine.add_request = lambda request_id, **kwargs: (_ for _ in ()).throw(ValueError("prompt token id out of range"))
+    try:
+        invalid = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4},
+                             timeout=60)
+    finally:
+        engine.add_request = real_add
+    assert invalid.status_code == 400 and "out of range" in invalid.json()["error"]["message"]
+    live.wait_idle()
+
+
 def test_prompt_and_generation_token_histograms_and_engine_info(live: LiveDaemon) -> None:
     live.wait_idle()
     text = httpx.get(live.url + "/metrics", timeout=5).text

@@ -26,6 +26,22 @@ def test_poisson_arrivals_have_the_rate_and_exponential_spread():
     assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(1.0, rel=0.08)
 
 
+@pytest.mark.parametrize("arrival,burstiness", [("poisson", 1.0), ("gamma", 0.5)])
+def test_a_seed_keeps_its_workload_on_the_shared_arrival_generator(arrival, burstiness):
+    """The draws before the switch to stallfree.arrivals: every gap first (expovariate, or gammavariate(shape,
+    1 / (rate * shape))), then each request's prompt and output length."""
+    spec = WorkloadSpec(arrival=arrival, rate=3.0, burstiness=burstiness, num_requests=50,
+                        prompt=Uniform(10, 900), output=Uniform(1, 300), seed=5)
+    rng = random.Random(5)
+    gaps = [0.0] + [rng.expovariate(3.0) if burstiness == 1.0 else rng.gammavariate(burstiness, 1 / (3.0 * burstiness))
+                    for _ in range(49)]
+    now, expected = 0.0, []
+    for gap in gaps:
+        now += gap
+        expected.append((now, spec.prompt.sample(rng), spec.output.sample(rng)))
+    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in generate(spec)] == expected
+
+
 def test_gamma_burstiness_keeps_the_rate_and_raises_the_variance():
     spec = WorkloadSpec(arrival="gamma", rate=4.0, burstiness=0.25, num_requests=4000,
                         prompt=Fixed(10), output=Fixed(5), seed=2)

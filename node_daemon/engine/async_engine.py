@@ -54,6 +54,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop is not running (shut down, or died): no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed on this request for a reason of its own, not the request's (a bug: a 500, logged)."""
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -93,14 +97,18 @@ class AsyncEngine:
         `waited_s`: how long it already waited before it reached this daemon (the router's queue): its
         arrival is that much earlier, so queue wait and TTFT count from the router's arrival.
 
-        Bad input raises ValueError at the first iteration; nothing else in flight is disturbed.
+        Bad input raises ValueError at the first iteration; an internal fault while adding it raises
+        RequestFailedError (logged on the engine thread); nothing else in flight is disturbed.
         """
-        if self._dead is not None or self._stopping:
-            raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        # Registered before the liveness check: a loop that exits after the check still finds the stream on
+        # its way out (_fail_streams_on_exit) and ends it; checked first, the caller could wait forever.
         self._streams[request_id] = stream
+        if self._dead is not None or self._stopping or not self._thread.is_alive():
+            self._streams.pop(request_id, None)
+            raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
         self._submit(("add", request_id, list(prompt_token_ids), sampling, time.monotonic() - max(0.0, waited_s)))
         finished = False
         try:
@@ -253,8 +261,11 @@ class AsyncEngine:
                 _, request_id, token_ids, sampling, arrival = command
                 try:
                     engine.add_request(request_id, prompt_token_ids=token_ids, sampling=sampling, arrival_time=arrival)
-                except Exception as exc:  # noqa: BLE001 - delivered to the caller, nothing else disturbed
-                    self._deliver_to(request_id, exc if isinstance(exc, ValueError) else ValueError(str(exc)))
+                except ValueError as exc:  # the request is invalid: the caller's 400
+                    self._deliver_to(request_id, exc)
+                except Exception as exc:  # noqa: BLE001 - the engine's fault: logged, the caller's 500
+                    log.exception("adding request %s failed", request_id)
+                    self._deliver_to(request_id, RequestFailedError(f"{type(exc).__name__}: {exc}"))
             elif kind == "abort":
                 request = engine.abort_request(command[1])
                 if request is not None:

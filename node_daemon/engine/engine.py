@@ -83,6 +83,11 @@ class LLMEngine:
         model_eos = tuple(loaded.eos_token_ids) if loaded is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(model_eos + tuple(tokenizer.eos_token_ids)))
         self.observer = observer
+        # An observer (metrics, stats) that raises must not fail requests: each fault is counted by hook, logged
+        # once per hook and exception type, and handed to on_observer_error (the daemon's metrics count it).
+        self.observer_errors: dict[str, int] = {}
+        self._observer_faults_logged: set[tuple[str, type]] = set()
+        self.on_observer_error: Callable[[str], None] | None = None
         self.clock = clock
         self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}  # every unfinished request
         self._detokenize = detokenize
@@ -196,14 +201,17 @@ class LLMEngine:
         if observer is not None:
             evictions = self.kv_cache.num_evictions
             num_evicted, self._num_evictions = evictions - self._num_evictions, evictions
-            observer.on_iteration(IterationRecord(
-                start=start, duration_s=now - start, num_prefill_tokens=output.num_prefill_tokens,
-                num_decode_tokens=output.num_decode_tokens, token_budget=output.token_budget,
-                max_num_seqs=scheduler.tuning.max_num_seqs, num_running=scheduler.num_running,
-                num_waiting=scheduler.num_waiting, num_partial_prefills=scheduler.num_partial_prefills,
-                kv_usage=self.kv_cache.usage, num_preempted=len(output.preempted),
-                kv_reserved=scheduler.kv_reserved, num_evicted_blocks=num_evicted,
-            ))
+            try:
+                observer.on_iteration(IterationRecord(
+                    start=start, duration_s=now - start, num_prefill_tokens=output.num_prefill_tokens,
+                    num_decode_tokens=output.num_decode_tokens, token_budget=output.token_budget,
+                    max_num_seqs=scheduler.tuning.max_num_seqs, num_running=scheduler.num_running,
+                    num_waiting=scheduler.num_waiting, num_partial_prefills=scheduler.num_partial_prefills,
+                    kv_usage=self.kv_cache.usage, num_preempted=len(output.preempted),
+                    kv_reserved=scheduler.kv_reserved, num_evicted_blocks=num_evicted,
+                ))
+            except Exception as exc:  # noqa: BLE001 - see _observer_failed
+                self._observer_failed("on_iteration", exc)
         self.num_iterations += 1
         outputs = failed
         detokenizers = self._detokenizers
@@ -242,7 +250,10 @@ class LLMEngine:
             text += detok.finish()
         first = request.first_token_time is None
         if self.observer is not None:
-            self.observer.on_token(request, now, first)
+            try:
+                self.observer.on_token(request, now, first)
+            except Exception as exc:  # noqa: BLE001 - see _observer_failed
+                self._observer_failed("on_token", exc)
         if first:
             request.first_token_time = now
         request.last_token_time = now
@@ -309,7 +320,21 @@ class LLMEngine:
         self._detokenizers.pop(request.request_id, None)
         self._free_executor_state(request.request_id)
         if self.observer is not None:
-            self.observer.on_finished(request, now)
+            try:
+                self.observer.on_finished(request, now)
+            except Exception as exc:  # noqa: BLE001 - see _observer_failed
+                self._observer_failed("on_finished", exc)
+
+    def _observer_failed(self, hook: str, exc: Exception) -> None:
+        """Count an observer's fault; log its first of each kind with the traceback (not one line per token)."""
+        self.observer_errors[hook] = self.observer_errors.get(hook, 0) + 1
+        kind = (hook, type(exc))
+        if kind not in self._observer_faults_logged:
+            self._observer_faults_logged.add(kind)
+            log.error("observer %s raised %s (counted; further ones of this kind are not logged): %s", hook,
+                      type(exc).__name__, exc, exc_info=exc)
+        if self.on_observer_error is not None:
+            self.on_observer_error(hook)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Fail every unfinished request after an engine error; their outputs carry finish_reason "error"."""

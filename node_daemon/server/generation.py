@@ -1,12 +1,19 @@
-"""One admitted request's life on the HTTP side: admission, in-flight tracking, and abort when the caller leaves.
+"""One admitted request's life on the HTTP side, its n choices included: admission, in-flight tracking, abort.
+
+n > 1 runs one engine request per choice, the prompt's KV computed once: choice 0 starts alone and the others
+start when it reports its first token, i.e. once its whole prompt is in the KV cache and its full blocks are in
+the prefix cache, so their prefills compute only the prompt's last, partial block. Seeded choices use
+seed + index (as vLLM), so two seeded choices differ and each is reproducible. The request holds one queue
+ticket (choice 0's).
 
 Whatever way a request ends (finished, client disconnected, stream cancelled, server error) `close()` runs
-exactly once: the queue ticket is returned, the drain stops waiting for it and, unless the engine already
-finished it, the engine is told to abort it so its KV blocks are freed at the next iteration.
+exactly once: the queue ticket is returned, the drain stops waiting for it and every choice the engine has not
+finished is aborted so its KV blocks are freed at the next iteration.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import AsyncIterator
 
 from stallfree.node_daemon.engine.engine_protocol import RequestOutput
@@ -42,33 +49,96 @@ def router_wait_s(headers) -> float:
     return min(MAX_ROUTER_WAIT_S, value) if value > 0 else 0.0  # NaN and negatives: 0
 
 
+_SEED_MODULUS = 1 << 64
+
+
 class Generation:
     def __init__(self, daemon: Daemon, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                 ticket: QueueTicket, waited_s: float = 0.0) -> None:
+                 ticket: QueueTicket, waited_s: float = 0.0, n: int = 1) -> None:
         self.daemon = daemon
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
+        self.n = n
+        self.samplings = [sampling if i == 0 or sampling.seed is None
+                          else dataclasses.replace(sampling, seed=(sampling.seed + i) % _SEED_MODULUS)
+                          for i in range(n)]
+        # One choice keeps the request's id in the engine; choices of n > 1 are "<id>-<index>".
+        self.engine_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
         self.ticket = ticket
         self.waited_s = waited_s  # in the router's queue, before it came here
-        self.finished = False
+        self._started = [False] * n
+        self._finished = [False] * n
         self._closed = False
-        daemon.drain.enter(request_id)
+        self._start(0)
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for this request; closes the generation when iteration stops for any reason."""
+    @property
+    def finished(self) -> bool:
+        return all(self._finished)
+
+    def _start(self, index: int) -> None:
+        self._started[index] = True
+        self.daemon.drain.enter(self.engine_ids[index])
+
+    async def _choice(self, index: int) -> AsyncIterator[RequestOutput]:
+        engine_id = self.engine_ids[index]
+        async for out in self.daemon.engine.generate(engine_id, self.prompt_token_ids, self.samplings[index],
+                                                     self.waited_s):
+            if index == 0 and self.ticket.queued and (out.num_output_tokens or out.finished):
+                self.daemon.admission.dequeue(self.ticket)
+            if out.finished:
+                self._finished[index] = True
+            yield out
+            if out.finished:
+                return
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) as they come until every choice finished; closes the request on exit."""
         try:
-            async for out in self.daemon.engine.generate(self.request_id, self.prompt_token_ids, self.sampling,
-                                                      self.waited_s):
-                if self.ticket.queued and (out.num_output_tokens or out.finished):
-                    self.daemon.admission.dequeue(self.ticket)
-                if out.finished:
-                    self.finished = True
-                yield out
-                if self.finished:
-                    return
+            if self.n == 1:  # the common case: no queue between the engine's stream and the caller
+                async for out in self._choice(0):
+                    yield 0, out
+            else:
+                async for item in self._all_choices():
+                    yield item
         finally:
             self.close()
+
+    async def _all_choices(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(index: int) -> None:
+            try:
+                async for out in self._choice(index):
+                    queue.put_nowait((index, out))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+                queue.put_nowait((index, exc))
+            finally:
+                queue.put_nowait((index, done))
+
+        tasks = [asyncio.ensure_future(pump(0))]
+        remaining = 1
+        siblings_started = False
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if index == 0 and not siblings_started:
+                    siblings_started = True
+                    if item is not done and not isinstance(item, BaseException):
+                        for i in range(1, self.n):
+                            self._start(i)
+                            tasks.append(asyncio.ensure_future(pump(i)))
+                        remaining += self.n - 1
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
 
     def close(self) -> None:
         if self._closed:
@@ -76,9 +146,12 @@ class Generation:
         self._closed = True
         daemon = self.daemon
         daemon.admission.dequeue(self.ticket)
-        daemon.drain.leave(self.request_id)
-        if not self.finished:
-            # Runs from finally blocks of cancelled tasks too: schedule the abort instead of awaiting it.
-            task = asyncio.get_running_loop().create_task(daemon.engine.abort(self.request_id))
-            daemon.background.add(task)
-            task.add_done_callback(daemon.background.discard)
+        for index, engine_id in enumerate(self.engine_ids):
+            if not self._started[index]:
+                continue
+            daemon.drain.leave(engine_id)
+            if not self._finished[index]:
+                # Runs from finally blocks of cancelled tasks too: schedule the abort instead of awaiting it.
+                task = asyncio.get_running_loop().create_task(daemon.engine.abort(engine_id))
+                daemon.background.add(task)
+                task.add_done_callback(daemon.background.discard)

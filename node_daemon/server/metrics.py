@@ -123,6 +123,10 @@ class EngineMetrics:
                          [LABEL, "reason"], registry=reg)
         self._errors_family, self._model = errors, model_name
         self._errors = {reason: errors.labels(model_name, reason) for reason in ERROR_REASONS}
+        observer_errors = Counter("stallfree_observer_errors", "Faults of the engine's observers (metrics, "
+                                  "stats) by hook; the requests are served regardless.", [LABEL, "hook"], registry=reg)
+        self._observer_errors = {hook: observer_errors.labels(model_name, hook)
+                                 for hook in ("on_iteration", "on_token", "on_finished")}
         self.engine_config = Info("stallfree_engine_config", "The engine's configuration: ceilings, KV cache, "
                                   "dtype, backend (set once the engine runs).", [LABEL], registry=reg).labels(*m)
         self._live = False
@@ -205,6 +209,12 @@ class EngineMetrics:
         if child is None:
             child = self._errors[reason] = self._errors_family.labels(self._model, reason)
         child.inc()
+
+    def record_observer_error(self, hook: str) -> None:
+        """An observer raised in `hook` (engine thread): the engine logged it, this counts it."""
+        child = self._observer_errors.get(hook)
+        if child is not None:
+            child.inc()
 
     def set_tuning(self, tuning: Tuning) -> None:
         """Show a new tuning at once (iterations keep the budget gauges current afterwards)."""

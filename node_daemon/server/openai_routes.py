@@ -13,9 +13,7 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from stallfree.node_daemon.engine.async_engine import EngineDeadError
-from stallfree.node_daemon.engine.engine_protocol import RequestOutput
-from stallfree.node_daemon.server import choices, protocol
+from stallfree.node_daemon.server import choices, outcome, protocol
 from stallfree.node_daemon.server.app import Daemon, get_daemon
 from stallfree.node_daemon.server.errors import APIError
 from stallfree.node_daemon.server.generation import Generation, admit, router_wait_s
@@ -200,9 +198,8 @@ async def _serve(daemon: Daemon, request: Request, body: protocol.SamplingFields
         raise APIError(400, str(exc)) from None
     rid = protocol.new_id("chatcmpl" if chat else "cmpl")
     ticket = admit(daemon, len(prompt_ids))
-    if body.n > 1:
-        return await _serve_choices(daemon, request, body, rid, prompt_ids, sampling, ticket, chat, echo)
-    generation = Generation(daemon, rid, prompt_ids, sampling, ticket, router_wait_s(request.headers))
+    # n > 1: one engine request per choice, the prompt's KV shared through the prefix cache (generation.py).
+    generation = Generation(daemon, rid, prompt_ids, sampling, ticket, router_wait_s(request.headers), n=body.n)
     if body.stream:
         render = ChunkRenderer(rid, protocol.now_s(), daemon.served_model_name, chat, body.include_usage,
                                body.continuous_usage, logprobs=sampling.logprobs is not None, echo=echo)
@@ -227,87 +224,29 @@ async def _unless_client_gone(request: Request, collecting):
 async def _complete(daemon: Daemon, request: Request, generation: Generation, chat: bool,
                     echo: str | None = None) -> JSONResponse:
     try:
-        collected = await _unless_client_gone(request, _collect(generation))
+        results = await _unless_client_gone(request, choices.collect(generation))
+    except Exception as exc:  # noqa: BLE001 - mapped once (outcome.py); the APIError handler counts it
+        raise outcome.of_exception(exc).api_error() from None
     finally:
         generation.close()  # an abort when unfinished: frees the KV blocks
-    if collected is None:
-        return JSONResponse({}, status_code=499)  # nobody is listening
-    text, last, logprob_entries = collected
-    if last is None or last.finish_reason == "error":
-        # Counted once, by the APIError handler.
-        detail = last.error if last is not None and last.error else "the engine stopped without an answer"
-        raise APIError(500, f"generation failed: {detail}", code="engine_error", reason="engine")
-    if last.finish_reason == "abort":
-        raise APIError(503, "the request was aborted: the server is shutting down", code="aborted",
-                       reason="draining", headers={"Retry-After": "1"})
-    usage = protocol.usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-    build = protocol.chat_response if chat else protocol.completion_response
-    logprobs = _render_logprobs(logprob_entries, chat, echo) if generation.sampling.logprobs is not None else None
-    return JSONResponse(build(generation.request_id, protocol.now_s(), daemon.served_model_name,
-                              (echo or "") + text, last.finish_reason, usage, logprobs))
-
-
-def _render_logprobs(entries: list, chat: bool, echo: str | None) -> dict:
-    return protocol.chat_logprobs(entries) if chat else protocol.completion_logprobs(entries, len(echo or ""))
-
-
-async def _serve_choices(daemon: Daemon, request: Request, body: protocol.SamplingFields, rid: str,
-                         prompt_ids: list[int], sampling, ticket, chat: bool, echo: str | None):
-    """n > 1 (choices.py): one engine request per choice, the prompt's KV shared through the prefix cache."""
-    group = choices.Choices(daemon, rid, prompt_ids, sampling, body.n, ticket, router_wait_s(request.headers))
-    if body.stream:
-        render = ChunkRenderer(rid, protocol.now_s(), daemon.served_model_name, chat, body.include_usage,
-                               body.continuous_usage, logprobs=sampling.logprobs is not None, echo=echo)
-        return SSEResponse(choices.stream_events(daemon, group, render), on_close=group.close)
-    try:
-        results = await _unless_client_gone(request, _collect_choices(group))
-    finally:
-        group.close()
     if results is None:
-        return JSONResponse({}, status_code=499)
-    bad = choices.failure(results)
-    if bad is not None and bad.finish_reason == "abort":
-        raise APIError(503, "the request was aborted: the server is shutting down", code="aborted",
-                       reason="draining", headers={"Retry-After": "1"})
-    if bad is not None:
-        daemon.metrics.record_error("engine")
-        raise APIError(500, f"generation failed: {bad.error or 'the engine stopped without an answer'}",
-                       code="engine_error", reason="engine")
+        return JSONResponse({}, status_code=499)  # nobody is listening
+    lasts = [r.last for r in results]
+    failure = outcome.of_choices(lasts)
+    if failure is not None:
+        raise failure.api_error()  # counted once, by the APIError handler
     choice = protocol.chat_choice if chat else protocol.completion_choice
-    wants_logprobs = sampling.logprobs is not None
+    wants_logprobs = generation.sampling.logprobs is not None
     rendered = [choice(i, (echo or "") + r.text, r.last.finish_reason,
                        _render_logprobs(r.logprobs, chat, echo) if wants_logprobs else None)
                 for i, r in enumerate(results)]
     build = protocol.chat_response if chat else protocol.completion_response
-    return JSONResponse(build(rid, protocol.now_s(), daemon.served_model_name, "", None,
-                              protocol.usage(*choices.usage_of(results)), choices=rendered))
+    return JSONResponse(build(generation.request_id, protocol.now_s(), daemon.served_model_name, "", None,
+                              protocol.usage(*choices.usage_of(lasts)), choices=rendered))
 
 
-async def _collect_choices(group: "choices.Choices") -> list:
-    try:
-        return await choices.collect(group)
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from None
-    except EngineDeadError as exc:
-        raise APIError(503, str(exc), code="engine_dead", reason="engine", headers={"Retry-After": "5"}) from None
-
-
-async def _collect(generation: Generation) -> tuple[str, RequestOutput | None, list]:
-    parts: list[str] = []
-    logprobs: list = []
-    last = None
-    try:
-        async for out in generation.outputs():
-            if out.text:
-                parts.append(out.text)
-            if out.logprobs:
-                logprobs.extend(out.logprobs)
-            last = out
-    except ValueError as exc:  # the engine refused the request at admission
-        raise APIError(400, str(exc)) from None
-    except EngineDeadError as exc:
-        raise APIError(503, str(exc), code="engine_dead", reason="engine", headers={"Retry-After": "5"}) from None
-    return "".join(parts), last, logprobs
+def _render_logprobs(entries: list, chat: bool, echo: str | None) -> dict:
+    return protocol.chat_logprobs(entries) if chat else protocol.completion_logprobs(entries, len(echo or ""))
 
 
 async def _client_gone(request: Request) -> None:

@@ -13,11 +13,10 @@ from typing import AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
 
-from stallfree.node_daemon.engine.async_engine import EngineDeadError
 from stallfree.node_daemon.engine.engine_protocol import RequestOutput
-from stallfree.node_daemon.server import protocol
+from stallfree.node_daemon.server import outcome, protocol
 from stallfree.node_daemon.server.app import Daemon
-from stallfree.node_daemon.server.errors import sse_error
+from stallfree.node_daemon.server.choices import usage_of
 from stallfree.node_daemon.server.generation import Generation
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -97,9 +96,6 @@ class ChunkRenderer:
                                               index=index, logprobs=logprobs)
         return _event(chunk)
 
-    def usage(self, out: RequestOutput) -> str:
-        return self.usage_counts(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-
     def usage_counts(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         usage = protocol.usage(prompt_tokens, completion_tokens, cached_tokens)
@@ -111,35 +107,32 @@ def _event(data: dict) -> str:
 
 
 async def stream_events(daemon: Daemon, generation: Generation, render: ChunkRenderer) -> AsyncIterator[str]:
-    if render.chat:
-        yield render.role()
-    elif render.echo is not None:
-        yield render.echo_event()
-    last = None
+    """The request's stream, n choices included: each event names its choice; a choice's finish chunk comes when
+    it finishes; a failure is the stream's last event (the 200 and maybe some text went out already)."""
+    for index in range(generation.n):
+        if render.chat:
+            yield render.role(index)
+        elif render.echo is not None:
+            yield render.echo_event(index)
+    lasts: list[RequestOutput | None] = [None] * generation.n
     try:
-        async for out in generation.outputs():
-            last = out
+        async for index, out in generation.outputs():
+            lasts[index] = out
             if out.text:
-                yield render.text(out.text, out)
+                yield render.text(out.text, out, index)
             elif out.logprobs:
-                render.hold(out)
-    except (ValueError, EngineDeadError) as exc:
-        # The 200 and maybe some text went out already: the error becomes the stream's last event.
-        daemon.metrics.record_error("invalid_request" if isinstance(exc, ValueError) else "engine")
-        yield sse_error(str(exc), "invalid_request" if isinstance(exc, ValueError) else "engine_dead")
-        yield SSE_DONE
-        return
-    if last is None or last.finish_reason == "error":
-        daemon.metrics.record_error("engine")
-        detail = last.error if last is not None and last.error else "the engine stopped without an answer"
-        yield sse_error(f"generation failed: {detail}", "engine_error")
-    elif last.finish_reason == "abort":
-        daemon.metrics.record_error("draining")
-        yield sse_error("the request was aborted: the server is shutting down", "aborted")
+                render.hold(out, index)
+            if out.finished and out.finish_reason in ("stop", "length"):
+                yield render.finish(out.finish_reason, index)
+    except Exception as exc:  # noqa: BLE001 - mapped (and logged when unexpected) by outcome.of_exception
+        failure = outcome.of_exception(exc)
     else:
-        yield render.finish(last.finish_reason)
-        if render.include_usage:
-            yield render.usage(last)
+        failure = outcome.of_choices(lasts)
+    if failure is not None:
+        failure.count(daemon.metrics)
+        yield failure.sse_event()
+    elif render.include_usage:
+        yield render.usage_counts(*usage_of(lasts))
     yield SSE_DONE
 
 
