@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from stallfree.ready import ExitedBeforeReady, NotReadyInTime, wait_until_ready
+
 __all__ = ["Launched", "launch", "process_tree", "tree_memory_kb"]
 
 
@@ -135,16 +137,16 @@ def launch(cmd: list[str], url: str, model: str, log_path: Path, timeout_s: floa
                                    start_new_session=True)
     launched = Launched(process, log_path)
     launched.start_sampling()
-    deadline = started + timeout_s
     with httpx.Client(timeout=30.0) as client:
-        while time.perf_counter() < deadline:
-            if process.poll() is not None:
-                launched.stop()
-                raise RuntimeError(f"`{' '.join(cmd)}` exited with {process.returncode}:\n"
-                                   f"{launched.log_text()[-3000:]}")
-            if answers(client, url, model):
-                launched.first_answer_s = time.perf_counter() - started
-                return launched
-            time.sleep(poll_s)
-    launched.stop()
-    raise RuntimeError(f"`{' '.join(cmd)}` did not answer at {url} within {timeout_s:g} s")
+        try:
+            wait_until_ready(lambda: answers(client, url, model), max(0.0, started + timeout_s - time.perf_counter()),
+                             alive=lambda: process.poll() is None, poll_s=poll_s, what=f"`{' '.join(cmd)}`")
+        except ExitedBeforeReady:
+            launched.stop()
+            raise RuntimeError(f"`{' '.join(cmd)}` exited with {process.returncode}:\n"
+                               f"{launched.log_text()[-3000:]}") from None
+        except NotReadyInTime:
+            launched.stop()
+            raise RuntimeError(f"`{' '.join(cmd)}` did not answer at {url} within {timeout_s:g} s") from None
+    launched.first_answer_s = time.perf_counter() - started
+    return launched
