@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from stallfree import latency
 from stallfree.contracts import Ceilings, Percentiles, Tuning, WindowStats, percentile
 from stallfree.node_daemon.engine.engine_protocol import IterationRecord
 from stallfree.node_daemon.engine.request import Request
@@ -68,19 +69,21 @@ class StatsWindow:
     def on_token(self, request: Request, now: float, first: bool) -> None:
         with self._lock:
             if first:
-                self._ttft.append((now, now - request.arrival_time))
-                if request.first_scheduled_time is not None:
-                    self._queue_wait.append((now, request.first_scheduled_time - request.arrival_time))
+                self._ttft.append((now, latency.ttft_s(request.arrival_time, now)))
+                queue_wait = latency.queue_wait_s(request.arrival_time, request.first_scheduled_time)
+                if queue_wait is not None:
+                    self._queue_wait.append((now, queue_wait))
             elif request.last_token_time is not None:
                 # The engine updates last_token_time after notifying observers: it holds the previous token.
-                self._itl.append((now, now - request.last_token_time))
+                self._itl.append((now, latency.itl_s(request.last_token_time, now)))
 
     def on_finished(self, request: Request, now: float) -> None:
         num_output = request.num_output_tokens
         with self._lock:
             self._finished.append((now, request.num_prompt_tokens, num_output))
-            if num_output > 1 and request.first_token_time is not None and request.last_token_time is not None:
-                self._tpot.append((now, (request.last_token_time - request.first_token_time) / (num_output - 1)))
+            tpot = latency.tpot_s(request.first_token_time, request.last_token_time, num_output)
+            if tpot is not None:
+                self._tpot.append((now, tpot))
 
     # --- server side ---
 

@@ -16,6 +16,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from stallfree import latency
 from stallfree.contracts import Tuning
 from stallfree.node_daemon.engine.engine_protocol import IterationRecord
 from stallfree.node_daemon.engine.request import Request
@@ -176,17 +177,18 @@ class EngineMetrics:
     def on_token(self, request: Request, now: float, first: bool) -> None:
         self.generation_tokens.inc()
         if first:
-            self.ttft.observe(now - request.arrival_time)
+            self.ttft.observe(latency.ttft_s(request.arrival_time, now))
             self.prompt_tokens.inc(request.num_prompt_tokens)
             self.prefix_cache_queries.inc(request.num_prompt_tokens)
             if request.num_cached_tokens:
                 self.prefix_cache_hits.inc(request.num_cached_tokens)
-            if request.first_scheduled_time is not None:
-                self.queue_time.observe(request.first_scheduled_time - request.arrival_time)
+            queue_wait = latency.queue_wait_s(request.arrival_time, request.first_scheduled_time)
+            if queue_wait is not None:
+                self.queue_time.observe(queue_wait)
                 self.prefill_time.observe(now - request.first_scheduled_time)
         elif request.last_token_time is not None:
             # The engine updates last_token_time after notifying observers: it still holds the previous token.
-            self.itl.observe(now - request.last_token_time)
+            self.itl.observe(latency.itl_s(request.last_token_time, now))
 
     def on_finished(self, request: Request, now: float) -> None:
         counter = self._success.get(request.status.value)
@@ -198,9 +200,9 @@ class EngineMetrics:
         self.e2e.observe(now - request.arrival_time)
         if request.first_token_time is not None:
             self.decode_time.observe(now - request.first_token_time)
-            num_output = request.num_output_tokens
-            if num_output > 1 and request.last_token_time is not None:
-                self.tpot.observe((request.last_token_time - request.first_token_time) / (num_output - 1))
+            tpot = latency.tpot_s(request.first_token_time, request.last_token_time, request.num_output_tokens)
+            if tpot is not None:
+                self.tpot.observe(tpot)
 
     # --- server side (HTTP event loop) ---
 
