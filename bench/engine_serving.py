@@ -15,18 +15,14 @@ import random
 import time
 from typing import Any
 
+from stallfree.arrivals import arrival_times
 from stallfree.bench.engine_streams import Stream, Target, client, rank, send_stream
 from stallfree.loadgen.stream import RequestResult
 
 
 def arrival_offsets(count: int, rate: float, seed: int) -> list[float]:
     """Send times (s from the start) of `count` Poisson arrivals at `rate` per second; the first at 0."""
-    rng = random.Random(seed)
-    offsets, t = [], 0.0
-    for _ in range(count):
-        offsets.append(t)
-        t += rng.expovariate(rate)
-    return offsets
+    return list(arrival_times(rate, random.Random(seed), count=count, first_at_start=True))
 
 
 async def run_serving_load(target: Target, prompts: list[str], output_tokens: int, rate: float, seed: int,

@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from stallfree.arrivals import arrival_times
 from stallfree.contracts import Profile, WindowStats
 from stallfree.net import free_port
 from stallfree.operator.router.rates import prefill_tokens_per_ms
@@ -83,13 +84,12 @@ def affinity_workload(rate: float, duration_s: float, seed: int, groups: int = 4
     from stallfree.simulator.workload import RequestSpec
 
     rng = random.Random(seed)
-    now, out = 0.0, []
-    while True:
-        now += rng.expovariate(rate) if out else 0.0
-        if now > duration_s:
-            return out
+    out = []
+    # One rng for the gaps and the shapes: the generator draws each gap after the request before it is made.
+    for now in arrival_times(rate, rng, end=duration_s, first_at_start=True):
         suffix = rng.randint(32, 256)
         out.append(RequestSpec(now, prefix_tokens + suffix, rng.randint(16, 48), prefix_tokens, rng.randrange(groups)))
+    return out
 
 
 def mean_prompt(requests) -> float:

@@ -21,6 +21,9 @@ from typing import Any
 
 import httpx
 
+from stallfree.arrivals import arrival_times
+from stallfree.ready import wait_until_ready_async
+
 SIM_ARGS = ["--backend", "sim", "--model", "llama-3-8b", "--hardware", "h100", "--max-model-len", "4096",
             "--max-token-budget", "1024", "--token-budget", "512", "--max-num-seqs-ceiling", "64",
             "--max-num-seqs", "64", "--num-kv-blocks", "2048", "--stats-window-s", "10",
@@ -75,11 +78,8 @@ class FaultRun:
         config = self.config
         daemons = LocalDaemonSet("faults", SIM_ARGS, token, self.workdir / "logs", drain_timeout_s=5.0)
         router = InProcessRouter(token, RouterConfig(policy="slo-aware", chars_per_token=1.0))
-        rng = random.Random(config.seed)
-        arrivals, now = [], 0.0
-        while now < config.duration_s:
-            arrivals.append(now)
-            now += rng.expovariate(config.rate)
+        arrivals = list(arrival_times(config.rate, random.Random(config.seed), end=config.duration_s,
+                                      first_at_start=True))
         self.outcomes = [None] * len(arrivals)
         daemons.scale_to(config.replicas)
         try:
@@ -87,8 +87,8 @@ class FaultRun:
                 raise RuntimeError(f"daemons not ready; logs in {daemons.log_dir}")
             url = await router.start()
             router.follow({r.name: r.url for r in daemons.replicas})
-            while len(router.router.pool.healthy()) < config.replicas:
-                await asyncio.sleep(0.1)
+            await wait_until_ready_async(lambda: len(router.router.pool.healthy()) >= config.replicas, 60.0,
+                                         poll_s=0.1, what="the router's view of every replica")
             start = time.monotonic()
             stop = asyncio.Event()
             supervisor = asyncio.create_task(self._supervise(daemons, router, start, stop))

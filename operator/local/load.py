@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable
 
 import httpx
 
+from stallfree.arrivals import arrival_times
 from stallfree.loadgen.prompts import PromptBuilder
 from stallfree.loadgen.stream import RequestResult, send_request, streaming_body
 from stallfree.simulator.latency_summary import summarize
@@ -25,7 +26,7 @@ from stallfree.simulator.latency_summary import summarize
 class LoadPhase:
     label: str
     duration_s: float
-    rate_per_s: float  # Poisson arrivals
+    rate_per_s: float  # Poisson arrivals (stallfree.arrivals, the driver's seeded rng)
     prompt_tokens: int
     max_tokens: int
 
@@ -73,15 +74,16 @@ class LoadDriver:
                 self.phase_starts.append((time.time() - started, phase))
                 if on_phase:
                     on_phase(phase)
-                phase_end = time.monotonic() + phase.duration_s
-                while time.monotonic() < phase_end and not (stop and stop.is_set()):
-                    gap = self.rng.expovariate(phase.rate_per_s) if phase.rate_per_s > 0 else phase.duration_s
-                    await asyncio.sleep(min(gap, max(0.0, phase_end - time.monotonic())))
-                    if time.monotonic() >= phase_end or (stop and stop.is_set()):
+                phase_start = time.monotonic()
+                phase_end = phase_start + phase.duration_s
+                # Sent at their scheduled times, not one sleep after the last send: a busy event loop delays a
+                # request but does not lower the rate.
+                for at in arrival_times(phase.rate_per_s, self.rng, start=phase_start, end=phase_end):
+                    if await _stopped_by(at, stop):
                         break
                     if sum(not t.done() for t in tasks) < self.max_in_flight:
                         tasks.append(asyncio.create_task(self._one(client, phase, started)))
-                if stop and stop.is_set():
+                if await _stopped_by(phase_end, stop):  # the phase lasts its duration after its last arrival
                     break
             # In-flight requests always get their answer: the daemons finish them even while draining.
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -131,6 +133,19 @@ class LoadDriver:
         out = {label: _summary(results) for label, results in by_phase.items()}
         out["all"] = _summary([r.result for r in self.results])
         return out
+
+
+async def _stopped_by(when: float, stop: asyncio.Event | None) -> bool:
+    """Sleep until `when` (time.monotonic()); True, at once, when `stop` is set first."""
+    delay = max(0.0, when - time.monotonic())
+    if stop is None:
+        await asyncio.sleep(delay)
+        return False
+    try:
+        await asyncio.wait_for(stop.wait(), delay)
+    except TimeoutError:
+        return stop.is_set()
+    return True
 
 
 def _summary(results: list[RequestResult]) -> dict[str, Any]:
