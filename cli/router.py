@@ -46,6 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--host", default="0.0.0.0")
     h.add_argument("--port", type=int, default=8080)
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    d = p.add_argument_group("doors (as the daemon's: `stallfree serve --help`)")
+    d.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request bodies above this get 413")
+    d.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="a request's headers must arrive within this, else 408 and the connection closes")
+    d.add_argument("--body-timeout-s", type=float, default=30.0,
+                   help="a request's body must arrive within this after its headers, else 408")
+    d.add_argument("--idle-timeout-s", type=float, default=5.0, help="an idle keep-alive connection closes after this")
+    d.add_argument("--max-connections", type=int, default=4096,
+                   help="open connections before new ones get 503 and are closed (probes still answered)")
+    d.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM: how long requests in flight may finish before their streams are ended")
+    d.add_argument("--stream-stall-timeout-s", type=float, default=30.0,
+                   help="a stream whose replica sends nothing for this long ends with an error event")
     return p
 
 
@@ -64,10 +77,13 @@ def replica_urls(spec: str) -> dict[str, str]:
 async def serve(args: argparse.Namespace, admin_token: str | None) -> None:
     import uvicorn
 
+    from stallfree.http_doors.connections import limited_h11_protocol
     from stallfree.operator.router.discovery import EndpointSliceDiscovery
+    from stallfree.operator.router.drain import DrainingServer
+    from stallfree.operator.router.edge import Doors, create_app
     from stallfree.operator.router.flow_control import FlowConfig, dispatch_wait_ms
     from stallfree.operator.router.pick import AffinityMargin
-    from stallfree.operator.router.proxy import Router, RouterConfig, create_app
+    from stallfree.operator.router.proxy import Router, RouterConfig
     from stallfree.operator.router.replicas import ReplicaPool
 
     pool = ReplicaPool(admin_token, poll_interval_s=args.poll_interval_s, timeout_s=args.health_timeout_s)
@@ -75,7 +91,8 @@ async def serve(args: argparse.Namespace, admin_token: str | None) -> None:
                           block_tokens=args.affinity_block_tokens,
                           margin=AffinityMargin(absolute_ms=args.affinity_margin_ms), seed=args.seed,
                           flow=FlowConfig(dispatch_wait_ms(args.queue_wait_slo_ms), args.max_queued),
-                          queue_timeout_s=args.queue_timeout_s, flow_control=not args.no_flow_control)
+                          queue_timeout_s=args.queue_timeout_s, flow_control=not args.no_flow_control,
+                          stream_stall_timeout_s=args.stream_stall_timeout_s)
     router = Router(pool, config)
     await router.start()
     tasks = []
@@ -84,9 +101,14 @@ async def serve(args: argparse.Namespace, admin_token: str | None) -> None:
     else:
         discovery = EndpointSliceDiscovery(args.service, args.namespace, pool.set_replicas, port_name=args.port_name)
         tasks.append(asyncio.create_task(discovery.run()))
-    server = uvicorn.Server(uvicorn.Config(create_app(router), host=args.host, port=args.port,
-                                           log_level=args.log_level, access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=5))
+    app = create_app(router, Doors(max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s))
+    protocol = limited_h11_protocol(args.header_timeout_s, args.max_connections,
+                                    lambda reason: router.metrics.refused.labels(reason).inc())
+    # The drain has ended every stream before uvicorn's own shutdown starts: its grace is only for stragglers.
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, http=protocol,
+                                           timeout_keep_alive=args.idle_timeout_s, log_level=args.log_level,
+                                           access_log=False, lifespan="off", timeout_graceful_shutdown=3),
+                            router, args.drain_timeout_s)
     try:
         await server.serve()
     finally:
@@ -104,7 +126,9 @@ def main(argv: list[str]) -> int:
             raise ValueError("pass exactly one of --replicas (URLs) or --service (EndpointSlices in a cluster)")
         if args.replicas:
             replica_urls(args.replicas)
-        for flag in ("chars_per_token", "poll_interval_s", "health_timeout_s", "queue_timeout_s", "max_queued"):
+        for flag in ("chars_per_token", "poll_interval_s", "health_timeout_s", "queue_timeout_s", "max_queued",
+                     "max_body_bytes", "header_timeout_s", "body_timeout_s", "idle_timeout_s", "max_connections",
+                     "drain_timeout_s", "stream_stall_timeout_s"):
             if not getattr(args, flag) > 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive")
         if args.queue_wait_slo_ms is not None and not args.queue_wait_slo_ms > 0:

@@ -19,6 +19,7 @@ SIM_ARGS = ["--backend", "sim", "--model", "llama-3-8b", "--hardware", "h100", "
             "--max-token-budget", "512", "--token-budget", "256", "--max-num-seqs", "16",
             "--max-num-seqs-ceiling", "16", "--no-profile"]
 MODEL = "llama-3-8b"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}  # the router shows which replica answered to an admin only
 
 
 @contextlib.contextmanager
@@ -77,7 +78,7 @@ def test_streams_usage_and_errors_pass_through(two_daemons):
                 "stream_options": {"include_usage": True}}
         seen = set()
         for _ in range(2):
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30, headers=ADMIN) as response:
                 assert response.status_code == 200
                 assert response.headers["content-type"].startswith("text/event-stream")
                 seen.add(response.headers["x-stallfree-replica"])
@@ -108,7 +109,7 @@ def test_a_draining_replica_is_left_within_two_seconds_and_taken_back(two_daemon
             wait_until(lambda: httpx.get(url + "/ready", timeout=1).json().get("replicas_healthy") == 1, 2.0)
             for _ in range(4):
                 response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
-                                      timeout=10)
+                                      timeout=10, headers=ADMIN)
                 assert response.status_code == 200
                 assert response.headers["x-stallfree-replica"] == b.url.split("://")[1]
         finally:
@@ -124,7 +125,7 @@ def test_a_refusal_before_the_first_byte_is_retried_on_another_replica(two_daemo
         try:
             for _ in range(4):
                 response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
-                                      timeout=10)
+                                      timeout=10, headers=ADMIN)
                 assert response.status_code == 200
                 assert response.headers["x-stallfree-replica"] == b.url.split("://")[1]
         finally:

@@ -18,13 +18,17 @@ def _metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
+def _replicas(url: str) -> dict:
+    return httpx.get(url + "/router/replicas", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=5).json()
+
+
 def _queue(url: str) -> dict:
     return httpx.get(url + "/router/queue", timeout=5).json()
 
 
 def test_requests_wait_in_the_router_past_the_bound_429_and_run_when_the_slot_frees():
     with running_daemon(base_args=ONE_SLOT) as daemon, router([daemon.url], "--max-queued", "1") as url:
-        wait_until(lambda: all(r["max_num_seqs"] == 1 for r in httpx.get(url + "/router/replicas").json().values()),
+        wait_until(lambda: all(r["max_num_seqs"] == 1 for r in _replicas(url).values()),
                    10)
         long = {"model": MODEL, "prompt": "go on", "max_tokens": 4000, "stream": True, "ignore_eos": True}
         short = {"model": MODEL, "prompt": "x", "max_tokens": 2}
@@ -52,7 +56,7 @@ def test_requests_wait_in_the_router_past_the_bound_429_and_run_when_the_slot_fr
 
 def test_a_client_that_leaves_while_queued_is_removed_and_counted():
     with running_daemon(base_args=ONE_SLOT) as daemon, router([daemon.url]) as url:
-        wait_until(lambda: all(r["max_num_seqs"] == 1 for r in httpx.get(url + "/router/replicas").json().values()),
+        wait_until(lambda: all(r["max_num_seqs"] == 1 for r in _replicas(url).values()),
                    10)
         long = {"model": MODEL, "prompt": "go on", "max_tokens": 4000, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=long, timeout=60) as stream:

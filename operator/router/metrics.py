@@ -49,4 +49,11 @@ class RouterMetrics:
                                        registry=reg)
         self.queue_timeouts = Counter("stallfree_router_queue_timeouts",
                                       "Requests that waited past the queue timeout (503).", registry=reg)
+        # The doors (edge.py, admission.py): what the router answered itself, before any replica saw it.
+        self.refused = Counter("stallfree_router_refused", "Requests the router refused itself (body too large or "
+                               "too slow, bad JSON, unknown path or model, too many connections), by why.",
+                               ["reason"], registry=reg)
+        self.client_left = Counter("stallfree_router_client_left", "Requests whose client left after they were "
+                                   "read (aborted upstream), by when: before_answer or streaming.", ["stage"],
+                                   registry=reg)
         self.in_flight = Gauge("stallfree_router_requests_in_flight", "Requests the router has open.", registry=reg)

@@ -1,14 +1,19 @@
-"""The router's HTTP edge: every /v1/* request to the replica the policy picks, passed through unchanged.
+"""The router's forwarding: each OpenAI request to the replica the policy picks, and its answer back.
 
 A request is held until its replica's first body byte arrives; until then nothing has reached the
 client, so a replica that refuses (503: draining, starting), cannot be reached (killed) or goes unhealthy
 (hung) is left and the request is sent once more to another one. After the first byte the stream is the
-client's: bytes pass through as they arrive, a client that leaves closes the upstream connection (the
-replica aborts the request), and an upstream that fails mid-stream ends the stream with an error event.
+client's: bytes pass through as they arrive; an upstream that fails, or stays silent past the stall
+timeout, ends the stream with an error event and `[DONE]`, and so does a drain that runs out of time.
+
+From the moment its body is read until its answer is sent, a request watches its client: a client that
+leaves, queued, waiting for a non-streamed answer or streaming, cancels it here, which closes the upstream
+connection (the replica aborts the request and frees its KV blocks).
 
 Generation requests (POST) first wait in the router's queue (flow_control.py) until a replica can start
 them soon; the time they waited there goes to the replica in `x-stallfree-router-queue-ms`, so its queue
-wait and TTFT count from the router's arrival.
+wait and TTFT count from the router's arrival. Only requests the router accepted (admission.py) count as
+demand. Which paths come here, and the body's bounds, are the edge's (edge.py).
 """
 from __future__ import annotations
 
@@ -18,20 +23,24 @@ import logging
 import random
 import time
 from dataclasses import dataclass, replace
+from typing import AsyncIterator, Awaitable, Callable
 
 import anyio
 import httpx
-from fastapi import FastAPI
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
+from stallfree.http_doors.body_guard import PARSED_BODY
+from stallfree.http_doors.error_json import error_body
+from stallfree.http_doors.json_checks import NOT_JSON
+from stallfree.operator.router import admission
+from stallfree.operator.router.edge import create_app  # noqa: F401 - callers build the app from here
 from stallfree.operator.router.affinity import DEFAULT_BLOCK_TOKENS, PrefixTable, prefix_hashes
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
+from stallfree.operator.router.forwarding import is_admin, response_headers, upstream_headers
 from stallfree.operator.router.metrics import RouterMetrics
 from stallfree.operator.router.pick import AffinityMargin, Choice, ReplicaView, pick, rendezvous_home
 from stallfree.operator.router.replicas import Replica, ReplicaPool
-from stallfree.operator.router.requests import RequestInfo, read_request
+from stallfree.operator.router.requests import RequestInfo, read_parsed
 
 log = logging.getLogger("stallfree.router")
 
@@ -40,21 +49,31 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 # A request that failed before its first byte (nothing reached the client) is sent again, each time elsewhere.
 MAX_ATTEMPTS = 3
 QUEUE_HEADER = "x-stallfree-router-queue-ms"  # ms the request waited in the router's queue (daemons add it)
-# Hop-by-hop and length headers are the router's own business on each leg.
-_DROP_HEADERS = frozenset({"host", "x-stallfree-router-queue-ms", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
-                           "te", "trailer", "proxy-authorization", "accept-encoding"})
-_DROP_RESPONSE_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive",
-                                    "content-encoding", "date", "server"})
+REPLICA_HEADER = "x-stallfree-replica"  # which replica answered: for a request with the admin token only
+_CUT_GRACE_S = 2.0  # after a drain's timeout, how long cut streams get to send their last event
 
 
-def error_json(status: int, message: str, code: str, kind: str = "service_unavailable_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
-                        status_code=status, headers={"Retry-After": "1"} if status in (429, 503) else None)
+@dataclass
+class Answer:
+    """What goes back to the client: a whole body, or `chunks` relayed as they arrive."""
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes = b""
+    chunks: AsyncIterator[bytes] | None = None
+    replica: str | None = None
+    close: Callable[[], Awaitable[None]] | None = None  # frees the upstream side (idempotent)
+
+
+def refusal_answer(status: int, message: str, code: str, param: str | None = None) -> Answer:
+    body = json.dumps(error_body(status, message, param=param, code=code)).encode()
+    headers = [(b"content-type", b"application/json")]
+    if status in (429, 503):
+        headers.append((b"retry-after", b"1"))
+    return Answer(status, headers, body)
 
 
 def sse_error(message: str, code: str) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return f"data: {json.dumps(body)}\n\n".encode()
+    return f"data: {json.dumps(error_body(500, message, code=code))}\n\n".encode()
 
 
 class RetryElsewhere(Exception):
@@ -80,6 +99,8 @@ class RouterConfig:
     queue_timeout_s: float = 60.0  # a request waiting longer than this in the queue is answered 503
     no_replica_wait_s: float = 5.0  # with no replica healthy this long, a queued request is answered 503 at once
     dispatch_tick_s: float = 0.05  # queue re-checked this often (stats polls, slots freed), besides events
+    # A stream whose replica sends nothing for this long ends with an error event (a hung replica holds it no longer).
+    stream_stall_timeout_s: float = 30.0
 
 
 class Router:
@@ -101,6 +122,12 @@ class Router:
         self._ticker: asyncio.Task | None = None
         self._last_healthy_at = time.perf_counter()  # when some replica was last seen healthy
         pool._on_change = self._replica_changed
+        self.admin_token = getattr(pool, "admin_token", None)
+        self.draining = False  # set by drain(): /ready 503, new requests 503
+        self.in_flight = 0  # requests between their body and their last byte
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._cut = asyncio.Event()  # set when a drain runs out of time: open streams end now
 
     async def start(self) -> None:
         self.client = httpx.AsyncClient(
@@ -179,17 +206,17 @@ class Router:
         self.metrics.queue_depth.set(len(self.queue))
         self.metrics.queue_prompt_tokens.set(self.queue.queued_prompt_tokens)
 
-    async def _wait_in_queue(self, request: Request, info: RequestInfo, received: float, seq: int,
-                             exclude: frozenset[str], front: bool) -> tuple[Replica, Choice, list[int], int] | Response:
-        """Queue the request and wait for its dispatch, its client leaving, or the queue timeout."""
+    async def _wait_in_queue(self, info: RequestInfo, received: float, seq: int, exclude: frozenset[str],
+                             front: bool) -> tuple[Replica, Choice, list[int], int] | Answer:
+        """Queue the request and wait for its dispatch or the queue timeout; cancelled when its client leaves."""
         key = self._next_key = self._next_key + 1
         hashes = prefix_hashes(info.prompt_text, self.block_chars) if self.config.policy == "slo-aware" else []
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         if not self.queue.push(Queued(key, received, info.prompt_tokens, exclude), front=front):
             self.metrics.arrivals.inc()
             self.metrics.queue_rejected.inc()
-            return error_json(429, f"the router's queue is full ({self.config.flow.max_queued} requests waiting); "
-                              "retry shortly", "queue_full", kind="rate_limit_error")
+            return refusal_answer(429, f"the router's queue is full ({self.config.flow.max_queued} requests "
+                                  "waiting); retry shortly", "queue_full")
         if not front:
             self.metrics.arrivals.inc()
             self.arrived_prompt_tokens += info.prompt_tokens
@@ -199,7 +226,6 @@ class Router:
         if future.done():
             return future.result()
         self._queue_gauges()
-        left = asyncio.ensure_future(_client_left(request))
         outcome = "dispatched"
         try:
             while not future.done():
@@ -210,30 +236,31 @@ class Router:
                 if not self.pool.healthy() and now - self._last_healthy_at >= self.config.no_replica_wait_s:
                     outcome = "no_replica"  # every replica down for a while: say so rather than hold the client
                     break
-                await asyncio.wait((future, left), timeout=min(0.25, self.config.queue_timeout_s - (now - received)),
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if left.done() and not future.done():
-                    outcome = "left"
-                    break
-        finally:
-            left.cancel()
+                await asyncio.wait((future,), timeout=min(0.25, self.config.queue_timeout_s - (now - received)))
+        except asyncio.CancelledError:  # the client left
+            self._waiters.pop(key, None)
+            if future.done() and not future.cancelled():
+                replica, _, _, ticket = future.result()  # dispatched in the same turn: give the reservation back
+                self._unreserve(replica, ticket)
+            else:
+                future.cancel()
+                self.queue.cancel(key)
+                self.metrics.queue_cancelled.inc()
+            self._queue_gauges()
+            raise
         if future.done() and not future.cancelled():
             return future.result()
         future.cancel()
         self._waiters.pop(key, None)
-        gone = self.queue.cancel(key)
-        self._queue_gauges()
-        if outcome == "left":
-            self.metrics.queue_cancelled.inc()
-            return Response(status_code=499)  # nobody reads it: the client is gone
-        if gone:
+        if self.queue.cancel(key):
             self.queue.cancelled -= 1  # not a client leaving
+        self._queue_gauges()
         if outcome == "no_replica":
             self.metrics.unroutable.inc()
-            return error_json(503, "no replica is ready to take requests; retry shortly", "no_ready_replica")
+            return refusal_answer(503, "no replica is ready to take requests; retry shortly", "no_ready_replica")
         self.metrics.queue_timeouts.inc()
-        return error_json(503, f"no replica could start the request within {self.config.queue_timeout_s:g}s "
-                          "in the router's queue", "queue_timeout")
+        return refusal_answer(503, f"no replica could start the request within {self.config.queue_timeout_s:g}s "
+                              "in the router's queue", "queue_timeout")
 
     def _reserve(self, replica: Replica, tokens: int, now_s: float) -> int:
         """Counted at dispatch, before any await: the next dispatch sees this request on its replica.
@@ -271,21 +298,66 @@ class Router:
         return replica, choice, hashes, self._reserve(replica, info.prompt_tokens, now)
 
     # -- one request ------------------------------------------------------------------------------
-    async def handle(self, request: Request, path: str) -> Response:
+    async def serve(self, scope: Scope, receive: Receive, send: Send, upstream_path: str) -> None:
+        """One OpenAI request, its path already routed (paths.py) and its body bounded (edge.py)."""
         received = time.perf_counter()
-        body = await request.body()
-        info = read_request(body, self.config.chars_per_token) if request.method == "POST" else RequestInfo(False, "", 0)
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS]
-        url_path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        method = scope["method"]
+        if self.draining:
+            await _respond(send, refusal_answer(503, "the router is shutting down; retry on another",
+                                                "draining"))
+            return
+        body = await _whole_body(receive) if method in ("POST", "PUT", "PATCH") else b""
+        info = RequestInfo(False, "", 0)
+        if method == "POST":
+            parsed = scope.get(PARSED_BODY, NOT_JSON)
+            served = admission.served_models(self.pool.healthy())
+            refused = admission.refusal(parsed, served)
+            if refused is not None:
+                self.metrics.refused.labels(refused.code).inc()
+                await _respond(send, refusal_answer(refused.status, refused.message, refused.code, refused.param))
+                return
+            info = admission.bounded(read_parsed(parsed, self.config.chars_per_token), parsed["model"], served)
+        headers = upstream_headers(scope["headers"], scope.get("client"), scope.get("scheme", "http"))
+        admin = is_admin(scope["headers"], self.admin_token)
+        self._enter()
+        left = asyncio.ensure_future(_client_left(receive))
+        work = asyncio.ensure_future(self._answer(method, upstream_path, headers, body, info, received))
+        answer: Answer | None = None
+        try:
+            await asyncio.wait((work, left), return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client left first: queued, or waiting for a replica's answer
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                self.metrics.client_left.labels("before_answer").inc()
+                return
+            try:
+                answer = work.result()
+            except Exception:  # a bug: the trace goes to the log, never to the client
+                log.exception("unhandled error on %s %s", method, upstream_path)
+                answer = refusal_answer(500, "internal router error", "internal_error")
+            if admin and answer.replica is not None:
+                answer.headers.append((REPLICA_HEADER.encode(), answer.replica.encode("latin-1")))
+            if answer.chunks is None:
+                await _respond(send, answer)
+            elif not await self._stream(send, answer, left):
+                self.metrics.client_left.labels("streaming").inc()
+        finally:
+            left.cancel()
+            if answer is not None and answer.close is not None:
+                await answer.close()
+            self._leave()
+
+    async def _answer(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes, info: RequestInfo,
+                      received: float) -> Answer:
         tried: set[str] = set()
         last_refusal: RetryElsewhere | None = None
-        queued = request.method == "POST" and self.config.flow_control
+        queued = method == "POST" and self.config.flow_control
         self.counter += 1  # once per request: a retry must not shift round-robin's order
         seq = self.counter
         for attempt in range(MAX_ATTEMPTS):
             if queued:
-                picked = await self._wait_in_queue(request, info, received, seq, frozenset(tried), front=attempt > 0)
-                if isinstance(picked, Response):
+                picked = await self._wait_in_queue(info, received, seq, frozenset(tried), front=attempt > 0)
+                if isinstance(picked, Answer):
                     return picked
             else:
                 picked = self.choose(info, tried, seq)
@@ -303,21 +375,21 @@ class Router:
             waited_ms = (time.perf_counter() - received) * 1000.0
             leg_headers = headers + [(QUEUE_HEADER, f"{waited_ms:.1f}")] if queued else headers
             try:
-                return await self._send(replica, choice, ticket, request.method, url_path, leg_headers, body, info,
-                                        received)
+                return await self._send(replica, choice, ticket, method, path, leg_headers, body, info, received)
             except RetryElsewhere as exc:
                 last_refusal = exc
-                log.info("retrying %s elsewhere: %s on %s", url_path, exc.reason, replica.name)
+                log.info("retrying %s elsewhere: %s on %s", path, exc.reason, replica.name)
         if last_refusal is not None and last_refusal.response is not None:
-            return _passthrough(last_refusal.response, last_refusal.body)
+            refused = last_refusal.response
+            return Answer(refused.status_code, response_headers(refused.headers.multi_items()), last_refusal.body)
         self.metrics.unroutable.inc()
         if last_refusal is not None:
-            return error_json(503, f"no replica could take the request (last: {last_refusal.reason})",
-                              "no_ready_replica")
-        return error_json(503, "no replica is ready to take requests; retry shortly", "no_ready_replica")
+            return refusal_answer(503, f"no replica could take the request (last: {last_refusal.reason})",
+                                  "no_ready_replica")
+        return refusal_answer(503, "no replica is ready to take requests; retry shortly", "no_ready_replica")
 
     async def _send(self, replica: Replica, choice: Choice, ticket: int, method: str, path: str, headers,
-                    body: bytes, info: RequestInfo, received: float) -> Response:
+                    body: bytes, info: RequestInfo, received: float) -> Answer:
         assert self.client is not None
         state = {"open": True, "prefilled": False}  # reserved on the replica at dispatch (_reserve)
 
@@ -337,13 +409,10 @@ class Router:
                 self.metrics.in_flight.dec()
                 self.dispatch()  # a running slot is free
 
-        response: httpx.Response | None = None
         try:
             upstream = self.client.build_request(method, replica.url + path, headers=headers, content=body)
             response, first = await self._first_byte(replica, upstream)
-        except BaseException:
-            if response is not None:
-                await _close(response)
+        except BaseException:  # _first_byte closed what it opened
             release()
             raise
         prefilled()
@@ -351,23 +420,24 @@ class Router:
         self.metrics.observed_ttft.labels(self.config.policy).observe(elapsed)
         if choice.predicted_ttft_ms is not None:
             self.metrics.ttft_error.labels(self.config.policy).observe(abs(elapsed - choice.predicted_ttft_ms / 1000))
-        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS}
-        out_headers["x-stallfree-replica"] = replica.name
+        out_headers = response_headers(response.headers.multi_items())
+
+        async def close() -> None:
+            release()
+            await _close(response)
+
+        iterator = response.extensions.get("router_iterator")
         if not info.stream or response.status_code != 200 or \
                 not response.headers.get("content-type", "").startswith("text/event-stream"):
-            iterator = response.extensions.get("router_iterator")
             try:
                 rest = [chunk async for chunk in iterator] if iterator is not None else []
             except httpx.HTTPError as exc:
-                release()
-                await _close(response)
                 raise RetryElsewhere(f"{type(exc).__name__} reading the body") from None
-            release()
-            await _close(response)
-            content = b"".join([first or b"", *rest])
-            return Response(content, status_code=response.status_code, headers=out_headers)
-        return StreamingResponse(self._relay(replica, response, first, release), status_code=response.status_code,
-                                 headers=out_headers)
+            finally:
+                await close()
+            return Answer(response.status_code, out_headers, b"".join([first or b"", *rest]), replica=replica.name)
+        return Answer(response.status_code, out_headers, chunks=self._relay(replica, iterator, first),
+                      replica=replica.name, close=close)
 
     async def _first_byte(self, replica: Replica, upstream: httpx.Request) -> tuple[httpx.Response, bytes | None]:
         """Send and wait for the first body chunk, or give up as soon as the replica turns unhealthy."""
@@ -389,17 +459,23 @@ class Router:
             except StopAsyncIteration:
                 return None
 
-        task = asyncio.ensure_future(first())
-        waiter = asyncio.ensure_future(down.wait())
-        try:
-            await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-        if not task.done():
+        async def abandon() -> None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             if "response" in holder:
                 await _close(holder["response"])
+
+        task = asyncio.ensure_future(first())
+        waiter = asyncio.ensure_future(down.wait())
+        try:
+            await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled: the client left while the replica prefilled or generated
+            waiter.cancel()
+            await abandon()
+            raise
+        waiter.cancel()
+        if not task.done():
+            await abandon()
             raise RetryElsewhere("replica went unhealthy")
         try:
             chunk = task.result()
@@ -413,30 +489,130 @@ class Router:
         response.extensions["router_iterator"] = holder.get("iterator")
         return response, chunk
 
-    async def _relay(self, replica: Replica, response: httpx.Response, first: bytes | None, release):
-        iterator = response.extensions.get("router_iterator")
-        try:
-            if first:
-                yield first
-            if iterator is not None:
-                async for chunk in iterator:
+    async def _relay(self, replica: Replica, iterator: AsyncIterator[bytes] | None,
+                     first: bytes | None) -> AsyncIterator[bytes]:
+        """The stream's bytes as they arrive; an error event and `[DONE]` when the replica fails, stays silent
+        past the stall timeout, or a drain runs out of time. The caller closes the upstream (Answer.close)."""
+        ended = True  # whether what went out so far ends with a whole SSE event
+        if first:
+            yield first
+            ended = first.endswith(b"\n\n")
+        if iterator is None:
+            return
+        stall_s = self.config.stream_stall_timeout_s
+        while True:
+            chunk_task = asyncio.ensure_future(iterator.__anext__())
+            cut = asyncio.ensure_future(self._cut.wait())
+            try:
+                await asyncio.wait((chunk_task, cut), timeout=stall_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                cut.cancel()
+                if not chunk_task.done():
+                    chunk_task.cancel()
+                    await asyncio.gather(chunk_task, return_exceptions=True)
+            if chunk_task.done() and not chunk_task.cancelled():
+                try:
+                    chunk = chunk_task.result()
+                except StopAsyncIteration:
+                    return
+                except (httpx.HTTPError, OSError) as exc:
+                    message, code = (f"the replica serving this stream failed mid-stream ({type(exc).__name__}); "
+                                     "the request did not complete", "upstream_failed")
+                else:
                     yield chunk
-        except (httpx.HTTPError, OSError) as exc:
+                    ended = chunk.endswith(b"\n\n")
+                    continue
+            elif self._cut.is_set():
+                message, code = "the router is shutting down and its drain timeout passed", "router_draining"
+            else:
+                message, code = (f"the replica serving this stream sent nothing for {stall_s:g} s; the request "
+                                 "did not complete", "upstream_stalled")
             self.metrics.stream_errors.labels(replica.name).inc()
-            yield sse_error(f"the replica serving this stream failed mid-stream ({type(exc).__name__}); "
-                            "the request did not complete", "upstream_failed")
-            yield b"data: [DONE]\n\n"
+            yield (b"" if ended else b"\n\n") + sse_error(message, code) + b"data: [DONE]\n\n"
+            return
+
+    async def _stream(self, send: Send, answer: Answer, left: asyncio.Future) -> bool:
+        """Relay the chunks until they end or the client leaves; False when it left."""
+        assert answer.chunks is not None
+        chunks = answer.chunks
+
+        async def pump() -> None:
+            try:
+                await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                await chunks.aclose()
+
+        task = asyncio.ensure_future(pump())
+        try:
+            await asyncio.wait((task, left), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            release()
-            await _close(response)
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            return False
+        if task.exception() is not None:  # the send failed: the client is gone
+            return False
+        return True
+
+    # -- drain ------------------------------------------------------------------------------------
+    def _enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def drain(self, timeout_s: float) -> int:
+        """/ready and new requests 503 from now; wait up to `timeout_s` for those in flight, then end the open
+        streams with an error event. Returns how many requests were still open at the timeout."""
+        self.draining = True
+        log.info("draining: %d request(s) in flight, timeout %.1fs", self.in_flight, timeout_s)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=max(0.0, timeout_s))
+            return 0
+        except asyncio.TimeoutError:
+            pass
+        left = self.in_flight
+        log.warning("drain timeout over: ending %d request(s)", left)
+        self._cut.set()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=_CUT_GRACE_S)
+        except asyncio.TimeoutError:
+            pass
+        return left
 
 
-async def _client_left(request: Request) -> None:
+async def _whole_body(receive: Receive) -> bytes:
+    """The body (the door guard replays it as one message)."""
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(parts)
+
+
+async def _client_left(receive: Receive) -> None:
     """Returns when the client disconnects (the body was read already: the next message is the disconnect)."""
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def _respond(send: Send, answer: Answer) -> None:
+    headers = [*answer.headers, (b"content-length", str(len(answer.body)).encode())]
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.body})
 
 
 async def _close(response: httpx.Response) -> None:
@@ -444,53 +620,3 @@ async def _close(response: httpx.Response) -> None:
     with anyio.CancelScope(shield=True):
         await response.aclose()
 
-
-def _passthrough(response: httpx.Response, body: bytes) -> Response:
-    headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS}
-    return Response(body, status_code=response.status_code, headers=headers)
-
-
-def create_app(router: Router) -> FastAPI:
-    # No trailing-slash redirects: their Location would be built from the client's Host header.
-    app = FastAPI(title="stallfree router", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
-    app.state.router = router
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        healthy = router.pool.healthy()
-        if not healthy:
-            return JSONResponse({"ready": False, "reason": "no ready replica",
-                                 "replicas": {r.name: r.reason for r in router.pool.replicas.values()}},
-                                status_code=503)
-        return JSONResponse({"ready": True, "replicas_healthy": len(healthy)})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/router/replicas")
-    async def replicas() -> JSONResponse:
-        """What the router sees of each replica (for people and benchmarks)."""
-        out = {}
-        for r in router.pool.replicas.values():
-            view = r.view(time.perf_counter())
-            out[r.name] = {"url": r.url, "healthy": r.healthy, "reason": r.reason, "outstanding": r.outstanding,
-                           "queued_prefill_tokens": view.queued_prefill_tokens,
-                           "prefill_tokens_per_ms": view.prefill_tokens_per_ms, "step_ms": view.step_ms,
-                           "max_num_seqs": view.max_num_seqs}
-        return JSONResponse(out)
-
-    @app.get("/router/queue")
-    async def queue() -> JSONResponse:
-        """The flow-control queue, as the control loop reads it (observe_router.py)."""
-        return JSONResponse(router.queue_status())
-
-    @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-    async def v1(request: Request, path: str) -> Response:
-        return await router.handle(request, path)
-
-    return app

@@ -30,6 +30,8 @@ class Replica:
     reason: str = "not polled yet"
     stats: WindowStats | None = None
     profile: Profile | None = None
+    # What it serves, from its /v1/models (read with the profile): model id -> context length (0: not said).
+    models: dict[str, int] | None = None
     # What the router sent it and has not had a first byte back for, drained at its prefill rate.
     clock: PrefillClock = field(default_factory=PrefillClock)
     outstanding: int = 0
@@ -70,6 +72,7 @@ class ReplicaPool:
         self.replicas: dict[str, Replica] = {}
         self.poll_interval_s = poll_interval_s
         self.timeout_s = timeout_s
+        self.admin_token = admin_token  # also what a client shows to see replica addresses (proxy.py)
         self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self._client: httpx.AsyncClient | None = None
         self._tasks: dict[str, asyncio.Task] = {}
@@ -131,15 +134,28 @@ class ReplicaPool:
                 reason = ready.json().get("reason") or reason
             except ValueError:
                 pass
-            replica.profile = None if reason == "loading model" else replica.profile
+            if reason == "loading model":
+                replica.profile = replica.models = None
             replica.mark(False, reason)
             return
         if replica.profile is None or not replica.healthy:
             response = await self._client.get(f"{replica.url}/admin/profile")
             replica.profile = Profile.from_dict(response.json()) if response.status_code == 200 else None
+            replica.models = await self._models(replica)
         response = await self._client.get(f"{replica.url}/admin/stats")
         if response.status_code != 200:
             replica.mark(False, f"/admin/stats answered {response.status_code}")
             return
         replica.stats = WindowStats.from_dict(response.json())
         replica.mark(True, "ready")
+
+    async def _models(self, replica: Replica) -> dict[str, int] | None:
+        """model id -> context length from the replica's /v1/models; None when it does not say."""
+        assert self._client is not None
+        response = await self._client.get(f"{replica.url}/v1/models")
+        try:
+            data = response.json()["data"] if response.status_code == 200 else None
+            return {m["id"]: int(m.get("max_model_len") or 0) for m in data if isinstance(m.get("id"), str)} \
+                if isinstance(data, list) and data else None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None

@@ -30,8 +30,13 @@ def read_request(body: bytes, chars_per_token: float) -> RequestInfo:
     """Never raises: a body it cannot read is forwarded anyway (the replica gives the proper 4xx)."""
     try:
         data = json.loads(body) if body else {}
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return RequestInfo(False, "", 0)
+    return read_parsed(data, chars_per_token)
+
+
+def read_parsed(data: object, chars_per_token: float) -> RequestInfo:
+    """As read_request, from the body the door guard already parsed (http_doors.body_guard.PARSED_BODY)."""
     if not isinstance(data, dict):
         return RequestInfo(False, "", 0)
     stream = data.get("stream") is True
