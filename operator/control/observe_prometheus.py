@@ -7,6 +7,9 @@ percentiles, which is why that is the default), rates and counts by rate()/incre
 from their gauges. A replica Prometheus cannot scrape (up == 0), has no series for, or whose window
 holds too few samples is unknown, as with the admin API. Prometheus holds no profile: the tuner then
 sizes its steps without one.
+
+Demand is what arrived, as the admin API reports it, not what was served: the daemon exports no counter of
+arrived prompt tokens, so it is rebuilt from what it does export (`arrived_demand`).
 """
 from __future__ import annotations
 
@@ -25,20 +28,50 @@ HISTOGRAMS = {
     "queue_wait_ms": "stallfree_request_queue_time_seconds",
 }
 QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+# stallfree_request_errors reasons of requests the engine took and failed (request_rate counts them with the
+# finished ones, as the admin API does), and of requests refused for load (demand all the same).
+FAILED_REASONS = "engine|internal"
+REFUSED_REASONS = "queue_full|draining"
+
+
+def arrived_demand(ended_per_s: float, refused_per_s: float, in_engine_change: float, window_s: float,
+                   started_prompt_tokens_per_s: float, started_per_s: float,
+                   lifetime_mean_prompt: float | None) -> tuple[float, float]:
+    """(requests, prompt tokens) per second that arrived in the window.
+
+    Requests are conserved: what arrived either ended (finished, failed, refused) or is still waiting or running,
+    so arrivals = ended + refused + the change in waiting + running. Their prompt tokens are that times the mean
+    prompt of the requests that started in the window (the lifetime mean when none did). Served prompt tokens,
+    counted at the first token, cannot exceed what the replica computes: under overload they are its throughput,
+    not its demand."""
+    arrived = max(0.0, ended_per_s + refused_per_s + in_engine_change / window_s)
+    if started_per_s > 0:
+        mean_prompt: float | None = started_prompt_tokens_per_s / started_per_s
+    else:
+        mean_prompt = lifetime_mean_prompt
+    if mean_prompt is None:
+        return arrived, started_prompt_tokens_per_s
+    return arrived, arrived * mean_prompt
 
 
 def window_queries(selector: str, window_s: float, by: str) -> dict[str, str]:
     """Every PromQL query one step runs, by the figure it gives (one value per replica label)."""
     w = f"{max(1, int(round(window_s)))}s"
 
-    def rate(metric: str) -> str:
-        return f"sum by ({by}) (rate({metric}{{{selector}}}[{w}]))"
+    def rate(metric: str, matcher: str = "") -> str:
+        return f"sum by ({by}) (rate({metric}{{{_matchers(selector, matcher)}}}[{w}]))"
 
     def increase(metric: str) -> str:
         return f"sum by ({by}) (increase({metric}{{{selector}}}[{w}]))"
 
     def gauge(metric: str) -> str:
         return f"max by ({by}) ({metric}{{{selector}}})"
+
+    def change(metric: str) -> str:
+        return f"sum by ({by}) (delta({metric}{{{selector}}}[{w}]))"
+
+    def total(metric: str) -> str:
+        return f"sum by ({by}) ({metric}{{{selector}}})"
 
     queries: dict[str, str] = {}
     for field, metric in HISTOGRAMS.items():
@@ -48,8 +81,15 @@ def window_queries(selector: str, window_s: float, by: str) -> dict[str, str]:
         queries[f"{field}.count"] = increase(f"{metric}_count")
     queries.update({
         "up": f"min by ({by}) (up{{{selector}}})",
-        "request_rate": rate("stallfree_request_success_total"),
-        "prompt_tokens_per_s": rate("stallfree_prompt_tokens_total"),
+        "finished_per_s": rate("stallfree_request_success_total"),
+        "failed_per_s": rate("stallfree_request_errors_total", f'reason=~"{FAILED_REASONS}"'),
+        "refused_per_s": rate("stallfree_request_errors_total", f'reason=~"{REFUSED_REASONS}"'),
+        "waiting_change": change("stallfree_num_requests_waiting"),
+        "running_change": change("stallfree_num_requests_running"),
+        "started_per_s": rate("stallfree_time_to_first_token_seconds_count"),
+        "started_prompt_tokens_per_s": rate("stallfree_prompt_tokens_total"),
+        "started_total": total("stallfree_time_to_first_token_seconds_count"),
+        "started_prompt_tokens_total": total("stallfree_prompt_tokens_total"),
         "generation_tokens_per_s": rate("stallfree_generation_tokens_total"),
         "prefill_tokens_per_s": rate("stallfree_prefill_tokens_computed_total"),
         "decode_tokens_per_s": rate("stallfree_iteration_decode_tokens_sum"),
@@ -67,6 +107,10 @@ def window_queries(selector: str, window_s: float, by: str) -> dict[str, str]:
                               f"{rate('stallfree_iteration_time_seconds_count')}"),
     })
     return queries
+
+
+def _matchers(*parts: str) -> str:
+    return ", ".join(p for p in parts if p)
 
 
 class PrometheusObserver:
@@ -126,14 +170,20 @@ class PrometheusObserver:
             found = {q: values[f"{field}.{q}"].get(name) for q in QUANTILES}
             return Percentiles(count=count, p50=found["p50"], p90=found["p90"], p99=found["p99"], max=None)
 
+        started_total = get("started_total")
+        request_rate = get("finished_per_s") + get("failed_per_s")
+        _, prompt_tokens_per_s = arrived_demand(
+            request_rate, get("refused_per_s"), get("waiting_change") + get("running_change"), self.window_s,
+            get("started_prompt_tokens_per_s"), get("started_per_s"),
+            get("started_prompt_tokens_total") / started_total if started_total > 0 else None)
         budget = int(get("token_budget"))
         tuning = Tuning(token_budget=budget, max_num_seqs=int(get("max_num_seqs")),
                         max_partial_prefills=int(get("max_partial_prefills", 1)),
                         long_prefill_threshold=int(get("long_prefill_threshold")))
         stats = WindowStats(
             window_s=self.window_s, ttft_ms=pct("ttft_ms"), tpot_ms=pct("tpot_ms"), itl_ms=pct("itl_ms"),
-            queue_wait_ms=pct("queue_wait_ms"), request_rate=get("request_rate"),
-            prompt_tokens_per_s=get("prompt_tokens_per_s"), generation_tokens_per_s=get("generation_tokens_per_s"),
+            queue_wait_ms=pct("queue_wait_ms"), request_rate=request_rate,
+            prompt_tokens_per_s=prompt_tokens_per_s, generation_tokens_per_s=get("generation_tokens_per_s"),
             prefill_tokens_per_s=get("prefill_tokens_per_s"), decode_tokens_per_s=get("decode_tokens_per_s"),
             budget_utilisation=min(1.0, get("tokens_per_iteration") / budget) if budget else 0.0,
             kv_usage=get("kv_usage"), preemptions=int(round(get("preemptions"))),
