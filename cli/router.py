@@ -105,7 +105,8 @@ async def serve(args: argparse.Namespace, admin_token: str | None) -> None:
     protocol = limited_h11_protocol(args.header_timeout_s, args.max_connections,
                                     lambda reason: router.metrics.refused.labels(reason).inc())
     # The drain has ended every stream before uvicorn's own shutdown starts: its grace is only for stragglers.
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, http=protocol,
+    # proxy_headers off: the router is the public door, so a client's X-Forwarded-For is no client address.
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, http=protocol, proxy_headers=False,
                                            timeout_keep_alive=args.idle_timeout_s, log_level=args.log_level,
                                            access_log=False, lifespan="off", timeout_graceful_shutdown=3),
                             router, args.drain_timeout_s)
