@@ -1,16 +1,19 @@
 """`stallfree serve`: the per-node serving daemon (OpenAI API, /metrics, admin API, drain on SIGTERM).
 
-This module parses and checks the flags; the start-up itself (model, profile, starting budget, engine loop,
-HTTP server) is node_daemon/daemon.py. A bad flag exits with status 2, a start-up failure with status 1.
+This module parses the flags into the daemon's checked configuration (node_daemon/serve_config.py); the start-up
+itself (model, profile, starting budget, engine loop, HTTP server) is node_daemon/daemon.py. A bad flag exits with
+status 2, a start-up failure with status 1.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
-from stallfree.contracts import Ceilings, Tuning, TuningError, min_budget_for, validate_tuning
-from stallfree.node_daemon.daemon import CPU_TOKEN_BUDGET, ServeOptions
+from stallfree.contracts import min_budget_for
+from stallfree.node_daemon.daemon import CPU_TOKEN_BUDGET
+from stallfree.node_daemon.serve_config import ServeConfig
 
 # The budget a daemon starts with when told neither a budget nor a TPOT SLO.
 DEFAULT_TOKEN_BUDGET = 512
@@ -100,63 +103,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_options(argv: list[str]) -> ServeOptions:
-    """Parse and check the command line; ValueError names the bad flag."""
+def parse_options(argv: list[str]) -> ServeConfig:
+    """Parse the command line into the daemon's checked configuration; ValueError names the bad flag."""
+    return config_from_args(build_parser().parse_args(argv))
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The one place the flags become the daemon's configuration (nothing past it reads the namespace)."""
     from stallfree.node_daemon.server.auth import ADMIN_TOKEN_ENV, API_KEY_ENV, watched_secret
 
-    args = build_parser().parse_args(argv)
-    for flag in ("block_size", "max_token_budget", "max_num_seqs_ceiling", "max_num_seqs", "max_partial_prefills",
-                 "max_body_bytes", "max_connections", "text_workers"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    for flag in ("num_kv_blocks", "long_prefill_threshold", "max_queue_requests", "max_queue_tokens"):
-        if getattr(args, flag) < 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
-    for flag in ("drain_timeout_s", "stats_window_s", "profile_max_seconds", "header_timeout_s", "body_timeout_s"):
-        if getattr(args, flag) <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    for flag in ("tflops", "hbm_tbps", "overhead_ms"):
-        value = getattr(args, flag)
-        if value is not None and args.backend != "sim":
-            raise ValueError(f"--{flag.replace('_', '-')} sets a figure of the sim backend: add --backend sim")
-        if value is not None and (value < 0 or (value == 0 and flag != "overhead_ms")):
-            raise ValueError(f"--{flag.replace('_', '-')} must be {'>= 0' if flag == 'overhead_ms' else 'positive'}, "
-                             f"got {value}")
-    if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
-        raise ValueError(f"--tpot-slo-ms must be positive, got {args.tpot_slo_ms}")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise ValueError(f"--max-model-len must be at least 2, got {args.max_model_len}")
-    if not 0.0 < args.kv_memory_fraction <= 1.0:
-        raise ValueError(f"--kv-memory-fraction must be in (0, 1], got {args.kv_memory_fraction}")
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be 1..65535, got {args.port}")
-    if not 0 <= args.probe_port < 65536 or args.probe_port == args.port:
-        raise ValueError(f"--probe-port must be 0 (none) or 1..65535 other than --port, got {args.probe_port}")
-
-    ceilings = Ceilings(max_token_budget=args.max_token_budget, max_num_seqs=args.max_num_seqs_ceiling)
-    auto_budget = args.token_budget == "auto"
-    max_num_seqs = min(args.max_num_seqs, ceilings.max_num_seqs)
+    values = vars(args).copy()
+    admin_token_file, api_key_file = values.pop("admin_token_file"), values.pop("api_key_file")
+    auto_budget = values["token_budget"] == "auto"
     if auto_budget:
-        budget = min(ceilings.max_token_budget, max(DEFAULT_TOKEN_BUDGET, min_budget_for(max_num_seqs)))
+        max_num_seqs = max(1, min(args.max_num_seqs, args.max_num_seqs_ceiling))
+        budget = min(args.max_token_budget, max(DEFAULT_TOKEN_BUDGET, min_budget_for(max_num_seqs)))
     else:
         try:
-            budget = int(args.token_budget)
+            budget = int(values["token_budget"])
         except ValueError:
             raise ValueError(f"--token-budget must be an integer or auto, got {args.token_budget!r}") from None
-    if args.no_profile and auto_budget and args.tpot_slo_ms is not None:
-        raise ValueError("--tpot-slo-ms with --token-budget auto needs the profile: drop --no-profile")
-    tuning = Tuning(token_budget=budget, max_num_seqs=max_num_seqs, max_partial_prefills=args.max_partial_prefills,
-                    long_prefill_threshold=args.long_prefill_threshold)
-    try:
-        validate_tuning(tuning, ceilings)
-    except TuningError as exc:
-        raise ValueError(f"bad starting tuning: {exc}") from None
-    return ServeOptions(
-        args=args, ceilings=ceilings, tuning=tuning, auto_budget=auto_budget,
-        served_model_name=args.served_model_name or args.model,
-        admin_token=watched_secret(args.admin_token_file, ADMIN_TOKEN_ENV),
-        api_key=watched_secret(args.api_key_file, API_KEY_ENV),
-    )
+    values.update(token_budget=budget, auto_budget=auto_budget,
+                  served_model_name=args.served_model_name or args.model)
+    config = ServeConfig(**values)  # checked here: ValueError naming the flag
+    # Secrets last: a bad flag is reported without touching their files.
+    return dataclasses.replace(config, admin_token=watched_secret(admin_token_file, ADMIN_TOKEN_ENV),
+                               api_key=watched_secret(api_key_file, API_KEY_ENV))
 
 
 def main(argv: list[str]) -> int:
@@ -167,7 +139,7 @@ def main(argv: list[str]) -> int:
         return 2
     from stallfree.node_daemon.daemon import run
 
-    logging.basicConfig(level=opts.args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     failure = run(opts)
     if failure is not None:
         print(f"stallfree serve: error: {failure}", file=sys.stderr)

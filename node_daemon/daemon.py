@@ -11,13 +11,11 @@ failure ends the daemon (`run` returns it).
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any
 
-from stallfree.contracts import Ceilings, Tuning
+from stallfree.node_daemon.serve_config import ServeConfig
 
 log = logging.getLogger("stallfree.serve")
 
@@ -29,52 +27,38 @@ log = logging.getLogger("stallfree.serve")
 CPU_TOKEN_BUDGET = 256
 
 
-@dataclass
-class ServeOptions:
-    """The parsed command line, checked; what the start-up thread and the app need."""
-
-    args: argparse.Namespace
-    ceilings: Ceilings
-    tuning: Tuning  # the starting tuning (budget may still move to the profile's choice)
-    auto_budget: bool
-    served_model_name: str
-    admin_token: str | None
-    api_key: str | None
-
-
-def engine_config(opts: ServeOptions):
+def engine_config(opts: ServeConfig):
     from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from stallfree.node_daemon.models.config import ModelConfig
 
-    a = opts.args
     return EngineConfig(
-        model=ModelConfig(model=a.model, device=a.device, dtype=a.dtype, attention_backend=a.attention_backend,
-                          max_model_len=a.max_model_len, seed=a.seed, threads=a.threads, compiled_decode="background",
-                          release_dense_weights=True, cpu_dense_copy=a.cpu_dense_copy),
-        cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_kv_blocks, kv_memory_fraction=a.kv_memory_fraction,
-                          enable_prefix_caching=not a.no_prefix_caching),
-        scheduler=SchedulerConfig(ceilings=opts.ceilings, tuning=opts.tuning, max_model_len=a.max_model_len or 2048),
-        backend=a.backend,
+        model=ModelConfig(model=opts.model, device=opts.device, dtype=opts.dtype,
+                          attention_backend=opts.attention_backend, max_model_len=opts.max_model_len, seed=opts.seed,
+                          threads=opts.threads, compiled_decode="background", release_dense_weights=True,
+                          cpu_dense_copy=opts.cpu_dense_copy),
+        cache=CacheConfig(block_size=opts.block_size, num_blocks=opts.num_kv_blocks,
+                          kv_memory_fraction=opts.kv_memory_fraction, enable_prefix_caching=not opts.no_prefix_caching),
+        scheduler=SchedulerConfig(ceilings=opts.ceilings, tuning=opts.tuning, max_model_len=opts.max_model_len or 2048),
+        backend=opts.backend,
     )
 
 
-def build_llm_engine(opts: ServeOptions, observer: Any):
+def build_llm_engine(opts: ServeConfig, observer: Any):
     """The synchronous engine over the real model or the sim backend; returns (engine, device name)."""
     from stallfree.node_daemon.engine.engine import LLMEngine
 
     config = engine_config(opts)
-    a = opts.args
-    if a.backend == "sim":
+    if opts.backend == "sim":
         from stallfree.node_daemon.sim.backend import (build_cost_model, build_sim_executor, resolve_shape,
                                                        sim_num_kv_blocks, sim_tokenizer)
 
-        dtype = "bfloat16" if a.dtype == "auto" else a.dtype
-        cost_model = build_cost_model(a.model, a.hardware, dtype, tflops=a.tflops, hbm_tbps=a.hbm_tbps,
-                                      overhead_ms=a.overhead_ms)
+        dtype = "bfloat16" if opts.dtype == "auto" else opts.dtype
+        cost_model = build_cost_model(opts.model, opts.hardware, dtype, tflops=opts.tflops, hbm_tbps=opts.hbm_tbps,
+                                      overhead_ms=opts.overhead_ms)
         if not config.cache.num_blocks:
-            config.cache.num_blocks = sim_num_kv_blocks(cost_model, a.block_size, a.kv_memory_fraction)
-        shape = resolve_shape(a.model)
-        config.model.max_model_len = a.max_model_len or shape.max_position_embeddings
+            config.cache.num_blocks = sim_num_kv_blocks(cost_model, opts.block_size, opts.kv_memory_fraction)
+        shape = resolve_shape(opts.model)
+        config.model.max_model_len = opts.max_model_len or shape.max_position_embeddings
         config.scheduler.max_model_len = config.model.max_model_len
         executor = build_sim_executor(cost_model)
         engine = LLMEngine(config, executor=executor, tokenizer=sim_tokenizer(shape), observer=observer)
@@ -88,7 +72,7 @@ def build_llm_engine(opts: ServeOptions, observer: Any):
     return engine, "cpu"
 
 
-def start_engine(opts: ServeOptions, daemon) -> None:
+def start_engine(opts: ServeConfig, daemon) -> None:
     """Load, profile, tune, start the engine loop; then the daemon is ready. Runs in the start-up thread.
 
     Every step logs a progress line with its duration; /ready stays false until the last one."""
@@ -99,11 +83,11 @@ def start_engine(opts: ServeOptions, daemon) -> None:
     from stallfree.node_daemon.engine.observers import FanoutObserver
     from stallfree.node_daemon.measure.profiler import starting_tuning
     from stallfree.node_daemon.measure.stall_watch import StallWatch, compute_threads
-    from stallfree.node_daemon.server.app import LiveCounts
+    from stallfree.node_daemon.server.startup import LiveCounts, Phase, Serving
 
     started = time.monotonic()
-    daemon.starting = "loading model"
-    log.info("start-up: loading %s (%s backend)", opts.args.model, opts.args.backend)
+    daemon.startup.advance(Phase.LOADING)
+    log.info("start-up: loading %s (%s backend)", opts.model, opts.backend)
     engine, device = build_llm_engine(opts, FanoutObserver(daemon.metrics, daemon.stats))
     engine.on_observer_error = daemon.metrics.record_observer_error
     log.info("start-up: model loaded on %s in %.1f s", device, time.monotonic() - started)
@@ -112,51 +96,49 @@ def start_engine(opts: ServeOptions, daemon) -> None:
     gc.collect()
     gc.freeze()
     retry = None
-    if not opts.args.no_profile:
-        daemon.starting = "profiling"
+    if not opts.no_profile:
+        daemon.startup.advance(Phase.PROFILING)
         daemon.profile, retry = _startup_profile(opts, engine, device,
-                                                 defer_while_compiling=opts.args.tpot_slo_ms is None)
-    if opts.auto_budget and opts.args.tpot_slo_ms is not None and daemon.profile is not None and daemon.profile.mixed:
-        tuning = starting_tuning(daemon.profile, opts.args.tpot_slo_ms, engine.ceilings, engine.get_tuning())
+                                                 defer_while_compiling=opts.tpot_slo_ms is None)
+    if opts.auto_budget and opts.tpot_slo_ms is not None and daemon.profile is not None and daemon.profile.mixed:
+        tuning = starting_tuning(daemon.profile, opts.tpot_slo_ms, engine.ceilings, engine.get_tuning())
         engine.set_tuning(tuning)
         predicted = daemon.profile.iteration_ms_at(tuning.token_budget)
         log.info("start-up: TPOT SLO %.1f ms: starting token budget %d, max_num_seqs %d (predicted iteration "
-                 "%.1f ms)", opts.args.tpot_slo_ms, tuning.token_budget, tuning.max_num_seqs, predicted)
-        if predicted > opts.args.tpot_slo_ms:
+                 "%.1f ms)", opts.tpot_slo_ms, tuning.token_budget, tuning.max_num_seqs, predicted)
+        if predicted > opts.tpot_slo_ms:
             log.warning("start-up: even the smallest budget's iteration (%.1f ms predicted) misses the TPOT SLO "
-                        "%.1f ms on this engine", predicted, opts.args.tpot_slo_ms)
-    elif opts.auto_budget and opts.args.tpot_slo_ms is None and opts.args.backend == "model" and device == "cpu":
+                        "%.1f ms on this engine", predicted, opts.tpot_slo_ms)
+    elif opts.auto_budget and opts.tpot_slo_ms is None and opts.backend == "model" and device == "cpu":
         engine.set_tuning(cpu_starting_tuning(engine.get_tuning(), engine.ceilings))
         log.info("start-up: token budget %d (the CPU's default: --token-budget N or --tpot-slo-ms choose another)",
                  engine.get_tuning().token_budget)
     scheduler, kv_cache = engine.scheduler, engine.kv_cache
     use_profile(opts, engine, daemon.profile)
-    daemon.vocab_size = engine.vocab_size
-    daemon.kv_capacity_tokens = kv_cache.num_blocks * kv_cache.block_size
-    daemon.max_chars_per_token = max_chars_per_token(engine.tokenizer)
     num_blocks = kv_cache.num_blocks
-    # Blocks in use plus those admitted requests may still take (by the output-length estimate).
-    daemon.live_counts = lambda: LiveCounts(
-        scheduler.num_waiting, scheduler.num_running, kv_cache.usage, scheduler.num_partial_prefills,
-        scheduler.kv_reserved)
     daemon.metrics.set_tuning(engine.get_tuning())
-    ceilings, a = engine.ceilings, opts.args
+    ceilings = engine.ceilings
     engine_info = {
-        "backend": a.backend, "device": device, "dtype": _engine_dtype(engine, a.dtype),
-        "attention_backend": a.attention_backend, "block_size": kv_cache.block_size, "num_kv_blocks": num_blocks,
+        "backend": opts.backend, "device": device, "dtype": _engine_dtype(engine, opts.dtype),
+        "attention_backend": opts.attention_backend, "block_size": kv_cache.block_size, "num_kv_blocks": num_blocks,
         "max_model_len": engine.max_model_len, "max_token_budget": ceilings.max_token_budget,
-        "max_num_seqs": ceilings.max_num_seqs, "policy": "stall_free", "prefix_caching": not a.no_prefix_caching}
+        "max_num_seqs": ceilings.max_num_seqs, "policy": "stall_free", "prefix_caching": not opts.no_prefix_caching}
     daemon.metrics.set_engine_config(engine_info)
-    if a.backend == "model" and device == "cpu":
+    if opts.backend == "model" and device == "cpu":
         _report_cpu_paths(daemon, engine, engine_info)
     gc.freeze()  # the profile's leftovers too
     async_engine = AsyncEngine(engine, opts.served_model_name, watch=StallWatch(threads=compute_threads()))
     if retry is not None:
         retry.on_profile = lambda profile: use_profile(opts, engine, profile, when="profile")
         async_engine.when_idle(retry.delay_s, lambda eng, stop: retry(daemon, eng, stop))
-    daemon.engine_error = lambda: None if async_engine.is_running else "the engine loop is not running"
-    daemon.engine = async_engine
-    daemon.starting = None
+    daemon.startup.ready(Serving(
+        engine=async_engine, vocab_size=engine.vocab_size,
+        kv_capacity_tokens=kv_cache.num_blocks * kv_cache.block_size,
+        max_chars_per_token=max_chars_per_token(engine.tokenizer),
+        # Blocks in use plus those admitted requests may still take (by the output-length estimate).
+        live_counts=lambda: LiveCounts(scheduler.num_waiting, scheduler.num_running, kv_cache.usage,
+                                       scheduler.num_partial_prefills, scheduler.kv_reserved),
+        engine_error=lambda: None if async_engine.is_running else "the engine loop is not running"))
     log.info("start-up: ready in %.1f s (%.1f s since the process started): serving %s on %s (max_model_len %d, "
              "%d KV blocks of %d)", time.monotonic() - started, _process_age_s(), opts.served_model_name, device,
              engine.max_model_len, kv_cache.num_blocks, kv_cache.block_size)
@@ -179,16 +161,16 @@ def _report_cpu_paths(daemon, engine, engine_info: dict) -> None:
     cpu_decode.when_loaded(report)
 
 
-def use_profile(opts: ServeOptions, engine, profile, when: str = "start-up") -> None:
+def use_profile(opts: ServeConfig, engine, profile, when: str = "start-up") -> None:
     """What the engine takes from its profile once it has one (at start-up, or measured later while idle): a
     chunk of a long prompt's tail attends to all of it, so the scheduler cuts it to keep the iteration as long as
     the budget means, by what served iterations show a cached prefix costs (the profile cannot see it)."""
     from stallfree.profile_rules import SLO_MARGIN
     from stallfree.node_daemon.engine.iteration_cost import OnlineIterationCost, prior_per_prefix_pair
 
-    if profile is None or not profile.mixed or opts.args.backend != "model" or opts.args.no_prefix_cut:
+    if profile is None or not profile.mixed or opts.backend != "model" or opts.no_prefix_cut:
         return
-    target = SLO_MARGIN * opts.args.tpot_slo_ms if opts.args.tpot_slo_ms is not None else None
+    target = SLO_MARGIN * opts.tpot_slo_ms if opts.tpot_slo_ms is not None else None
     engine.scheduler.set_prefix_cost(OnlineIterationCost(profile, target,
                                                          prior_per_prefix_pair(profile, engine.executor.loaded.shape)))
     log.info("%s: prefill chunks over a cached prefix are cut to the budget's iteration time%s (the prefix's cost "
@@ -240,7 +222,7 @@ def _process_age_s() -> float:
         return float("nan")
 
 
-def _startup_profile(opts: ServeOptions, engine, device: str, defer_while_compiling: bool = False):
+def _startup_profile(opts: ServeConfig, engine, device: str, defer_while_compiling: bool = False):
     """The profile from the cache, else measured within the time budget; and a retry when it is not trusted, or
     when it timed the Python path while the compiled CPU forward compiles (it is replaced once that is in use).
 
@@ -252,9 +234,9 @@ def _startup_profile(opts: ServeOptions, engine, device: str, defer_while_compil
     from stallfree.node_daemon.measure.profiler import ProfileSettings, run_profile
     from stallfree.node_daemon.models import cpu_decode
 
-    a = opts.args
-    settings = ProfileSettings(max_seconds=a.profile_max_seconds, progress=lambda line: log.info("start-up: %s", line))
-    cache = None if a.no_profile_cache else ProfileCache(a.profile_cache_dir)
+    settings = ProfileSettings(max_seconds=opts.profile_max_seconds,
+                               progress=lambda line: log.info("start-up: %s", line))
+    cache = None if opts.no_profile_cache else ProfileCache(opts.profile_cache_dir)
     compiling = cpu_decode.is_building()
     if defer_while_compiling and compiling:
         log.info("start-up: profile deferred: the compiled CPU forward is still compiling (the Python path serves "
@@ -267,7 +249,7 @@ def _startup_profile(opts: ServeOptions, engine, device: str, defer_while_compil
         if cached is not None:
             log.info("start-up: %s (%d mixed points, %d decode-only)", why, len(cached.mixed), len(cached.decode_only))
             return cached, later
-        log.info("start-up: %s: measuring (time budget %g s)", why, a.profile_max_seconds)
+        log.info("start-up: %s: measuring (time budget %g s)", why, opts.profile_max_seconds)
     run = run_profile(engine, device, settings)
     log.info("start-up: profile on %s in %.1f s: %s", device, run.seconds,
              ", ".join(f"{p.tokens} tok {p.iteration_ms:.1f} ms" for p in run.profile.mixed) or "no mixed point")
@@ -348,7 +330,7 @@ class _Remeasure:
         self.on_profile(profile)
 
 
-def build_daemon(opts: ServeOptions):
+def build_daemon(opts: ServeConfig):
     """The Daemon (not started) and its FastAPI app."""
     from stallfree.node_daemon.server.metrics import EngineMetrics
     from concurrent.futures import ThreadPoolExecutor
@@ -359,40 +341,37 @@ def build_daemon(opts: ServeOptions):
     from stallfree.node_daemon.server.drain import DrainState
     from stallfree.node_daemon.measure.stats_window import StatsWindow
 
-    a = opts.args
-    stats = StatsWindow(a.stats_window_s)
+    stats = StatsWindow(opts.stats_window_s)
     daemon = Daemon(
         metrics=EngineMetrics(opts.served_model_name),
         stats=stats,
-        admission=AdmissionControl(a.max_queue_requests, a.max_queue_tokens, stats.prefill_tokens_per_s),
-        drain=DrainState(a.drain_timeout_s),
+        admission=AdmissionControl(opts.max_queue_requests, opts.max_queue_tokens, stats.prefill_tokens_per_s),
+        drain=DrainState(opts.drain_timeout_s),
         auth=Auth(opts.admin_token, opts.api_key),
         served_model_name=opts.served_model_name,
-        tpot_slo_ms=a.tpot_slo_ms,
-        starting="loading model",
-        text_workers=ThreadPoolExecutor(a.text_workers, thread_name_prefix="stallfree-text"),
+        tpot_slo_ms=opts.tpot_slo_ms,
+        text_workers=ThreadPoolExecutor(opts.text_workers, thread_name_prefix="stallfree-text"),
     )
-    return daemon, create_app(daemon, max_body_bytes=a.max_body_bytes, body_timeout_s=a.body_timeout_s)
+    return daemon, create_app(daemon, max_body_bytes=opts.max_body_bytes, body_timeout_s=opts.body_timeout_s)
 
 
-def uvicorn_config(opts: ServeOptions, daemon, app):
+def uvicorn_config(opts: ServeConfig, daemon, app):
     """uvicorn over the daemon's app with the connection limits (header deadline, connection cap)."""
     import uvicorn
 
     from stallfree.http_doors.connections import limited_h11_protocol
 
-    a = opts.args
-    protocol = limited_h11_protocol(a.header_timeout_s, a.max_connections, daemon.metrics.record_error)
-    return uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False, http=protocol,
+    protocol = limited_h11_protocol(opts.header_timeout_s, opts.max_connections, daemon.metrics.record_error)
+    return uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level, access_log=False,
+                          http=protocol,
                           timeout_graceful_shutdown=5, lifespan="off")
 
 
-def probe_servers(opts: ServeOptions, daemon) -> list:
+def probe_servers(opts: ServeConfig, daemon) -> list:
     """The probe listener on --probe-port (none with --probe-port 0)."""
     from stallfree.node_daemon.server.probes import probe_server
 
-    a = opts.args
-    return [probe_server(daemon, a.host, a.probe_port, a.log_level)] if a.probe_port else []
+    return [probe_server(daemon, opts.host, opts.probe_port, opts.log_level)] if opts.probe_port else []
 
 
 async def abort_in_flight(daemon, request_id: str) -> None:
@@ -400,7 +379,7 @@ async def abort_in_flight(daemon, request_id: str) -> None:
         await daemon.engine.abort(request_id)
 
 
-def run(opts: ServeOptions) -> BaseException | None:
+def run(opts: ServeConfig) -> BaseException | None:
     """Serve until stopped (SIGTERM drains): the HTTP server at once, the engine from a start-up thread.
 
     Returns the start-up failure, if there was one (the server stops then)."""
@@ -420,6 +399,7 @@ def run(opts: ServeOptions) -> BaseException | None:
             start_engine(opts, daemon)
         except BaseException as exc:  # noqa: BLE001 - any start-up failure ends the daemon with status 1
             log.error("start-up failed: %s: %s", type(exc).__name__, exc, exc_info=not isinstance(exc, ValueError))
+            daemon.startup.failed(f"{type(exc).__name__}: {exc}")
             failure.append(exc)
             server.should_exit = True
 

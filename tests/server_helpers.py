@@ -75,7 +75,7 @@ def running_daemon(extra_args: list[str] = (), admin_token: str | None = ADMIN_T
                 if time.monotonic() > deadline or not thread.is_alive():
                     raise RuntimeError("uvicorn did not start")
                 time.sleep(0.01)
-            probe_url = f"http://127.0.0.1:{opts.args.probe_port}" if probes else None
+            probe_url = f"http://127.0.0.1:{opts.probe_port}" if probes else None
             yield LiveDaemon(daemon, f"http://127.0.0.1:{port}", server, probe_url)
         finally:
             server.should_exit = True

@@ -46,10 +46,10 @@ def test_daemon_args_follow_the_daemon_command_line(tmp_path) -> None:
     token.write_text("t0ken\n")
     args = render.daemon_args(spec_with(), admin_token_file=str(token))
     opts = parse_options(args)  # the daemon's own parser and checks accept them
-    assert (opts.args.model, opts.served_model_name, opts.args.device) == ("smollm2-135m", "smollm2-135m", "cpu")
+    assert (opts.model, opts.served_model_name, opts.device) == ("smollm2-135m", "smollm2-135m", "cpu")
     assert (opts.ceilings.max_token_budget, opts.ceilings.max_num_seqs) == (1024, 32)
     assert (opts.tuning.token_budget, opts.tuning.max_num_seqs) == (256, 16)
-    assert opts.args.tpot_slo_ms == 200.0 and opts.args.max_model_len == 2048 and opts.admin_token == "t0ken"
+    assert opts.tpot_slo_ms == 200.0 and opts.max_model_len == 2048 and opts.admin_token.current() == "t0ken"
     assert "--host" not in args and "--port" not in args  # the caller (pod or local runtime) picks those
 
 

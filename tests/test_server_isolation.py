@@ -4,6 +4,7 @@ and the gauges tell the truth the moment the last stream is cancelled."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import time
@@ -101,15 +102,12 @@ def test_a_4mb_prompt_is_refused_by_its_length_before_tokenizing(live: LiveDaemo
     live.wait_idle()
 
 
-def test_a_4mb_prompt_tokenizes_off_the_event_loop(live: LiveDaemon) -> None:
+def test_a_4mb_prompt_tokenizes_off_the_event_loop(live: LiveDaemon, monkeypatch) -> None:
     """Without the length bound (a tokenizer whose token lengths are unknown) the prompt is tokenized whole,
     on a text worker: other streams keep their pace and /health stays fast while it runs."""
-    daemon = live.daemon
-    saved, daemon.max_chars_per_token = daemon.max_chars_per_token, None
-    try:
-        response, took, gaps, health = _big_prompt_while_streaming(live)
-    finally:
-        daemon.max_chars_per_token = saved
+    startup = live.daemon.startup
+    monkeypatch.setattr(startup, "_serving", dataclasses.replace(startup.serving, max_chars_per_token=None))
+    response, took, gaps, health = _big_prompt_while_streaming(live)
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     assert "tokens" in response.json()["error"]["message"]
     assert len(gaps) >= 5, f"only {len(gaps)} tokens streamed during {took:.2f}s"

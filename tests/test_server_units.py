@@ -125,8 +125,8 @@ def test_start_up_failure_exits_1(capsys) -> None:
 def test_serve_binds_loopback_unless_told_and_help_shows_defaults(capsys) -> None:
     from stallfree.cli.serve import build_parser, parse_options
 
-    assert parse_options(["--backend", "sim"]).args.host == "127.0.0.1"
-    assert parse_options(["--backend", "sim", "--host", "0.0.0.0"]).args.host == "0.0.0.0"
+    assert parse_options(["--backend", "sim"]).host == "127.0.0.1"
+    assert parse_options(["--backend", "sim", "--host", "0.0.0.0"]).host == "0.0.0.0"
     help_text = " ".join(build_parser().format_help().split())
     for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: 10.0)", "(default: 30.0)",
                   "(default: 4096)", "(default: smollm2-135m)"):
@@ -163,8 +163,8 @@ def test_long_prompts_are_counted_in_pieces_and_never_refused_when_they_fit() ->
 def test_probe_port_is_off_unless_given_and_never_the_serving_port() -> None:
     from stallfree.cli.serve import parse_options
 
-    assert parse_options(["--backend", "sim"]).args.probe_port == 0
-    assert parse_options(["--backend", "sim", "--probe-port", "8001"]).args.probe_port == 8001
+    assert parse_options(["--backend", "sim"]).probe_port == 0
+    assert parse_options(["--backend", "sim", "--probe-port", "8001"]).probe_port == 8001
     for bad in ("8000", "-1", "70000"):
         with pytest.raises(ValueError, match="--probe-port"):
             parse_options(["--backend", "sim", "--port", "8000", "--probe-port", bad])

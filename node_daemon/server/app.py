@@ -3,7 +3,8 @@
 The engine runs its loop in its own thread (AsyncEngine); this app only validates, admits, streams and
 reports, on the HTTP event loop. Tokenizing and chat templating of large prompts run on a small bounded
 pool of worker threads (the tokenizer releases the GIL), so one huge prompt delays only itself.
-Everything a route needs hangs off one `Daemon` object on app.state.
+Everything a route needs hangs off one `Daemon` object on app.state; the engine comes with the start-up's
+`Serving` once it is ready (startup.py).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from stallfree.http_doors.connections import CONNECTIONS_FULL
 from stallfree.node_daemon.server.drain import DrainState
 from stallfree.node_daemon.server.errors import APIError, install_error_handlers
 from stallfree.node_daemon.server.probes import health_response
+from stallfree.node_daemon.server.startup import LiveCounts, StartUp
 from stallfree.node_daemon.measure.stats_window import StatsWindow
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -39,56 +41,59 @@ INLINE_TEXT_CHARS = 8192
 
 
 @dataclass
-class LiveCounts:
-    """What the engine holds right now (the last iteration's counts go stale when it idles)."""
-
-    num_waiting: int
-    num_running: int
-    kv_usage: float
-    num_partial_prefills: int = 0
-    kv_reserved: float = 0.0  # fraction of KV blocks in use or reserved for admitted requests' growth
-
-
-@dataclass
 class Daemon:
+    """What every route needs; the engine and what comes with it arrive through `startup` once it is ready."""
+
     metrics: EngineMetrics
     stats: StatsWindow
     admission: AdmissionControl
     drain: DrainState
     auth: Auth
     served_model_name: str
-    # None while the model loads and the profile runs (in a start-up thread); the server already answers.
-    engine: EngineClient | None = None
+    startup: StartUp = field(default_factory=StartUp)
+    # Measured at start-up, or later on the idle engine (then replaced whole, never changed in place).
     profile: Profile | None = None
     tpot_slo_ms: float | None = None
-    # Why the daemon is not serving yet ("loading model", "profiling"); None once the engine runs.
-    starting: str | None = None
-    # Returns None when the engine loop is healthy, else why not (a dead loop fails /health).
-    engine_error: Callable[[], str | None] = lambda: None
-    live_counts: Callable[[], LiveCounts | None] = lambda: None
-    vocab_size: int | None = None
-    kv_capacity_tokens: int | None = None  # the whole KV cache: no request may need more
-    # The longest text one token can stand for: a prompt longer than this times the context is refused
-    # before it is tokenized. None: unknown (always tokenize).
-    max_chars_per_token: int | None = None
     text_workers: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(DEFAULT_TEXT_WORKERS, thread_name_prefix="stallfree-text"))
     created: int = field(default_factory=lambda: int(time.time()))
     # Aborts that run after a client left; kept so the tasks are not garbage-collected mid-flight.
     background: set = field(default_factory=set)
 
-    def live_counts_now(self) -> LiveCounts | None:
-        """What the engine holds now (read by the gauges at scrape); live_counts is replaced at start-up."""
-        return self.live_counts()
+    @property
+    def engine(self) -> EngineClient | None:
+        serving = self.startup.serving
+        return None if serving is None else serving.engine
+
+    @property
+    def vocab_size(self) -> int | None:
+        serving = self.startup.serving
+        return None if serving is None else serving.vocab_size
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        serving = self.startup.serving
+        return None if serving is None else serving.kv_capacity_tokens
+
+    @property
+    def max_chars_per_token(self) -> int | None:
+        serving = self.startup.serving
+        return None if serving is None else serving.max_chars_per_token
+
+    def live_counts(self) -> LiveCounts | None:
+        """What the engine holds now (read by the gauges at scrape); None before it runs."""
+        serving = self.startup.serving
+        return None if serving is None else serving.live_counts()
+
+    def engine_error(self) -> str | None:
+        """None while the engine loop is healthy (or not started yet), else why not (a dead loop fails /health)."""
+        serving = self.startup.serving
+        return None if serving is None else serving.engine_error()
 
     def not_ready_reason(self) -> str | None:
         if self.drain.draining:
             return "draining"
-        if self.starting is not None:
-            return self.starting
-        if self.engine is None:
-            return "no engine"
-        return self.engine_error()
+        return self.startup.not_serving_reason() or self.engine_error()
 
     async def text_work(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) inline for small texts, else on the bounded text worker pool (off the event loop)."""
@@ -98,11 +103,11 @@ class Daemon:
 
     def require_engine(self) -> EngineClient:
         """The engine, or 503 while the daemon starts (a client retries; a probe waits)."""
-        engine = self.engine
-        if engine is None or self.starting is not None:
-            raise APIError(503, f"the daemon is starting ({self.starting or 'no engine'}); retry shortly",
+        serving = self.startup.serving
+        if serving is None:
+            raise APIError(503, f"the daemon is starting ({self.startup.not_serving_reason()}); retry shortly",
                            code="starting", reason="starting", headers={"Retry-After": "5"})
-        return engine
+        return serving.engine
 
 
 def get_daemon(request: Request) -> Daemon:
@@ -121,7 +126,7 @@ def create_app(daemon: Daemon, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                   redirect_slashes=False)
     app.state.daemon = daemon
     install_error_handlers(app, daemon.metrics.record_error)
-    daemon.metrics.bind_live(daemon.live_counts_now)
+    daemon.metrics.bind_live(daemon.live_counts)
     # The last added runs first: the size cap, then the body deadline and JSON checks.
     app.add_middleware(BodyGuardMiddleware, body_timeout_s=body_timeout_s, on_refused=daemon.metrics.record_error)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, drain_timeout_s=body_timeout_s,
