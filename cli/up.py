@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from stallfree.operator.local.closed_loop_run import run
+from stallfree.operator.local.closed_loop_run import RunOptions, run
 from stallfree.operator.local.manifest import load_manifest
 from stallfree.operator.local.report import summary_text
 
@@ -45,8 +45,11 @@ def main(argv: list[str]) -> int:
         print(f"stallfree up: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out or f"runs/up-{time.strftime('%Y%m%d-%H%M%S')}")
+    options = RunOptions(demo=args.demo, duration_s=args.duration, threads_per_replica=args.threads_per_replica,
+                         start_timeout_s=args.start_timeout, interval_s=args.interval, live=not args.no_live,
+                         phase_scale=args.phase_scale)
     try:
-        result = asyncio.run(run(args, name, spec, out))
+        result = asyncio.run(run(options, name, spec, out))
     except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
         print(f"stallfree up: {exc}", file=sys.stderr)
         return 1

@@ -2,11 +2,11 @@
 load) until the run's end or a stop signal; then drain and report."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,31 @@ from stallfree.operator.local.load import LoadDriver
 from stallfree.operator.local.report import report
 from stallfree.operator.local.runtime import LocalRuntime
 from stallfree.operator.local.view import LiveView
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How `stallfree up` runs one InferenceService (its flags, typed)."""
+
+    demo: bool = False  # the built-in load: a TPOT breach, then demand beyond one replica's prefill capacity
+    duration_s: float | None = None  # None: the demo's length, else until a stop signal
+    threads_per_replica: int = 1
+    start_timeout_s: float = 600.0
+    interval_s: float | None = None  # None: the spec's control interval
+    live: bool = True  # the live terminal view where stdout is a terminal; else one line per control step
+    phase_scale: float = 1.0  # stretch (>1) or shrink (<1) the demo's load phases
+
+
+def demo_spec(spec: InferenceServiceSpec, out: Path) -> InferenceServiceSpec:
+    """The spec the demo starts from: a budget configured far above what the TPOT SLO allows on this hardware,
+    so the tuner must find the way down from feedback (not from the profile); never a resumed run."""
+    engine = spec.engine
+    budget = engine.token_budget.model_copy(update={"initial": engine.ceilings.max_token_budget})
+    recorded = out / "control-state.json"
+    if recorded.exists():
+        recorded.unlink()
+        print(f"demo: starting from the spec, not from the control state an earlier run left in {out}", flush=True)
+    return spec.model_copy(update={"engine": engine.model_copy(update={"token_budget": budget})})
 
 
 def prompt_builder(spec: InferenceServiceSpec) -> PromptBuilder:
@@ -43,20 +68,14 @@ async def fetch_profile(runtime: LocalRuntime) -> Profile:
     return Profile.from_dict(response.json())
 
 
-async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, out: Path) -> dict[str, Any]:
-    if args.demo:
-        # A budget configured far above what the TPOT SLO allows on this hardware: the daemons start
-        # there and the tuner must find the way down from feedback (not from the profile).
-        engine = spec.engine
-        budget = engine.token_budget.model_copy(update={"initial": engine.ceilings.max_token_budget})
-        spec = spec.model_copy(update={"engine": engine.model_copy(update={"token_budget": budget})})
-        recorded = out / "control-state.json"
-        if recorded.exists():  # a demo is a script from the spec's start, never a resumed run
-            recorded.unlink()
-            print(f"demo: starting from the spec, not from the control state an earlier run left in {out}", flush=True)
-    runtime = LocalRuntime(name, spec, out, threads_per_replica=args.threads_per_replica)
-    interval = args.interval or runtime.policy.interval_s
-    view = LiveView(name, runtime.policy, live=not args.no_live and sys.stdout.isatty())
+async def run(options: RunOptions, name: str, spec: InferenceServiceSpec, out: Path) -> dict[str, Any]:
+    """The whole run; returns the report (also written to `out`). Raises RuntimeError or TimeoutError when the
+    replicas do not start."""
+    if options.demo:
+        spec = demo_spec(spec, out)
+    runtime = LocalRuntime(name, spec, out, threads_per_replica=options.threads_per_replica)
+    interval = options.interval_s or runtime.policy.interval_s
+    view = LiveView(name, runtime.policy, live=options.live and sys.stdout.isatty())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -68,9 +87,9 @@ async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, o
     load: LoadDriver | None = None
     demo: DemoRun | None = None
     try:
-        await runtime.wait_ready(args.start_timeout, on_wait=view.waiting)
+        await runtime.wait_ready(options.start_timeout_s, on_wait=view.waiting)
         view.say(f"ready after {runtime.elapsed():.0f}s (model loaded, profile measured)")
-        if args.demo:
+        if options.demo:
             profile = await fetch_profile(runtime)
             if spec.routing.mode == "slo-aware":
                 router_url = await runtime.start_router(spec.routing.policy)
@@ -80,10 +99,10 @@ async def run(args: argparse.Namespace, name: str, spec: InferenceServiceSpec, o
             else:
                 load = LoadDriver(runtime.ready_urls, spec.model.served_name, prompt_builder(spec))
             demo = DemoRun(runtime, view, profile, spec.engine.ceilings.max_token_budget,
-                           spec.model.max_model_len or 2048, args.phase_scale, load, stop)
+                           spec.model.max_model_len or 2048, options.phase_scale, load, stop)
             await demo.start()
-        if args.duration:
-            run_for = args.duration
+        if options.duration_s:
+            run_for = options.duration_s
         else:
             run_for = demo.duration_s + 30 if demo else float("inf")
         deadline = time.monotonic() + run_for
