@@ -39,8 +39,8 @@ def arrived_demand(ended_per_s: float, refused_per_s: float, in_engine_change: f
                    lifetime_mean_prompt: float | None) -> tuple[float, float]:
     """(requests, prompt tokens) per second that arrived in the window.
 
-    Requests are conserved: what arrived either ended (finished, failed, refused) or is still waiting or running,
-    so arrivals = ended + refused + the change in waiting + running. Their prompt tokens are that times the mean
+    Requests are conserved: what arrived either ended (finished or failed), was refused, or is still waiting or
+    running, so arrivals = ended + refused + the change in waiting + running. Their prompt tokens are that times the mean
     prompt of the requests that started in the window (the lifetime mean when none did). Served prompt tokens,
     counted at the first token, cannot exceed what the replica computes: under overload they are its throughput,
     not its demand."""
