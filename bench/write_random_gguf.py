@@ -12,6 +12,12 @@ bytes per weight and the same kernels as a quantized checkpoint, written in seco
                    ffn_down in the layers llama.cpp gives more bits (its use_more_bits)
 llama.cpp permutes the rows of Q and K in `llama` files (our loader permutes them back): rows of random codes
 are random codes either way, so the file is valid as written. Nothing is downloaded.
+
+`--arch qwen3` or `--arch gemma3` writes a model of that family instead (write_family): random weights drawn by
+models/random_weights.py for a shape of the family (tiny_family_shape: small enough for tests), written as
+llama.cpp's converter writes that architecture (its tensor names, Gemma's norms with the 1 of (1 + weight) added),
+in F32, Q8_0 or Q4_0 (`--type f32|q8_0|q4_0`), with the embedded SmolLM2 tokenizer (its vocabulary sets the
+shape's) unless asked not to: a file llama.cpp's server loads as well as stallfree does.
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ ROPE_THETA = 500000.0
 RMS_NORM_EPS = 1e-5
 WEIGHT_STD = 0.02
 TYPES = ("q4_0", "q4_k_m")
+FAMILY_TYPES = ("f32", "q8_0", "q4_0")
+FAMILY_ARCHES = ("qwen3", "gemma3")
 
 
 def use_more_bits(layer: int, layers: int) -> bool:
@@ -136,15 +144,102 @@ def write(path: str, kind: str = "q4_0", hidden: int = 2048, layers: int = 16, s
             "seconds": round(time.monotonic() - started, 2), "type": kind}
 
 
+# Hugging Face layer part -> llama.cpp's tensor name, per family (Gemma's four norms are named apart)
+_GGUF_PARTS = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}
+_GEMMA3_GGUF_PARTS = {**_GGUF_PARTS, "post_attention_layernorm": "post_attention_norm",
+                      "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+_GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+
+
+def gguf_tensor_name(hf_name: str, family: str) -> str:
+    if hf_name in _GGUF_GLOBALS:
+        return _GGUF_GLOBALS[hf_name]
+    layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+    part, kind = rest.rsplit(".", 1)
+    parts = _GEMMA3_GGUF_PARTS if family == "gemma3" else _GGUF_PARTS
+    return f"blk.{layer}.{parts[part]}.{kind}"
+
+
+def write_family(path: str, model, kind: str = "f32", tokenizer: bool = True) -> dict:
+    """Write `model` (a LlamaForCausalLM of the qwen3 or gemma3 family, float32 weights) as llama.cpp's converter
+    writes its architecture: metadata, tensor names, Gemma's norms shifted by 1; matrices in `kind` (norms F32).
+    `tokenizer`: copy the embedded SmolLM2 GGUF's tokenizer (the model's vocabulary must then be its 49,152)."""
+    import gguf
+    from gguf.quants import quantize
+
+    from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path
+
+    shape = model.shape
+    if shape.family not in FAMILY_ARCHES:
+        raise ValueError(f"write_family writes {', '.join(FAMILY_ARCHES)}, not {shape.family!r}")
+    if kind not in FAMILY_TYPES:
+        raise ValueError(f"--type must be one of {', '.join(FAMILY_TYPES)} with --arch, got {kind!r}")
+    started = time.monotonic()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    arch = shape.family
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"random {arch} {shape.name} {kind}")
+    if tokenizer:
+        vocab = _copy_tokenizer(writer, embedded_gguf_path())
+        if vocab != shape.vocab_size:
+            raise ValueError(f"the embedded tokenizer has {vocab} tokens; the shape has {shape.vocab_size}")
+    writer.add_vocab_size(shape.vocab_size)
+    writer.add_context_length(shape.max_position_embeddings)
+    writer.add_embedding_length(shape.hidden_size)
+    writer.add_block_count(shape.num_layers)
+    writer.add_feed_forward_length(shape.intermediate_size)
+    writer.add_head_count(shape.num_heads)
+    writer.add_head_count_kv(shape.num_kv_heads)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
+    if arch == "gemma3" and shape.sliding_window:
+        writer.add_sliding_window(shape.sliding_window)
+    qtype = gguf.GGMLQuantizationType[kind.upper()]
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                          "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[kind])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    params = 0
+    for name, tensor in model.hf_weights():
+        array = tensor.detach().float().cpu().numpy().copy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            array = array + 1.0  # llama.cpp's converter: norm_shift
+        params += array.size
+        if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_tensor_name(name, arch), array.astype(np.float32))
+        else:
+            writer.add_tensor(gguf_tensor_name(name, arch), quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {"path": path, "bytes": os.path.getsize(path), "parameters": params,
+            "seconds": round(time.monotonic() - started, 2), "type": kind}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stallfree bench write-gguf", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--type", choices=TYPES, default="q4_0")
+    parser.add_argument("--type", choices=(*TYPES, "f32", "q8_0"), default="q4_0",
+                        help="q4_0 or q4_k_m for llama; f32, q8_0 or q4_0 with --arch")
     parser.add_argument("--out", help="default: runs/llama-3.2-1b-shape-<type>.gguf")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=LLAMA_3_2_1B["hidden"],
                         help="a smaller shape for tests (heads = hidden/64, kv heads = heads/4, ffn = 4 hidden)")
     parser.add_argument("--layers", type=int, default=LLAMA_3_2_1B["layers"])
+    parser.add_argument("--arch", choices=("llama", *FAMILY_ARCHES), default="llama",
+                        help="qwen3 or gemma3: a random model of that family's tiny test shape with the SmolLM2 "
+                             "vocabulary (--type f32, q8_0 or q4_0)")
     args = parser.parse_args(argv)
+    if args.arch != "llama":
+        return _main_family(args)
     path = args.out or os.path.join("runs", f"llama-3.2-1b-shape-{args.type}.gguf")
     print(f"writing {path}: {args.type}, hidden {args.hidden}, {args.layers} layers, random weights (seed {args.seed})",
           flush=True)
@@ -155,6 +250,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {done['path']}: {done['bytes'] / 2**20:.0f} MiB, {done['parameters'] / 1e9:.3f}B parameters, "
           f"{done['seconds']:.1f} s")
+    return 0
+
+
+def _main_family(args) -> int:
+    import torch
+
+    from stallfree.node_daemon.models.llama import LlamaForCausalLM
+    from stallfree.node_daemon.models.random_weights import init_random_weights, tiny_family_shape
+
+    kind = args.type if args.type in FAMILY_TYPES else "f32"
+    path = args.out or os.path.join("runs", f"random-{args.arch}-{kind}.gguf")
+    shape = tiny_family_shape(args.arch, vocab_size=49152)
+    model = LlamaForCausalLM(shape, torch.float32)
+    init_random_weights(model, args.seed, norm_std=0.1)
+    try:
+        done = write_family(path, model, kind)
+    except ValueError as e:
+        print(f"stallfree bench write-gguf: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {done['path']}: {args.arch}, {done['bytes'] / 2**20:.1f} MiB, {done['parameters'] / 1e6:.2f}M "
+          f"parameters, {done['seconds']:.1f} s")
     return 0
 
 

@@ -24,13 +24,21 @@ class ModelShape:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     rope_scaling: dict | None = None  # e.g. Llama-3.1's {"rope_type": "llama3", "factor": 8.0, ...}
+    # The decoder's family (node_daemon/models/llama.py): "llama" (Llama, Mistral, Qwen2), "qwen3" (per-head q/k
+    # RMSNorm) or "gemma3" (q/k norms, four norms a layer, GELU-tanh, scaled embeddings, sliding-window layers).
+    family: str = "llama"
+    sliding_window: int | None = None  # gemma3: keys a sliding layer's query sees (its own included)
+    sliding_window_pattern: int = 0  # gemma3: every Nth layer attends globally, the others through the window
+    rope_local_theta: float | None = None  # gemma3: the sliding layers' RoPE base
+    query_pre_attn_scalar: float | None = None  # gemma3: queries scaled by its -1/2 power (else head_dim's)
 
     @property
     def num_parameters(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * (self.num_heads * d) + 2 * h * (self.num_kv_heads * d) + (self.num_heads * d) * h
         mlp = 3 * h * i
-        per_layer = attn + mlp + 2 * h
+        norms = {"qwen3": 2 * h + 2 * d, "gemma3": 4 * h + 2 * d}.get(self.family, 2 * h)
+        per_layer = attn + mlp + norms
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * per_layer + embed + head + h

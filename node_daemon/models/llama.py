@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over one flattened ragged batch.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2, Qwen3, Gemma 3) over one flattened ragged batch.
 
 A step's rows are the new tokens of every scheduled sequence laid end to end, no padding. Each layer
 writes its keys and values into the paged KV cache at the step's slot mapping, then attends through
@@ -9,6 +9,12 @@ Parameters keep Hugging Face's names except two fusions: q/k/v -> `qkv_proj` and
 `gate_up_proj` (one matmul each). `load_weights` takes Hugging Face names and slots them in;
 `hf_weights` gives them back in Hugging Face names and shapes; `attach_int4` adds a GGUF checkpoint's
 packed int4 weights beside the dense ones (models/quantized.py).
+
+Qwen3 adds an RMSNorm over each head of q and k before RoPE. Gemma 3 adds those too, and: embeddings scaled
+by sqrt(hidden_size), a GELU-tanh MLP, four norms a layer (the attention's and the MLP's outputs are normed before
+they join the residual), queries scaled by query_pre_attn_scalar, and sliding-window layers (every
+sliding_window_pattern-th layer global) with a RoPE base of their own. Gemma's norms multiply by (1 + weight): the
+1 is folded into the weights here at load (load_weights; hf_weights gives it back), so every norm is the same op.
 
 The residual stream runs as in vLLM: each layer takes (hidden, residual) and adds before it normalises,
 so that on CUDA the add and the RMSNorm are one fused kernel (kernels/fused_ops.py). On the CPU under
@@ -27,46 +33,79 @@ from torch import nn
 
 from stallfree.kernels.attention import AttentionBackend, AttentionMetadata
 from stallfree.kernels.fused_ops import fused_add_rms_norm, rms_norm
-from stallfree.node_daemon.models.layers import Linear, RMSNorm, SwiGLU, can_prepack, packed_linear, prepack_weight
+from stallfree.node_daemon.models.layers import GeluTanhGLU, Linear, RMSNorm, SwiGLU, can_prepack, packed_linear, \
+    prepack_weight
 from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS, BlockCodes, Int4Weight, stack_parts
 from stallfree.node_daemon.models.rope import RotaryEmbedding, apply_rope
+from stallfree.node_daemon.models.sliding_window import windowed_attention
 from stallfree.shapes import ModelShape
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
+FAMILIES = ("llama", "qwen3", "gemma3")  # ModelShape.family
+
+
+QK_NORM_FAMILIES = ("qwen3", "gemma3")
+
+
+def is_sliding_layer(shape: ModelShape, index: int) -> bool:
+    """Gemma 3: every sliding_window_pattern-th layer (1-based) attends globally, the others through the window."""
+    return shape.sliding_window_pattern > 0 and (index + 1) % shape.sliding_window_pattern != 0
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device | str,
+                 norm_dtype: torch.dtype | None = None, sliding: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = (shape.query_pre_attn_scalar or self.head_dim) ** -0.5
         # Qwen2 carries a bias on q, k and v (not on o).
         self.qkv_proj = Linear(shape.hidden_size, self.q_size + 2 * self.kv_size, shape.qkv_bias, dtype, device)
         self.o_proj = Linear(self.q_size, shape.hidden_size, False, dtype, device)
+        # Qwen3 and Gemma 3: each head of q and k RMS-normed before RoPE (weights [head_dim], shared by the heads).
+        self.q_norm = self.k_norm = None
+        if shape.family in QK_NORM_FAMILIES:
+            self.q_norm = RMSNorm(self.head_dim, shape.rms_norm_eps, norm_dtype or dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, shape.rms_norm_eps, norm_dtype or dtype, device)
+        # Gemma 3's sliding layers: RoPE of the local base, and keys limited to the last `window` positions.
+        self.sliding = sliding
+        self.window = shape.sliding_window if sliding else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        # Q and K rotate together: one set of ops for both.
-        qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
-                                                                  self.head_dim), cos, sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        qk = qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = _head_norm(qk[:, :self.num_heads], self.q_norm)
+            k = _head_norm(qk[:, self.num_heads:], self.k_norm)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # Q and K rotate together: one set of ops for both.
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         attn.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = attn.forward(q, k_cache, v_cache, metadata, self.scale)
+        if self.window is not None and metadata.max_seq_len > self.window:
+            out = windowed_attention(q, k_cache, v_cache, metadata, self.scale, self.window, attn)
+        else:  # every key within the window: full causal attention is the same
+            out = attn.forward(q, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
+
+
+def _head_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """RMSNorm over head_dim of rows [n, heads, head_dim], in x's dtype."""
+    n, heads, dim = x.shape
+    return rms_norm(x.reshape(n * heads, dim), norm.weight, norm.eps).view(n, heads, dim)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device | str,
-                 residual_dtype: torch.dtype) -> None:
+                 residual_dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, residual_dtype, device)
-        self.self_attn = LlamaAttention(shape, dtype, device)
+        self.self_attn = LlamaAttention(shape, dtype, device, residual_dtype, is_sliding_layer(shape, index))
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, residual_dtype, device)
         self.mlp = SwiGLU(shape.hidden_size, shape.intermediate_size, dtype, device)
 
@@ -86,6 +125,38 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class Gemma3DecoderLayer(nn.Module):
+    """Gemma 3's layer: the attention's and the MLP's outputs are each normed again before they join the residual
+    (post_attention_layernorm here is that output norm; pre_feedforward_layernorm the MLP's input norm)."""
+
+    def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device | str,
+                 residual_dtype: torch.dtype, index: int = 0) -> None:
+        super().__init__()
+        hidden, eps = shape.hidden_size, shape.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps, residual_dtype, device)
+        self.self_attn = LlamaAttention(shape, dtype, device, residual_dtype, is_sliding_layer(shape, index))
+        self.post_attention_layernorm = RMSNorm(hidden, eps, residual_dtype, device)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, residual_dtype, device)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, residual_dtype, device)
+        self.mlp = GeluTanhGLU(hidden, shape.intermediate_size, dtype, device)
+
+    def forward(self, h: torch.Tensor | None, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, metadata: AttentionMetadata, attn: AttentionBackend,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """As LlamaDecoderLayer.forward: (this layer's normed MLP output, the residual stream before it)."""
+        norm = self.input_layernorm
+        if h is None:
+            x = rms_norm(residual, norm.weight, norm.eps).to(dtype)
+        else:
+            x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        x = self.self_attn(x, cos, sin, kv_cache, metadata, attn)
+        x = rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        norm = self.pre_feedforward_layernorm
+        x, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        x = self.mlp(x)
+        return rms_norm(x, self.post_feedforward_layernorm.weight, self.post_feedforward_layernorm.eps), residual
+
+
 class LlamaForCausalLM(nn.Module):
     """forward() gives final hidden states of every row; compute_logits() projects only the rows asked for."""
 
@@ -100,13 +171,25 @@ class LlamaForCausalLM(nn.Module):
                                          _weight=torch.empty(shape.vocab_size, shape.hidden_size, dtype=dtype,
                                                              device=device))
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, dtype, device, self.residual_dtype)
-                                    for _ in range(shape.num_layers))
+        if shape.family not in FAMILIES:
+            raise ValueError(f"model family {shape.family!r} is not supported; supported: {', '.join(FAMILIES)}")
+        layer_class = Gemma3DecoderLayer if shape.family == "gemma3" else LlamaDecoderLayer
+        self.layers = nn.ModuleList(layer_class(shape, dtype, device, self.residual_dtype, i)
+                                    for i in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, self.residual_dtype, device)
         self.lm_head = None if shape.tie_word_embeddings else Linear(shape.hidden_size, shape.vocab_size, False,
                                                                        dtype, device)
         self.rotary = RotaryEmbedding(shape.head_dim, max_positions or shape.max_position_embeddings,
                                       shape.rope_theta, shape.rope_scaling, device)
+        # Gemma 3: the sliding layers' RoPE (its local base, no scaling) and the embeddings' scale, sqrt(hidden)
+        # rounded to the embedding's dtype as Hugging Face's Gemma3TextScaledWordEmbedding rounds it.
+        self.rotary_local = None
+        self.embed_scale: torch.Tensor | None = None
+        if shape.family == "gemma3":
+            if any(layer.self_attn.sliding for layer in self.layers):
+                self.rotary_local = RotaryEmbedding(shape.head_dim, max_positions or shape.max_position_embeddings,
+                                                    shape.rope_local_theta or shape.rope_theta, None, device)
+            self.embed_scale = torch.tensor(shape.hidden_size ** 0.5, dtype=dtype, device=device)
         # Tied embeddings: the output projection's int4 copy of the embedding matrix (GGUF), if any, and its
         # prepacked dense copy (prepack_for_cpu).
         self.tied_lm_head_int4: Int4Weight | None = None
@@ -126,11 +209,15 @@ class LlamaForCausalLM(nn.Module):
                 metadata: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final-norm hidden states [num_tokens, hidden_size]."""
         residual = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            residual = residual * self.embed_scale
         if residual.dtype != self.residual_dtype:
             residual = residual.to(self.residual_dtype)
-        cos, sin = self.rotary.lookup(positions)
+        rope = self.rotary.lookup(positions)
+        local = self.rotary_local.lookup(positions) if self.rotary_local is not None else rope
         h = None
         for layer, kv_cache in zip(self.layers, kv_caches):
+            cos, sin = local if layer.self_attn.sliding else rope
             h, residual = layer(h, residual, cos, sin, kv_cache, metadata, attn, self.dtype)
         return fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
 
@@ -292,7 +379,8 @@ class LlamaForCausalLM(nn.Module):
             target, rows, key = self._locate(name)
             if tuple(target[rows].shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {name}: expected shape {tuple(target[rows].shape)}, got {tuple(tensor.shape)}")
-            target[rows].copy_(tensor)
+            shift = self._norm_shift(key)
+            target[rows].copy_(tensor.float() + shift if shift else tensor)
             loaded.add(key)
         missing = [n for n in self._expected_keys() if n not in loaded and n not in served_by_codes]
         if missing:
@@ -306,7 +394,12 @@ class LlamaForCausalLM(nn.Module):
         self._check_dense("hf_weights")
         for key in self._expected_keys():
             target, rows, _ = self._locate(key)
-            yield key, target[rows]
+            shift = self._norm_shift(key)
+            yield key, (target[rows] - shift if shift else target[rows])
+
+    def _norm_shift(self, key: str) -> float:
+        """What the model adds to a checkpoint's norm weight: Gemma's (1 + weight), folded in at load."""
+        return 1.0 if self.shape.family == "gemma3" and key.endswith("norm.weight") else 0.0
 
     def _check_dense(self, what: str) -> None:
         if self.dense_released:
@@ -322,6 +415,10 @@ class LlamaForCausalLM(nn.Module):
                      "input_layernorm.weight", "post_attention_layernorm.weight"]
         if self.shape.qkv_bias:
             per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if self.shape.family in QK_NORM_FAMILIES:
+            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        if self.shape.family == "gemma3":
+            per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
         for i in range(self.shape.num_layers):
             keys += [f"model.layers.{i}.{p}" for p in per_layer]
         return keys
@@ -359,6 +456,12 @@ class LlamaForCausalLM(nn.Module):
             "input_layernorm": (layer.input_layernorm.weight, whole),
             "post_attention_layernorm": (layer.post_attention_layernorm.weight, whole),
         }
+        if attn.q_norm is not None:
+            simple.update({"self_attn.q_norm": (attn.q_norm.weight, whole),
+                           "self_attn.k_norm": (attn.k_norm.weight, whole)})
+        if isinstance(layer, Gemma3DecoderLayer):
+            simple.update({"pre_feedforward_layernorm": (layer.pre_feedforward_layernorm.weight, whole),
+                           "post_feedforward_layernorm": (layer.post_feedforward_layernorm.weight, whole)})
         if part not in simple:
             raise ValueError(f"unexpected weight {name!r}")
         param, rows = simple[part]

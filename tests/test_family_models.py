@@ -1,0 +1,138 @@
+"""Qwen3 and Gemma 3: random weights of each family's tiny shape saved as a Hugging Face folder and as a float32 GGUF
+(written as llama.cpp's converter writes them) load to the same weights; the Python forward over chunked prefill
+and decode, served from either file through the paged cache, gives the logits of transformers' own
+Qwen3ForCausalLM / Gemma3ForCausalLM on the same weights; Gemma's sliding-window layers see only their window.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from model_helpers import greedy_decode, make_request, prefill_all_rows, step
+from stallfree.bench.write_random_gguf import write_family
+from stallfree.node_daemon.engine.config import CacheConfig
+from stallfree.node_daemon.engine.model_runner import ModelRunner
+from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk
+from stallfree.node_daemon.models.config import ModelConfig
+from stallfree.node_daemon.models.gguf_loader import load_gguf
+from stallfree.node_daemon.models.hf_loader import load_hf, save_hf_folder
+from stallfree.node_daemon.models.llama import LlamaForCausalLM
+from stallfree.node_daemon.models.random_weights import init_random_weights, tiny_family_shape
+
+FAMILIES = {"qwen3": "qwen3", "gemma3": "gemma3_text"}  # family -> Hugging Face model_type
+# float32 against transformers' float32 eager forward: summation order only
+LOGIT_TOLERANCE = 2e-4
+PROMPT = [(37 * j + 11) % 500 + 3 for j in range(29)]  # past Gemma's tiny window of 8, across two 16-slot blocks
+
+
+@pytest.fixture(autouse=True)
+def _no_weight_cache(monkeypatch):
+    monkeypatch.setenv("STALLFREE_WEIGHT_CACHE", "off")
+
+
+@functools.lru_cache(maxsize=None)
+def _files(family: str, root: str) -> tuple[str, str]:
+    """(HF folder, float32 GGUF) of one random model of the family's tiny shape."""
+    model = LlamaForCausalLM(tiny_family_shape(family), torch.float32)
+    init_random_weights(model, seed=3, norm_std=0.1)
+    folder, gguf = f"{root}/{family}-hf", f"{root}/{family}.gguf"
+    save_hf_folder(model, folder, model_type=FAMILIES[family])
+    write_family(gguf, model, "f32", tokenizer=False)
+    return folder, gguf
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("families"))
+
+
+def _runner(path: str) -> ModelRunner:
+    return ModelRunner(ModelConfig(model=path), CacheConfig(block_size=16, num_blocks=16), max_num_tokens=256,
+                       max_num_seqs=4)
+
+
+def _reference_logits(folder: str, ids: list[int]) -> torch.Tensor:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                              attn_implementation="eager")
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_folder_and_gguf_load_the_same_model(family, root):
+    folder, gguf = _files(family, root)
+    from_hf = load_hf(folder, torch.float32, torch.device("cpu"))
+    from_gguf = load_gguf(gguf, torch.float32, torch.device("cpu"))
+    assert from_gguf.shape.rms_norm_eps == pytest.approx(from_hf.shape.rms_norm_eps)  # GGUF stores a float32
+    assert from_gguf.shape == from_hf.shape.with_(name=from_gguf.shape.name, rms_norm_eps=from_gguf.shape.rms_norm_eps)
+    hf_weights = dict(from_hf.model.hf_weights())
+    for name, tensor in from_gguf.model.hf_weights():
+        torch.testing.assert_close(tensor, hf_weights[name], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_and_decode_match_transformers(family, source, root):
+    folder, gguf = _files(family, root)
+    runner = _runner(folder if source == "hf" else gguf)
+    req = make_request("r", PROMPT, [3, 5, 7])
+    got = prefill_all_rows(runner, req, chunk_size=6)  # chunks straddle the window and the block edge
+    want = _reference_logits(folder, PROMPT)
+    torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_TOLERANCE)
+    tokens = greedy_decode(runner, req, got[-1], steps=4)
+    last = step(runner, [ScheduledChunk(req, req.num_tokens - 1, 1, is_prefill=False, samples=True)])[0]
+    want = _reference_logits(folder, PROMPT + tokens)
+    assert tokens == want[len(PROMPT) - 1:-1].argmax(-1).tolist()
+    torch.testing.assert_close(last, want[-1], rtol=0, atol=LOGIT_TOLERANCE)
+
+
+def test_gemma3_sliding_layers_see_only_their_window(root):
+    """Through L sliding layers a row sees L * (window - 1) positions back. A token farther back than that still
+    moves the last row's logits (the global layer sees it); with the global layer made sliding too, it no longer
+    does, over chunked prefill as over one chunk."""
+    folder, _ = _files("gemma3", root)
+    runner = ModelRunner(ModelConfig(model=folder), CacheConfig(block_size=16, num_blocks=24), max_num_tokens=256,
+                         max_num_seqs=4)
+    shape = runner.model.shape
+    length = shape.num_layers * (shape.sliding_window - 1) + 2
+    base = [(37 * j + 11) % 500 + 3 for j in range(length)]
+    prompts = [base, [base[0] + 1] + base[1:]]  # differ only at position 0
+    blocks = -(-length // 16)
+
+    def last_logits(tag: str, chunk: int) -> list[torch.Tensor]:
+        first = {"a": 1, "b": 1 + 2 * blocks}[tag]
+        return [prefill_all_rows(runner, make_request(f"{tag}{i}", p, list(range(first + i * blocks,
+                                                                                  first + (i + 1) * blocks))),
+                                 chunk)[-1] for i, p in enumerate(prompts)]
+
+    logits = last_logits("a", length)
+    assert (logits[0] - logits[1]).abs().max() > 1e-3
+    for layer in runner.model.layers:
+        layer.self_attn.window = shape.sliding_window  # every layer sliding (its RoPE unchanged)
+    logits = last_logits("b", 9)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
+
+
+def test_gemma3_gguf_norms_carry_llama_cpps_shift(root):
+    """llama.cpp stores Gemma's norm weights with the 1 of (1 + weight) added: the file holds 1 + w."""
+    from stallfree.node_daemon.models.gguf_file import GGUFFile
+
+    folder, gguf = _files("gemma3", root)
+    hf_norm = dict(load_hf(folder, torch.float32, torch.device("cpu")).model.hf_weights())["model.norm.weight"]
+    tensor = next(t for t in GGUFFile(gguf).tensors if t.name == "output_norm.weight")
+    torch.testing.assert_close(torch.from_numpy(tensor.data.copy()), hf_norm + 1)
+
+
+def test_unknown_family_and_image_checkpoint_are_refused():
+    from stallfree.node_daemon.models.hf_loader import hf_shape
+
+    with pytest.raises(ValueError, match="family"):
+        LlamaForCausalLM(tiny_family_shape("qwen3").with_(family="phi"), torch.float32)
+    with pytest.raises(ValueError, match="gemma3_text"):
+        hf_shape({"model_type": "gemma3"}, "g")
+    with pytest.raises(ValueError, match="softcapping"):
+        hf_shape({"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 8,
+                  "intermediate_size": 8, "num_hidden_layers": 1, "final_logit_softcapping": 30.0}, "g")
