@@ -1,0 +1,81 @@
+"""Token masks for a step's constrained rows, computed while the forward runs, applied just before sampling.
+
+Each step: after sampling step N and accept()ing its tokens, the engine submits the constrained rows'
+matchers (MaskFiller.submit); the worker thread computes their masks while the forward of step N+1 runs
+(the library, numpy and torch release the GIL for the heavy parts); when the logits are back the engine
+takes the result and calls apply_masks() on them before the sampler. The worker also turns the bitmask into
+an additive bias (0 or -inf per token), so the critical path is one index_add_ over the constrained rows;
+the unconstrained rows are never touched.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from stallfree.node_daemon.structured.matcher import Matcher, bitmask_words
+
+
+@dataclass
+class StepMasks:
+    """The masks of one step's constrained rows, in the order they were submitted."""
+
+    bias: torch.Tensor  # [rows, vocab]: 0 where a token is allowed, -inf where not
+    dead: list[int] = field(default_factory=list)  # positions (into the submitted list) with no allowed token
+
+    @property
+    def num_rows(self) -> int:
+        return self.bias.shape[0]
+
+
+def fill_masks(matchers: Sequence[Matcher], vocab_size: int, dtype: torch.dtype = torch.float32) -> StepMasks:
+    """The masks of `matchers` now, on the calling thread (MaskFiller runs this on its worker)."""
+    bitmask = torch.zeros((len(matchers), bitmask_words(vocab_size)), dtype=torch.int32)
+    dead = [i for i, m in enumerate(matchers) if not m.fill_mask(bitmask[i])]
+    # little-endian bit order matches the library's layout: token t is bit t % 32 of word t // 32
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    blocked = ~torch.from_numpy(allowed).view(torch.bool)
+    bias = torch.zeros((len(matchers), vocab_size), dtype=dtype).masked_fill_(blocked, float("-inf"))
+    return StepMasks(bias, dead)
+
+
+def apply_masks(logits: torch.Tensor, rows: Sequence[int], masks: StepMasks) -> None:
+    """Forbid, in place, what each constrained row's grammar forbids: logits[rows[i]] gets masks row i.
+
+    Logits wider than the masks (a model vocab padded past the tokenizer's) get -inf past the mask's width.
+    """
+    if len(rows) != masks.num_rows:
+        raise ValueError(f"{len(rows)} rows for {masks.num_rows} masks")
+    if not rows:
+        return
+    width = masks.bias.shape[1]
+    if logits.shape[1] < width:
+        raise ValueError(f"logits of {logits.shape[1]} tokens for masks of {width}")
+    index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+    bias = masks.bias.to(device=logits.device, dtype=logits.dtype, non_blocking=True)
+    logits[:, :width].index_add_(0, index, bias)
+    if logits.shape[1] > width:
+        logits[index, width:] = float("-inf")
+
+
+class MaskFiller:
+    """One worker thread that computes a step's masks while the caller runs the forward.
+
+    submit() returns a Future of StepMasks; take its result() once the logits are ready. Matchers must not be
+    touched (accept) until that result is taken: the caller's step order (sample, accept, submit, forward,
+    result, apply) guarantees it.
+    """
+
+    def __init__(self, vocab_size: int, dtype: torch.dtype = torch.float32) -> None:
+        self.vocab_size = vocab_size
+        self.dtype = dtype
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+
+    def submit(self, matchers: Sequence[Matcher]) -> Future[StepMasks]:
+        return self._pool.submit(fill_masks, list(matchers), self.vocab_size, self.dtype)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
