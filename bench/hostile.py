@@ -1,4 +1,4 @@
-"""`stallfree bench hostile`: what large structured bodies do to everyone else on the daemon.
+"""`stallfree bench hostile`: what large structured bodies do to everyone else, on a daemon or through a router.
 
 Streams decode and a prober asks /health every 20 ms; then each body is sent, one at a time: 1.33 M token
 ids (4 MB) and 100k short chat messages (3.5 MB), the two of issue 25, and the largest bodies the JSON
@@ -6,8 +6,13 @@ bounds let through (262k token ids, 2048 messages). For each it prints the answe
 other streams' largest inter-token gap and /health's slowest answer while the body was in flight (and just
 after), beside a quiet window. Exits 1 when any body's gap or /health latency passes --goal-ms.
 
-Without --url it starts its own daemon (`stallfree serve`, sim backend unless told). The client runs in this
-process, the daemon in another: a busy machine inflates both figures, never hides a stall.
+Then the doors of issue 35 (hostile_doors.py): deep nesting, a 100 MB body, slowloris, paths outside the
+OpenAI API, clients that leave, what a client learns of the replicas, and with --target router the demand
+counted from refused requests and a replica hung with SIGSTOP.
+
+Without --url it starts its own daemon (`stallfree serve`, sim backend unless told), or with --target router
+two daemons and `stallfree router` in front of them. The client runs in this process, the servers in others: a
+busy machine inflates the figures, never hides a stall.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import subprocess
 import sys
 import time
@@ -24,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from stallfree.bench.daemon_process import start, stop, wait_ready
+from stallfree.bench.hostile_doors import Target, check_doors, print_doors
 from stallfree.net import free_port
 from stallfree.http_doors.json_bounds import MAX_JSON_VALUES
 from stallfree.node_daemon.server.protocol import MAX_MESSAGES
@@ -34,7 +41,11 @@ AFTER_S = 0.25  # a stall shows as the first gap after the answer too: the windo
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stallfree bench hostile", description=__doc__.splitlines()[0])
-    p.add_argument("--url", default=None, help="a live daemon; default: start one with the flags below")
+    p.add_argument("--url", default=None, help="a live daemon (or router); default: start them with the flags below")
+    p.add_argument("--target", choices=["daemon", "router"], default="daemon",
+                   help="router: two daemons and `stallfree router` in front, every request through the router")
+    p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeatable)")
+    p.add_argument("--no-doors", action="store_true", help="only the body table, not the doors of issue 35")
     p.add_argument("--model", default="llama-3-8b", help="model of the daemon started here (also the request model)")
     p.add_argument("--backend", choices=["model", "sim"], default="sim")
     p.add_argument("--serve-arg", action="append", default=[], help="extra flag for the daemon (repeatable)")
@@ -142,13 +153,25 @@ def _raise_if_failed(tasks: list[asyncio.Future]) -> None:
             raise task.exception()
 
 
-def _start_daemon(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def _start_daemon(args: argparse.Namespace, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "stallfree.cli", "serve", "--model", args.model, "--backend", args.backend,
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *args.serve_arg]
-    process, log_path = start(cmd, dict(os.environ))
+    process, log_path = start(cmd, env)
     url = f"http://127.0.0.1:{port}"
     wait_ready(process, url, timeout_s=300, poll_s=0.2, log_path=log_path)
+    return process, url
+
+
+def _start_router(args: argparse.Namespace, env: dict[str, str], replica_urls: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    # A stall timeout a run can wait for: the hung-replica door measures it.
+    cmd = [sys.executable, "-m", "stallfree.cli", "router", "--replicas", ",".join(replica_urls), "--host",
+           "127.0.0.1", "--port", str(port), "--log-level", "warning", "--stream-stall-timeout-s", "5",
+           *args.router_arg]
+    process, log_path = start(cmd, env)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(process, url, timeout_s=60, poll_s=0.2, log_path=log_path)
     return process, url
 
 
@@ -173,19 +196,39 @@ def _print(rows: list[dict], goal_ms: float) -> bool:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     bodies = hostile_bodies(args.model)
-    process = None
+    processes: list[subprocess.Popen] = []
+    token = os.environ.get("STALLFREE_ADMIN_TOKEN") or secrets.token_hex(16)
+    env = dict(os.environ, STALLFREE_ADMIN_TOKEN=token)
+    router = args.target == "router"
+    doors: list[dict] = []
     try:
-        url = args.url
-        if url is None:
-            process, url = _start_daemon(args)
+        if args.url is not None:
+            url, replica_urls = args.url, [] if router else [args.url]  # a live router's replicas are unknown here
+        else:
+            replica_urls = []
+            for _ in range(2 if router else 1):
+                process, daemon_url = _start_daemon(args, env)
+                processes.append(process)
+                replica_urls.append(daemon_url)
+            url = replica_urls[0]
+            if router:
+                process, url = _start_router(args, env, replica_urls)
+                processes.append(process)
         rows = asyncio.run(measure(url, args.model, args.streams, args.quiet_s, bodies))
+        if not args.no_doors:
+            pids = [p.pid for p in processes[:2]] if router and args.url is None else []
+            doors = asyncio.run(check_doors(Target(url, args.model, router, replica_urls, pids, token)))
     finally:
-        stop(process)
+        for process in reversed(processes):
+            stop(process)
+    print(f"target: {args.target} at {url}")
     met = _print(rows, args.goal_ms)
+    if doors:
+        print_doors(doors, args.target)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"url": args.url, "model": args.model, "streams": args.streams,
-                               "goal_ms": args.goal_ms, "met": met, "rows": rows}, indent=2) + "\n")
+    out.write_text(json.dumps({"url": args.url, "target": args.target, "model": args.model, "streams": args.streams,
+                               "goal_ms": args.goal_ms, "met": met, "rows": rows, "doors": doors}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0 if met else 1
 

@@ -20,8 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stallfree.http_doors.error_json import error_body
 
-# A refused body is read and dropped up to this many bytes; past it the connection is closed unread.
-DRAIN_MAX_BYTES = 64 << 20
+# A refused body is read and dropped up to this many bytes; past it the connection is closed unread. Dropped bytes
+# cost no memory, and a 100 MB upload (a client's "send the whole file" mistake) still gets its 413 read.
+DRAIN_MAX_BYTES = 256 << 20
 
 
 class BodyTooLarge(HTTPException):
