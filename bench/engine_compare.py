@@ -2,8 +2,8 @@
 
 Runs with the same label are one column: each row's value is the median over them, so servers measured in
 alternating rounds (A B A B A B: on a shared machine the load drifts between rounds) compare fairly. A ratio
-above 1 means the first column is better on that row (faster, or less time, or less memory), so the README's
-table reads the same way whichever row it is.
+above 1 means the first column is better on that row (faster, or less time, or less memory), so the tables in
+docs/benchmarks.md read the same way whichever row it is.
 """
 from __future__ import annotations
 

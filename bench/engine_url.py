@@ -49,7 +49,7 @@ NOT_MEASURED = {"value": None, "note": "not measured (--serving-only)"}
 
 def prompt_builder(tokenizer: str | None, model: str) -> tuple[PromptBuilder, str]:
     """Prompts of exact token counts: --tokenizer, else the model name when it names one (a shape, folder or
-    .gguf), else SmolLM2's (embedded; the peers in the README serve it under names of their own)."""
+    .gguf), else SmolLM2's (embedded; the peers in docs/benchmarks.md serve it under names of their own)."""
     from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path
     from stallfree.node_daemon.text.tokenizer import load_tokenizer
 

@@ -1,6 +1,6 @@
 """Every closed-loop goal a scenario meets today stays met: a regression fails the suite, never slips silently.
 
-The goals still missed (and what bounds each, measured) are in the README's control section; `stallfree control
+The goals still missed (and what bounds each, measured) are in docs/control-loop.md; `stallfree control
 --scenario all` exits 1 on them. When a change meets one more goal, add it here.
 """
 from __future__ import annotations

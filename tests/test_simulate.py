@@ -323,7 +323,8 @@ def test_cli_over_a_trace_reports_the_traces_own_lengths_and_rate(tmp_path, caps
 
 
 def test_textbook_case_is_unchanged_by_the_calibration():
-    """The README's hand-checkable stall: figures given by hand are achieved figures on the plain roofline."""
+    """The hand-checkable stall in node_daemon/sim/README.md: figures given by hand are achieved figures on the
+    plain roofline."""
     setup = SimSetup(model="llama-3-8b", tflops=400, hbm_tbps=3, overhead_ms=0, max_model_len=8193, max_num_seqs=65)
     stalled = long_prompt_scenario(setup, 64, 8192, 1024, 2048, no_chunking=True)
     assert (round(stalled["max_decode_gap_ms"], 1), round(stalled["ttft_ms"], 1)) == (337.8, 329.9)
