@@ -288,3 +288,15 @@ def test_shutdown_drains_ready_first_then_cuts_streams_with_an_error_and_done(fa
         assert live.process.wait(timeout=10) == 0
         assert got["short"][-1] == "[DONE]" and all("error" not in e for e in got["short"])
         assert got["long"][-1] == "[DONE]" and json.loads(got["long"][-2])["error"]["code"] == "router_draining"
+
+
+def test_the_operators_router_drains_within_the_specs_drain_timeout_and_its_grace_period() -> None:
+    from stallfree.cli.router import build_parser
+    from stallfree.operator.reconcile import render
+    from test_render import spec_with
+
+    spec = spec_with(engine__drainTimeoutSeconds=45)
+    pod = render.router_deployment("chat", "ns", spec)["spec"]["template"]["spec"]
+    args = build_parser().parse_args(pod["containers"][0]["args"][1:])
+    assert args.drain_timeout_s == 45.0
+    assert pod["terminationGracePeriodSeconds"] > 45 + render.PRESTOP_SLEEP_S

@@ -178,6 +178,16 @@ def test_a_client_that_leaves_aborts_the_request_on_the_replica(two_daemons):
         wait_until(lambda: not a.llm_engine.has_unfinished() and not a.daemon.drain.in_flight, 3.0)
 
 
+def test_a_client_that_leaves_a_non_streamed_request_aborts_it_on_the_replica(two_daemons):
+    a, b = two_daemons
+    with router([a.url]) as url:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000,
+                "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=1.0))
+        wait_until(lambda: not a.llm_engine.has_unfinished() and not a.daemon.drain.in_flight, 3.0)
+
+
 def _answers(url: str) -> bool:
     try:
         httpx.get(url + "/health", timeout=1)

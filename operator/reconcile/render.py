@@ -383,7 +383,8 @@ def service_monitor(name: str, namespace: str, interval_s: int = 15) -> dict[str
 def router_args(name: str, spec: s.InferenceServiceSpec) -> list[str]:
     return ["router", "--service", daemons_service_name(name), "--policy", spec.routing.policy,
             "--admin-token-file", f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}", "--host", "0.0.0.0",
-            "--port", str(ROUTER_PORT), "--queue-wait-slo-ms", f"{spec.slos.queue_wait_p99_ms:g}"]
+            "--port", str(ROUTER_PORT), "--queue-wait-slo-ms", f"{spec.slos.queue_wait_p99_ms:g}",
+            "--drain-timeout-s", f"{spec.engine.drain_timeout_seconds:g}"]
 
 
 def router_deployment(name: str, namespace: str, spec: s.InferenceServiceSpec) -> dict[str, Any]:

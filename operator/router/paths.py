@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from urllib.parse import quote
 
 # OpenAI's routes a daemon serves, and the methods of each.
-OPENAI_ROUTES = {"/v1/completions": ("POST",), "/v1/chat/completions": ("POST",), "/v1/models": ("GET", "HEAD")}
+OPENAI_ROUTES = {"/v1/completions": ("POST",), "/v1/chat/completions": ("POST",), "/v1/models": ("GET",)}
 MODEL_ROUTE = "/v1/models/"  # + a model id, which may itself hold slashes ("meta-llama/Llama-3-8B")
-OWN_ROUTES = {"/health": ("GET", "HEAD"), "/ready": ("GET", "HEAD"), "/metrics": ("GET", "HEAD"),
+OWN_ROUTES = {"/health": ("GET",), "/ready": ("GET",), "/metrics": ("GET",),
               "/router/replicas": ("GET",), "/router/queue": ("GET",)}
 
 
@@ -42,7 +42,7 @@ def route(method: str, path: str) -> Route | None:
         if methods is not None:
             return Route(kind, path, methods) if method in methods else Route("method", path, methods)
     if path.startswith(MODEL_ROUTE) and len(path) > len(MODEL_ROUTE):
-        methods = ("GET", "HEAD")
+        methods = ("GET",)
         upstream = MODEL_ROUTE + quote(path[len(MODEL_ROUTE):], safe="/")
         return Route("openai", upstream, methods) if method in methods else Route("method", path, methods)
     return None
