@@ -12,9 +12,10 @@ import threading
 from collections import OrderedDict
 
 import llguidance
+import torch
 
 from stallfree.node_daemon.structured.grammar import Grammar
-from stallfree.node_daemon.structured.matcher import Matcher
+from stallfree.node_daemon.structured.matcher import Matcher, bitmask_words
 from stallfree.node_daemon.text.tokenizer import Tokenizer
 
 
@@ -68,6 +69,9 @@ class GrammarCompiler:
         if template.is_error():
             raise ValueError(f"{grammar.origin}: {template.get_error()}")
         compiled = CompiledGrammar(grammar, template, self.vocab_size)
+        first = torch.zeros(bitmask_words(self.vocab_size), dtype=torch.int32)
+        if not compiled.new_matcher().fill_mask(first):
+            raise ValueError(f"{grammar.origin}: no token of this model's vocabulary can begin an output it allows")
         with self._lock:
             self.compiles += 1
             self._cache[grammar.text] = compiled
