@@ -9,7 +9,6 @@ SIGSTOP on a daemon this bench started). `stallfree bench hostile` prints them b
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket

@@ -94,7 +94,8 @@ class FaultRun:
             supervisor = asyncio.create_task(self._supervise(daemons, router, start, stop))
             faults = asyncio.create_task(self._inject(daemons, router, start))
             async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=3.0),
-                                         limits=httpx.Limits(max_connections=1000)) as client:
+                                         limits=httpx.Limits(max_connections=1000),
+                                         headers={"Authorization": f"Bearer {token}"}) as client:
                 tasks = [asyncio.create_task(self._one(client, url, i, arrivals[i], start))
                          for i in range(len(arrivals))]
                 await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), config.duration_s + 180)
