@@ -1,4 +1,4 @@
-// A forward of a Llama-family model on the CPU in one call (node_daemon/models/cpu_decode.py): decode rows and
+// A forward of a Llama-family model (Qwen3's q/k head norms and Gemma 3's layers included) on the CPU in one call (node_daemon/models/cpu_decode.py): decode rows and
 // prefill chunks over a cached prefix in one ragged batch, as the Python path takes them.
 //
 // Why: a step of a small model run op by op from Python is bound by the ops' count and Python around them
@@ -229,14 +229,22 @@ struct Dims {
   int64_t rows, heads, kv_heads, head_dim, block_size, num_slots, width;  // width: block-table columns
 };
 
+// Qwen3's per-head RMSNorm of q and k before RoPE (float32 weights [head_dim]; null for models without).
+struct HeadNorms {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  float eps = 0.f;
+};
+
 // RoPE on q and k (rotate-half, cos|sin halves per position), q and k rounded to bfloat16; q goes to
-// q_out [rows, heads * head_dim], k and v into the cache at the row's slot (rows write distinct slots).
+// q_out [rows, heads * head_dim], k and v into the cache at the row's slot (rows write distinct slots). With head
+// norms each head is RMS-normed first and rounded to bfloat16, as the Python path's norm returns it.
 void rope_and_write(const uint16_t* qkv, const int64_t* positions, const int64_t* slots, const float* cos_sin,
-                    uint16_t* q_out, uint16_t* k_cache, uint16_t* v_cache, const Dims& d) {
+                    uint16_t* q_out, uint16_t* k_cache, uint16_t* v_cache, const Dims& d, const HeadNorms& norms) {
   const int64_t D = d.head_dim, half = D / 2;
   const int64_t qkv_width = (d.heads + 2 * d.kv_heads) * D;
   at::parallel_for(0, d.rows, kParallelRows, [&](int64_t begin, int64_t end) {
-  std::vector<float> rotated(D);
+  std::vector<float> rotated(D), normed(D);
   for (int64_t r = begin; r < end; ++r) {
     const uint16_t* row = qkv + r * qkv_width;
     const float* c = cos_sin + positions[r] * D;
@@ -244,8 +252,20 @@ void rope_and_write(const uint16_t* qkv, const int64_t* positions, const int64_t
     const int64_t slot = slots[r];
     for (int64_t h = 0; h < d.heads + d.kv_heads; ++h) {
       const uint16_t* x = row + h * D;
+      const float* w = h < d.heads ? norms.q : norms.k;
+      if (w != nullptr) {
+        float ss = 0.f;
+        for (int64_t i = 0; i < D; ++i) {
+          normed[i] = bf2f(x[i]);
+          ss += normed[i] * normed[i];
+        }
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + norms.eps);
+        for (int64_t i = 0; i < D; ++i) normed[i] = bf2f(f2bf(normed[i] * inv * w[i]));
+      } else {
+        for (int64_t i = 0; i < D; ++i) normed[i] = bf2f(x[i]);
+      }
       for (int64_t j = 0; j < half; ++j) {
-        const float a = bf2f(x[j]), b = bf2f(x[j + half]);
+        const float a = normed[j], b = normed[j + half];
         rotated[j] = a * c[j] - b * s[j];
         rotated[j + half] = b * c[j] + a * s[j];
       }
@@ -268,9 +288,11 @@ void rope_and_write(const uint16_t* qkv, const int64_t* positions, const int64_t
 
 // The decode rows' query heads against their sequences' cached keys and values (the row's own included),
 // float32: decode k of the batch is row rows[k] of sequence seqs[k].
+// window > 0 (a sliding layer): the row sees only its sequence's last `window` keys; a row whose window is cut takes
+// the float32 loop.
 void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* tables,
                       const int32_t* seq_lens, const std::vector<int64_t>& rows, const std::vector<int64_t>& seqs,
-                      uint16_t* out, const Dims& d, float scale) {
+                      uint16_t* out, const Dims& d, float scale, int64_t window) {
   const int64_t D = d.head_dim, group = d.heads / d.kv_heads, count = static_cast<int64_t>(rows.size());
   int64_t longest = 0;
   for (int64_t s : seqs) longest = std::max<int64_t>(longest, seq_lens[s]);
@@ -280,13 +302,13 @@ void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t
     std::vector<float> scores(group * longest), acc(group * D), qf(group * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = rows[task / d.kv_heads], s = seqs[task / d.kv_heads], g = task % d.kv_heads;
-      const int64_t L = seq_lens[s];
+      const int64_t L = seq_lens[s], start = window > 0 ? std::max<int64_t>(0, L - window) : 0, n = L - start;
       const int32_t* table = tables + s * d.width;
       const uint16_t* kh = k_cache + g * d.num_slots * D;
       const uint16_t* vh = v_cache + g * d.num_slots * D;
       const uint16_t* qg = q + (r * d.heads + g * group) * D;
 #ifdef STALLFREE_DECODE_ATTENTION_KERNEL
-      if (D == 64 || D == 128) {  // the AVX512-BF16 or AVX2 kernel (cpu_decode_attention.h)
+      if ((D == 64 || D == 128) && start == 0) {  // the AVX512-BF16 or AVX2 kernel (cpu_decode_attention.h)
         uint16_t* o = out + (r * d.heads + g * group) * D;
         if (D == 64)
           decode_attention_bf16<4>(qg, kh, vh, table, d.block_size, L, group, scale, scores.data(), o);
@@ -296,20 +318,20 @@ void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t
       }
 #endif
       for (int64_t i = 0; i < group * D; ++i) qf[i] = bf2f(qg[i]);
-      for (int64_t t = 0; t < L; ++t) {
+      for (int64_t t = start; t < L; ++t) {
         const uint16_t* k = kh + (static_cast<int64_t>(table[t / d.block_size]) * d.block_size + t % d.block_size) * D;
-        for (int64_t j = 0; j < group; ++j) scores[j * L + t] = dot_bf16(qf.data() + j * D, k, D) * scale;
+        for (int64_t j = 0; j < group; ++j) scores[j * n + t - start] = dot_bf16(qf.data() + j * D, k, D) * scale;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < group; ++j) {
-        float* sj = scores.data() + j * L;
-        const float inv = exp_shifted(sj, L);
-        for (int64_t t = 0; t < L; ++t) sj[t] *= inv;
+        float* sj = scores.data() + j * n;
+        const float inv = exp_shifted(sj, n);
+        for (int64_t t = 0; t < n; ++t) sj[t] *= inv;
       }
-      for (int64_t t = 0; t < L; ++t) {
+      for (int64_t t = start; t < L; ++t) {
         const uint16_t* v = vh + (static_cast<int64_t>(table[t / d.block_size]) * d.block_size + t % d.block_size) * D;
         for (int64_t j = 0; j < group; ++j) {
-          const float p = scores[j * L + t];
+          const float p = scores[j * n + t - start];
           float* a = acc.data() + j * D;
 #pragma omp simd
           for (int64_t i = 0; i < D; ++i) a[i] += p * bf2f(v[i]);
@@ -370,12 +392,17 @@ Plan plan_rows(const int32_t* query_start, const int32_t* tables, const int32_t*
 // Whether chunks take the AVX512-BF16 or AVX2 kernel (cpu_chunk_attention.h) where it was compiled in (set_chunk_kernel).
 bool g_chunk_kernel = true;
 
+// window > 0 (a sliding layer): a chunk of a sequence longer than the window takes ATen's attention under a banded
+// mask (query j at position p sees keys p - window + 1 .. p).
 void chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const Plan& plan,
-                     at::Tensor& out, const Dims& d, double scale) {
+                     at::Tensor& out, const Dims& d, double scale, int64_t window = 0) {
+  std::vector<const Chunk*> banded, whole;
+  for (const Chunk& c : plan.chunks) (window > 0 && c.gather.size(0) > window ? banded : whole).push_back(&c);
 #ifdef STALLFREE_CHUNK_KERNEL
-  if (g_chunk_kernel && d.head_dim % 64 == 0 && !plan.chunks.empty()) {  // the AVX512-BF16 or AVX2 kernel
+  if (g_chunk_kernel && d.head_dim % 64 == 0 && !whole.empty()) {  // the AVX512-BF16 or AVX2 kernel
     std::vector<PackedKV> packed(d.kv_heads);
-    for (const Chunk& c : plan.chunks) {
+    for (const Chunk* chunk : whole) {
+      const Chunk& c = *chunk;
       const int64_t keys = c.gather.size(0);
       const int64_t* gather = c.gather.data_ptr<int64_t>();
       at::parallel_for(0, d.kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -386,18 +413,29 @@ void chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       chunk_attention_bf16(bf16_ptr(q), packed, c.first, c.len, keys, bf16_mut(out), d.heads, d.kv_heads,
                            d.head_dim, static_cast<float>(scale));
     }
-    return;
+    whole.clear();
   }
 #endif
   const at::Tensor k_flat = k_cache.view({d.kv_heads, -1, d.head_dim});
   const at::Tensor v_flat = v_cache.view({d.kv_heads, -1, d.head_dim});
   const at::Tensor q3 = q.view({d.rows, d.heads, d.head_dim});
   at::Tensor out3 = out.view({d.rows, d.heads, d.head_dim});
-  for (const Chunk& c : plan.chunks) {
+  whole.insert(whole.end(), banded.begin(), banded.end());
+  for (const Chunk* chunk : whole) {
+    const Chunk& c = *chunk;
+    const int64_t L = c.gather.size(0);
+    std::optional<at::Tensor> mask = c.mask;
+    if (window > 0 && L > window) {
+      at::Tensor m = at::empty({c.len, L}, at::kBool);
+      bool* mp = m.data_ptr<bool>();
+      for (int64_t j = 0; j < c.len; ++j)
+        for (int64_t t = 0; t < L; ++t) mp[j * L + t] = t <= L - c.len + j && t > L - c.len + j - window;
+      mask = m;
+    }
     const at::Tensor k = k_flat.index_select(1, c.gather).unsqueeze(0);
     const at::Tensor v = v_flat.index_select(1, c.gather).unsqueeze(0);
     const at::Tensor qc = q3.narrow(0, c.first, c.len).transpose(0, 1).unsqueeze(0);
-    const at::Tensor o = at::scaled_dot_product_attention(qc, k, v, c.mask, 0.0, !c.mask.has_value(), scale, true);
+    const at::Tensor o = at::scaled_dot_product_attention(qc, k, v, mask, 0.0, !mask.has_value(), scale, true);
     out3.narrow(0, c.first, c.len).copy_(o.squeeze(0).transpose(0, 1));
   }
 }
@@ -420,17 +458,53 @@ void silu_and_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t inter
   });
 }
 
+// Gemma's MLP activation: bf16(bf16(gelu_tanh(gate)) * up), as torch's two bfloat16 ops round.
+void gelu_tanh_and_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t inter) {
+  constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const uint16_t* g = gu + r * 2 * inter;
+    const uint16_t* u = g + inter;
+    uint16_t* o = out + r * inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float x = bf2f(g[i]);
+      const float gelu = 0.5f * x * (1.f + std::tanh(kAlpha * (x + 0.044715f * x * x * x)));
+      o[i] = f2bf(bf2f(f2bf(gelu)) * bf2f(u[i]));
+    }
+  }
+  });
+}
+
+// Gemma's output norms: x = bf16(rms_norm(x) * w) in place, the mean square in float32 (no residual add).
+void rms_norm_rows(uint16_t* x, const float* w, int64_t rows, int64_t width, double eps) {
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    uint16_t* xr = x + r * width;
+    float ss = 0.f;
+    for (int64_t i = 0; i < width; ++i) ss += bf2f(xr[i]) * bf2f(xr[i]);
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(width) + static_cast<float>(eps));
+    for (int64_t i = 0; i < width; ++i) xr[i] = f2bf(bf2f(xr[i]) * inv * w[i]);
+  }
+  });
+}
+
 // weights: per layer qkv, o, gate_up, down as (int4 packed, scales_and_zeros, oneDNN packed, code tiles)
 // quadruples; planes and bits (0: no tiles): per projection. Rows up to code_max_rows take the code kernel where
 // there are tiles, else up to int4_max_rows torch's int4 kernel; more take the oneDNN copies (project()).
-// norms: per layer input and post-attention RMSNorm weights (float32), then the final norm's.
+// norms: per layer input and post-attention RMSNorm weights (float32), and for Qwen3 the q and k head norms after
+// them (4 a layer), for Gemma 3 input, post-attention (the attention output's), pre- and post-feedforward, q and k
+// (6 a layer: GELU-tanh then, and embeddings scaled by embed_scale); then the final norm's.
+// sliding: per layer 1 where its attention is limited to the last `window` keys and its RoPE is cos_sin_local's.
+// attn_scale: the queries' scale (0: 1 / sqrt(head_dim)).
 // kv: per layer k cache, v cache; query_start_loc [seqs + 1] int32: each sequence's first row.
 // Returns the final-norm hidden states [rows, hidden] bfloat16.
 at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                    const at::Tensor& embed, const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
                    at::IntArrayRef planes, at::IntArrayRef bits, at::TensorList kv, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, double eps, int64_t int4_max_rows, int64_t code_max_rows) {
+                   int64_t num_kv_heads, int64_t head_dim, double eps, int64_t int4_max_rows, int64_t code_max_rows,
+                   const at::Tensor& cos_sin_local, at::IntArrayRef sliding, int64_t window, double attn_scale,
+                   double embed_scale) {
   at::NoGradGuard no_grad;
   const int64_t rows = input_ids.size(0), hidden = embed.size(1), layers = static_cast<int64_t>(kv.size()) / 2;
   const int64_t num_seqs = seq_lens.size(0);
@@ -439,15 +513,24 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
                   static_cast<int64_t>(planes.size()) == 4 * layers && static_cast<int64_t>(bits.size()) == 4 * layers,
               "forward: 4 projections a layer");
   const RowLimits limits{int4_max_rows, code_max_rows};
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers + 1, "forward: 2 norms a layer and a final one");
+  const int64_t norms_per_layer = (static_cast<int64_t>(norms.size()) - 1) / std::max<int64_t>(layers, 1);
+  TORCH_CHECK((norms_per_layer == 2 || norms_per_layer == 4 || norms_per_layer == 6) &&
+                  static_cast<int64_t>(norms.size()) == norms_per_layer * layers + 1,
+              "forward: 2 norms a layer (4 with q/k head norms, 6 for Gemma 3) and a final one");
+  const bool gemma = norms_per_layer == 6;
+  TORCH_CHECK(sliding.empty() || (static_cast<int64_t>(sliding.size()) == layers && cos_sin_local.numel() > 0),
+              "forward: a sliding flag a layer, with the local RoPE table");
   TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && query_start_loc.data_ptr<int32_t>()[num_seqs] == rows,
               "forward: query_start_loc must cover every row");
   const at::Tensor& k0 = kv[0];
   Dims d{rows, num_heads, num_kv_heads, head_dim, k0.size(2), k0.size(1) * k0.size(2), block_tables.size(1)};
-  const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
-  const double chunk_scale = 1.0 / std::sqrt(static_cast<double>(head_dim));  // the Python path's (a Python float)
+  const float scale = attn_scale > 0 ? static_cast<float>(attn_scale) : 1.f / std::sqrt(static_cast<float>(head_dim));
+  // the Python path's (a Python float)
+  const double chunk_scale = attn_scale > 0 ? attn_scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
   const auto bf16 = embed.options();
-  at::Tensor residual = embed.index_select(0, input_ids).to(at::kFloat);
+  at::Tensor embedded = embed.index_select(0, input_ids);
+  if (embed_scale > 0) embedded = embedded * at::scalar_tensor(embed_scale, bf16);  // rounded as the Python path's
+  at::Tensor residual = embedded.to(at::kFloat);
   at::Tensor x = at::empty({rows, hidden}, bf16);
   at::Tensor q = at::empty({rows, num_heads * head_dim}, bf16);
   at::Tensor attn = at::empty({rows, num_heads * head_dim}, bf16);
@@ -462,37 +545,57 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
     const at::Tensor* w = weights.data() + 16 * l;
     const int64_t* p = planes.data() + 4 * l;
     const int64_t* b = bits.data() + 4 * l;
-    add_rms_norm(residual.data_ptr<float>(), h.defined() ? bf16_ptr(h) : nullptr, norms[2 * l].data_ptr<float>(),
+    const at::Tensor* layer_norms = norms.data() + norms_per_layer * l;
+    add_rms_norm(residual.data_ptr<float>(), h.defined() ? bf16_ptr(h) : nullptr, layer_norms[0].data_ptr<float>(),
                  bf16_mut(x), rows, hidden, eps);
     clock.lap(kNorm);
     at::Tensor qkv = project(x, w, p[0], b[0], limits);
     clock.lap(kMatmul);
     at::Tensor k_cache = kv[2 * l], v_cache = kv[2 * l + 1];
-    rope_and_write(bf16_ptr(qkv), pos, slots, cos_sin.data_ptr<float>(), bf16_mut(q), bf16_mut(k_cache),
-                   bf16_mut(v_cache), d);
+    HeadNorms head_norms;
+    if (norms_per_layer >= 4) {
+      const int64_t at = norms_per_layer - 2;
+      head_norms = {layer_norms[at].data_ptr<float>(), layer_norms[at + 1].data_ptr<float>(), static_cast<float>(eps)};
+    }
+    const bool slides = !sliding.empty() && sliding[l] != 0;
+    const int64_t layer_window = slides ? window : 0;
+    rope_and_write(bf16_ptr(qkv), pos, slots, (slides ? cos_sin_local : cos_sin).data_ptr<float>(), bf16_mut(q),
+                   bf16_mut(k_cache), bf16_mut(v_cache), d, head_norms);
     clock.lap(kRope);
     if (!plan.decode_rows.empty())
       decode_attention(bf16_ptr(q), bf16_ptr(k_cache), bf16_ptr(v_cache), tables, lens, plan.decode_rows,
-                       plan.decode_seqs, bf16_mut(attn), d, scale);
+                       plan.decode_seqs, bf16_mut(attn), d, scale, layer_window);
     clock.lap(kDecodeAttention);
-    chunk_attention(q, k_cache, v_cache, plan, attn, d, chunk_scale);
+    chunk_attention(q, k_cache, v_cache, plan, attn, d, chunk_scale, layer_window);
     clock.lap(kChunkAttention);
     at::Tensor o = project(attn, w + 4, p[1], b[1], limits);
     clock.lap(kMatmul);
-    add_rms_norm(residual.data_ptr<float>(), bf16_ptr(o), norms[2 * l + 1].data_ptr<float>(), bf16_mut(x), rows,
-                 hidden, eps);
+    if (gemma) {  // the attention output's own norm before it joins the residual
+      o = o.contiguous();
+      rms_norm_rows(bf16_mut(o), layer_norms[1].data_ptr<float>(), rows, hidden, eps);
+    }
+    add_rms_norm(residual.data_ptr<float>(), bf16_ptr(o), layer_norms[gemma ? 2 : 1].data_ptr<float>(), bf16_mut(x),
+                 rows, hidden, eps);
     clock.lap(kNorm);
     at::Tensor gu = project(x, w + 8, p[2], b[2], limits);
     clock.lap(kMatmul);
     const int64_t inter = gu.size(1) / 2;
     at::Tensor act = at::empty({rows, inter}, bf16);
-    silu_and_mul(bf16_ptr(gu), bf16_mut(act), rows, inter);
+    if (gemma)
+      gelu_tanh_and_mul(bf16_ptr(gu), bf16_mut(act), rows, inter);
+    else
+      silu_and_mul(bf16_ptr(gu), bf16_mut(act), rows, inter);
     clock.lap(kSiluMul);
     h = project(act, w + 12, p[3], b[3], limits);
     clock.lap(kMatmul);
+    if (gemma) {
+      h = h.contiguous();
+      rms_norm_rows(bf16_mut(h), layer_norms[3].data_ptr<float>(), rows, hidden, eps);
+      clock.lap(kNorm);
+    }
   }
-  add_rms_norm(residual.data_ptr<float>(), bf16_ptr(h), norms[2 * layers].data_ptr<float>(), bf16_mut(x), rows,
-               hidden, eps);
+  add_rms_norm(residual.data_ptr<float>(), bf16_ptr(h), norms[norms_per_layer * layers].data_ptr<float>(),
+               bf16_mut(x), rows, hidden, eps);
   clock.lap(kNorm);
   return x;
 }
@@ -570,6 +673,7 @@ TORCH_LIBRARY(STALLFREE_OPS_NS, m) {
   m.def("forward(Tensor input_ids, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor embed, Tensor cos_sin, Tensor[] norms, Tensor[] weights, "
         "int[] planes, int[] bits, Tensor[] kv, int num_heads, int num_kv_heads, int head_dim, float eps, "
-        "int int4_max_rows, int code_max_rows) -> Tensor",
+        "int int4_max_rows, int code_max_rows, Tensor cos_sin_local, int[] sliding, int window, float attn_scale, "
+        "float embed_scale) -> Tensor",
         &forward);
 }

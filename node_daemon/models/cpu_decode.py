@@ -350,6 +350,10 @@ class CpuDecode:
         none = torch.empty(0, dtype=torch.uint8)
         for layer in model.layers:
             self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: 6 norms a layer
+                self.norms += [layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight]
+            if layer.self_attn.q_norm is not None:  # Qwen3: 4 norms a layer
+                self.norms += [layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight]
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj):
                 packed = linear.packed if linear.packed is not None else torch.empty(0, dtype=model.dtype)
@@ -365,6 +369,13 @@ class CpuDecode:
         # Past CODE_MAX_ROWS a projection with a oneDNN copy takes it, one without takes the code kernel still.
         self.dims = (shape.num_heads, shape.num_kv_heads, shape.head_dim, float(shape.rms_norm_eps), INT4_MAX_ROWS,
                      CODE_MAX_ROWS)
+        # Gemma 3: the sliding layers (their window and RoPE table), the query scale, the embeddings' scale
+        local = model.rotary_local
+        sliding = [int(layer.self_attn.sliding) for layer in model.layers] if local is not None else []
+        self.family_args = (local.cos_sin_cache if local is not None else torch.empty(0), sliding,
+                            int(shape.sliding_window or 0) if sliding else 0,
+                            float(model.layers[0].self_attn.scale) if shape.query_pre_attn_scalar else 0.0,
+                            float(model.embed_scale) if model.embed_scale is not None else 0.0)
         # Past INT4_MAX_ROWS the projections take the oneDNN copies, or the code kernel where there are none:
         # only when every projection has one or the other.
         self.packed = all(w.numel() or bits for w, bits in zip(self.weights[2::4], self.bits))
@@ -382,7 +393,7 @@ class CpuDecode:
         """Final-norm hidden states [rows, hidden] (bfloat16) of one iteration, KV written."""
         return ops().forward(
             input_ids, positions, slot_mapping, block_tables.contiguous(), seq_lens, query_start_loc, self.embed,
-            self.cos_sin, self.norms, self.weights, self.planes, self.bits, self.kv, *self.dims)
+            self.cos_sin, self.norms, self.weights, self.planes, self.bits, self.kv, *self.dims, *self.family_args)
 
 
 if __name__ == "__main__":  # the background build's child (_build_quietly)
