@@ -18,6 +18,7 @@ import torch
 
 from stallfree.kernels.attention import AttentionBackend, AttentionMetadata, select_backend
 from stallfree.node_daemon.engine.config import CacheConfig
+from stallfree.node_daemon.engine.forward_path import ForwardPath, Path
 from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.kernels.cpu_threads import apply_threads
 from stallfree.node_daemon.models.llama import KVCache
@@ -70,13 +71,30 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._staging = self.allocate_staging_buffers(pin_memory=True)
             self._staging_copied = torch.cuda.Event()
-        # --- CUDA-graph hook (node_daemon/engine/cuda_graphs.py): with the KV cache allocated, capture decode-only
-        # graphs at bucketed batch sizes up to max_num_seqs. None on the CPU, for a backend that cannot be
-        # captured (the torch reference) and with STALLFREE_CUDA_GRAPHS=0.
+        # --- The forward path (engine/forward_path.py), chosen per iteration by one object the runner owns. CUDA
+        # graphs: with the KV cache allocated, decode-only graphs captured at bucketed batch sizes up to max_num_seqs
+        # (none on the CPU, for a backend that cannot be captured, with STALLFREE_CUDA_GRAPHS=0).
         from stallfree.node_daemon.engine.cuda_graphs import DecodeCudaGraphs
 
-        self.cuda_graphs = DecodeCudaGraphs.for_runner(self)
-        self.cpu_decode = self._cpu_decode(model_config.compiled_decode)
+        self.forward_path = self._forward_path(DecodeCudaGraphs.for_runner(self), model_config.compiled_decode)
+
+    @property
+    def cuda_graphs(self):
+        """The captured decode graphs (engine/cuda_graphs.py), or None; a check may swap them for an A/B."""
+        return self.forward_path.cuda_graphs
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, graphs) -> None:
+        self.forward_path.cuda_graphs = graphs
+
+    @property
+    def cpu_decode(self):
+        """The compiled CPU forward (models/cpu_decode.py), or None; a benchmark may swap it for an A/B."""
+        return self.forward_path.compiled
+
+    @cpu_decode.setter
+    def cpu_decode(self, compiled) -> None:
+        self.forward_path.compiled = compiled
 
     # --- the per-iteration path ----------------------------------------------------------------------
 
@@ -88,14 +106,17 @@ class ModelRunner:
 
     def run_model(self, inputs: ModelInputs) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] for one iteration."""
-        # The CUDA-graph hook: decode-only iterations may replay a captured graph instead of launching eagerly.
-        if self.cuda_graphs is not None and inputs.is_decode_only and self.cuda_graphs.can_run(inputs):
-            return self.cuda_graphs.run(inputs)
+        paths = self.forward_path
+        paths.begin_iteration()
+        path = paths.choose(inputs.input_ids.shape[0], inputs.is_decode_only, inputs)
+        # Decode-only iterations may replay a captured CUDA graph instead of launching eagerly.
+        if path is Path.CUDA_GRAPH:
+            return paths.cuda_graphs.run(inputs)
         # The CPU's counterpart: the whole forward in one compiled call (decodes, and prefill chunks beside them).
-        if self.cpu_decode is not None and self.cpu_decode.can_run(inputs.input_ids.shape[0], inputs.is_decode_only):
+        if path is Path.COMPILED:
             m = inputs.metadata
-            return self.cpu_decode.forward(inputs.input_ids, inputs.positions, m.slot_mapping, m.block_tables,
-                                           m.seq_lens, m.query_start_loc)
+            return paths.compiled.forward(inputs.input_ids, inputs.positions, m.slot_mapping, m.block_tables,
+                                          m.seq_lens, m.query_start_loc)
         self.attn.begin_iteration(inputs.metadata)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.attn)
 
@@ -183,12 +204,13 @@ class ModelRunner:
         host.numpy()[:] = values
         return host.to(self.device, non_blocking=True)
 
-    def _cpu_decode(self, mode: str):
-        """The compiled decode path (models/cpu_decode.py) when asked for and the model suits it, else None."""
+    def _forward_path(self, cuda_graphs, mode: str) -> ForwardPath:
+        """The runner's forward path: CUDA graphs when captured, the compiled CPU forward (models/cpu_decode.py) when
+        asked for and the model suits it (taken up between iterations once it has loaded), else eager."""
         if mode not in ("off", "background", "now"):
             raise ValueError(f"compiled_decode must be off, background or now, got {mode!r}")
         if mode == "off" or self.device.type != "cpu" or getattr(self.attn, "name", None) != "cpu":
-            return None
+            return ForwardPath(cuda_graphs, None, lambda: False, lambda: None)
         from stallfree.node_daemon.models import cpu_decode
 
         why = cpu_decode.unsupported(self.model)
@@ -196,21 +218,28 @@ class ModelRunner:
             why = cpu_decode.why_not()
             if why and why.startswith("compiling"):
                 log.info("compiled decode path: %s", why)
-                compiled = cpu_decode.CpuDecode(self.model, self.kv_caches)  # switches on once it has loaded
-                cpu_decode.when_loaded(self._release_int4_packs)
-                return compiled
+                # Taken up at the first iteration after it has loaded.
+                return ForwardPath(cuda_graphs, cpu_decode.CpuDecode(self.model, self.kv_caches),
+                                   cpu_decode.is_loaded, self._take_up_compiled)
         if why is not None:
             log.info("compiled decode path off: %s", why)
-            return None
+            return ForwardPath(cuda_graphs, None, lambda: False, lambda: None)
         compiled = cpu_decode.CpuDecode(self.model, self.kv_caches)
         log.info("compiled forward: decode-only iterations of up to %d rows%s", compiled.max_rows,
                  ", and iterations with prefill chunks" if compiled.mixed else "")
+        return ForwardPath(cuda_graphs, compiled, cpu_decode.is_loaded, self._take_up_compiled)
+
+    def _take_up_compiled(self) -> None:
+        """Between iterations, once the compiled extension has loaded: its code kernel serves every quantized
+        matmul from the next forward on."""
+        from stallfree.node_daemon.models import cpu_decode
+
+        cpu_decode.publish_code_kernel()
         self._release_int4_packs()
-        return compiled
 
     def _release_int4_packs(self) -> None:
-        """Once the compiled extension is loaded its code kernel serves every quantized matmul (models/quantized.py):
-        torch's int4 packs, the Python path's until then, are dropped, so each weight is held once as its codes."""
+        """With the code kernel serving every quantized matmul (models/quantized.py) torch's int4 packs, the Python
+        path's until then, are dropped, so each weight is held once as its codes."""
         from stallfree.node_daemon.models import cpu_decode, quantized
 
         if quantized.code_kernel_in_use() and cpu_decode.enabled(cpu_decode.CODE_KERNEL_SWITCH):

@@ -194,7 +194,7 @@ def why_not() -> str | None:
     return None if _state["loaded"] else _state["why"]  # type: ignore[return-value]
 
 
-def _load_or_build(build: bool) -> bool:
+def _load_or_build(build: bool, publish: bool = True) -> bool:
     """Load the serving tier's cached library; compile it first when `build` and it is missing. True once loaded."""
     with _lock:
         if _state["loaded"]:
@@ -207,12 +207,18 @@ def _load_or_build(build: bool) -> bool:
         _loaded_tiers.add(tier.name)
         kernels = ops(tier)
         kernels.set_chunk_kernel(enabled(CHUNK_KERNEL_SWITCH))
-        # Matmuls of quantized weights, here and on the Python path (Int4Weight.matmul), take the code kernel: a few
-        # rows where a oneDNN copy takes the rest (AVX-512), every row count where there is none.
-        if enabled(CODE_KERNEL_SWITCH):
-            use_code_kernel(kernels.code_matmul, CODE_MAX_ROWS)
         _state["loaded"], _state["why"] = True, None
+        if publish:  # loaded in the foreground, before any forward runs; a background build leaves it to the runner
+            publish_code_kernel()
         return True
+
+
+def publish_code_kernel() -> None:
+    """Matmuls of quantized weights, here and on the Python path (Int4Weight.matmul), take the loaded library's code
+    kernel: a few rows where a oneDNN copy takes the rest (AVX-512), every row count where there is none. A runner
+    calls it between iterations (engine/forward_path.py) once a background build has loaded."""
+    if _state["loaded"] and enabled(CODE_KERNEL_SWITCH):
+        use_code_kernel(ops().code_matmul, CODE_MAX_ROWS)
 
 
 @contextlib.contextmanager
@@ -263,7 +269,8 @@ def _build_quietly() -> None:
     _state["child"] = child
     atexit.register(_stop_build)
     code = child.wait()
-    if _load_or_build(build=False):
+    # Loaded here, on the build thread: the serving runner switches kernels itself between two iterations.
+    if _load_or_build(build=False, publish=False):
         log.info("compiled CPU decode path in %.1f s (%s)", time.monotonic() - started, _library_path(build_key()))
         while _on_load:
             _on_load.pop(0)()

@@ -1,0 +1,76 @@
+"""The forward path is chosen by one object the model runner owns, and a compiled forward that finishes loading on
+its build thread is taken up only between iterations (engine/forward_path.py)."""
+from __future__ import annotations
+
+import pytest
+
+from stallfree.node_daemon.engine.forward_path import ForwardPath, Path
+
+
+class Graphs:
+    def can_run(self, inputs) -> bool:
+        return inputs == "fits"
+
+
+class Compiled:
+    def can_run(self, num_tokens: int, decode_only: bool) -> bool:
+        return num_tokens <= 8
+
+
+def test_the_compiled_forward_is_taken_up_once_between_iterations() -> None:
+    loaded, taken = {"now": False}, []
+    path = ForwardPath(None, Compiled(), lambda: loaded["now"], lambda: taken.append("switched"))
+    assert path.choose(4, True) is Path.EAGER
+    loaded["now"] = True  # the build thread finished mid-iteration: this iteration stays on its path
+    assert path.choose(4, True) is Path.EAGER and taken == []
+    path.begin_iteration()
+    assert path.choose(4, True) is Path.COMPILED and path.choose(64, False) is Path.EAGER
+    path.begin_iteration()
+    assert taken == ["switched"]
+
+
+def test_graphs_first_then_compiled_then_eager() -> None:
+    path = ForwardPath(Graphs(), Compiled(), lambda: True, lambda: None)
+    assert path.choose(4, True, "fits") is Path.CUDA_GRAPH
+    assert path.choose(4, False, "fits") is Path.COMPILED  # graphs take decode-only iterations only
+    assert ForwardPath(None, None, lambda: True, lambda: None).choose(1, True) is Path.EAGER
+
+
+def test_a_background_build_switches_no_kernel_until_the_runner_takes_it_up(monkeypatch) -> None:
+    from stallfree.node_daemon.engine.config import CacheConfig
+    from stallfree.node_daemon.engine.model_runner import ModelRunner
+    from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+    from stallfree.node_daemon.engine.request import Request
+    from stallfree.node_daemon.engine.sampling_params import SamplingParams
+    from stallfree.node_daemon.models import cpu_decode, quantized
+    from stallfree.node_daemon.models.config import ModelConfig
+
+    if not cpu_decode.ensure_built(background=False):
+        pytest.skip(f"compiled decode path unavailable: {cpu_decode.why_not()}")
+    saved_state, saved_kernel = dict(cpu_decode._state), dict(quantized._code_kernel)
+    try:
+        # A daemon's start while the extension compiles: the Python path serves meanwhile.
+        cpu_decode._state.update(loaded=False, why="compiling (the Python path serves meanwhile)")
+        quantized.use_code_kernel(None, 0)
+        monkeypatch.setattr(cpu_decode, "ensure_built", lambda background: False)
+        runner = ModelRunner(ModelConfig(model="smollm2-135m", dtype="bfloat16", compiled_decode="background"),
+                             CacheConfig(block_size=16, num_blocks=32), max_num_tokens=64, max_num_seqs=4)
+        assert runner.cpu_decode is not None and not runner.forward_path.compiled_in_use
+        # The build thread loads the library (as _build_quietly does) while an iteration may be running: neither the
+        # quantized matmuls' kernel nor torch's int4 packs change under it.
+        assert cpu_decode._load_or_build(build=False, publish=False)
+        while cpu_decode._on_load:
+            cpu_decode._on_load.pop(0)()
+        assert cpu_decode.is_loaded() and not quantized.code_kernel_in_use()
+        # The next iteration takes it up first, on the engine thread.
+        calls = []
+        real = runner.cpu_decode.forward
+        monkeypatch.setattr(runner.cpu_decode, "forward", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+        req = Request("r", list(range(10, 30)), SamplingParams(max_tokens=1))
+        req.block_ids = [1, 2]
+        runner.execute_model(SchedulerOutput(chunks=[ScheduledChunk(req, 0, 20, is_prefill=True, samples=True)]))
+        assert runner.forward_path.compiled_in_use and calls == [20]
+        assert quantized.code_kernel_in_use() == cpu_decode.enabled(cpu_decode.CODE_KERNEL_SWITCH)
+    finally:
+        cpu_decode._state.update(saved_state)
+        quantized.use_code_kernel(saved_kernel["op"], saved_kernel["max_rows"])
