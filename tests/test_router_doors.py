@@ -272,11 +272,16 @@ def test_shutdown_drains_ready_first_then_cuts_streams_with_an_error_and_done(fa
                     if line.startswith("data: "):
                         got[name].append(line[6:])
 
+        waiting: list[httpx.Response] = []  # a non-streamed request still waiting for its answer at the cut
         threads = [threading.Thread(target=stream, args=(name, body)) for name, body in (("short", short),
                                                                                          ("long", long))]
+        threads.append(threading.Thread(target=lambda: waiting.append(httpx.post(
+            live.url + "/v1/completions", json={"model": FAKE_MODEL, "prompt": "x", "delay_s": 30}, timeout=20))))
+        reached = len(fake.inference())
         for t in threads:
             t.start()
-        _wait_until(lambda: got["short"] and got["long"], 10, "both streams running")
+        _wait_until(lambda: got["short"] and got["long"] and len(fake.inference()) >= reached + 3, 10,
+                    "all three reached the replica")
         live.process.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         ready = httpx.get(live.url + "/ready", timeout=5)
@@ -288,6 +293,7 @@ def test_shutdown_drains_ready_first_then_cuts_streams_with_an_error_and_done(fa
         assert live.process.wait(timeout=10) == 0
         assert got["short"][-1] == "[DONE]" and all("error" not in e for e in got["short"])
         assert got["long"][-1] == "[DONE]" and json.loads(got["long"][-2])["error"]["code"] == "router_draining"
+        assert waiting[0].status_code == 503 and waiting[0].json()["error"]["code"] == "draining"
 
 
 def test_the_operators_router_drains_within_the_specs_drain_timeout_and_its_grace_period() -> None:

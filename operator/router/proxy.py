@@ -322,13 +322,18 @@ class Router:
         self._enter()
         left = asyncio.ensure_future(_client_left(receive))
         work = asyncio.ensure_future(self._answer(method, upstream_path, headers, body, info, received))
+        cut = asyncio.ensure_future(self._cut.wait())
         answer: Answer | None = None
         try:
-            await asyncio.wait((work, left), return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():  # the client left first: queued, or waiting for a replica's answer
+            await asyncio.wait((work, left, cut), return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client left, or the drain ran out of time, before the answer
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
-                self.metrics.client_left.labels("before_answer").inc()
+                if left.done():
+                    self.metrics.client_left.labels("before_answer").inc()
+                else:
+                    await _respond(send, refusal_answer(503, "the router is shutting down; retry on another",
+                                                        "draining"))
                 return
             try:
                 answer = work.result()
@@ -343,6 +348,7 @@ class Router:
                 self.metrics.client_left.labels("streaming").inc()
         finally:
             left.cancel()
+            cut.cancel()
             if answer is not None and answer.close is not None:
                 await answer.close()
             self._leave()
