@@ -349,6 +349,7 @@ class Router:
         finally:
             left.cancel()
             cut.cancel()
+            work.cancel()  # a no-op once it is done; else this handler itself was cancelled (shutdown)
             if answer is not None and answer.close is not None:
                 await answer.close()
             self._leave()
@@ -506,36 +507,38 @@ class Router:
         if iterator is None:
             return
         stall_s = self.config.stream_stall_timeout_s
-        while True:
-            chunk_task = asyncio.ensure_future(iterator.__anext__())
-            cut = asyncio.ensure_future(self._cut.wait())
-            try:
-                await asyncio.wait((chunk_task, cut), timeout=stall_s, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                cut.cancel()
-                if not chunk_task.done():
-                    chunk_task.cancel()
-                    await asyncio.gather(chunk_task, return_exceptions=True)
-            if chunk_task.done() and not chunk_task.cancelled():
+        cut = asyncio.ensure_future(self._cut.wait())  # one waiter for the whole stream
+        try:
+            while True:
+                chunk_task = asyncio.ensure_future(iterator.__anext__())
                 try:
-                    chunk = chunk_task.result()
-                except StopAsyncIteration:
-                    return
-                except (httpx.HTTPError, OSError) as exc:
-                    message, code = (f"the replica serving this stream failed mid-stream ({type(exc).__name__}); "
-                                     "the request did not complete", "upstream_failed")
+                    await asyncio.wait((chunk_task, cut), timeout=stall_s, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not chunk_task.done():
+                        chunk_task.cancel()
+                        await asyncio.gather(chunk_task, return_exceptions=True)
+                if chunk_task.done() and not chunk_task.cancelled():
+                    try:
+                        chunk = chunk_task.result()
+                    except StopAsyncIteration:
+                        return
+                    except (httpx.HTTPError, OSError) as exc:
+                        message, code = (f"the replica serving this stream failed mid-stream "
+                                         f"({type(exc).__name__}); the request did not complete", "upstream_failed")
+                    else:
+                        yield chunk
+                        ended = chunk.endswith(b"\n\n")
+                        continue
+                elif cut.done():
+                    message, code = "the router is shutting down and its drain timeout passed", "router_draining"
                 else:
-                    yield chunk
-                    ended = chunk.endswith(b"\n\n")
-                    continue
-            elif self._cut.is_set():
-                message, code = "the router is shutting down and its drain timeout passed", "router_draining"
-            else:
-                message, code = (f"the replica serving this stream sent nothing for {stall_s:g} s; the request "
-                                 "did not complete", "upstream_stalled")
-            self.metrics.stream_errors.labels(replica.name).inc()
-            yield (b"" if ended else b"\n\n") + sse_error(message, code) + b"data: [DONE]\n\n"
-            return
+                    message, code = (f"the replica serving this stream sent nothing for {stall_s:g} s; the "
+                                     "request did not complete", "upstream_stalled")
+                self.metrics.stream_errors.labels(replica.name).inc()
+                yield (b"" if ended else b"\n\n") + sse_error(message, code) + b"data: [DONE]\n\n"
+                return
+        finally:
+            cut.cancel()
 
     async def _stream(self, send: Send, answer: Answer, left: asyncio.Future) -> bool:
         """Relay the chunks until they end or the client leaves; False when it left."""
