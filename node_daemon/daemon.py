@@ -132,8 +132,7 @@ def start_engine(opts: ServeConfig, daemon) -> None:
         retry.on_profile = lambda profile: use_profile(opts, engine, profile, when="profile")
         async_engine.when_idle(retry.delay_s, lambda eng, stop: retry(daemon, eng, stop))
     daemon.startup.ready(Serving(
-        engine=async_engine, vocab_size=engine.vocab_size,
-        kv_capacity_tokens=kv_cache.num_blocks * kv_cache.block_size,
+        engine=async_engine, limits=engine.limits,
         max_chars_per_token=max_chars_per_token(engine.tokenizer),
         # Blocks in use plus those admitted requests may still take (by the output-length estimate).
         live_counts=lambda: LiveCounts(scheduler.num_waiting, scheduler.num_running, kv_cache.usage,

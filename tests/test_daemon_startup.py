@@ -6,11 +6,12 @@ import dataclasses
 import pytest
 
 from stallfree.cli.serve import parse_options
+from stallfree.node_daemon.engine.request_rules import RequestLimits
 from stallfree.node_daemon.server.startup import LiveCounts, Phase, Serving, StartUp
 
 
 def _serving() -> Serving:
-    return Serving(engine=object(), vocab_size=100, kv_capacity_tokens=4096, max_chars_per_token=8,
+    return Serving(engine=object(), limits=RequestLimits(2048, 100, 256, 16), max_chars_per_token=8,
                    live_counts=lambda: LiveCounts(0, 0, 0.0), engine_error=lambda: None)
 
 

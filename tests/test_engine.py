@@ -171,7 +171,7 @@ def test_bad_input_is_rejected_and_requests_in_flight_continue(reference) -> Non
     bad = [
         (dict(prompt=""), "empty"),
         (dict(prompt_token_ids=[]), "empty"),
-        (dict(prompt="é" * MAX_MODEL_LEN), f"context is {MAX_MODEL_LEN} tokens"),
+        (dict(prompt="é" * MAX_MODEL_LEN), f"maximum context length is {MAX_MODEL_LEN} tokens"),
         (dict(prompt="ok", sampling=SamplingParams(max_tokens=0)), "max_tokens"),
         (dict(prompt="ok", sampling=SamplingParams(temperature=-1)), "temperature"),
         (dict(prompt_token_ids=[1, 99999]), "outside the vocabulary"),

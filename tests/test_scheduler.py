@@ -116,38 +116,37 @@ def test_set_tuning_takes_effect_at_the_next_schedule():
     assert output.num_prefill_tokens == 100 and output.token_budget == 100
 
 
-# ---- bad input ---------------------------------------------------------------------------------------
+# ---- bad input: checked before the scheduler (engine/request_rules.py, tests/test_request_rules.py) ------------
 
 @pytest.mark.parametrize(
-    "request_kwargs, message",
+    "request_kwargs, broken",
     [
-        (dict(prompt=[]), "empty"),
-        (dict(prompt=300), "context is 256 tokens"),
-        (dict(prompt=10, max_tokens=0), "max_tokens must be at least 1"),
-        (dict(prompt=200, max_tokens=50), "whole cache holds 16 blocks"),
+        (dict(prompt=[]), "a prompt of 0 tokens"),
+        (dict(prompt=300), "a prompt of 300 tokens in a context of 256"),
+        (dict(prompt=200, max_tokens=50), "in a cache of 16 blocks"),
     ],
 )
-def test_add_request_rejects_what_could_never_be_served(request_kwargs, message):
+def test_a_request_that_breaks_the_rules_is_a_bug_of_its_caller_and_changes_nothing(request_kwargs, broken):
     s = make_scheduler(num_blocks=16, block_size=4)
     s.add_request(make_request("ok", 5))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(AssertionError, match=broken):
         s.add_request(make_request("bad", **request_kwargs))
     assert s.get_request("bad") is None and s.num_waiting == 1
 
 
 def test_the_length_rule_leaves_room_for_one_output_token():
     s = make_scheduler(max_model_len=12)
-    with pytest.raises(ValueError, match="it may have at most 11"):
+    with pytest.raises(AssertionError, match="a prompt of 12 tokens in a context of 12"):
         s.add_request(make_request("full", 12))
     s.add_request(make_request("fits", 11, max_tokens=50))  # max_tokens past the context is accepted
     (done,) = run_to_completion(s)
     assert done.num_output_tokens == 1 and done.num_tokens == 12 and done.status is RequestStatus.FINISHED_LENGTH
 
 
-def test_add_request_rejects_a_duplicate_id():
+def test_a_duplicate_id_breaks_an_invariant():
     s = make_scheduler()
     s.add_request(make_request("a", 5))
-    with pytest.raises(ValueError, match="already in flight"):
+    with pytest.raises(AssertionError, match="already in flight"):
         s.add_request(make_request("a", 5))
 
 

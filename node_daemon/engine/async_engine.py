@@ -91,11 +91,12 @@ class AsyncEngine:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling: SamplingParams, waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                       waited_s: float = 0.0, checked: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs until one is finished. Leaving early (break, cancel) aborts it.
         `waited_s`: how long it already waited before it reached this daemon (the router's queue): its
-        arrival is that much earlier, so queue wait and TTFT count from the router's arrival.
+        arrival is that much earlier, so queue wait and TTFT count from the router's arrival. `checked`: the caller
+        applied engine/request_rules.py to it already (the server, before admission).
 
         Bad input raises ValueError at the first iteration; an internal fault while adding it raises
         RequestFailedError (logged on the engine thread); nothing else in flight is disturbed.
@@ -109,7 +110,8 @@ class AsyncEngine:
         if self._dead is not None or self._stopping or not self._thread.is_alive():
             self._streams.pop(request_id, None)
             raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
-        self._submit(("add", request_id, list(prompt_token_ids), sampling, time.monotonic() - max(0.0, waited_s)))
+        self._submit(("add", request_id, list(prompt_token_ids), sampling, time.monotonic() - max(0.0, waited_s),
+                      checked))
         finished = False
         try:
             while True:
@@ -258,9 +260,10 @@ class AsyncEngine:
             command = commands.popleft()
             kind = command[0]
             if kind == "add":
-                _, request_id, token_ids, sampling, arrival = command
+                _, request_id, token_ids, sampling, arrival, checked = command
                 try:
-                    engine.add_request(request_id, prompt_token_ids=token_ids, sampling=sampling, arrival_time=arrival)
+                    engine.add_request(request_id, prompt_token_ids=token_ids, sampling=sampling, arrival_time=arrival,
+                                       checked=checked)
                 except ValueError as exc:  # the request is invalid: the caller's 400
                     self._deliver_to(request_id, exc)
                 except Exception as exc:  # noqa: BLE001 - the engine's fault: logged, the caller's 500

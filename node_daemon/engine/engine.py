@@ -10,8 +10,8 @@ One request's fault is its own: when the batch fails to execute, each chunk runs
 request(s) at fault, and an error detokenizing one request fails only that one. A failed request finishes
 with finish_reason "error" and the message; the iteration goes on for the others.
 
-A request is validated once, by Scheduler.add_request (which states the length rule); the engine adds only
-what the scheduler cannot see: the prompt's form (text or token ids) and its ids against the vocabulary.
+A request is checked once, against engine/request_rules.py: here for direct callers, or by the server before
+admission (then `checked=True`); the scheduler only asserts what those rules guarantee.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ from stallfree.node_daemon.engine.engine_protocol import (EngineObserver, Execut
                                                           TokenLogprob)
 from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
 from stallfree.node_daemon.engine.request import Request, RequestStatus
+from stallfree.node_daemon.engine.request_rules import (InvalidRequest, RequestLimits, check_prompt_tokens,
+                                                        check_request)
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.node_daemon.engine.scheduler import Scheduler
 from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
@@ -78,6 +80,8 @@ class LLMEngine:
             raise ValueError("the KV cache size is unknown: give config.cache.num_blocks")
         block_size = executor.block_size or config.cache.block_size
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        # What this engine can serve (request_rules.py): the server checks requests against it before admission.
+        self.limits = RequestLimits(self.max_model_len, self.vocab_size, num_blocks, block_size)
         scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = make_scheduler(scheduler_config, self.kv_cache)
         model_eos = tuple(loaded.eos_token_ids) if loaded is not None else ()
@@ -106,36 +110,33 @@ class LLMEngine:
         prompt_token_ids: Sequence[int] | None = None,
         sampling: SamplingParams | None = None,
         arrival_time: float | None = None,
+        checked: bool = False,
     ) -> None:
-        """Queue a request; ValueError naming the problem (and nothing else changed) if it is bad."""
+        """Queue a request; ValueError naming the problem (and nothing else changed) if it is bad. `checked`: the
+        caller already applied request_rules to it (the server, before admission), so it is not checked again."""
         sampling = sampling if sampling is not None else SamplingParams()
-        token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
-        request = Request(request_id, token_ids, sampling, self.eos_token_ids,
-                          arrival_time=self.clock() if arrival_time is None else arrival_time,
-                          max_model_len=self.max_model_len)
-        self.scheduler.add_request(request)
-        self._detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop)
-                                          if self._detokenize or sampling.stop else None)
-
-    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: Sequence[int] | None) -> list[int]:
+        if request_id in self._detokenizers:
+            raise ValueError(f"request id {request_id!r} is already in flight")
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt and prompt_token_ids")
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
             if not prompt:
-                raise ValueError("the prompt is empty")
+                raise InvalidRequest("the prompt is empty: at least one token is needed")
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt_token_ids)  # type: ignore[arg-type]
-            vocab = self.vocab_size
-            # Plain ints within range, checked in C (a per-token Python loop costs more than a sim iteration);
-            # anything else takes the loop that names the bad token.
-            if not token_ids or set(map(type, token_ids)) != {int} or min(token_ids) < 0 or max(token_ids) >= vocab:
-                for token in token_ids:
-                    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                        raise ValueError(f"prompt token id {token!r} is outside the vocabulary [0, {vocab})")
-        return token_ids
+        if not checked:
+            limits = self.limits
+            check_prompt_tokens(token_ids, limits)
+            check_request(len(token_ids), sampling, limits)
+        request = Request(request_id, token_ids, sampling, self.eos_token_ids,
+                          arrival_time=self.clock() if arrival_time is None else arrival_time,
+                          max_model_len=self.max_model_len)
+        self.scheduler.add_request(request)
+        self._detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop)
+                                          if self._detokenize or sampling.stop else None)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort at once: its KV blocks are free when this returns. None if unknown or already finished."""

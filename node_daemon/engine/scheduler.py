@@ -47,6 +47,7 @@ from stallfree.node_daemon.engine.config import SchedulerConfig
 from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
 from stallfree.node_daemon.engine.output_length import OutputLengthEstimate
 from stallfree.node_daemon.engine.request import Request, RequestStatus
+from stallfree.node_daemon.engine.request_rules import kv_footprint
 from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 _RUNNING = RequestStatus.RUNNING
@@ -143,33 +144,17 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request; ValueError (nothing changed) if it could never be served.
-
-        The one place a request is validated (the engine adds only the prompt's form and vocabulary). The length
-        rule, as vLLM's: the prompt must leave room for one output token, so it has at most max_model_len - 1
-        tokens; a larger max_tokens is accepted and generation stops at the context with finish_reason "length".
-        """
-        if request.request_id in self._requests:
-            raise ValueError(f"request id {request.request_id!r} is already in flight")
-        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
-            raise ValueError(f"request {request.request_id!r} was already scheduled once")
+        """Queue a new request. It was checked before it got here (engine/request_rules.py: the engine, or the server
+        before admission); a request that breaks what those rules guarantee is its caller's bug (AssertionError)."""
         num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        request.sampling.check()
         max_model_len = min(request.max_model_len, self.config.max_model_len)
-        if num_prompt >= max_model_len:
-            raise ValueError(
-                f"the prompt has {num_prompt} tokens but the model's context is {max_model_len} tokens: "
-                f"it may have at most {max_model_len - 1}, to leave room for the output"
-            )
-        kv_tokens = max(num_prompt, min(num_prompt + request.sampling.max_tokens, max_model_len) - 1)
-        kv_blocks = self.kv_cache.blocks_for(kv_tokens)
-        if kv_blocks > self.kv_cache.num_blocks:
-            raise ValueError(
-                f"the request needs {kv_tokens} tokens of KV cache ({kv_blocks} blocks) but the whole cache holds "
-                f"{self.kv_cache.num_blocks} blocks of {self._block_size}: lower max_tokens or the prompt"
-            )
+        _invariant(request.request_id not in self._requests, f"request id {request.request_id!r} is already in flight")
+        _invariant(request.status is RequestStatus.WAITING and not request.num_computed_tokens
+                   and not request.block_ids, f"request {request.request_id!r} was already scheduled once")
+        _invariant(0 < num_prompt < max_model_len, f"a prompt of {num_prompt} tokens in a context of {max_model_len}")
+        kv_tokens = kv_footprint(num_prompt, request.sampling.max_tokens, max_model_len)
+        _invariant(self.kv_cache.blocks_for(kv_tokens) <= self.kv_cache.num_blocks,
+                   f"{kv_tokens} tokens of KV in a cache of {self.kv_cache.num_blocks} blocks")
         request.max_model_len = max_model_len
         self.kv_cache.hash_prompt(request)
         self._requests[request.request_id] = request
@@ -417,3 +402,9 @@ class Scheduler:
                 kv.free(request)
                 observe(request.num_output_tokens, request.status is _STOPPED)
         return finished
+
+
+def _invariant(holds: bool, what: str) -> None:
+    if not holds:
+        raise AssertionError(f"scheduler invariant broken: {what} (requests are checked before the scheduler: "
+                             "engine/request_rules.py)")

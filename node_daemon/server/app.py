@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from stallfree.contracts import Profile
 from stallfree.node_daemon.engine.engine_protocol import EngineClient
+from stallfree.node_daemon.engine.request_rules import RequestLimits
 from stallfree.node_daemon.server.metrics import EngineMetrics
 from stallfree.node_daemon.server.auth import Auth
 from stallfree.node_daemon.server.backpressure import AdmissionControl
@@ -68,12 +69,13 @@ class Daemon:
     @property
     def vocab_size(self) -> int | None:
         serving = self.startup.serving
-        return None if serving is None else serving.vocab_size
+        return None if serving is None else serving.limits.vocab_size
 
     @property
     def kv_capacity_tokens(self) -> int | None:
+        """The whole KV cache in tokens: no request may need more."""
         serving = self.startup.serving
-        return None if serving is None else serving.kv_capacity_tokens
+        return None if serving is None else serving.limits.kv_capacity_tokens
 
     @property
     def max_chars_per_token(self) -> int | None:
@@ -100,6 +102,11 @@ class Daemon:
         if size < INLINE_TEXT_CHARS:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.text_workers, fn, *args)
+
+    def require_limits(self) -> RequestLimits:
+        """What the engine can serve (engine/request_rules.py), or 503 while the daemon starts."""
+        self.require_engine()
+        return self.startup.serving.limits
 
     def require_engine(self) -> EngineClient:
         """The engine, or 503 while the daemon starts (a client retries; a probe waits)."""

@@ -82,8 +82,9 @@ class Generation:
 
     async def _choice(self, index: int) -> AsyncIterator[RequestOutput]:
         engine_id = self.engine_ids[index]
+        # checked=True: openai_routes checked the request against the engine's limits before admission.
         async for out in self.daemon.engine.generate(engine_id, self.prompt_token_ids, self.samplings[index],
-                                                     self.waited_s):
+                                                     self.waited_s, checked=True):
             if index == 0 and self.ticket.queued and (out.num_output_tokens or out.finished):
                 self.daemon.admission.dequeue(self.ticket)
             if out.finished:

@@ -1,18 +1,21 @@
 """/v1/completions, /v1/chat/completions, /v1/models and /v1/models/{id}, as OpenAI serves them.
 
-The path of one request: validate (model, unsupported fields, prompt and max_tokens against the context)
--> admit (drain, queue bounds) -> engine.generate -> SSE chunks (streaming.py) or one JSON body.
+The path of one request: validate (model, unsupported fields; then the request against the engine's limits, once:
+engine/request_rules.py) -> admit (drain, queue bounds) -> engine.generate -> SSE chunks (streaming.py) or one
+JSON body.
 A prompt too long for the context by its length alone is refused before it is tokenized; large prompts
 are templated and tokenized on the daemon's text workers, off the event loop.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from stallfree.node_daemon.engine.request_rules import InvalidRequest, check_prompt_tokens, check_request
 from stallfree.node_daemon.server import choices, outcome, protocol
 from stallfree.node_daemon.server.app import Daemon, get_daemon
 from stallfree.node_daemon.server.errors import APIError
@@ -64,7 +67,8 @@ async def create_completion(body: protocol.CompletionRequest, request: Request):
     echo = None
     if body.echo:  # the prompt's text leads the completion's text
         echo = prompt if isinstance(prompt, str) else daemon.require_engine().decode(prompt_ids)
-    return await _serve(daemon, request, body, prompt_ids, chat=False, echo=echo)
+    return await _serve(daemon, request, body, prompt_ids, chat=False, echo=echo,
+                        ids_checked=not isinstance(prompt, str))
 
 
 @router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
@@ -140,43 +144,20 @@ def _template_and_encode(daemon: Daemon, messages: list[dict[str, str]]) -> list
 
 
 def _check_token_ids(daemon: Daemon, ids: list[int]) -> list[int]:
-    context = daemon.require_engine().max_model_len
-    if len(ids) >= context:  # before the vocabulary check walks them all
-        raise APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
-                       f"{len(ids)} tokens; no room is left for output. Shorten the prompt.",
-                       param="prompt", code="context_length_exceeded")
-    vocab = daemon.vocab_size
-    if vocab is not None:
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+    """A prompt of token ids against the engine's limits (engine/request_rules.py), before it is admitted."""
+    with _as_api_error():
+        check_prompt_tokens(ids, daemon.require_limits())
     return list(ids)
 
 
 def _max_tokens(daemon: Daemon, body: protocol.SamplingFields, num_prompt_tokens: int, chat: bool) -> int:
-    max_tokens = _max_tokens_in_context(daemon, body, num_prompt_tokens, chat)
-    capacity = daemon.kv_capacity_tokens
-    # The engine reserves a request's final KV footprint; one that can never fit is refused here, not mid-stream.
-    if capacity is not None and num_prompt_tokens + max_tokens - 1 > capacity:
-        raise APIError(400, f"the request needs {num_prompt_tokens + max_tokens - 1} tokens of KV cache but this "
-                       f"server's whole cache holds {capacity}: lower max_tokens or shorten the prompt",
-                       param="max_tokens", code="context_length_exceeded")
-    return max_tokens
-
-
-def _max_tokens_in_context(daemon: Daemon, body: protocol.SamplingFields, num_prompt_tokens: int,
-                           chat: bool) -> int:
+    """OpenAI's max_tokens: the endpoint's default when not given, and never past the context (the engine would
+    accept more and stop at the context; OpenAI's API refuses it)."""
     context = daemon.require_engine().max_model_len
-    if num_prompt_tokens == 0:
-        raise APIError(400, "the prompt is empty", param="messages" if chat else "prompt")
     room = context - num_prompt_tokens
-    if room < 1:
-        raise APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
-                       f"{num_prompt_tokens} tokens; no room is left for output. Shorten the prompt.",
-                       param="messages" if chat else "prompt", code="context_length_exceeded")
     requested = body.requested_max_tokens()
-    if requested is None:
-        return room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+    if requested is None or room < 1:  # no room: request_rules refuses the prompt
+        return max(1, room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room))
     if requested > room:
         param = "max_completion_tokens" if chat and getattr(body, "max_completion_tokens", None) else "max_tokens"
         raise APIError(400, f"This model's maximum context length is {context} tokens. However, you requested "
@@ -186,16 +167,28 @@ def _max_tokens_in_context(daemon: Daemon, body: protocol.SamplingFields, num_pr
     return requested
 
 
+@contextlib.contextmanager
+def _as_api_error(prompt_param: str = "prompt"):
+    """A request the rules refuse, as OpenAI's 400 naming the field (a chat's prompt is its messages)."""
+    try:
+        yield
+    except InvalidRequest as exc:
+        param = prompt_param if exc.param == "prompt" else exc.param
+        raise APIError(400, exc.message, param=param, code=exc.code) from None
+
+
 # --- generation -----------------------------------------------------------------------------------
 
 
 async def _serve(daemon: Daemon, request: Request, body: protocol.SamplingFields, prompt_ids: list[int],
-                 chat: bool, echo: str | None = None):
+                 chat: bool, echo: str | None = None, ids_checked: bool = False):
     sampling = body.to_sampling_params(_max_tokens(daemon, body, len(prompt_ids), chat))
-    try:
-        sampling.check()
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from None
+    # The one check of the request (engine/request_rules.py), before admission: the engine does not repeat it.
+    limits = daemon.require_limits()
+    with _as_api_error("messages" if chat else "prompt"):
+        if not ids_checked:  # a tokenized text (token-id prompts were checked before their echo was decoded)
+            check_prompt_tokens(prompt_ids, limits)
+        check_request(len(prompt_ids), sampling, limits)
     rid = protocol.new_id("chatcmpl" if chat else "cmpl")
     ticket = admit(daemon, len(prompt_ids))
     # n > 1: one engine request per choice, the prompt's KV shared through the prefix cache (generation.py).

@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Callable
 
 from stallfree.node_daemon.engine.engine_protocol import EngineClient
+from stallfree.node_daemon.engine.request_rules import RequestLimits
 
 
 class Phase(Enum):
@@ -47,8 +48,7 @@ class Serving:
     """What the server reads from the running engine, handed over once when the start-up is done."""
 
     engine: EngineClient
-    vocab_size: int | None
-    kv_capacity_tokens: int | None  # the whole KV cache: no request may need more
+    limits: RequestLimits  # what the engine can serve: every request is checked against it before admission
     # The longest text one token can stand for: a prompt longer than this times the context is refused before it
     # is tokenized. None: unknown (always tokenize).
     max_chars_per_token: int | None
