@@ -1,4 +1,5 @@
-"""An observer (metrics, stats window) that raises: requests are served regardless, the fault counted and logged once."""
+"""An observer (metrics, stats window) that raises: requests are served regardless, the fault counted and logged
+once per kind."""
 from __future__ import annotations
 
 import logging

@@ -72,10 +72,6 @@ class Generation:
         self._closed = False
         self._start(0)
 
-    @property
-    def finished(self) -> bool:
-        return all(self._finished)
-
     def _start(self, index: int) -> None:
         self._started[index] = True
         self.daemon.drain.enter(self.engine_ids[index])
