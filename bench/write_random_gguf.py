@@ -259,8 +259,12 @@ def _main_family(args) -> int:
     from stallfree.node_daemon.models.llama import LlamaForCausalLM
     from stallfree.node_daemon.models.random_weights import init_random_weights, tiny_family_shape
 
-    kind = args.type if args.type in FAMILY_TYPES else "f32"
+    kind = args.type
     path = args.out or os.path.join("runs", f"random-{args.arch}-{kind}.gguf")
+    if kind not in FAMILY_TYPES:  # refused before drawing any weights
+        print(f"stallfree bench write-gguf: --type must be one of {', '.join(FAMILY_TYPES)} with --arch, got {kind!r}",
+              file=sys.stderr)
+        return 2
     shape = tiny_family_shape(args.arch, vocab_size=49152)
     model = LlamaForCausalLM(shape, torch.float32)
     init_random_weights(model, args.seed, norm_std=0.1)

@@ -153,3 +153,19 @@ def test_gemma3_270m_real_file_answers(tmp_path):
     req = make_request("water", ids, [1, 2])
     answer = tokenizer.decode(greedy_decode(runner, req, prefill_all_rows(runner, req, 4)[-1], 3))
     assert answer.strip().startswith("oxygen"), answer
+
+
+def test_write_gguf_cli_writes_a_family_file_with_the_embedded_tokenizer(tmp_path, capsys):
+    """`stallfree bench write-gguf --arch qwen3 --type q8_0`: the tiny Qwen3 shape with SmolLM2's vocabulary, its
+    tokenizer copied in, loadable with its codes served from the file."""
+    from stallfree.bench.write_random_gguf import main
+    from stallfree.node_daemon.text.tokenizer import load_tokenizer
+
+    path = str(tmp_path / "q.gguf")
+    assert main(["--arch", "qwen3", "--type", "q8_0", "--out", path]) == 0
+    loaded = load_gguf(path, torch.bfloat16, torch.device("cpu"))
+    assert loaded.shape.family == "qwen3" and loaded.shape.vocab_size == 49152
+    assert loaded.model.dense_projections() == []  # every projection from its Q8_0 codes
+    assert load_tokenizer(loaded).encode("Hello")
+    assert main(["--arch", "gemma3", "--type", "q4_k_m", "--out", path]) == 2  # K-quants: llama shapes only
+    assert "--type must be one of" in capsys.readouterr().err
