@@ -29,7 +29,7 @@ class FakeModel:
     """Logits from a seeded generator, with a bonus for tokens that close strings, objects and arrays or end
     the text: a masked greedy decode then finishes a document in tens of tokens instead of wandering."""
 
-    def __init__(self, tokenizer: Tokenizer, seed: int = 0, closing_bonus: float = 3.0) -> None:
+    def __init__(self, tokenizer: Tokenizer, seed: int = 0, closing_bonus: float = 3.0, eos_bonus: float | None = None) -> None:
         self.vocab = tokenizer.vocab_size
         self.generator = torch.Generator().manual_seed(seed)
         self.bonus = torch.zeros(self.vocab)
@@ -38,7 +38,7 @@ class FakeModel:
             if any(c in text for c in '"}]'):
                 self.bonus[token_id] = closing_bonus
         for eos in tokenizer.eos_token_ids:
-            self.bonus[eos] = closing_bonus
+            self.bonus[eos] = closing_bonus if eos_bonus is None else eos_bonus
 
     def logits(self, rows: int) -> torch.Tensor:
         return torch.randn((rows, self.vocab), generator=self.generator) + self.bonus

@@ -47,6 +47,11 @@ def json_schema_grammar(schema: Mapping[str, Any], origin: str = "json_schema") 
     return _checked(text, origin)
 
 
+def compact(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """The schema with the compact-JSON option attached, for `%json` inside a Lark grammar (which takes no defaults)."""
+    return {**schema, "x-guidance": {**schema.get("x-guidance", {}), **_JSON_OPTIONS}}
+
+
 def lark_grammar(lark: str, origin: str) -> Grammar:
     """A grammar written in llguidance's Lark dialect (JSON Schema inside it as `%json { ... }`)."""
     return _checked(llguidance.LLMatcher.grammar_from_lark(lark), origin)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from stallfree.node_daemon.structured.grammar import Grammar, lark_grammar
+from stallfree.node_daemon.structured.grammar import Grammar, compact, lark_grammar
 from stallfree.node_daemon.text.tool_calls.schema import ForcedToolCalls
 
 
@@ -24,12 +24,12 @@ def tool_call_grammar(forced: ForcedToolCalls, special_id: Callable[[str], int |
     fmt = forced.format
     origin = f"tool_calls:{fmt.name}"
     if fmt.array:
-        body = f"%json {json.dumps(forced.calls_schema())}"
+        body = f"%json {json.dumps(compact(forced.calls_schema()))}"
         lines = [f"start: {_literal(fmt.markers[0], special_id)} calls", f"calls: {body}"]
         return lark_grammar("\n".join(lines), origin)
     call = "body"
     if fmt.call_close:  # hermes: each call in its own <tool_call> block
         call = f"{_literal(fmt.markers[0], special_id)} \"\\n\" body \"\\n\" {_literal(fmt.call_close, special_id)}"
     repeat = f" ({json.dumps(fmt.separator)} call)*" if forced.parallel else ""
-    lines = [f"start: call{repeat}", f"call: {call}", f"body: %json {json.dumps(forced.call_schema)}"]
+    lines = [f"start: call{repeat}", f"call: {call}", f"body: %json {json.dumps(compact(forced.call_schema))}"]
     return lark_grammar("\n".join(lines), origin)

@@ -126,6 +126,8 @@ class ToolCallStreamParser:
             if not stripped and not final:
                 return False  # only spaces so far: a bare start may follow
             if stripped.startswith(self.format.bare_start):
+                if not final and any(m.startswith(stripped) for m in self.format.markers):
+                    return False  # "[" may be the start of "[TOOL_CALLS]"
                 self._open_region("", len(buf) - len(stripped), 0)
                 return True
         keep = 0 if final else _partial_marker_suffix(buf, self.format.markers)
