@@ -48,9 +48,9 @@ def root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("families"))
 
 
-def _runner(path: str) -> ModelRunner:
-    return ModelRunner(ModelConfig(model=path), CacheConfig(block_size=16, num_blocks=16), max_num_tokens=256,
-                       max_num_seqs=4)
+def _runner(path: str, attention_backend: str = "auto") -> ModelRunner:
+    return ModelRunner(ModelConfig(model=path, attention_backend=attention_backend),
+                       CacheConfig(block_size=16, num_blocks=16), max_num_tokens=256, max_num_seqs=4)
 
 
 def _reference_logits(folder: str, ids: list[int]) -> torch.Tensor:
@@ -73,11 +73,12 @@ def test_hf_folder_and_gguf_load_the_same_model(family, root):
         torch.testing.assert_close(tensor, hf_weights[name], rtol=0, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("source", ["hf", "gguf"])
+# The CPU backend's head-major cache, and the torch reference backend's [blocks, block_size, kv_heads, dim] one
+@pytest.mark.parametrize("source,backend", [("hf", "auto"), ("gguf", "auto"), ("hf", "torch")])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_chunked_prefill_and_decode_match_transformers(family, source, root):
+def test_chunked_prefill_and_decode_match_transformers(family, source, backend, root):
     folder, gguf = _files(family, root)
-    runner = _runner(folder if source == "hf" else gguf)
+    runner = _runner(folder if source == "hf" else gguf, backend)
     req = make_request("r", PROMPT, [3, 5, 7])
     got = prefill_all_rows(runner, req, chunk_size=6)  # chunks straddle the window and the block edge
     want = _reference_logits(folder, PROMPT)
