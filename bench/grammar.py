@@ -3,7 +3,8 @@
 For each library and schema: compile time (the library's compile call) and the first mask after it (llguidance
 compiles lazily, so time to first mask is the fair sum); the mask time per token, the median over the tokens
 of a valid JSON document of that schema, for 1 row and for 16 rows (each library's batched call where it has
-one, and a plain loop over the rows); and whether the mask computation lets another Python thread run (GIL released). Then a support matrix
+one, and a plain loop over the rows); stallfree's own mask path (structured/) around a stand-in forward at 1 and
+16 rows, every row constrained, against the same steps unconstrained; and whether the mask computation lets another Python thread run (GIL released). Then a support matrix
 of JSON Schema features: each feature's schema is compiled and fed one valid and one invalid document;
 "enforced" means the valid one is accepted and the invalid one refused, "ignored" that both pass,
 "error" that the schema does not compile, "rejects-valid" that the valid one is refused.
@@ -384,6 +385,55 @@ def gil_released(lib: Library, compiled: Any, tokens: list[int]) -> float:
     return count[0] / max(count2[0], 1)
 
 
+def measure_step_overhead(tokenizer: Tokenizer, rows: int, steps: int = 60) -> dict:
+    """stallfree's own path (structured/: MaskFiller, apply_masks) around a stand-in forward (an LM-head-sized
+    matmul for `rows` rows), every row constrained, against the same loop with
+    no masks; steps alternate so a busy machine slows both alike."""
+    from stallfree.node_daemon.structured.compiler import GrammarCompiler
+    from stallfree.node_daemon.structured.grammar import json_schema_grammar
+    from stallfree.node_daemon.structured.masks import MaskFiller, apply_masks
+
+    compiled = GrammarCompiler(tokenizer).compile(json_schema_grammar(SCHEMAS["pydantic order (nested, arrays, enum, optional)"][0]))
+    doc = tokenizer.encode(dumps(ORDER), add_special_tokens=False)
+    hidden = torch.randn(rows, 576)
+    head = torch.randn(576, tokenizer.vocab_size)
+
+    def forward() -> torch.Tensor:
+        return hidden @ head
+
+    filler = MaskFiller(tokenizer.vocab_size)
+    plain_s, constrained_s, apply_s, wait_s = [], [], [], []
+    matchers = [compiled.new_matcher() for _ in range(rows)]
+    index = list(range(rows))
+    try:
+        for step in range(min(steps, len(doc))):
+            started = time.perf_counter()
+            logits = forward()
+            logits.argmax(dim=-1).tolist()
+            plain_s.append(time.perf_counter() - started)
+
+            started = time.perf_counter()
+            pending = filler.submit(matchers)
+            logits = forward()
+            waited = time.perf_counter()
+            masks = pending.result()
+            applied = time.perf_counter()
+            apply_masks(logits, index, masks)
+            done = time.perf_counter()
+            logits.argmax(dim=-1).tolist()
+            for m in matchers:
+                m.accept(doc[step])
+            constrained_s.append(time.perf_counter() - started)
+            wait_s.append(applied - waited)
+            apply_s.append(done - applied)
+    finally:
+        filler.close()
+    plain, constrained = statistics.median(plain_s), statistics.median(constrained_s)
+    return {"rows": rows, "step_ms_unconstrained": plain * 1e3, "step_ms_constrained": constrained * 1e3,
+            "overhead_pct": (constrained / plain - 1) * 100, "mask_wait_ms": statistics.median(wait_s) * 1e3,
+            "apply_ms": statistics.median(apply_s) * 1e3}
+
+
 def support(lib: Library, tokenizer: Tokenizer) -> dict[str, str]:
     out = {}
     for feature, (schema, good, bad) in FEATURES.items():
@@ -442,6 +492,8 @@ def run(names: list[str], repeats: int) -> dict:
             entry["gil_progress_ratio"] = None
             entry["gil_error"] = str(e)[:200]
         entry["support"] = support(lib, tokenizer)
+    if "llguidance" in names:
+        results["stallfree_step"] = [measure_step_overhead(tokenizer, rows) for rows in (1, ROWS)]
     return results
 
 
@@ -464,6 +516,10 @@ def print_table(results: dict) -> None:
         if "error" not in entry:
             ratio = entry.get("gil_progress_ratio")
             print(f"  {name:<14} {ratio:.2f}" if ratio is not None else f"  {name:<14} error {entry.get('gil_error')}")
+    for r in results.get("stallfree_step", []):
+        print(f"\nstallfree's path (llguidance), {r['rows']} row(s) all constrained, stand-in forward: step "
+              f"{r['step_ms_unconstrained']:.2f} ms unconstrained, {r['step_ms_constrained']:.2f} ms constrained "
+              f"({r['overhead_pct']:+.1f}%); waited for masks {r['mask_wait_ms']:.3f} ms, apply {r['apply_ms']:.3f} ms")
     names = [n for n, e in libs.items() if "error" not in e]
     print("\nJSON Schema support (enforced / ignored / error / rejects-valid):")
     print(f"{'feature':<28}" + "".join(f"{n:>16}" for n in names))

@@ -239,3 +239,15 @@ def test_the_cache_forgets_the_least_recent_grammar(tokenizer):
     assert compiler.compiles == 3
     compiler.compile(grammars[0])  # evicted: compiled again
     assert compiler.compiles == 4
+
+
+def test_each_row_gets_its_own_mask_whatever_the_row_order(tokenizer, compiler):
+    boolean = compiler.compile(json_schema_grammar({"type": "boolean"})).new_matcher()
+    integer = compiler.compile(json_schema_grammar({"type": "integer"})).new_matcher()
+    masks = fill_masks([boolean, integer, boolean], compiler.vocab_size)
+    logits = torch.zeros(6, tokenizer.vocab_size)
+    apply_masks(logits, [4, 1, 2], masks)  # runs: [4], [1, 2]
+    allowed = {row: {tokenizer.decode([t]) for t in torch.isfinite(logits[row]).nonzero().flatten().tolist()} for row in (1, 2, 4)}
+    assert all(a and ("true".startswith(a) or "false".startswith(a)) for a in allowed[4] | allowed[2])
+    assert "1" in allowed[1] and "t" not in allowed[1]
+    assert all(torch.isfinite(logits[row]).all() for row in (0, 3, 5))
