@@ -74,15 +74,22 @@ def test_a_client_that_leaves_while_queued_is_removed_and_counted():
 
 
 def test_the_time_queued_at_the_router_counts_in_the_replicas_queue_wait():
-    from stallfree.node_daemon.server.generation import router_wait_s
+    import time
 
-    assert router_wait_s({"x-stallfree-router-queue-ms": "1500"}) == 1.5
+    from stallfree.node_daemon.server.generation import RouterWait
+    from stallfree.router_queue_header import SIGNATURE_HEADER, sign
+
+    def signed(value: str) -> dict[str, str]:
+        return {"x-stallfree-router-queue-ms": value, SIGNATURE_HEADER: sign(value, ADMIN_TOKEN, time.time())}
+
+    wait = RouterWait()
+    assert wait.seconds(signed("1500"), ADMIN_TOKEN) == 1.5
     for bad in ("nan", "-5", "abc", ""):
-        assert router_wait_s({"x-stallfree-router-queue-ms": bad}) == 0.0
-    assert router_wait_s({"x-stallfree-router-queue-ms": "1e12"}) == 600.0  # bounded
+        assert wait.seconds(signed(bad), ADMIN_TOKEN) == 0.0
+    assert wait.seconds(signed("1e12"), ADMIN_TOKEN) == 600.0  # bounded
     with running_daemon(base_args=SIM_ARGS) as daemon:
         response = httpx.post(daemon.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
-                              headers={"x-stallfree-router-queue-ms": "2500"}, timeout=30)
+                              headers=signed("2500"), timeout=30)
         assert response.status_code == 200
         stats = httpx.get(daemon.url + "/admin/stats", headers={"Authorization": "Bearer " + ADMIN_TOKEN},
                           timeout=5).json()

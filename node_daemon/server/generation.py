@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import time
 from typing import AsyncIterator
 
 from stallfree.node_daemon.engine.engine_protocol import RequestOutput
@@ -21,6 +23,9 @@ from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.node_daemon.server.app import Daemon
 from stallfree.node_daemon.server.backpressure import QueueTicket, Refusal
 from stallfree.node_daemon.server.errors import APIError
+from stallfree.router_queue_header import QUEUE_HEADER, SIGNATURE_HEADER, verify
+
+log = logging.getLogger(__name__)
 
 
 def admit(daemon: Daemon, num_prompt_tokens: int) -> QueueTicket:
@@ -36,17 +41,35 @@ def admit(daemon: Daemon, num_prompt_tokens: int) -> QueueTicket:
     return verdict
 
 
-ROUTER_QUEUE_HEADER = "x-stallfree-router-queue-ms"
-MAX_ROUTER_WAIT_S = 600.0  # a header is a client's word: bounded, it can only shift one request's own timings
+MAX_ROUTER_WAIT_S = 600.0  # even the router's word is bounded: it can only shift one request's own timings
 
 
-def router_wait_s(headers) -> float:
-    """Seconds the request waited in the router's queue (its header), 0 when absent or malformed."""
-    try:
-        value = float(headers.get(ROUTER_QUEUE_HEADER, "0")) / 1000.0
-    except ValueError:
-        return 0.0
-    return min(MAX_ROUTER_WAIT_S, value) if value > 0 else 0.0  # NaN and negatives: 0
+class RouterWait:
+    """The seconds a request waited in the router's queue, believed only when the router signed them with the admin
+    token (stallfree.router_queue_header); any other queue header is ignored, counted, and logged the first time."""
+
+    def __init__(self) -> None:
+        self.ignored = 0
+
+    def seconds(self, headers, admin_token: str | None, now_s: float | None = None) -> float:
+        raw = headers.get(QUEUE_HEADER)
+        if raw is None:
+            return 0.0
+        now_s = time.time() if now_s is None else now_s
+        if not verify(raw, headers.get(SIGNATURE_HEADER), admin_token, now_s):
+            if not self.ignored:
+                log.warning("ignoring %s without the router's signature (sent by a client, or the admin tokens of "
+                            "router and daemon differ); further ones are counted only", QUEUE_HEADER)
+            self.ignored += 1
+            return 0.0
+        try:
+            value = float(raw) / 1000.0
+        except ValueError:
+            return 0.0
+        return min(MAX_ROUTER_WAIT_S, value) if value > 0 else 0.0  # NaN and negatives: 0
+
+
+router_wait = RouterWait()
 
 
 _SEED_MODULUS = 1 << 64

@@ -11,8 +11,8 @@ leaves, queued, waiting for a non-streamed answer or streaming, cancels it here,
 connection (the replica aborts the request and frees its KV blocks).
 
 Generation requests (POST) first wait in the router's queue (flow_control.py) until a replica can start
-them soon; the time they waited there goes to the replica in `x-stallfree-router-queue-ms`, so its queue
-wait and TTFT count from the router's arrival. Only requests the router accepted (admission.py) count as
+them soon; the time they waited there goes to the replica in `x-stallfree-router-queue-ms`, signed with the
+admin token (stallfree.router_queue_header), so its queue wait and TTFT count from the router's arrival. Only requests the router accepted (admission.py) count as
 demand. Which paths come here, and the body's bounds, are the edge's (edge.py).
 """
 from __future__ import annotations
@@ -41,6 +41,7 @@ from stallfree.operator.router.metrics import RouterMetrics
 from stallfree.operator.router.pick import AffinityMargin, Choice, ReplicaView, pick, rendezvous_home
 from stallfree.operator.router.replicas import Replica, ReplicaPool
 from stallfree.operator.router.requests import RequestInfo, read_parsed
+from stallfree.router_queue_header import QUEUE_HEADER, SIGNATURE_HEADER, sign
 
 log = logging.getLogger("stallfree.router")
 
@@ -48,7 +49,6 @@ log = logging.getLogger("stallfree.router")
 RETRY_STATUSES = frozenset({502, 503, 504})
 # A request that failed before its first byte (nothing reached the client) is sent again, each time elsewhere.
 MAX_ATTEMPTS = 3
-QUEUE_HEADER = "x-stallfree-router-queue-ms"  # ms the request waited in the router's queue (daemons add it)
 REPLICA_HEADER = "x-stallfree-replica"  # which replica answered: for a request with the admin token only
 _CUT_GRACE_S = 2.0  # after a drain's timeout, how long cut streams get to send their last event
 
@@ -380,7 +380,7 @@ class Router:
             if hashes:
                 self.prefixes.record(replica.name, hashes, info.prompt_tokens)
             waited_ms = (time.perf_counter() - received) * 1000.0
-            leg_headers = headers + [(QUEUE_HEADER, f"{waited_ms:.1f}")] if queued else headers
+            leg_headers = headers + _queue_headers(f"{waited_ms:.1f}", self.admin_token) if queued else headers
             try:
                 return await self._send(replica, choice, ticket, method, path, leg_headers, body, info, received)
             except RetryElsewhere as exc:
@@ -595,6 +595,12 @@ class Router:
         except asyncio.TimeoutError:
             pass
         return left
+
+
+def _queue_headers(waited_ms: str, admin_token: str | None) -> list[tuple[str, str]]:
+    """The ms a request waited here, signed with the admin token: a daemon believes no one else (router_queue_header)."""
+    signed = [(SIGNATURE_HEADER, sign(waited_ms, admin_token, time.time()))] if admin_token else []
+    return [(QUEUE_HEADER, waited_ms), *signed]
 
 
 async def _whole_body(receive: Receive) -> bytes:
