@@ -19,7 +19,7 @@ from stallfree.node_daemon.engine.request_rules import InvalidRequest, check_pro
 from stallfree.node_daemon.server import choices, outcome, protocol
 from stallfree.node_daemon.server.app import Daemon, get_daemon
 from stallfree.node_daemon.server.errors import APIError
-from stallfree.node_daemon.server.generation import Generation, admit, router_wait_s
+from stallfree.node_daemon.server.generation import Generation, admit, router_wait
 from stallfree.node_daemon.server.parsed_body import ParsedBodyRoute
 from stallfree.node_daemon.server.streaming import ChunkRenderer, SSEResponse, stream_events
 
@@ -192,7 +192,8 @@ async def _serve(daemon: Daemon, request: Request, body: protocol.SamplingFields
     rid = protocol.new_id("chatcmpl" if chat else "cmpl")
     ticket = admit(daemon, len(prompt_ids))
     # n > 1: one engine request per choice, the prompt's KV shared through the prefix cache (generation.py).
-    generation = Generation(daemon, rid, prompt_ids, sampling, ticket, router_wait_s(request.headers), n=body.n)
+    waited_s = router_wait.seconds(request.headers, daemon.auth.admin_token)
+    generation = Generation(daemon, rid, prompt_ids, sampling, ticket, waited_s, n=body.n)
     if body.stream:
         render = ChunkRenderer(rid, protocol.now_s(), daemon.served_model_name, chat, body.include_usage,
                                body.continuous_usage, logprobs=sampling.logprobs is not None, echo=echo)
