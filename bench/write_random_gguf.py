@@ -14,7 +14,8 @@ llama.cpp permutes the rows of Q and K in `llama` files (our loader permutes the
 are random codes either way, so the file is valid as written. Nothing is downloaded.
 
 `--arch qwen3` or `--arch gemma3` writes a model of that family instead (write_family): random weights drawn by
-models/random_weights.py for a shape of the family (tiny_family_shape: small enough for tests), written as
+models/random_weights.py for a shape of the family (tiny_family_shape: small enough for tests; its output layer
+untied), written as
 llama.cpp's converter writes that architecture (its tensor names, Gemma's norms with the 1 of (1 + weight) added),
 in F32, Q8_0 or Q4_0 (`--type f32|q8_0|q4_0`), with the embedded SmolLM2 tokenizer (its vocabulary sets the
 shape's) unless asked not to: a file llama.cpp's server loads as well as stallfree does.
@@ -265,7 +266,9 @@ def _main_family(args) -> int:
         print(f"stallfree bench write-gguf: --type must be one of {', '.join(FAMILY_TYPES)} with --arch, got {kind!r}",
               file=sys.stderr)
         return 2
-    shape = tiny_family_shape(args.arch, vocab_size=49152)
+    # An untied output layer: logits of about unit spread. Tied to a random embedding, every step would repeat its
+    # input token with probability ~1, and greedy tokens and top-5 logprobs would compare nothing.
+    shape = tiny_family_shape(args.arch, vocab_size=49152).with_(tie_word_embeddings=False)
     model = LlamaForCausalLM(shape, torch.float32)
     init_random_weights(model, args.seed, norm_std=0.1)
     try:
