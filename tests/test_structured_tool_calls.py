@@ -67,3 +67,25 @@ def test_a_marker_that_is_a_special_token_is_generated_as_that_token(compiler):
     assert matcher.is_accepting()
     spelled = compiled.new_matcher()
     assert not spelled.accept(tokenizer.encode("[TOOL_CALLS]", add_special_tokens=False)[0])
+
+
+def test_a_forced_call_wins_over_response_format_and_auto_leaves_it():
+    from stallfree.node_daemon.structured.request_grammar import request_grammar
+
+    schema_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}}
+    forced = request_grammar(schema_format, parse_tool_choice(TOOLS, "required"), HERMES)
+    assert forced.origin == "tool_calls:hermes"
+    assert request_grammar(schema_format, parse_tool_choice(TOOLS, "auto"), HERMES).origin == "json_schema:answer"
+    assert request_grammar(None, parse_tool_choice(TOOLS, "auto"), HERMES) is None
+    assert request_grammar({"type": "json_object"}, None, HERMES).origin == "json_object"
+    with pytest.raises(ValueError, match="Unimplemented keys"):
+        bad = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}])
+        request_grammar(None, parse_tool_choice(bad, "required"), HERMES)
+
+
+def test_special_token_lookup_finds_only_special_tokens(compiler):
+    from stallfree.node_daemon.structured.request_grammar import special_token_lookup
+
+    lookup = special_token_lookup(compiler.tokenizer)
+    assert lookup("<|im_start|>") == compiler.tokenizer.token_to_id("<|im_start|>")
+    assert lookup("hello") is None and lookup("[TOOL_CALLS]") is None
