@@ -170,3 +170,12 @@ def test_write_gguf_cli_writes_a_family_file_with_the_embedded_tokenizer(tmp_pat
     assert load_tokenizer(loaded).encode("Hello")
     assert main(["--arch", "gemma3", "--type", "q4_k_m", "--out", path]) == 2  # K-quants: llama shapes only
     assert "--type must be one of" in capsys.readouterr().err
+
+
+def test_sliding_window_models_are_not_captured_in_cuda_graphs():
+    """A sliding layer picks its attention on the host from the step's lengths: a captured graph would replay the
+    choice made at capture (engine/cuda_graphs.py asks graph_capturable)."""
+    assert LlamaForCausalLM(tiny_family_shape("qwen3"), torch.float32, "meta").graph_capturable
+    assert not LlamaForCausalLM(tiny_family_shape("gemma3"), torch.float32, "meta").graph_capturable
+    no_window = tiny_family_shape("gemma3").with_(sliding_window=None)
+    assert LlamaForCausalLM(no_window, torch.float32, "meta").graph_capturable

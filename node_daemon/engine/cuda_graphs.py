@@ -74,7 +74,7 @@ class DecodeCudaGraphs:
         """Capture graphs for a runner's model, or None where graphs are off, unsupported or not on CUDA."""
         if runner.device.type != "cuda" or not cuda_graphs_enabled():
             return None
-        if not getattr(runner.attn, "supports_cuda_graphs", False):
+        if not getattr(runner.attn, "supports_cuda_graphs", False) or not runner.model.graph_capturable:
             return None
         model, kv_caches, attn = runner.model, runner.kv_caches, runner.attn
 

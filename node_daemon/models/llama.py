@@ -204,6 +204,12 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph: not with sliding-window layers, whose attention
+        chooses on the host, from the step's lengths, between the backend and windowed_attention's gathers."""
+        return all(layer.self_attn.window is None for layer in self.layers)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 metadata: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
