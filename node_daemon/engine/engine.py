@@ -135,7 +135,8 @@ class LLMEngine:
                           arrival_time=self.clock() if arrival_time is None else arrival_time,
                           max_model_len=self.max_model_len)
         self.scheduler.add_request(request)
-        self._detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop)
+        self._detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop,
+                                                                 include_stop=sampling.include_stop_str_in_output)
                                           if self._detokenize or sampling.stop else None)
 
     def abort_request(self, request_id: str) -> Request | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from stallfree.node_daemon.engine.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.sampling_params import SamplingParams, stop_problem
 
 
 class InvalidRequest(ValueError):
@@ -56,6 +56,9 @@ def check_request(num_prompt_tokens: int, sampling: SamplingParams, limits: Requ
     if num_prompt_tokens == 0:
         raise InvalidRequest("the prompt is empty: at least one token is needed")
     _check_length(num_prompt_tokens, limits.max_model_len)
+    problem = stop_problem(sampling.stop)
+    if problem is not None:
+        raise InvalidRequest(problem, param="stop")
     try:
         sampling.check()
     except ValueError as exc:

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (as vLLM's _SAMPLING_EPS).
 MIN_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+# Stop strings: OpenAI allows 4; these bounds are generous and keep a request's matcher small (stop_matcher.py).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # vLLM's extension: the matched stop string ends the text
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -57,6 +61,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        problem = stop_problem(self.stop)
+        if problem is not None:
+            raise ValueError(problem)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         for token, bias in (self.logit_bias or {}).items():
@@ -78,3 +85,13 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """True when the logits are changed before sampling (bias or a penalty): greedy is then not a plain argmax."""
         return bool(self.logit_bias) or self.needs_history
+
+
+def stop_problem(stop: list[str]) -> str | None:
+    """Why these stop strings cannot be served (too many or one too long), else None."""
+    if len(stop) > MAX_STOP_STRINGS:
+        return f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}"
+    for text in stop:
+        if len(text) > MAX_STOP_CHARS:
+            return f"each stop string may have at most {MAX_STOP_CHARS} characters, got one of {len(text)}"
+    return None

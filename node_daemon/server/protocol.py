@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from stallfree.node_daemon.engine.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.sampling_params import SamplingParams, stop_problem
+from stallfree.node_daemon.server import legacy_fields
 
 # Request models: unknown fields ignored, known ones strictly typed.
 STRICT = ConfigDict(extra="ignore", strict=True)
@@ -79,6 +80,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: bool = False  # vLLM's extension
     seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     ignore_eos: bool = False
     presence_penalty: float | None = None
@@ -87,9 +89,17 @@ class SamplingFields(BaseModel):
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's constrained-output extensions: declared only so that they are refused (legacy_fields.py).
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first field we understand but cannot honour, else None."""
+        problem = legacy_fields.refused_field({name: getattr(self, name, None) for name in legacy_fields.REFUSED})
+        if problem is not None:
+            return problem
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
         return None
@@ -98,6 +108,11 @@ class SamplingFields(BaseModel):
         """(param, message) for the first value outside OpenAI's range, else None (NaN is never in range)."""
         if not 1 <= self.n <= MAX_N:
             return "n", f"n must be between 1 and {MAX_N}, got {self.n}"
+        # The list as sent (empty strings count towards the bound too), checked before it becomes SamplingParams.
+        sent = self.stop if isinstance(self.stop, list) else [] if self.stop is None else [self.stop]
+        problem = stop_problem(sent)
+        if problem is not None:
+            return "stop", problem
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None and not -2.0 <= value <= 2.0:
@@ -146,6 +161,7 @@ class SamplingFields(BaseModel):
             seed=self.seed,
             stop=self.stop_strings,
             stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
@@ -219,6 +235,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+    # OpenAI's deprecated function calling: declared only so that it is refused (legacy_fields.py).
+    functions: Any = None
+    function_call: Any = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
