@@ -179,3 +179,17 @@ def test_sliding_window_models_are_not_captured_in_cuda_graphs():
     assert not LlamaForCausalLM(tiny_family_shape("gemma3"), torch.float32, "meta").graph_capturable
     no_window = tiny_family_shape("gemma3").with_(sliding_window=None)
     assert LlamaForCausalLM(no_window, torch.float32, "meta").graph_capturable
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_folder_saved_by_transformers_loads(family, root, tmp_path):
+    """Transformers 5 writes RoPE as rope_parameters (per layer type for Gemma 3) and lists layer_types: the same
+    shape and weights come back as from the older keys save_hf_folder writes."""
+    transformers = pytest.importorskip("transformers")
+    folder, _ = _files(family, root)
+    transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).save_pretrained(tmp_path)
+    ours, theirs = (load_hf(str(f), torch.float32, torch.device("cpu")) for f in (folder, tmp_path))
+    assert theirs.shape == ours.shape.with_(name=theirs.shape.name)
+    weights = dict(ours.model.hf_weights())
+    for name, tensor in theirs.model.hf_weights():
+        torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0, msg=name)

@@ -81,7 +81,8 @@ def hf_shape(config: dict, name: str) -> ModelShape:
 def _rope_parameters(config: dict, layer_type: str) -> dict:
     """Transformers 5 writes RoPE as rope_parameters: one dict, or one per layer type (Gemma 3)."""
     params = config.get("rope_parameters") or {}
-    return params.get(layer_type, params) if isinstance(params.get(layer_type), dict) else params
+    nested = params.get(layer_type)
+    return nested if isinstance(nested, dict) else params
 
 
 def _rope_theta(config: dict, layer_type: str, default: float) -> float:
