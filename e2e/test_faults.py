@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from daemon_helpers import REPO, local_daemons
-from stallfree.cli.up import load_manifest
+from stallfree.operator.local.manifest import load_manifest
 from stallfree.operator.local.load import LoadDriver, LoadPhase
 from stallfree.operator.local.runtime import LocalRuntime
 from stallfree.loadgen.prompts import PromptBuilder
