@@ -3,8 +3,9 @@
 Each check sends one kind of request and says what came back: deep nesting, a body far past the size limit,
 headers that never finish (slowloris), paths outside the OpenAI API, clients that leave non-streamed requests
 (counted as aborts on the replicas' /metrics), the replica's address and forwarded-for headers, demand from
-refused requests (router only: /router/queue), and a stream on a replica that stops answering (router only,
-SIGSTOP on a daemon this bench started). `stallfree bench hostile` prints them beside its body table.
+refused requests (router only: /router/queue), the request fields a daemon must not simply take (hostile_fields.py:
+stop strings, an unsigned queue-time header, legacy function calling), and a stream on a replica that stops
+answering (router only, SIGSTOP on a daemon this bench started). `stallfree bench hostile` prints them beside its body table.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import httpx
+
+from stallfree.bench.hostile_fields import check_fields
 
 SLOWLORIS_WAIT_S = 40.0  # a connection still open after this is "held"
 LEAVERS = 10  # non-streamed requests whose client leaves after LEAVE_AFTER_S
@@ -128,6 +131,7 @@ async def check_doors(target: Target) -> list[dict]:
             after_q = (await client.get("/router/queue")).json()
             row("demand from refused requests", "4 MB prompt for an unknown model (404), a JSON array (400)",
                 f"arrived_prompt_tokens +{after_q['arrived_prompt_tokens'] - before_q['arrived_prompt_tokens']:.0f}")
+        rows += await check_fields(client, model, target.replica_urls, target.admin_token)
         if target.router and target.replica_pids:
             rows.append(await _hung_replica(client, target))
     return rows

@@ -2,12 +2,15 @@
 The goal is set out of reach of any machine's noise: this checks the command, not the timings."""
 from __future__ import annotations
 
+import asyncio
 import json
 
-from stallfree.bench import hostile, hostile_doors
+import httpx
+
+from stallfree.bench import hostile, hostile_doors, hostile_fields
 from stallfree.bench.soak import SIM_DAEMON_ARGS
 
-from server_helpers import running_daemon
+from server_helpers import ADMIN_TOKEN, running_daemon
 
 
 def test_bench_hostile_against_a_live_daemon(tmp_path, capsys) -> None:
@@ -43,5 +46,25 @@ def test_bench_hostile_through_a_router_tries_every_door(tmp_path, capsys) -> No
     assert doors["client leaves"].startswith(f"{hostile_doors.LEAVERS} aborted")
     assert "hidden" in doors["information"] and "401" in doors["information"]
     assert doors["demand from refused requests"] == "arrived_prompt_tokens +0"
+    _assert_fields(doors)
     hung = doors["a replica hung for good"].split()
     assert hung[0] == hung[3] != "0" and "error event" in doors["a replica hung for good"]  # each one on it
+
+
+def _assert_fields(doors: dict[str, str]) -> None:
+    assert doors["stop strings"] == "400 invalid_value (param stop)"
+    assert doors["stop strings at the bound"].startswith("200 ")
+    waited = float(doors["queue-time header"].split("max queue wait then ")[1].split()[0])
+    assert doors["queue-time header"].startswith("200") and waited < 60_000
+    assert all(answer.endswith(" 400") for answer in doors["legacy function calling"].split(", "))
+
+
+def test_bench_hostile_fields_against_a_live_daemon() -> None:
+    async def run(url: str) -> list[dict]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await hostile_fields.check_fields(client, SIM_DAEMON_ARGS[SIM_DAEMON_ARGS.index("--model") + 1],
+                                                     [url], ADMIN_TOKEN)
+
+    with running_daemon(SIM_DAEMON_ARGS, base_args=[]) as live:
+        rows = asyncio.run(run(live.url))
+    _assert_fields({row["door"]: row["answer"] for row in rows})
