@@ -103,9 +103,11 @@ class VirtualCluster:
 
     def _new_replica(self, name: str, index: int, now: float) -> VirtualReplica:
         spec = self.spec
+        # Behind the router's queue, a replica tells the router its first tokens and ends (the proxy's first bytes).
+        replies = self.router.observer(name) if spec.router == "queue" else None
         replica = VirtualReplica.for_model(spec.model, spec.hardware_of(index), tuning=spec.start_tuning,
                                            ceilings=spec.ceilings, max_model_len=spec.max_model_len, dtype=spec.dtype,
-                                           name=name, stats_window_s=self.window_s, start_time=now)
+                                           name=name, stats_window_s=self.window_s, start_time=now, observer=replies)
         if not spec.speed.nominal:  # its clock runs at the true speed; its profile stays the nominal curve
             replica.executor.cost_model = SlowedCostModel(replica.cost_model, spec.speed, replica.clock)
         return replica

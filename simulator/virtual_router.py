@@ -1,34 +1,53 @@
-"""The router's flow control in virtual time: the same FlowQueue and dispatch rule as `stallfree router`.
+"""The router in virtual time, knowing what the real one knows: its flow control, pick and prefill clock.
 
 Arrivals wait in one queue per service; every `tick_s` of virtual time while anything waits (the real
 router re-checks on each stats poll and whenever a request's prefill finishes or a slot frees), the
 oldest requests go to the replicas that can start them soon, each to the one with the lowest predicted
 TTFT (pick.py's slo-aware rule, without prefix affinity: simulated prompts share no prefix). A request
 keeps its router arrival time on the replica, so the replica's queue wait and TTFT count from it.
+
+What a replica has queued is never read off its scheduler: each replica is the router's own `Replica`
+(replicas.py), whose `PrefillClock` is charged at dispatch and settled by each request's first token, as
+the proxy does with first bytes. First tokens and ends reach the router through an engine observer
+(`observer(name)`), and count only once the router's clock has passed them.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 from typing import Callable, Sequence
 
-from stallfree.contracts import Profile, WindowStats
+from stallfree.contracts import Profile
+from stallfree.node_daemon.engine.request import Request
 from stallfree.operator.control.observe import QueueObservation
 from stallfree.operator.control.queueing import prompt_cv2
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
 from stallfree.operator.router.pick import ReplicaView, pick
-from stallfree.operator.router.rates import decode_step_ms, prefill_tokens_per_ms
+from stallfree.operator.router.replicas import Replica
 from stallfree.simulator.virtual_replica import VirtualReplica
 
 # How often the router's view of a replica's speed is refreshed (its /admin/stats poll, coarser in virtual
 # time: the window's calibration moves slowly).
 STATS_REFRESH_S = 2.0
 
+_FIRST_TOKEN, _ENDED = 0, 1
 
-def queued_prefill_tokens(replica: VirtualReplica) -> int:
-    """Prompt tokens a replica has accepted and not yet prefilled (its waiting queue and partial prefills)."""
-    scheduler = replica.scheduler
-    tokens = sum(r.num_prompt_tokens - r.num_computed_tokens for r in scheduler.waiting)
-    tokens += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in scheduler.running)
-    return tokens + replica.pending_prompt_tokens
+
+class _Replies:
+    """What the router hears back from one replica's requests: first tokens and ends, with their times."""
+
+    def __init__(self, router: "VirtualRouter", name: str) -> None:
+        self.router, self.name = router, name
+
+    def on_iteration(self, record) -> None:
+        pass
+
+    def on_token(self, request: Request, now: float, first: bool) -> None:
+        if first:
+            self.router._heard(now, self.name, request.request_id, _FIRST_TOKEN)
+
+    def on_finished(self, request: Request, now: float) -> None:
+        self.router._heard(now, self.name, request.request_id, _ENDED)
 
 
 class VirtualRouter:
@@ -40,9 +59,17 @@ class VirtualRouter:
         self.tick_s = tick_s
         self._requests: dict[int, tuple[int, int]] = {}  # key -> (prompt_len, max_tokens)
         self._next = 0
-        self._stats: dict[str, tuple[float, WindowStats]] = {}
+        self.replicas: dict[str, Replica] = {}  # what the router knows of each: stats, profile, clock, in flight
+        self._polled: dict[str, float] = {}  # when each one's stats were last read
+        self._sent: dict[str, set[str]] = {}  # request ids sent to each and not ended
+        self._replies: list[tuple[float, int, str, str, int]] = []  # heap: (time, seq, replica, request, kind)
+        self._seq = itertools.count()
         self._arrived: list[tuple[float, int]] = []  # (time, prompt tokens) over the last window
         self._last_snapshot: float | None = None
+
+    def observer(self, name: str) -> _Replies:
+        """The engine observer a replica named `name` reports its first tokens and ends to (pass it at build)."""
+        return _Replies(self, name)
 
     def arrive(self, t: float, prompt_len: int, max_tokens: int) -> bool:
         self._next += 1
@@ -54,9 +81,10 @@ class VirtualRouter:
 
     def dispatch(self, now: float, replicas: dict[str, VirtualReplica]) -> int:
         """Send what the replicas can start soon; returns how many went."""
+        self._hear_until(now)
         if not len(self.queue) or not replicas:
             return 0
-        views = [self._view(name, replica, now) for name, replica in replicas.items()]
+        views = [self._known(name, replica, now).view(now) for name, replica in replicas.items()]
 
         def choose(item: Queued[int], candidates: list[ReplicaView]):
             return pick("slo-aware", candidates, item.prompt_tokens, item.key)
@@ -64,7 +92,8 @@ class VirtualRouter:
         sent = self.queue.dispatch(views, choose)
         for item, choice in sent:
             prompt_len, max_tokens = self._requests.pop(item.key)
-            replicas[choice.name].submit(prompt_len, max_tokens, item.arrival_s)
+            request_id = replicas[choice.name].submit(prompt_len, max_tokens, item.arrival_s)
+            self._reserve(choice.name, request_id, prompt_len, now)
         return len(sent)
 
     def snapshot(self, now: float) -> QueueObservation:
@@ -82,19 +111,53 @@ class VirtualRouter:
                                 arrival_requests_per_s=len(lengths) / span,
                                 prompt_cv2=prompt_cv2(len(lengths), sum(lengths), sum(n * n for n in lengths)))
 
-    def _view(self, name: str, replica: VirtualReplica, now: float) -> ReplicaView:
-        cached = self._stats.get(name)
-        if cached is None or now - cached[0] >= STATS_REFRESH_S:
-            cached = (now, replica.window_stats(now))
-            self._stats[name] = cached
-        stats = cached[1]
-        profile = self.profile_of(name)
-        return ReplicaView(name=name, queued_prefill_tokens=queued_prefill_tokens(replica),
-                           prefill_tokens_per_ms=prefill_tokens_per_ms(profile, stats),
-                           step_ms=decode_step_ms(profile, stats),
-                           outstanding=replica.num_waiting + replica.num_running + replica.num_pending,
-                           max_num_seqs=replica.tuning.max_num_seqs)
-
     def forget(self, names: Sequence[str]) -> None:
-        for name in names:
-            self._stats.pop(name, None)
+        """Replicas that left or restarted: what was in flight there failed, and a new process starts afresh."""
+        gone = set(names)
+        for name in gone:
+            self.replicas.pop(name, None)
+            self._polled.pop(name, None)
+            self._sent.pop(name, None)
+        if gone:
+            self._replies = [reply for reply in self._replies if reply[2] not in gone]
+            heapq.heapify(self._replies)
+
+    # -- as the proxy does --------------------------------------------------------------------------------
+    def _known(self, name: str, replica: VirtualReplica, now: float) -> Replica:
+        """The router's record of a replica, its stats re-read every STATS_REFRESH_S (the poll)."""
+        known = self.replicas.get(name)
+        if known is None:
+            known = self.replicas[name] = Replica(name, url=f"virtual://{name}", healthy=True, reason="ready",
+                                                  profile=self.profile_of(name))
+        if known.stats is None or now - self._polled[name] >= STATS_REFRESH_S:
+            known.stats = replica.window_stats(now)
+            self._polled[name] = now
+        return known
+
+    def _reserve(self, name: str, request_id: str, prompt_tokens: int, now: float) -> None:
+        """Counted at dispatch (the proxy's _reserve): in flight there, and on its prefill clock."""
+        known = self.replicas[name]
+        known.outstanding += 1
+        known.clock.dispatched(request_id, prompt_tokens, known.prefill_tokens_per_ms() * 1000.0, now)
+        self._sent.setdefault(name, set()).add(request_id)
+
+    def _heard(self, t: float, name: str, request_id: str, kind: int) -> None:
+        if request_id not in self._sent.get(name, ()):
+            return  # not sent by this router (or its replica restarted since)
+        heapq.heappush(self._replies, (t, next(self._seq), name, request_id, kind))
+
+    def _hear_until(self, now: float) -> None:
+        """First tokens settle the clock (the proxy's first byte); an end frees a slot (its release). A replica's
+        iteration may end past `now`: what it reported then waits until the router's time reaches it."""
+        replies = self._replies
+        while replies and replies[0][0] <= now:
+            t, _, name, request_id, kind = heapq.heappop(replies)
+            known, sent = self.replicas.get(name), self._sent.get(name)
+            if known is None or sent is None or request_id not in sent:
+                continue  # its replica restarted since
+            if kind == _FIRST_TOKEN:
+                known.clock.prefilled(request_id, t)
+            else:
+                sent.discard(request_id)
+                known.clock.forget(request_id, t)  # ended before its first token: its share of the clock goes
+                known.outstanding -= 1

@@ -96,7 +96,12 @@ async def test_resumes_from_status_without_scaling_twice():
     await scale_up_once(lost)
     lost.loop = ControlLoop(POLICY, lost.observer, lost.actuator, ControlState())
     step = await lost.step()
-    assert not step.scale.changed and step.scale.reason in ("replicas_starting", "capacity_exhausted_waiting")
+    assert not step.scale.changed
+    # This loop reads no router queue, only r0. Routed on the router's own view (its prefill clock), flow control
+    # may leave r0 nothing waiting at this step, so r0 does not read as exhausted: the loop then holds because the
+    # new replicas are not ready yet (scale_in_blocked naming them), which is the same hold for the same reason.
+    assert step.scale.reason in ("replicas_starting", "capacity_exhausted_waiting") or \
+        (step.scale.reason == "scale_in_blocked" and "unknown (not ready)" in step.scale.message), step.scale
 
 
 async def test_a_failed_scale_is_retried_and_external_mode_only_publishes():
