@@ -44,3 +44,11 @@ def test_the_length_rule_leaves_room_for_one_output_token_and_max_tokens_may_pas
         check_request(12, SamplingParams(), RequestLimits(12, None, 16, 4))
     # The KV a request holds at its end: the context caps it, and the last token's KV is never written.
     assert kv_footprint(11, 50, 12) == 11 and kv_footprint(10, 4, 256) == 13 and kv_footprint(10, 1, 256) == 10
+
+
+@pytest.mark.parametrize("stop", [["x"] * 17, ["y" * 257]])
+def test_stop_strings_past_the_bound_are_refused_naming_stop(stop: list[str]) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        check_request(4, SamplingParams(stop=stop), LIMITS)
+    assert caught.value.param == "stop"
+    check_request(4, SamplingParams(stop=["y" * 256] * 16, max_tokens=4), LIMITS)  # at the bound: served
