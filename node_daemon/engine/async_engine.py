@@ -17,12 +17,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 
 from stallfree.contracts import Ceilings, Tuning, validate_tuning
 from stallfree.node_daemon.engine.engine import LLMEngine
 from stallfree.node_daemon.engine.engine_protocol import RequestOutput
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from stallfree.node_daemon.structured.compiler import CompiledGrammar
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +91,20 @@ class AsyncEngine:
     def decode(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(token_ids)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        extra = {"tools": tools} if tools else {}
+        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                         **extra)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                       waited_s: float = 0.0, checked: bool = False) -> AsyncIterator[RequestOutput]:
+                       waited_s: float = 0.0, checked: bool = False,
+                       grammar: CompiledGrammar | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs until one is finished. Leaving early (break, cancel) aborts it.
         `waited_s`: how long it already waited before it reached this daemon (the router's queue): its
         arrival is that much earlier, so queue wait and TTFT count from the router's arrival. `checked`: the caller
-        applied engine/request_rules.py to it already (the server, before admission).
+        applied engine/request_rules.py to it already (the server, before admission). `grammar`: the output must
+        follow it (LLMEngine.add_request).
 
         Bad input raises ValueError at the first iteration; an internal fault while adding it raises
         RequestFailedError (logged on the engine thread); nothing else in flight is disturbed.
@@ -111,7 +119,7 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
         self._submit(("add", request_id, list(prompt_token_ids), sampling, time.monotonic() - max(0.0, waited_s),
-                      checked))
+                      checked, grammar))
         finished = False
         try:
             while True:
@@ -260,10 +268,10 @@ class AsyncEngine:
             command = commands.popleft()
             kind = command[0]
             if kind == "add":
-                _, request_id, token_ids, sampling, arrival, checked = command
+                _, request_id, token_ids, sampling, arrival, checked, grammar = command
                 try:
                     engine.add_request(request_id, prompt_token_ids=token_ids, sampling=sampling, arrival_time=arrival,
-                                       checked=checked)
+                                       checked=checked, grammar=grammar)
                 except ValueError as exc:  # the request is invalid: the caller's 400
                     self._deliver_to(request_id, exc)
                 except Exception as exc:  # noqa: BLE001 - the engine's fault: logged, the caller's 500

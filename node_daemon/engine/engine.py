@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from stallfree.contracts import Ceilings, Tuning
 from stallfree.node_daemon.engine.config import EngineConfig, SchedulerConfig
@@ -34,9 +34,13 @@ from stallfree.node_daemon.engine.scheduler import Scheduler
 from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
 from stallfree.node_daemon.text.tokenizer import Tokenizer, load_tokenizer
 
+if TYPE_CHECKING:  # structured/ loads llguidance and torch; the sim backend never needs them
+    from stallfree.node_daemon.structured.compiler import CompiledGrammar
+
 log = logging.getLogger(__name__)
 
 _STOPPED = RequestStatus.FINISHED_STOPPED
+_DEAD_END = RequestStatus.FINISHED_GRAMMAR_DEAD_END
 _GONE = object()  # a request's detokenizer slot after it finished or was aborted
 
 
@@ -111,9 +115,12 @@ class LLMEngine:
         sampling: SamplingParams | None = None,
         arrival_time: float | None = None,
         checked: bool = False,
+        grammar: CompiledGrammar | None = None,
     ) -> None:
         """Queue a request; ValueError naming the problem (and nothing else changed) if it is bad. `checked`: the
-        caller already applied request_rules to it (the server, before admission), so it is not checked again."""
+        caller already applied request_rules to it (the server, before admission), so it is not checked again.
+        `grammar`: the request's output must follow it (it gets a matcher of its own; n > 1 adds one request per
+        choice, so each sequence has its own)."""
         sampling = sampling if sampling is not None else SamplingParams()
         if request_id in self._detokenizers:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -131,13 +138,23 @@ class LLMEngine:
             limits = self.limits
             check_prompt_tokens(token_ids, limits)
             check_request(len(token_ids), sampling, limits)
+        if grammar is not None and not self.supports_grammars:
+            raise ValueError("this backend computes no logits, so it cannot constrain the output to a grammar "
+                             "(response_format json, forced tool calls): serve a real model")
         request = Request(request_id, token_ids, sampling, self.eos_token_ids,
                           arrival_time=self.clock() if arrival_time is None else arrival_time,
-                          max_model_len=self.max_model_len)
+                          max_model_len=self.max_model_len,
+                          matcher=grammar.new_matcher() if grammar is not None else None)
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop,
+                                                                 skip_special_tokens=sampling.skip_special_tokens,
                                                                  include_stop=sampling.include_stop_str_in_output)
                                           if self._detokenize or sampling.stop else None)
+
+    @property
+    def supports_grammars(self) -> bool:
+        """Whether the executor masks logits for constrained requests (the model does; the sim has no logits)."""
+        return bool(getattr(self.executor, "supports_grammars", False))
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort at once: its KV blocks are free when this returns. None if unknown or already finished."""
@@ -191,10 +208,12 @@ class LLMEngine:
         failed: list[RequestOutput] = []
         try:
             executed = self.executor.execute(output)
-            sampled, logprobs = executed.token_ids, executed.logprobs
+            sampled, logprobs, dead_ends = executed.token_ids, executed.logprobs, executed.dead_ends
         except Exception as exc:  # noqa: BLE001 - find the request at fault; the others go on
-            sampled, logprobs = self._execute_one_by_one(output, exc, failed)
-        scheduler.update_from_output(output, sampled)  # appends tokens, finishes on EOS and length
+            dead_ends = set()
+            sampled, logprobs = self._execute_one_by_one(output, exc, failed, dead_ends)
+        # appends tokens, finishes on EOS, length, a complete grammar, and a grammar's dead end
+        scheduler.update_from_output(output, sampled, dead_ends)
         now = self.clock()
         observe = getattr(scheduler.prefix_cost, "observe", None)
         if observe is not None:  # a cost model that learns from served iterations (iteration_cost.py)
@@ -222,8 +241,12 @@ class LLMEngine:
                 continue
             request = chunk.request
             detok = detokenizers.get(request.request_id, _GONE)
-            if detok is _GONE or request.request_id not in sampled:
+            if detok is _GONE:
                 continue  # aborted since schedule()
+            if request.request_id not in sampled:
+                if request.status is _DEAD_END:  # finished without a token: flush its held-back text
+                    outputs.append(self._finish_without_token(request, detok, now))
+                continue
             try:  # zero-cost unless it raises
                 token_logprobs = logprobs.get(request.request_id) if logprobs else None
                 outputs.append(self._process_token(request, detok, now, token_logprobs))
@@ -267,6 +290,14 @@ class LLMEngine:
             logprobs=token_logprobs,
         )
 
+    def _finish_without_token(self, request: Request, detok: IncrementalDetokenizer | None,
+                              now: float) -> RequestOutput:
+        """A request the scheduler finished with no new token (a grammar's dead end)."""
+        text = detok.finish() if detok is not None else ""
+        self._release(request, now)
+        return RequestOutput(request.request_id, [], text, True, request.status.value, request.num_prompt_tokens,
+                             request.num_output_tokens, request.num_cached_tokens)
+
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:
@@ -280,8 +311,8 @@ class LLMEngine:
         return TokenLogprob(sampled.token_id, text(sampled.token_id), sampled.logprob,
                             [(t, text(t), lp) for t, lp in sampled.top])
 
-    def _execute_one_by_one(self, output: SchedulerOutput, batch_error: Exception,
-                            failed: list[RequestOutput]) -> tuple[dict[str, int], dict]:
+    def _execute_one_by_one(self, output: SchedulerOutput, batch_error: Exception, failed: list[RequestOutput],
+                            dead_ends: set[str]) -> tuple[dict[str, int], dict]:
         """The batch raised: run each chunk alone so only the requests at fault fail (rare, so no hurry).
 
         Rewriting a chunk's KV slots with the same values is harmless; the scheduler skips the failed
@@ -300,6 +331,7 @@ class LLMEngine:
                 executed = self.executor.execute(alone)
                 sampled.update(executed.token_ids)
                 logprobs.update(executed.logprobs)
+                dead_ends.update(executed.dead_ends)
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 failed.append(self._fail_request(chunk.request, _describe(exc)))
         if failed:

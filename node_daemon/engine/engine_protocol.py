@@ -16,15 +16,18 @@ from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
 if TYPE_CHECKING:  # both load torch; the engine loop and the sim backend never need to
     from stallfree.node_daemon.engine.sampler import TokenLogprobs
     from stallfree.node_daemon.models.loader import LoadedModel
+    from stallfree.node_daemon.structured.compiler import CompiledGrammar
 
 
 @dataclass(slots=True)
 class ExecutorOutput:
     """What one executed iteration sampled: a token for every chunk with `samples=True`, by request id, and the
-    logprobs of the requests that asked for them (in the same answer, so they belong to the same iteration)."""
+    logprobs of the requests that asked for them (in the same answer, so they belong to the same iteration).
+    `dead_ends`: constrained requests whose grammar allowed no token or refused the sampled one (no token)."""
 
     token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    dead_ends: set[str] = field(default_factory=set)
 
 
 class Executor(Protocol):
@@ -75,7 +78,7 @@ class RequestOutput:
     new_token_ids: list[int]
     text: str  # the new text since the last update (never a split UTF-8 character)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | "grammar_dead_end" once finished
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
@@ -122,10 +125,11 @@ class EngineClient(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str: ...
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, waited_s: float = 0.0,
-                 checked: bool = False) -> AsyncIterator[RequestOutput]: ...
+                 checked: bool = False, grammar: CompiledGrammar | None = None) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -1,5 +1,12 @@
-"""The real-model Executor: the model runner's logits, sampled per request (engine_protocol.Executor)."""
+"""The real-model Executor: the model runner's logits, sampled per request (engine_protocol.Executor).
+
+Constrained rows (a request with a grammar matcher): their masks are submitted to the MaskFiller before the
+forward and computed beside it, applied to those rows only just before sampling, and each sampled token is
+accepted by its matcher. A batch with no constrained row takes the plain path and pays nothing.
+"""
 from __future__ import annotations
+
+import torch
 
 from stallfree.node_daemon.engine.config import EngineConfig
 from stallfree.node_daemon.engine.engine_protocol import ExecutorOutput
@@ -8,6 +15,7 @@ from stallfree.node_daemon.models.loader import LoadedModel
 from stallfree.node_daemon.engine.sampler import Sampler
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
+from stallfree.node_daemon.structured.masks import MaskFiller, apply_masks
 
 
 class ModelExecutor:
@@ -16,6 +24,9 @@ class ModelExecutor:
     def __init__(self, runner: ModelRunner, sampler: Sampler | None = None) -> None:
         self.runner = runner
         self.sampler = sampler or Sampler(runner.device)
+        self._mask_filler: MaskFiller | None = None  # made at the first constrained row
+
+    supports_grammars = True  # its logits can be masked (the sim backend has none)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "ModelExecutor":
@@ -46,23 +57,58 @@ class ModelExecutor:
         return self.runner.loaded.shape.vocab_size
 
     def execute(self, output: SchedulerOutput) -> ExecutorOutput:
-        """Sampled tokens by request id, with the logprobs of the rows that asked."""
-        logits = self.runner.execute_model(output)
+        """Sampled tokens by request id, with the logprobs of the rows that asked (and the grammars' dead ends)."""
         params: list[SamplingParams] = []
         request_ids: list[str] = []
         requests = []
+        constrained: list[int] = []  # rows whose request follows a grammar
         for chunk in output.chunks:
             if chunk.samples:
-                params.append(chunk.request.sampling)
-                request_ids.append(chunk.request.request_id)
-                requests.append(chunk.request)
-        if not request_ids:
-            return ExecutorOutput({})
+                request = chunk.request
+                if request.matcher is not None:
+                    constrained.append(len(requests))
+                params.append(request.sampling)
+                request_ids.append(request.request_id)
+                requests.append(request)
+        if not constrained:
+            logits = self.runner.execute_model(output)
+            if not request_ids:
+                return ExecutorOutput({})
+            return self._sample(logits, params, request_ids, requests)
+        matchers = [requests[row].matcher for row in constrained]
+        pending = self._masks(matchers[0].vocab_size).submit(matchers)  # computed while the forward runs
+        try:
+            logits = self.runner.execute_model(output)
+        finally:
+            masks = pending.result()  # the matchers are never touched while the worker reads them
+        dead_ends = {request_ids[constrained[i]] for i in masks.dead}
+        with torch.inference_mode():  # the runner's logits are inference tensors
+            apply_masks(logits, constrained, masks)
+            for i in masks.dead:  # nothing allowed: sample from harmless logits, the token is dropped
+                logits[constrained[i]].zero_()
+        result = self._sample(logits, params, request_ids, requests)
+        for row, matcher in zip(constrained, matchers):
+            rid = request_ids[row]
+            if rid not in dead_ends and not matcher.accept(result.token_ids[rid]):
+                dead_ends.add(rid)
+        for rid in dead_ends:
+            del result.token_ids[rid]
+            result.logprobs.pop(rid, None)
+        result.dead_ends = dead_ends
+        return result
+
+    def _sample(self, logits, params: list[SamplingParams], request_ids: list[str], requests: list) -> ExecutorOutput:
         sampled = self.sampler.sample_rows(logits, params, request_ids, requests)
         tokens = dict(zip(request_ids, sampled.token_ids))
         if sampled.logprobs is None:
             return ExecutorOutput(tokens)
         return ExecutorOutput(tokens, {rid: lp for rid, lp in zip(request_ids, sampled.logprobs) if lp is not None})
+
+    def _masks(self, vocab_size: int) -> MaskFiller:
+        """The one mask worker, as wide as the grammars' vocabulary (the compiler's: at least the logits')."""
+        if self._mask_filler is None or self._mask_filler.vocab_size != vocab_size:
+            self._mask_filler = MaskFiller(vocab_size)
+        return self._mask_filler
 
     def free(self, request_id: str) -> None:
         """The request is gone: drop its sampling state (its seeded generator)."""

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from stallfree.node_daemon.engine.block_pool import ROOT_HASH, BlockHash, hash_block_tokens
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # structured/ loads torch and llguidance; the scheduler and the sim backend never need to
+    from stallfree.node_daemon.structured.matcher import Matcher
 
 
 class RequestStatus(enum.Enum):
@@ -17,6 +20,8 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"  # max_tokens or the model's context
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"  # failed alone (preparing, sampling or detokenizing it raised)
+    # Its grammar allowed no token (or refused the sampled one): structured/matcher.FINISH_GRAMMAR_DEAD_END.
+    FINISHED_GRAMMAR_DEAD_END = "grammar_dead_end"
 
     @property
     def finished(self) -> bool:
@@ -24,7 +29,7 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
-             RequestStatus.FINISHED_ERROR}
+             RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_GRAMMAR_DEAD_END}
 
 
 class Request:
@@ -43,7 +48,7 @@ class Request:
         "request_id", "token_ids", "num_prompt_tokens", "block_hashes", "hash_block_size", "sampling",
         "eos_token_ids", "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "arrival_time",
         "first_scheduled_time", "first_token_time", "last_token_time", "finished_time", "num_preemptions",
-        "max_model_len",
+        "max_model_len", "matcher",
     )
 
     def __init__(
@@ -54,6 +59,7 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
         max_model_len: int = 1 << 30,
+        matcher: Matcher | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -73,6 +79,9 @@ class Request:
         self.finished_time: float | None = None
         self.num_preemptions = 0
         self.max_model_len = max_model_len
+        # The grammar state of a constrained request (response_format, a forced tool call), None for free text:
+        # the executor masks its logits and advances it by each sampled token.
+        self.matcher = matcher
 
     # ---- tokens ------------------------------------------------------------------------------------
 

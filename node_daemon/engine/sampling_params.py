@@ -36,6 +36,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the k most likely
+    # False keeps special tokens in the text: a tool-call parser reads markers such as [TOOL_CALLS] there.
+    skip_special_tokens: bool = True
     plain_greedy: bool = field(init=False, repr=False, compare=False)  # greedy, no bias, penalty or logprobs
 
     def __post_init__(self) -> None:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from bisect import insort
 from collections import deque
-from typing import Protocol
+from typing import Collection, Protocol
 
 from stallfree.contracts import Ceilings, Tuning, validate_tuning
 from stallfree.node_daemon.engine.config import SchedulerConfig
@@ -52,6 +52,7 @@ from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, Schedu
 
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
+_DEAD_END = RequestStatus.FINISHED_GRAMMAR_DEAD_END
 _LENGTH = RequestStatus.FINISHED_LENGTH
 
 
@@ -349,10 +350,14 @@ class Scheduler:
 
     # ---- after the model ran -----------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
+                           dead_ends: Collection[str] = ()) -> list[Request]:
         """Advance every scheduled request, append sampled tokens, finish the stopped; returns those finished.
 
-        Call once per schedule(), before the next one. A prefill whose chunk sampled now decodes.
+        Call once per schedule(), before the next one. A prefill whose chunk sampled now decodes. A request in
+        `dead_ends` (its grammar allowed no token, or refused the one sampled) finishes with grammar_dead_end and
+        no token; a constrained request whose grammar is complete finishes "stop", with ignore_eos too (nothing
+        but EOS could follow).
         """
         finished: list[Request] = []
         started_decoding: list[Request] = []
@@ -370,6 +375,10 @@ class Scheduler:
                 kv.cache_full_blocks(request)
             if not chunk.samples:
                 continue
+            if dead_ends and request.request_id in dead_ends:
+                request.status = _DEAD_END
+                finished.append(request)
+                continue
             try:
                 token = sampled[request.request_id]
             except KeyError:
@@ -378,6 +387,8 @@ class Scheduler:
             num_tokens = len(request.token_ids)
             sampling = request.sampling
             if (token in request.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
+                request.status = _STOPPED
+            elif request.matcher is not None and request.matcher.is_terminated():
                 request.status = _STOPPED
             elif (num_tokens - request.num_prompt_tokens >= sampling.max_tokens
                   or num_tokens >= request.max_model_len):
