@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads on the CPU (0: the cores this process is given: affinity, cgroup quota)")
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     m.add_argument("--seed", type=int, default=0, help="random weights and unseeded sampling")
+    m.add_argument("--tool-call-parser", default=None,
+                   help="how the model writes tool calls: hermes (also qwen), llama3_json, mistral "
+                        "(default: detected from the chat template, else hermes)")
 
     c = p.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

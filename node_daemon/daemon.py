@@ -84,6 +84,7 @@ def start_engine(opts: ServeConfig, daemon) -> None:
     from stallfree.node_daemon.measure.profiler import starting_tuning
     from stallfree.node_daemon.measure.stall_watch import StallWatch, compute_threads
     from stallfree.node_daemon.server.startup import LiveCounts, Phase, Serving
+    from stallfree.node_daemon.server.structured_requests import StructuredOutputs
 
     started = time.monotonic()
     daemon.startup.advance(Phase.LOADING)
@@ -131,8 +132,10 @@ def start_engine(opts: ServeConfig, daemon) -> None:
     if retry is not None:
         retry.on_profile = lambda profile: use_profile(opts, engine, profile, when="profile")
         async_engine.when_idle(retry.delay_s, lambda eng, stop: retry(daemon, eng, stop))
+    structured = StructuredOutputs.build(engine.tokenizer, engine.vocab_size, opts.tool_call_parser,
+                                         constrained=engine.supports_grammars)
     daemon.startup.ready(Serving(
-        engine=async_engine, limits=engine.limits,
+        engine=async_engine, limits=engine.limits, structured=structured,
         max_chars_per_token=max_chars_per_token(engine.tokenizer),
         # Blocks in use plus those admitted requests may still take (by the output-length estimate).
         live_counts=lambda: LiveCounts(scheduler.num_waiting, scheduler.num_running, kv_cache.usage,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from stallfree.contracts import Ceilings, Tuning, TuningError, validate_tuning
+from stallfree.node_daemon.text.tool_calls.formats import format_named
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +62,7 @@ class ServeConfig:
     drain_timeout_s: float
     stats_window_s: float
     log_level: str
+    tool_call_parser: str | None = None  # None: detected from the chat template (text/tool_calls/formats.py)
     admin_token: Any = None  # a watched secret (server/auth.py), or None: the admin API is closed
     api_key: Any = None  # a watched secret, or None: the inference API is open
 
@@ -114,6 +116,11 @@ def _problems(c: ServeConfig):
         yield f"--probe-port must be 0 (none) or 1..65535 other than --port, got {c.probe_port}"
     if c.no_profile and c.auto_budget and c.tpot_slo_ms is not None:
         yield "--tpot-slo-ms with --token-budget auto needs the profile: drop --no-profile"
+    if c.tool_call_parser is not None:
+        try:
+            format_named(c.tool_call_parser)
+        except ValueError as exc:
+            yield f"--tool-call-parser: {exc}"
     try:
         validate_tuning(c.tuning, c.ceilings)
     except TuningError as exc:

@@ -3,6 +3,7 @@ bound, legacy function-calling and guided-decoding fields (a 400 naming each, ne
 header the router did not sign (ignored, counted)."""
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -10,7 +11,6 @@ import pytest
 
 from server_helpers import ADMIN_TOKEN, LiveDaemon, running_daemon
 from stallfree.node_daemon.engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from stallfree.node_daemon.server import legacy_fields
 from stallfree.node_daemon.server.generation import router_wait
 from stallfree.router_queue_header import QUEUE_HEADER, SIGNATURE_HEADER, sign
 
@@ -65,8 +65,6 @@ def test_include_stop_str_in_output(http: httpx.Client) -> None:
 
 
 LEGACY = {
-    "functions": [{"name": "get_weather", "parameters": {"type": "object", "properties": {}}}],
-    "function_call": "auto",
     "guided_json": {"type": "object"},
     "guided_regex": "[0-9]+",
     "guided_choice": ["yes", "no"],
@@ -78,9 +76,23 @@ LEGACY = {
 def test_legacy_fields_are_refused_by_name_not_ignored(http: httpx.Client, field: str) -> None:
     message = _refused(http.post(CHAT, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
                                              field: LEGACY[field]}), field)
-    assert field in message and ("tools" in message or "tool_choice" in message or "response_format" in message)
-    if field not in legacy_fields.CHAT_ONLY:  # vLLM takes these on the completions endpoint too
-        _refused(http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", field: LEGACY[field]}), field)
+    assert field in message and "response_format" in message
+    # vLLM takes these on the completions endpoint too
+    _refused(http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", field: LEGACY[field]}), field)
+
+
+def test_deprecated_functions_and_function_call_are_served_as_tools(http: httpx.Client) -> None:
+    """OpenAI's deprecated function calling: the named function is called, under its parameters' schema."""
+    functions = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}]
+    response = http.post(CHAT, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 60, "functions": functions,
+                                     "function_call": {"name": "get_weather"}, "parallel_tool_calls": False})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] in ("tool_calls", "length")
+    if choice["finish_reason"] == "tool_calls":
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])
 
 
 def test_legacy_fields_sent_empty_are_absent(http: httpx.Client) -> None:

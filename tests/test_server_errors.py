@@ -97,15 +97,19 @@ def test_a_seed_beyond_64_bits_is_400_and_the_server_keeps_serving(http: httpx.C
     _still_serving(http)
 
 
-def test_tool_choice_without_tools_is_400(http: httpx.Client) -> None:
-    for choice in ("auto", "none", {"type": "function", "function": {"name": "f"}}):
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tool_choice": choice}
-        _assert_error(http.post("/v1/chat/completions", json=body), 400, "tool_choice")
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            "tools": [{"type": "function", "function": {"name": "f"}}]}
-    _assert_error(http.post("/v1/chat/completions", json=body), 400, "tools")
-    _assert_error(http.post("/v1/chat/completions", json=body | {"tools": None, "response_format": {
-        "type": "json_object"}}), 400, "response_format")
+def test_bad_tools_tool_choice_and_response_format_are_400_naming_the_field(http: httpx.Client) -> None:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
+        _assert_error(http.post("/v1/chat/completions", json=chat | {"tool_choice": choice}), 400, "tool_choice")
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    _assert_error(http.post("/v1/chat/completions", json=chat | {"tools": tools, "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}), 400, "tool_choice")
+    _assert_error(http.post("/v1/chat/completions", json=chat | {"tools": [{"type": "function", "function": {
+        "name": "bad name"}}]}), 400, "tools")
+    _assert_error(http.post("/v1/chat/completions", json=chat | {"response_format": {"type": "yaml"}}), 400,
+                  "response_format")
+    _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}), 400, "response_format")
 
 
 SURROGATE_BODIES = [

@@ -36,7 +36,11 @@ def test_unsupported_fields_are_named() -> None:
     assert CompletionRequest(model="m", prompt="x", stream_options={"include_usage": True}).unsupported()[0] \
         == "stream_options"
     tools = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}])
-    assert tools.unsupported()[0] == "tools"
+    assert tools.unsupported() is None  # served; a malformed tool is a 400 naming tools when the request is planned
+    legacy = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                   functions=[{"name": "f"}], function_call={"name": "f"})
+    assert legacy.effective_tools() == [{"type": "function", "function": {"name": "f"}}]
+    assert legacy.effective_tool_choice() == {"type": "function", "function": {"name": "f"}}
     with pytest.raises(ValidationError):
         ChatCompletionRequest(model="m", messages=[])
     with pytest.raises(ValidationError):

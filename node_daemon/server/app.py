@@ -72,6 +72,12 @@ class Daemon:
         return None if serving is None else serving.limits.vocab_size
 
     @property
+    def structured(self):
+        """response_format and tools for the loaded model (server/structured_requests.py), None when unavailable."""
+        serving = self.startup.serving
+        return None if serving is None else serving.structured
+
+    @property
     def kv_capacity_tokens(self) -> int | None:
         """The whole KV cache in tokens: no request may need more."""
         serving = self.startup.serving

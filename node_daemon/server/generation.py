@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from stallfree.node_daemon.engine.engine_protocol import RequestOutput
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
@@ -24,6 +24,9 @@ from stallfree.node_daemon.server.app import Daemon
 from stallfree.node_daemon.server.backpressure import QueueTicket, Refusal
 from stallfree.node_daemon.server.errors import APIError
 from stallfree.router_queue_header import QUEUE_HEADER, SIGNATURE_HEADER, verify
+
+if TYPE_CHECKING:
+    from stallfree.node_daemon.structured.compiler import CompiledGrammar
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +80,9 @@ _SEED_MODULUS = 1 << 64
 
 class Generation:
     def __init__(self, daemon: Daemon, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                 ticket: QueueTicket, waited_s: float = 0.0, n: int = 1) -> None:
+                 ticket: QueueTicket, waited_s: float = 0.0, n: int = 1, grammar: CompiledGrammar | None = None) -> None:
         self.daemon = daemon
+        self.grammar = grammar  # each choice's engine request gets a matcher of its own
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
@@ -102,8 +106,9 @@ class Generation:
     async def _choice(self, index: int) -> AsyncIterator[RequestOutput]:
         engine_id = self.engine_ids[index]
         # checked=True: openai_routes checked the request against the engine's limits before admission.
+        extra = {"grammar": self.grammar} if self.grammar is not None else {}
         async for out in self.daemon.engine.generate(engine_id, self.prompt_token_ids, self.samplings[index],
-                                                     self.waited_s, checked=True):
+                                                     self.waited_s, checked=True, **extra):
             if index == 0 and self.ticket.queued and (out.num_output_tokens or out.finished):
                 self.daemon.admission.dequeue(self.ticket)
             if out.finished:

@@ -36,7 +36,7 @@ ITERATION_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(0, 17))
 # Tokens per request (prompt, generation): 1, 2, 5 per decade up to a million, as vLLM's.
 REQUEST_TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(0, 6) for m in (1, 2, 5)) + (1e6,)
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "grammar_dead_end")
 ERROR_REASONS = (
     "invalid_request", "validation", "not_found", "too_large", "unauthorized", "queue_full", "draining",
     "starting", "engine", "internal", "timeout",

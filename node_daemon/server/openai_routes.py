@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 
 from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from stallfree.node_daemon.engine.request_rules import InvalidRequest, check_prompt_tokens, check_request
-from stallfree.node_daemon.server import choices, outcome, protocol
+from stallfree.node_daemon.server import choices, finish, outcome, protocol
 from stallfree.node_daemon.server.app import Daemon, get_daemon
 from stallfree.node_daemon.server.errors import APIError
 from stallfree.node_daemon.server.generation import Generation, admit, router_wait
 from stallfree.node_daemon.server.parsed_body import ParsedBodyRoute
 from stallfree.node_daemon.server.streaming import ChunkRenderer, SSEResponse, stream_events
+from stallfree.node_daemon.server.structured_requests import (OutputPlan, StructuredOutputs, plan_chat,
+                                                              plan_completion, template_messages)
+from stallfree.node_daemon.text.tool_calls.formats import ToolCallFormat
+from stallfree.node_daemon.text.tool_calls.parser import parse_tool_calls
 
 # Each route validates the body the body guard parsed (off the event loop when large): parsed_body.py.
 router = APIRouter(route_class=ParsedBodyRoute)
@@ -67,8 +72,11 @@ async def create_completion(body: protocol.CompletionRequest, request: Request):
     echo = None
     if body.echo:  # the prompt's text leads the completion's text
         echo = prompt if isinstance(prompt, str) else daemon.require_engine().decode(prompt_ids)
+    plan = OutputPlan()
+    if body.response_format is not None:
+        plan = await plan_completion(_structured(daemon, "response_format"), body.response_format)
     return await _serve(daemon, request, body, prompt_ids, chat=False, echo=echo,
-                        ids_checked=not isinstance(prompt, str))
+                        ids_checked=not isinstance(prompt, str), plan=plan)
 
 
 @router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
@@ -76,12 +84,20 @@ async def create_chat_completion(body: protocol.ChatCompletionRequest, request: 
     daemon = get_daemon(request)
     _check_request(daemon, body)
     messages = body.chat_messages()
+    tools, tool_choice = body.effective_tools(), body.effective_tool_choice()
+    plan = OutputPlan()
+    if tools is not None or tool_choice is not None or body.response_format is not None:
+        structured = _structured(daemon, "tools" if tools is not None else "response_format")
+        plan = await plan_chat(structured, body.response_format, tools, tool_choice, body.parallel_tool_calls)
+        if plan.tool_format is not None or any(m.get("tool_calls") for m in messages):
+            messages = template_messages(messages, plan.template_tools, structured.chat_template,
+                                         structured.format)
     size = sum(len(m["content"]) for m in messages)
     _check_text_length(daemon, size, "messages")
     # The template costs per message too: a chat of many short messages is templated on a text worker as well.
     work = size + len(messages) * TEMPLATE_CHARS_PER_MESSAGE
-    prompt_ids = await daemon.text_work(work, _template_and_encode, daemon, messages)
-    return await _serve(daemon, request, body, prompt_ids, chat=True)
+    prompt_ids = await daemon.text_work(work, _template_and_encode, daemon, messages, plan.template_tools)
+    return await _serve(daemon, request, body, prompt_ids, chat=True, plan=plan)
 
 
 # --- validation -----------------------------------------------------------------------------------
@@ -135,9 +151,16 @@ def _encode(daemon: Daemon, text: str, param: str = "prompt") -> list[int]:
         raise APIError(400, f"cannot tokenize the prompt: {exc}", param=param) from None
 
 
-def _template_and_encode(daemon: Daemon, messages: list[dict[str, str]]) -> list[int]:
+def _structured(daemon: Daemon, param: str) -> StructuredOutputs:
+    structured = daemon.structured
+    if structured is None:
+        raise APIError(400, f"{param} is not available on this daemon", param=param, code="unsupported_parameter")
+    return structured
+
+
+def _template_and_encode(daemon: Daemon, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     try:
-        text = daemon.require_engine().apply_chat_template(messages, add_generation_prompt=True)
+        text = daemon.require_engine().apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except ValueError as exc:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
     return _encode(daemon, text, "messages")
@@ -181,8 +204,11 @@ def _as_api_error(prompt_param: str = "prompt"):
 
 
 async def _serve(daemon: Daemon, request: Request, body: protocol.SamplingFields, prompt_ids: list[int],
-                 chat: bool, echo: str | None = None, ids_checked: bool = False):
+                 chat: bool, echo: str | None = None, ids_checked: bool = False, plan: OutputPlan | None = None):
+    plan = plan or OutputPlan()
     sampling = body.to_sampling_params(_max_tokens(daemon, body, len(prompt_ids), chat))
+    if plan.keep_special_tokens:  # the family's call markers are special tokens: the parser must see them
+        sampling = dataclasses.replace(sampling, skip_special_tokens=False)
     # The one check of the request (engine/request_rules.py), before admission: the engine does not repeat it.
     limits = daemon.require_limits()
     with _as_api_error("messages" if chat else "prompt"):
@@ -193,12 +219,12 @@ async def _serve(daemon: Daemon, request: Request, body: protocol.SamplingFields
     ticket = admit(daemon, len(prompt_ids))
     # n > 1: one engine request per choice, the prompt's KV shared through the prefix cache (generation.py).
     waited_s = router_wait.seconds(request.headers, daemon.auth.admin_token)
-    generation = Generation(daemon, rid, prompt_ids, sampling, ticket, waited_s, n=body.n)
+    generation = Generation(daemon, rid, prompt_ids, sampling, ticket, waited_s, n=body.n, grammar=plan.grammar)
     if body.stream:
         render = ChunkRenderer(rid, protocol.now_s(), daemon.served_model_name, chat, body.include_usage,
                                body.continuous_usage, logprobs=sampling.logprobs is not None, echo=echo)
-        return SSEResponse(stream_events(daemon, generation, render), on_close=generation.close)
-    return await _complete(daemon, request, generation, chat, echo)
+        return SSEResponse(stream_events(daemon, generation, render, plan.tool_format), on_close=generation.close)
+    return await _complete(daemon, request, generation, chat, echo, plan.tool_format)
 
 
 async def _unless_client_gone(request: Request, collecting):
@@ -216,7 +242,7 @@ async def _unless_client_gone(request: Request, collecting):
 
 
 async def _complete(daemon: Daemon, request: Request, generation: Generation, chat: bool,
-                    echo: str | None = None) -> JSONResponse:
+                    echo: str | None = None, tool_format: ToolCallFormat | None = None) -> JSONResponse:
     try:
         results = await _unless_client_gone(request, choices.collect(generation))
     except Exception as exc:  # noqa: BLE001 - mapped once (outcome.py); the APIError handler counts it
@@ -229,11 +255,20 @@ async def _complete(daemon: Daemon, request: Request, generation: Generation, ch
     failure = outcome.of_choices(lasts)
     if failure is not None:
         raise failure.api_error()  # counted once, by the APIError handler
-    choice = protocol.chat_choice if chat else protocol.completion_choice
     wants_logprobs = generation.sampling.logprobs is not None
-    rendered = [choice(i, (echo or "") + r.text, r.last.finish_reason,
-                       _render_logprobs(r.logprobs, chat, echo) if wants_logprobs else None)
-                for i, r in enumerate(results)]
+    rendered = []
+    for i, r in enumerate(results):
+        logprobs = _render_logprobs(r.logprobs, chat, echo) if wants_logprobs else None
+        reason = finish.api_reason(r.last.finish_reason)
+        if not chat:
+            rendered.append(protocol.completion_choice(i, (echo or "") + r.text, reason, logprobs))
+        elif tool_format is None:
+            rendered.append(protocol.chat_choice(i, r.text, reason, logprobs))
+        else:
+            content, calls = parse_tool_calls(r.text, tool_format)
+            rendered.append(protocol.chat_choice(i, content, finish.with_calls(reason, bool(calls)), logprobs,
+                                                 tool_calls=calls))
+        finish.add_stop_reason(rendered[-1], r.last.finish_reason)
     build = protocol.chat_response if chat else protocol.completion_response
     return JSONResponse(build(generation.request_id, protocol.now_s(), daemon.served_model_name, "", None,
                               protocol.usage(*choices.usage_of(lasts)), choices=rendered))

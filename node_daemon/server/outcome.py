@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from stallfree.node_daemon.engine.async_engine import EngineDeadError, RequestFailedError
 from stallfree.node_daemon.engine.engine_protocol import RequestOutput
+from stallfree.node_daemon.server import finish
 from stallfree.node_daemon.server.errors import APIError, sse_error
 
 log = logging.getLogger("stallfree.server")
@@ -42,8 +43,8 @@ ABORTED = Failure(503, "the request was aborted: the server is shutting down", "
 
 
 def of_finish(last: RequestOutput | None) -> Failure | None:
-    """None when the engine finished the request normally (stop, length); else why not."""
-    if last is not None and last.finished and last.finish_reason in ("stop", "length"):
+    """None when the engine finished the request normally (stop, length, a grammar's dead end); else why not."""
+    if last is not None and last.finished and last.finish_reason in finish.NORMAL:
         return None
     if last is not None and last.finish_reason == "abort":
         return ABORTED

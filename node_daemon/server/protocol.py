@@ -2,13 +2,14 @@
 
 Requests are validated here once (pydantic, at the edge); the engine only sees plain SamplingParams.
 Unknown fields are ignored the way OpenAI-compatible servers do; fields we understand but cannot honour
-(tools, best_of, ...) are refused with a clear 400 by `unsupported()` instead of being dropped, and values
+(best_of, suffix, vLLM's guided_*, ...) are refused with a clear 400 by `unsupported()` instead of being dropped, and values
 out of OpenAI's ranges by `invalid()` (400 invalid_request_error). Every request model is strict: a JSON value
 of the wrong type is refused, never coerced (`"max_tokens": true` is not 1, `"stream": "yes"` is not true); an
 int is still a valid float.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal, Union
@@ -178,6 +179,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
@@ -213,11 +215,26 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = STRICT
+    name: str
+    arguments: str | dict[str, Any] = ""  # a JSON string in OpenAI's API; an object is taken too
+
+
+class MessageToolCall(BaseModel):
+    model_config = STRICT
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -234,19 +251,21 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
-    # OpenAI's deprecated function calling: declared only so that it is refused (legacy_fields.py).
+    # OpenAI's deprecated function calling, served as tools/tool_choice (legacy_fields.py translates them).
     functions: Any = None
     function_call: Any = None
 
-    def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tool calling is not supported"
+    def effective_tools(self) -> list[dict[str, Any]] | None:
+        """`tools`, or the deprecated `functions` in tools' shape."""
+        return self.tools if self.tools is not None else legacy_fields.tools_from_functions(self.functions)
+
+    def effective_tool_choice(self) -> Any:
+        """`tool_choice`, or the deprecated `function_call` in its shape."""
         if self.tool_choice is not None:
-            return "tool_choice", "tool_choice is only allowed when tools are given (and tools are not supported)"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "only response_format {\"type\": \"text\"} is supported"
-        return super().unsupported()
+            return self.tool_choice
+        return legacy_fields.tool_choice_from_function_call(self.function_call)
 
     def invalid(self, vocab_size: int | None) -> tuple[str, str] | None:
         if self.top_logprobs is not None:
@@ -263,8 +282,33 @@ class ChatCompletionRequest(SamplingFields):
         # max_completion_tokens is the newer name; it wins when both are sent.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as chat templates take them: an assistant's calls with their arguments as objects, a tool
+        result with the id of the call it answers."""
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.name is not None:
+                message["name"] = m.name
+            if m.tool_calls:
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function",
+                     "function": {"name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
+                    for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
+
+
+def _arguments_object(arguments: str | dict[str, Any]) -> Any:
+    """A call's arguments (a JSON string in OpenAI's API) as the object chat templates render with tojson."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments) if arguments else {}
+        except ValueError:
+            return arguments
+    return arguments
 
 
 # --- responses (plain dicts on the hot path: building them through pydantic per token costs too much) ---
@@ -293,9 +337,12 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def completion_response(rid: str, created: int, model: str, text: str, finish_reason: str | None,

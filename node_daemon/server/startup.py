@@ -9,10 +9,13 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from stallfree.node_daemon.engine.engine_protocol import EngineClient
 from stallfree.node_daemon.engine.request_rules import RequestLimits
+
+if TYPE_CHECKING:
+    from stallfree.node_daemon.server.structured_requests import StructuredOutputs
 
 
 class Phase(Enum):
@@ -54,6 +57,8 @@ class Serving:
     max_chars_per_token: int | None
     live_counts: Callable[[], LiveCounts]
     engine_error: Callable[[], str | None]  # None while the engine loop is healthy, else why not
+    # response_format and tools for the loaded model (structured_requests.py); None: refused with a 400
+    structured: StructuredOutputs | None = None
 
 
 class StartUp:

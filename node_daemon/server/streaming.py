@@ -14,10 +14,12 @@ from typing import AsyncIterator, Callable
 from starlette.responses import StreamingResponse
 
 from stallfree.node_daemon.engine.engine_protocol import RequestOutput
-from stallfree.node_daemon.server import outcome, protocol
+from stallfree.node_daemon.server import finish, outcome, protocol
 from stallfree.node_daemon.server.app import Daemon
 from stallfree.node_daemon.server.choices import usage_of
 from stallfree.node_daemon.server.generation import Generation
+from stallfree.node_daemon.text.tool_calls.formats import ToolCallFormat
+from stallfree.node_daemon.text.tool_calls.parser import ParsedDelta, ToolCallStreamParser
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -86,7 +88,24 @@ class ChunkRenderer:
         return _event(protocol.completion_chunk(self.rid, self.created, self.model, self.echo or "", None,
                                                 self.include_usage, index=index))
 
-    def finish(self, reason: str, index: int = 0) -> str:
+    def delta(self, parsed: ParsedDelta, out: RequestOutput, index: int = 0) -> str:
+        """A chat event of parsed model text: content and/or tool-call deltas (tool_choice other than none)."""
+        delta: dict = {}
+        if parsed.content:
+            delta["content"] = parsed.content
+        if parsed.tool_calls:
+            delta["tool_calls"] = parsed.tool_calls
+        logprobs = None
+        if self.logprobs:
+            self.hold(out, index)
+            logprobs = self._take(index)
+        chunk = protocol.chat_chunk(self.rid, self.created, self.model, delta, None, self.include_usage,
+                                    index=index, logprobs=logprobs)
+        if self.continuous_usage:
+            chunk["usage"] = protocol.usage(out.num_prompt_tokens, out.num_output_tokens)
+        return _event(chunk)
+
+    def finish(self, reason: str, index: int = 0, engine_reason: str | None = None) -> str:
         logprobs = self._take(index) if self.logprobs and self._pending.get(index) else None
         if self.chat:
             chunk = protocol.chat_chunk(self.rid, self.created, self.model, {}, reason, self.include_usage,
@@ -94,6 +113,7 @@ class ChunkRenderer:
         else:
             chunk = protocol.completion_chunk(self.rid, self.created, self.model, "", reason, self.include_usage,
                                               index=index, logprobs=logprobs)
+        finish.add_stop_reason(chunk["choices"][0], engine_reason)
         return _event(chunk)
 
     def usage_counts(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> str:
@@ -102,28 +122,48 @@ class ChunkRenderer:
         return _event(protocol.usage_chunk(self.rid, self.created, self.model, obj, usage))
 
 
+def _joined(a: ParsedDelta, b: ParsedDelta) -> ParsedDelta:
+    return ParsedDelta(a.content + b.content, a.tool_calls + b.tool_calls)
+
+
 def _event(data: dict) -> str:
     return "data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n\n"
 
 
-async def stream_events(daemon: Daemon, generation: Generation, render: ChunkRenderer) -> AsyncIterator[str]:
+async def stream_events(daemon: Daemon, generation: Generation, render: ChunkRenderer,
+                        tool_format: ToolCallFormat | None = None) -> AsyncIterator[str]:
     """The request's stream, n choices included: each event names its choice; a choice's finish chunk comes when
-    it finishes; a failure is the stream's last event (the 200 and maybe some text went out already)."""
+    it finishes; a failure is the stream's last event (the 200 and maybe some text went out already). With a
+    `tool_format` (chat, tool_choice not none) each choice's text goes through its own tool-call parser: content
+    and tool_calls deltas, and "tool_calls" as the finish reason of a choice that made calls."""
     for index in range(generation.n):
         if render.chat:
             yield render.role(index)
         elif render.echo is not None:
             yield render.echo_event(index)
     lasts: list[RequestOutput | None] = [None] * generation.n
+    parsers = [ToolCallStreamParser(tool_format) for _ in range(generation.n)] if tool_format else None
     try:
         async for index, out in generation.outputs():
             lasts[index] = out
-            if out.text:
+            if parsers is not None:
+                parsed = parsers[index].feed(out.text) if out.text else None
+                if out.finished:
+                    tail = parsers[index].finish()
+                    parsed = _joined(parsed, tail) if parsed else tail
+                if parsed:
+                    yield render.delta(parsed, out, index)
+                elif out.logprobs:
+                    render.hold(out, index)
+            elif out.text:
                 yield render.text(out.text, out, index)
             elif out.logprobs:
                 render.hold(out, index)
-            if out.finished and out.finish_reason in ("stop", "length"):
-                yield render.finish(out.finish_reason, index)
+            if out.finished and out.finish_reason in finish.NORMAL:
+                reason = finish.api_reason(out.finish_reason)
+                if parsers is not None:
+                    reason = finish.with_calls(reason, parsers[index].num_calls > 0)
+                yield render.finish(reason, index, out.finish_reason)
     except Exception as exc:  # noqa: BLE001 - mapped (and logged when unexpected) by outcome.of_exception
         failure = outcome.of_exception(exc)
     else:

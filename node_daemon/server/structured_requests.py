@@ -1,0 +1,162 @@
+"""A request's structured-output plan: its grammar (response_format, a forced tool call), how its output is read
+back (the family's tool-call parser) and the tools its chat template is given. Errors are 400s naming the field.
+
+Built once per daemon (`StructuredOutputs.build`, at start-up): one GrammarCompiler bound to the served tokenizer,
+the family's tool-call format (`--tool-call-parser`, else detected from the chat template), and whether that
+format's markers are special tokens (then the text is detokenized with special tokens kept, so the parser sees
+them). The sim backend computes no logits: it gets no compiler, and a request that needs a grammar is refused.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from stallfree.node_daemon.server.errors import APIError
+from stallfree.node_daemon.structured.compiler import CompiledGrammar, GrammarCompiler
+from stallfree.node_daemon.structured.grammar import compile_response_format
+from stallfree.node_daemon.structured.request_grammar import request_grammar, special_token_lookup
+from stallfree.node_daemon.text.tokenizer import Tokenizer
+from stallfree.node_daemon.text.tool_calls.formats import ToolCallFormat, choose_format
+from stallfree.node_daemon.text.tool_calls.tools import ToolChoice, parse_tool_choice, parse_tools
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What the server needs to serve response_format and tools for the loaded model."""
+
+    format: ToolCallFormat
+    chat_template: str | None
+    special_id: Callable[[str], int | None]
+    compiler: GrammarCompiler | None = None  # None: the backend cannot constrain its output (sim)
+
+    @classmethod
+    def build(cls, tokenizer: Tokenizer, vocab_size: int | None, parser_name: str | None,
+              constrained: bool) -> "StructuredOutputs":
+        """`constrained`: the backend masks logits. The library's view of the vocabulary (about a second) is
+        built on a thread now, so the first structured request does not wait for it."""
+        compiler = GrammarCompiler(tokenizer, vocab_size=vocab_size) if constrained else None
+        if compiler is not None:
+            threading.Thread(target=compiler.ll_tokenizer, name="grammar-vocab", daemon=True).start()
+        return cls(choose_format(parser_name, tokenizer.chat_template), tokenizer.chat_template,
+                   special_token_lookup(tokenizer), compiler)
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The family's call markers are special tokens: the parser only sees them when the text keeps them."""
+        fmt = self.format
+        return any(self.special_id(m) is not None for m in (*fmt.markers, fmt.call_close) if m)
+
+
+@dataclass
+class OutputPlan:
+    """One request's plan; the defaults decode free text as before."""
+
+    grammar: CompiledGrammar | None = None
+    tool_format: ToolCallFormat | None = None  # read tool calls out of the text (tool_choice is not "none")
+    template_tools: list[dict[str, Any]] | None = None  # the tools as the chat template takes them
+    keep_special_tokens: bool = False
+    choice: ToolChoice | None = field(default=None, repr=False)
+
+
+async def plan_chat(structured: StructuredOutputs, response_format: Mapping[str, Any] | None,
+                    tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any,
+                    parallel_tool_calls: bool | None) -> OutputPlan:
+    """The chat request's plan; APIError 400 naming the parameter at fault."""
+    with _param("tools"):
+        parsed = parse_tools(tools)
+    with _param("parallel_tool_calls" if not isinstance(parallel_tool_calls, (bool, type(None))) else "tool_choice"):
+        choice = parse_tool_choice(parsed, tool_choice, parallel_tool_calls)
+    fmt = structured.format
+    with _param("tools" if choice.forces_call else "response_format"):
+        grammar = request_grammar(response_format, choice, fmt, structured.special_id)
+    plan = OutputPlan(choice=choice, template_tools=[dict(t) for t in tools] if parsed else None)
+    if choice.mode != "none":
+        plan.tool_format = fmt
+        plan.keep_special_tokens = structured.keeps_special_tokens
+    if grammar is not None:
+        plan.grammar = await _compile(structured, grammar, "tools" if choice.forces_call else "response_format")
+    return plan
+
+
+async def plan_completion(structured: StructuredOutputs, response_format: Mapping[str, Any] | None) -> OutputPlan:
+    with _param("response_format"):
+        grammar = compile_response_format(response_format)
+    if grammar is None:
+        return OutputPlan()
+    return OutputPlan(grammar=await _compile(structured, grammar, "response_format"))
+
+
+async def _compile(structured: StructuredOutputs, grammar, param: str) -> CompiledGrammar:
+    if structured.compiler is None:
+        raise APIError(400, f"{param} needs constrained decoding, which this backend (the simulator: no logits) "
+                       "does not do; serve a real model", param=param, code="unsupported_parameter")
+    with _param(param):
+        return await structured.compiler.compile_async(grammar)
+
+
+class _param:
+    """A ValueError inside becomes a 400 naming `param` (the message names the construct)."""
+
+    def __init__(self, param: str) -> None:
+        self.param = param
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None and isinstance(exc, ValueError) and not isinstance(exc, APIError):
+            raise APIError(400, f"{self.param}: {exc}", param=self.param, code="invalid_value") from None
+        return False
+
+
+# --- the chat template's view of tools, for templates that do not render them ------------------------------
+
+
+def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      chat_template: str | None, fmt: ToolCallFormat) -> list[dict[str, Any]]:
+    """Messages as the template should see them. A template that renders tools gets them as they are; one that
+    does not (plain ChatML: SmolLM2) gets the tools described in the system message, and earlier calls written
+    into the assistant's content in the family's format, so the model still sees both."""
+    template = chat_template or ""
+    out = [dict(m) for m in messages]
+    if tools and "tools" not in template:
+        described = _describe_tools(tools, fmt)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = (out[0]["content"] + "\n\n" + described).strip()
+        else:
+            out.insert(0, {"role": "system", "content": described})
+    if "tool_calls" not in template:
+        for message in out:
+            calls = message.pop("tool_calls", None)
+            if calls:
+                written = "\n".join(_write_call(c, fmt) for c in calls)
+                message["content"] = (message.get("content") or "") + written
+    return out
+
+
+def _describe_tools(tools: list[dict[str, Any]], fmt: ToolCallFormat) -> str:
+    listing = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+    example = _write_call({"function": {"name": "<function-name>", "arguments": {}}}, fmt)
+    return (f"You may call these functions:\n{listing}\nTo call one, answer with:\n{example}")
+
+
+def _write_call(call: Mapping[str, Any], fmt: ToolCallFormat) -> str:
+    fn = call.get("function", {})
+    body = json.dumps({"name": fn.get("name", ""), fmt.arguments_key: fn.get("arguments", {})}, ensure_ascii=False)
+    if fmt.array:
+        return f"{fmt.markers[0]}[{body}]"
+    if fmt.call_close:
+        return f"{fmt.markers[0]}\n{body}\n{fmt.call_close}"
+    return body
+
+
+def arguments_as_object(arguments: Any) -> Any:
+    """An assistant message's call arguments (a JSON string in OpenAI's API) as the object templates render."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
