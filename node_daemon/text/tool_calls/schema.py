@@ -43,4 +43,6 @@ def forced_tool_calls(choice: ToolChoice, format: ToolCallFormat) -> ForcedToolC
     """The constraint for a request's tool_choice, or None when the model chooses freely (none, auto)."""
     if not choice.forces_call:
         return None
-    return ForcedToolCalls(format, call_schema(choice.tools, format.arguments_key), choice.parallel)
+    # A named function is called once (as OpenAI answers it); "required" may make several calls when parallel.
+    parallel = choice.parallel and choice.mode == "required"
+    return ForcedToolCalls(format, call_schema(choice.tools, format.arguments_key), parallel)

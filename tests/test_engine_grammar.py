@@ -1,0 +1,130 @@
+"""The engine decoding under grammars: masks applied to the constrained rows only, each sequence its own matcher,
+a complete document finishes the request, a dead end finishes it without a token, and the sim refuses grammars."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig
+from stallfree.node_daemon.engine.engine import LLMEngine
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
+from stallfree.node_daemon.models.config import ModelConfig
+from stallfree.node_daemon.structured.compiler import GrammarCompiler
+from stallfree.node_daemon.structured.grammar import compile_response_format
+from stallfree.node_daemon.structured.matcher import bitmask_words
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}, "b": {"type": "string", "maxLength": 4}},
+          "required": ["a", "b"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    torch.set_num_threads(1)
+    return LLMEngine(EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=512)))
+
+
+@pytest.fixture(scope="module")
+def compiler(engine: LLMEngine) -> GrammarCompiler:
+    return GrammarCompiler(engine.tokenizer, vocab_size=engine.executor.vocab_size)
+
+
+def _run(engine: LLMEngine) -> dict[str, tuple[list[int], str, str]]:
+    """request id -> (tokens, text, finish_reason), stepping until every request finished."""
+    tokens: dict[str, list[int]] = {}
+    texts: dict[str, str] = {}
+    done: dict[str, tuple[list[int], str, str]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            texts[out.request_id] = texts.get(out.request_id, "") + out.text
+            if out.finished:
+                done[out.request_id] = (tokens[out.request_id], texts[out.request_id], out.finish_reason)
+    return done
+
+
+def test_constrained_rows_follow_the_schema_and_free_rows_are_untouched(engine, compiler) -> None:
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine.add_request("alone", prompt_token_ids=[5, 6, 7], sampling=free)
+    alone = _run(engine)["alone"][0]
+    grammar = compiler.compile(compile_response_format(
+        {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": True}}))
+    for i in range(3):  # greedy and sampled rows, each its own matcher, beside one free row
+        engine.add_request(f"g{i}", prompt_token_ids=[1, 2, 3 + i],
+                           sampling=SamplingParams(max_tokens=300, temperature=0.0 if i == 0 else 1.0, seed=i,
+                                                   ignore_eos=True), grammar=grammar)
+    engine.add_request("free", prompt_token_ids=[5, 6, 7], sampling=free)
+    done = _run(engine)
+    assert done["free"][0] == alone  # a constrained neighbour changes nothing of a free row
+    for i in range(3):
+        _, text, reason = done[f"g{i}"]
+        assert reason == "stop", (text, reason)  # the complete document ends it, ignore_eos or not
+        value = json.loads(text)
+        assert set(value) == {"a", "b"} and 0 <= value["a"] <= 999 and len(value["b"]) <= 4
+
+
+class _DeadAfter:
+    """A matcher that allows every token for `steps` tokens, then none (a grammar with no way on)."""
+
+    def __init__(self, vocab_size: int, steps: int) -> None:
+        self.vocab_size, self.steps, self.accepted, self.dead_end = vocab_size, steps, 0, False
+
+    def fill_mask(self, row: torch.Tensor) -> bool:
+        assert row.numel() == bitmask_words(self.vocab_size)
+        row.fill_(-1 if self.accepted < self.steps else 0)
+        self.dead_end = self.accepted >= self.steps
+        return not self.dead_end
+
+    def accept(self, token: int) -> bool:
+        self.accepted += 1
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+class _RefusesSecond(_DeadAfter):
+    """Allows everything but refuses the second token it is given."""
+
+    def accept(self, token: int) -> bool:
+        self.accepted += 1
+        return self.accepted != 2
+
+
+class _Grammar:
+    def __init__(self, make) -> None:
+        self.make = make
+
+    def new_matcher(self):
+        return self.make()
+
+
+def test_a_dead_end_finishes_the_request_without_the_refused_token(engine) -> None:
+    vocab = engine.executor.vocab_size
+    sampling = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    engine.add_request("dead", prompt_token_ids=[1, 2, 3], sampling=sampling,
+                       grammar=_Grammar(lambda: _DeadAfter(vocab, 3)))
+    engine.add_request("refused", prompt_token_ids=[1, 2, 4], sampling=sampling,
+                       grammar=_Grammar(lambda: _RefusesSecond(vocab, 99)))
+    engine.add_request("free", prompt_token_ids=[1, 2, 5], sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    done = _run(engine)
+    assert done["dead"][2] == "grammar_dead_end" and len(done["dead"][0]) == 3
+    assert done["refused"][2] == "grammar_dead_end" and len(done["refused"][0]) == 1
+    assert done["free"][2] == "length" and len(done["free"][0]) == 6
+
+
+def test_the_sim_backend_refuses_a_grammar_with_a_400() -> None:
+    """The sim computes no logits: a request that needs a grammar is refused naming the field, others served."""
+    import httpx
+
+    from server_helpers import running_daemon
+
+    with running_daemon(["--backend", "sim", "--no-profile"], base_args=["--model", "llama-3-8b", "--hardware",
+                                                                          "h100", "--num-kv-blocks", "256"]) as live:
+        body = {"model": "llama-3-8b", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+        refused = httpx.post(live.url + "/v1/chat/completions", timeout=30,
+                             json=body | {"response_format": {"type": "json_object"}})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+        assert "backend" in refused.json()["error"]["message"]
+        assert httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
