@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "write-gguf": ("stallfree.bench.write_random_gguf", "a random-weight GGUF of Llama-3.2-1B's shape (q4_0, q4_k_m)"),
     "grammar": ("stallfree.bench.grammar", "grammar libraries: compile time, mask time at 1/16 rows, JSON Schema support"),
     "hostile": ("stallfree.bench.hostile", "streams' gaps and /health while 1.33M token ids or 100k messages arrive"),
+    "agree": ("stallfree.bench.agree", "greedy tokens and top-5 logprobs against llama.cpp's llama-server on GGUFs"),
 }
 
 
