@@ -19,14 +19,16 @@ import json
 import os
 import shlex
 import socket
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Iterator
+
+from stallfree.bench import daemon_process
+from stallfree.ready import ExitedBeforeReady, NotReadyInTime, wait_until_ready
 
 STEPS = 8
 TOP_K = 5
@@ -75,10 +77,14 @@ class FileResult:
         return self.matched == self.total and self.worst <= tolerance
 
 
-def fixed_prompts(vocab_size: int) -> list[list[int]]:
-    """Three prompts of 12, 23 and 34 token ids spread over the vocabulary (ids 0-2 left out: special tokens)."""
-    span = min(40000, vocab_size - 3)
-    return [[(37 * j + 11 + 101 * k) % span + 3 for j in range(12 + 11 * k)] for k in range(3)]
+def fixed_prompts(vocab_size: int, bos_token_id: int | None) -> list[list[int]]:
+    """Three prompts of 12, 23 and 34 token ids spread over the vocabulary, after the model's BOS as its tokenizer
+    would put it. The lowest ids are left out: vocabularies keep their special and unused tokens there (Gemma 3's
+    6-105), whose embeddings were never trained."""
+    low = min(1000, vocab_size // 4)
+    span = min(40000, vocab_size - low)
+    bos = [] if bos_token_id is None else [bos_token_id]
+    return [bos + [(37 * j + 11 + 101 * k) % span + low for j in range(12 + 11 * k)] for k in range(3)]
 
 
 def compare_prompt(prompt_tokens: int, ours: Trace, theirs: Trace) -> PromptResult:
@@ -123,7 +129,7 @@ def load_runner(path: str, dtype: str, threads: int | None, cache: bool = True):
     from stallfree.node_daemon.engine.model_runner import ModelRunner
     from stallfree.node_daemon.models.config import ModelConfig
 
-    blocks = -(-(34 + STEPS) // BLOCK_SIZE)  # the longest prompt and its continuation; one request at a time
+    blocks = -(-(1 + 34 + STEPS) // BLOCK_SIZE)  # the longest prompt and its continuation; one request at a time
     with _weight_cache_off(not cache):
         return ModelRunner(ModelConfig(model=path, dtype=dtype, threads=threads),
                            CacheConfig(block_size=BLOCK_SIZE, num_blocks=blocks), max_num_tokens=256, max_num_seqs=1)
@@ -173,43 +179,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _log_tail(path: str, lines: int = 15) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
+def _answers_health(url: str) -> bool:
+    """llama-server's GET /health: 503 while the model loads, 200 once it serves."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 @contextlib.contextmanager
 def llama_server(binary: str, gguf: str, log_path: str, threads: int, extra: list[str] = ()) -> Iterator[str]:
     """llama-server on `gguf` as a child on a free loopback port; yields its URL once /health answers 200."""
     port = free_port()
-    cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-np", "1",
-           "-c", "2048", "--no-webui", "--offline", *extra]
-    with open(log_path, "w") as log:
-        child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    process, log = daemon_process.start([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+                                         "-t", str(threads), "-np", "1", "-c", "2048", "--no-webui", "--offline",
+                                         *extra], log_path=Path(log_path))
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if child.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {child.returncode} before it was ready "
-                                   f"(log {log_path}):\n{_log_tail(log_path)}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):  # not listening yet, or 503 while the model loads
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server not ready after {SERVER_START_TIMEOUT_S:.0f} s (log {log_path})")
-            time.sleep(0.25)
+        try:
+            wait_until_ready(lambda: _answers_health(url), SERVER_START_TIMEOUT_S, poll_s=0.25,
+                             alive=lambda: process.poll() is None, what=f"llama-server at {url}")
+        except (ExitedBeforeReady, NotReadyInTime) as exc:
+            raise RuntimeError(f"{exc}; the end of its log {log}:\n{daemon_process.log_tail(log)}") from None
         yield url
     finally:
-        child.terminate()
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        daemon_process.stop(process, timeout_s=10)
 
 
 def llama_traces(url: str, prompts: list[list[int]], steps: int = STEPS) -> list[Trace]:
@@ -245,7 +240,7 @@ def write_random(arches: list[str], folder: str) -> list[str]:
 
 def check_file(path: str, args, log_dir: str, cache: bool) -> FileResult:
     runner = load_runner(path, args.dtype, args.threads, cache)
-    prompts = fixed_prompts(runner.loaded.shape.vocab_size)
+    prompts = fixed_prompts(runner.loaded.shape.vocab_size, runner.loaded.bos_token_id)
     ours = stallfree_traces(runner, prompts, args.steps)
     del runner
     log_path = os.path.join(log_dir, f"llama-server-{os.path.basename(path)}.log")

@@ -63,7 +63,7 @@ def model(tmp_path_factory):
         mp.setenv("STALLFREE_WEIGHT_CACHE", "off")
         [path] = agree.write_random(["qwen3"], str(folder))
         runner = agree.load_runner(path, "float32", threads=1)
-        prompts = agree.fixed_prompts(runner.loaded.shape.vocab_size)
+        prompts = agree.fixed_prompts(runner.loaded.shape.vocab_size, runner.loaded.bos_token_id)
         traces = agree.stallfree_traces(runner, prompts)
     return path, prompts, traces
 
