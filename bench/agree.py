@@ -31,6 +31,8 @@ from stallfree.bench import daemon_process
 from stallfree.ready import ExitedBeforeReady, NotReadyInTime, wait_until_ready
 
 STEPS = 8
+MAX_STEPS = 256
+PROMPT_LENGTHS = (12, 23, 34)  # token ids after the BOS
 TOP_K = 5
 PREFILL_CHUNK = 7  # prompts of 12-34 tokens: each prefill spans several chunks, as a busy server's would
 BLOCK_SIZE = 16
@@ -84,7 +86,7 @@ def fixed_prompts(vocab_size: int, bos_token_id: int | None) -> list[list[int]]:
     low = min(1000, vocab_size // 4)
     span = min(40000, vocab_size - low)
     bos = [] if bos_token_id is None else [bos_token_id]
-    return [bos + [(37 * j + 11 + 101 * k) % span + low for j in range(12 + 11 * k)] for k in range(3)]
+    return [bos + [(37 * j + 11 + 101 * k) % span + low for j in range(n)] for k, n in enumerate(PROMPT_LENGTHS)]
 
 
 def compare_prompt(prompt_tokens: int, ours: Trace, theirs: Trace) -> PromptResult:
@@ -124,12 +126,13 @@ def _weight_cache_off(off: bool) -> Iterator[None]:
                 os.environ[weight_cache.ENV] = saved
 
 
-def load_runner(path: str, dtype: str, threads: int | None, cache: bool = True):
+def load_runner(path: str, dtype: str, threads: int | None, steps: int = STEPS, cache: bool = True):
     from stallfree.node_daemon.engine.config import CacheConfig
     from stallfree.node_daemon.engine.model_runner import ModelRunner
     from stallfree.node_daemon.models.config import ModelConfig
 
-    blocks = -(-(1 + 34 + STEPS) // BLOCK_SIZE)  # the longest prompt and its continuation; one request at a time
+    # the longest prompt (and its BOS) with its continuation; one request at a time
+    blocks = -(-(1 + max(PROMPT_LENGTHS) + steps) // BLOCK_SIZE)
     with _weight_cache_off(not cache):
         return ModelRunner(ModelConfig(model=path, dtype=dtype, threads=threads),
                            CacheConfig(block_size=BLOCK_SIZE, num_blocks=blocks), max_num_tokens=256, max_num_seqs=1)
@@ -239,7 +242,7 @@ def write_random(arches: list[str], folder: str) -> list[str]:
 
 
 def check_file(path: str, args, log_dir: str, cache: bool) -> FileResult:
-    runner = load_runner(path, args.dtype, args.threads, cache)
+    runner = load_runner(path, args.dtype, args.threads, args.steps, cache)
     prompts = fixed_prompts(runner.loaded.shape.vocab_size, runner.loaded.bos_token_id)
     ours = stallfree_traces(runner, prompts, args.steps)
     del runner
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                f"no such file: {', '.join(missing)}" if missing else
                f"no llama-server at {args.llama_server}" if not os.access(args.llama_server, os.X_OK) else
                "give GGUF files or --random" if not args.gguf and not arches else
-               "--steps must be at least 1" if args.steps < 1 else None)
+               f"--steps must be 1 to {MAX_STEPS}" if not 1 <= args.steps <= MAX_STEPS else None)
     if problem:
         print(f"stallfree bench agree: {problem}", file=sys.stderr)
         return 2

@@ -55,6 +55,9 @@ HTTPServer((args[args.index("--host") + 1], int(args[args.index("--port") + 1]))
 '''
 
 
+LONG_STEPS = 20  # past the default 8: the runner's KV blocks must cover what --steps asks
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """A random float32 Qwen3 file, written as `--random qwen3` writes it, and stallfree's traces on it."""
@@ -62,9 +65,9 @@ def model(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("STALLFREE_WEIGHT_CACHE", "off")
         [path] = agree.write_random(["qwen3"], str(folder))
-        runner = agree.load_runner(path, "float32", threads=1)
+        runner = agree.load_runner(path, "float32", threads=1, steps=LONG_STEPS, cache=False)
         prompts = agree.fixed_prompts(runner.loaded.shape.vocab_size, runner.loaded.bos_token_id)
-        traces = agree.stallfree_traces(runner, prompts)
+        traces = agree.stallfree_traces(runner, prompts, LONG_STEPS)  # the fake answers the n_predict first
     return path, prompts, traces
 
 
@@ -125,8 +128,8 @@ def test_a_logprob_past_the_tolerance_exits_non_zero(model, fake_server, tmp_pat
     token = next(iter(changed[2].top[5]))
     changed[2].top[5][token] -= 0.01
     answers(prompts, changed)
-    code, report = run([path, "--llama-server", str(binary)], tmp_path)
-    assert code == 1 and report["files"][0]["matched"] == report["files"][0]["total"]
+    code, report = run([path, "--llama-server", str(binary), "--steps", str(LONG_STEPS)], tmp_path)
+    assert code == 1 and report["files"][0]["matched"] == report["files"][0]["total"] == 3 * LONG_STEPS
     assert report["files"][0]["worst"] == pytest.approx(0.01, abs=1e-9)
     assert run([path, "--llama-server", str(binary), "--tolerance", "0.02"], tmp_path)[0] == 0
 
