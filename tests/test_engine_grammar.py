@@ -15,7 +15,8 @@ from stallfree.node_daemon.structured.compiler import GrammarCompiler
 from stallfree.node_daemon.structured.grammar import compile_response_format
 from stallfree.node_daemon.structured.matcher import bitmask_words
 
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}, "b": {"type": "string", "maxLength": 4}},
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                          "b": {"type": "string", "maxLength": 4}},
           "required": ["a", "b"], "additionalProperties": False}
 
 

@@ -80,7 +80,8 @@ _SEED_MODULUS = 1 << 64
 
 class Generation:
     def __init__(self, daemon: Daemon, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                 ticket: QueueTicket, waited_s: float = 0.0, n: int = 1, grammar: CompiledGrammar | None = None) -> None:
+                 ticket: QueueTicket, waited_s: float = 0.0, n: int = 1,
+                 grammar: CompiledGrammar | None = None) -> None:
         self.daemon = daemon
         self.grammar = grammar  # each choice's engine request gets a matcher of its own
         self.request_id = request_id

@@ -2,9 +2,9 @@
 
 Requests are validated here once (pydantic, at the edge); the engine only sees plain SamplingParams.
 Unknown fields are ignored the way OpenAI-compatible servers do; fields we understand but cannot honour
-(best_of, suffix, vLLM's guided_*, ...) are refused with a clear 400 by `unsupported()` instead of being dropped, and values
-out of OpenAI's ranges by `invalid()` (400 invalid_request_error). Every request model is strict: a JSON value
-of the wrong type is refused, never coerced (`"max_tokens": true` is not 1, `"stream": "yes"` is not true); an
+(best_of, suffix, vLLM's guided_*, ...) are refused with a clear 400 by `unsupported()` instead of being dropped,
+and values out of OpenAI's ranges by `invalid()` (400 invalid_request_error). Every request model is strict: a JSON
+value of the wrong type is refused, never coerced (`"max_tokens": true` is not 1, `"stream": "yes"` is not true); an
 int is still a valid float.
 """
 from __future__ import annotations
