@@ -56,6 +56,9 @@ class PromptResult:
     worst: float  # the largest |logprob difference| over the positions with the same context
     stallfree: list[int]
     llama_cpp: list[int]
+    # At the first different token: stallfree's logprob of its own pick minus that of llama.cpp's pick (None when
+    # the latter is outside stallfree's top 5). Below the worst difference, the two picks were a near tie.
+    tie_gap: float | None = None
 
 
 @dataclass
@@ -97,7 +100,12 @@ def compare_prompt(prompt_tokens: int, ours: Trace, theirs: Trace) -> PromptResu
     # Step n's distribution follows the same context on both sides while the tokens before it agree.
     for a, b in zip(ours.top[:matched + 1], theirs.top[:matched + 1]):
         worst = max([worst] + [abs(a[t] - b[t]) for t in a.keys() & b.keys()])
-    return PromptResult(prompt_tokens, matched, len(ours.tokens), worst, ours.tokens, theirs.tokens)
+    tie_gap = None
+    if matched < min(len(ours.tokens), len(theirs.tokens)):
+        top = ours.top[matched]
+        theirs_pick = theirs.tokens[matched]
+        tie_gap = top[ours.tokens[matched]] - top[theirs_pick] if theirs_pick in top else None
+    return PromptResult(prompt_tokens, matched, len(ours.tokens), worst, ours.tokens, theirs.tokens, tie_gap)
 
 
 def compare(path: str, prompts: list[list[int]], ours: list[Trace], theirs: list[Trace]) -> FileResult:
@@ -259,7 +267,9 @@ def print_table(result: FileResult, tolerance: float) -> None:
     for p in result.prompts:
         print(f"  {p.prompt_tokens:>6}  {f'{p.matched}/{p.steps}':>14}  {p.worst:>24.2e}")
         if p.matched < p.steps:
-            print(f"          stallfree {p.stallfree}\n          llama.cpp {p.llama_cpp}")
+            gap = "outside stallfree's top 5" if p.tie_gap is None else f"{p.tie_gap:.2e} below stallfree's"
+            print(f"          first difference at step {p.matched}: llama.cpp's pick {gap}\n"
+                  f"          stallfree {p.stallfree}\n          llama.cpp {p.llama_cpp}")
     verdict = "agree" if result.agrees(tolerance) else "DIFFER"
     print(f"  {'all':>6}  {f'{result.matched}/{result.total}':>14}  {result.worst:>24.2e}  {verdict} "
           f"(tolerance {tolerance:.1e})")

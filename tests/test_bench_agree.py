@@ -118,6 +118,8 @@ def test_a_different_token_exits_non_zero(model, fake_server, tmp_path, capsys):
     assert code == 1
     [file] = report["files"]
     assert not file["agrees"] and [p["matched"] for p in file["prompts"]] == [agree.STEPS, 3, agree.STEPS]
+    top = traces[1].top[3]
+    assert file["prompts"][1]["tie_gap"] == pytest.approx(top[traces[1].tokens[3]] - top[changed[1].tokens[3]])
     assert "DIFFER" in capsys.readouterr().out
 
 
@@ -139,6 +141,9 @@ def test_logprobs_after_the_first_different_token_are_not_compared():
     theirs = agree.Trace([5, 9, 7], [{5: -0.1}, {6: -0.25, 9: -0.2}, {7: -3.0}])
     result = agree.compare_prompt(4, ours, theirs)
     assert result.matched == 1 and result.worst == pytest.approx(0.05)
+    assert result.tie_gap is None  # token 9 is not in stallfree's top list
+    ours.top[1][9] = -0.21
+    assert agree.compare_prompt(4, ours, theirs).tie_gap == pytest.approx(0.01)
 
 
 def test_a_server_that_fails_to_start_is_reported(model, fake_server, tmp_path, monkeypatch, capsys):
