@@ -64,7 +64,7 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], where: str) -> dict[
             out[key] = value
     if out.get("x-kubernetes-preserve-unknown-fields") and "type" not in out:
         out["type"] = "object"
-    rules = [{"rule": r.cel, "message": r.message} for r in s.RULES if r.where == where]
+    rules = [{"rule": r.cel, "message": r.message} for r in s.RULES if r.where == where and r.cel != "true"]
     if rules:
         out["x-kubernetes-validations"] = rules
     return _ordered(out)

@@ -144,6 +144,15 @@ RULES: list[CrossFieldRule] = [
         "spec.model", "self.source == 'embedded' || self.source == 'random' || has(self.path)",
         "model.path is required when model.source is hf-folder or gguf",
         lambda m: m.source in ("embedded", "random") or m.path is not None),
+    # Unique objective names: the API server's own list-map check (x-kubernetes-list-map-keys), this twin here.
+    CrossFieldRule(
+        "spec", "true", "objectives: each name may appear once",
+        lambda sp: len({o.name for o in sp.objectives}) == len(sp.objectives)),
+    CrossFieldRule(
+        "spec", "!has(self.defaultObjective) || "
+        "(has(self.objectives) && self.objectives.exists(o, o.name == self.defaultObjective))",
+        "defaultObjective must name one of spec.objectives",
+        lambda sp: sp.default_objective is None or any(o.name == sp.default_objective for o in sp.objectives)),
 ]
 
 # The one rule on an int-or-string field ("auto" or a positive integer): attached to the field itself.
@@ -382,6 +391,39 @@ class SLOSpec(_Model):
         return self
 
 
+# The implicit objective of a spec that lists none: spec.slos at priority 0, what every request had before.
+IMPLICIT_OBJECTIVE = "default"
+MAX_OBJECTIVES = 16
+
+
+class ObjectiveSpec(_Model):
+    """A class of requests (the request's `x-stallfree-objective` header names it): its priority and targets."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                      description="what requests put in their x-stallfree-objective header")
+    priority: int = Field(0, ge=-1000, le=1000, description="higher bands are served first; negative: sheddable "
+                          "(refused at arrival when predicted to miss), as the Gateway API Inference Extension has it")
+    ttft_p99_ms: float | None = Field(None, ge=1, le=600000, description="default: spec.slos.ttftP99Ms")
+    tpot_p99_ms: float | None = Field(None, ge=1, le=60000, description="default: spec.slos.tpotP99Ms")
+    queue_wait_p99_ms: float | None = Field(None, ge=1, le=600000, description="default: spec.slos.queueWaitP99Ms")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """An objective with its targets resolved against spec.slos (what the router is handed)."""
+
+    name: str
+    priority: int
+    ttft_p99_ms: float
+    tpot_p99_ms: float
+    queue_wait_p99_ms: float
+    default: bool = False
+
+    @property
+    def sheddable(self) -> bool:
+        return self.priority < 0
+
+
 class ScalingSpec(_Model):
     mode: Literal["managed", "external"] = Field(
         "managed", description="managed: the operator sets replicas; external: HPA or KEDA via /scale")
@@ -433,6 +475,31 @@ class InferenceServiceSpec(_Model):
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     affinity: Affinity | None = None
     replicas: int = Field(1, ge=0, le=1000, description="desired replicas (the /scale subresource's)")
+    objectives: list[ObjectiveSpec] = Field(
+        default_factory=list, max_length=MAX_OBJECTIVES,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="classes of requests by priority and SLOs; none: one objective with spec.slos at priority 0")
+    default_objective: str | None = Field(
+        None, min_length=1, max_length=63,
+        description="the objective of a request that names none; default: the first of spec.objectives")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "InferenceServiceSpec":
+        _check_rules(self, "spec")
+        return self
+
+    def resolved_objectives(self) -> list[Objective]:
+        """Every objective with its targets filled from spec.slos; exactly one is the default."""
+        slos = self.slos
+        if not self.objectives:
+            return [Objective(IMPLICIT_OBJECTIVE, 0, slos.ttft_p99_ms, slos.tpot_p99_ms, slos.queue_wait_p99_ms,
+                              default=True)]
+        default = self.default_objective or self.objectives[0].name
+        return [Objective(o.name, o.priority,
+                          o.ttft_p99_ms if o.ttft_p99_ms is not None else slos.ttft_p99_ms,
+                          o.tpot_p99_ms if o.tpot_p99_ms is not None else slos.tpot_p99_ms,
+                          o.queue_wait_p99_ms if o.queue_wait_p99_ms is not None else slos.queue_wait_p99_ms,
+                          default=o.name == default) for o in self.objectives]
 
     def desired_replicas(self) -> int:
         """spec.replicas inside the scaling bounds: whoever writes replicas, the bounds hold."""

@@ -138,6 +138,8 @@ def rollout_view(spec: s.InferenceServiceSpec) -> dict[str, Any]:
     for key in LIVE_ENGINE_FIELDS:
         data["engine"].pop(key, None)
     data.pop("routing", None)  # the router is its own Deployment: switching it never restarts a daemon
+    data.pop("objectives", None)  # read by the router only (for now): editing them never restarts a daemon
+    data.pop("default_objective", None)
     data["engine"]["image"] = images.serving_image(spec.engine.image)  # a new default image rolls the daemons
     data["render_version"] = RENDER_VERSION
     return data
@@ -380,11 +382,19 @@ def service_monitor(name: str, namespace: str, interval_s: int = 15) -> dict[str
 
 # -- the router (spec.routing.mode slo-aware) ----------------------------------------------------------
 
+def objectives_json(objectives: list[s.Objective]) -> str:
+    """The router's --objectives: each objective with its targets resolved (router/objectives.py reads it)."""
+    return json.dumps([{"name": o.name, "priority": o.priority, "ttftP99Ms": o.ttft_p99_ms, "tpotP99Ms": o.tpot_p99_ms,
+                        "queueWaitP99Ms": o.queue_wait_p99_ms, "default": o.default} for o in objectives],
+                      separators=(",", ":"))
+
+
 def router_args(name: str, spec: s.InferenceServiceSpec) -> list[str]:
     return ["router", "--service", daemons_service_name(name), "--policy", spec.routing.policy,
             "--admin-token-file", f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}", "--host", "0.0.0.0",
             "--port", str(ROUTER_PORT), "--queue-wait-slo-ms", f"{spec.slos.queue_wait_p99_ms:g}",
-            "--drain-timeout-s", f"{spec.engine.drain_timeout_seconds:g}"]
+            "--drain-timeout-s", f"{spec.engine.drain_timeout_seconds:g}",
+            *(["--objectives", objectives_json(spec.resolved_objectives())] if spec.objectives else [])]
 
 
 def router_deployment(name: str, namespace: str, spec: s.InferenceServiceSpec) -> dict[str, Any]:
