@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     fc.add_argument("--queue-wait-slo-ms", type=float, default=None,
                     help="the service's p99 queue-wait SLO: a request is dispatched once a replica's queued prefill "
                          "drains within 25%% of it (default without it: 500 ms)")
+    fc.add_argument("--objectives", default=None,
+                    help="the service's objectives as JSON: [{name, priority, ttftP99Ms, tpotP99Ms, queueWaitP99Ms, "
+                         "default}] (the operator renders it from spec.objectives); a request names one in "
+                         "x-stallfree-objective. Default: one objective, first come first served")
     fc.add_argument("--no-flow-control", action="store_true",
                     help="send every request to a replica at once (no router queue; for comparisons)")
     fc.add_argument("--max-queued", type=int, default=1024, help="requests waiting at most; more are answered 429")
@@ -82,6 +86,7 @@ async def serve(args: argparse.Namespace, admin_token: str | None) -> None:
     from stallfree.operator.router.drain import DrainingServer
     from stallfree.operator.router.edge import Doors, create_app
     from stallfree.operator.router.flow_control import FlowConfig, dispatch_wait_ms
+    from stallfree.operator.router.objectives import Objectives, parse_objectives
     from stallfree.operator.router.pick import AffinityMargin
     from stallfree.operator.router.proxy import Router, RouterConfig
     from stallfree.operator.router.replicas import ReplicaPool
@@ -92,7 +97,8 @@ async def serve(args: argparse.Namespace, admin_token: str | None) -> None:
                           margin=AffinityMargin(absolute_ms=args.affinity_margin_ms), seed=args.seed,
                           flow=FlowConfig(dispatch_wait_ms(args.queue_wait_slo_ms), args.max_queued),
                           queue_timeout_s=args.queue_timeout_s, flow_control=not args.no_flow_control,
-                          stream_stall_timeout_s=args.stream_stall_timeout_s)
+                          stream_stall_timeout_s=args.stream_stall_timeout_s,
+                          objectives=parse_objectives(args.objectives) if args.objectives else Objectives.implicit())
     router = Router(pool, config)
     await router.start()
     tasks = []
@@ -138,6 +144,10 @@ def main(argv: list[str]) -> int:
             raise ValueError("--affinity-block-tokens must be positive and --affinity-margin-ms >= 0")
         if not 0 < args.port < 65536:
             raise ValueError(f"--port must be 1..65535, got {args.port}")
+        if args.objectives is not None:
+            from stallfree.operator.router.objectives import parse_objectives
+
+            parse_objectives(args.objectives)
         admin_token = load_secret(args.admin_token_file, ADMIN_TOKEN_ENV)
     except ValueError as exc:
         print(f"stallfree router: error: {exc}", file=sys.stderr)

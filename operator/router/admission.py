@@ -4,13 +4,14 @@ The scaler sizes the service from the prompt tokens that arrive at the router (`
 request no replica would serve must not count: a body that is not a JSON object (400) and a model no replica
 serves (404, once the replicas' /v1/models are known) are answered here, and a prompt's estimate counts at
 most the model's context (a longer prompt is a 400 on the replica, and one 4 MB prompt is no million tokens
-of demand).
+of demand). So is an objective the service does not define (`x-stallfree-objective`, 400 naming it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
+from stallfree.operator.router.objectives import OBJECTIVE_HEADER, Objective, Objectives
 from stallfree.operator.router.replicas import Replica
 from stallfree.operator.router.requests import RequestInfo
 
@@ -54,3 +55,13 @@ def bounded(info: RequestInfo, model: str, served: dict[str, int] | None) -> Req
     if context and info.prompt_tokens > context:
         return replace(info, prompt_tokens=context)
     return info
+
+
+def objective_or_refusal(header: str | None, objectives: Objectives) -> Objective | Refusal:
+    """The objective the request names, or the 400 that names what it asked for and what exists."""
+    objective = objectives.named(header)
+    if objective is not None:
+        return objective
+    names = ", ".join(f"`{n}`" for n in objectives.names()[:16])
+    return Refusal(400, f"{OBJECTIVE_HEADER}: the objective `{(header or '').strip()[:100]}` does not exist; "
+                   f"this service defines {names}.", "unknown_objective", OBJECTIVE_HEADER)

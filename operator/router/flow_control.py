@@ -4,10 +4,15 @@ A request is dispatched only when the replica that would start it soonest (or on
 hold margin of it) can start it soon: the prefill work already queued there, at its (calibrated)
 prefill rate, drains within `dispatch_wait_ms` (a share of the queue-wait SLO), and it has a free
 running slot (the router's requests in flight there below its max_num_seqs). Until then it waits here,
-in arrival order (no request waits behind a later one for the same replica), so a replica that becomes
+in order (no request waits behind a later one for the same replica), so a replica that becomes
 ready, or one that frees a slot, takes the oldest waiting request at once instead of a backlog staying
 on the replica it was routed to. The queue is bounded: past `max_queued` a new request is refused (the
 HTTP edge answers 429 with Retry-After).
+
+The order (`ordered`): priority bands strictly, highest first; within a band, tenants take turns, the one served
+least recently first; within a tenant, earliest deadline first (arrival plus the objective's TTFT target, less
+the predicted prefill), then arrival. Requests without a deadline, one tenant, one band: arrival order, as
+before objectives. Only the order changes: which replica, and when, are the dispatch rule's above.
 
 The same queue runs in the router (proxy.py) and in the virtual-time cluster (simulator/closed_loop.py),
 so the closed-loop scenarios exercise the dispatch rule the cluster serves with.
@@ -47,6 +52,11 @@ class Queued(Generic[K]):
     arrival_s: float
     prompt_tokens: int
     exclude: frozenset[str] = frozenset()  # replicas that already failed this request (tried first elsewhere)
+    objective: str = ""
+    priority: int = 0  # higher bands go first
+    tenant: str = ""  # fairness between tenants within a band
+    deadline_s: float | None = None  # None: arrival order within the tenant
+    seq: int = 0  # set by push: arrival order; a retry (front) keeps a place before every arrival
 
 
 def admits(view: ReplicaView, config: FlowConfig) -> bool:
@@ -67,6 +77,8 @@ class FlowQueue(Generic[K]):
     rejected: int = 0
     cancelled: int = 0
     dispatched: int = 0
+    _pushes: int = 0
+    _served_at: dict[str, int] = field(default_factory=dict)  # tenant -> the dispatch count when last served
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -79,7 +91,31 @@ class FlowQueue(Generic[K]):
         return sum(q.prompt_tokens for q in self._waiting.values())
 
     def oldest_arrival_s(self) -> float | None:
-        return next(iter(self._waiting.values())).arrival_s if self._waiting else None
+        return min((q.arrival_s for q in self._waiting.values()), default=None)
+
+    def depth_by_objective(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for q in self._waiting.values():
+            out[q.objective] = out.get(q.objective, 0) + 1
+        return out
+
+    def ordered(self) -> list[Queued[K]]:
+        """The waiting requests in the order they are offered to the replicas (the module's docstring)."""
+        waiting = list(self._waiting.values())
+        if all(q.priority == 0 and not q.tenant and q.deadline_s is None for q in waiting):
+            return waiting  # one band, one tenant, no deadlines: arrival order (a retry at the front)
+        bands: dict[int, dict[str, list[Queued[K]]]] = {}
+        for q in waiting:
+            bands.setdefault(q.priority, {}).setdefault(q.tenant, []).append(q)
+        out: list[Queued[K]] = []
+        for priority in sorted(bands, reverse=True):
+            tenants = bands[priority]
+            for items in tenants.values():
+                items.sort(key=lambda q: (q.deadline_s if q.deadline_s is not None else float("-inf"), q.seq))
+            turn = sorted(tenants, key=lambda t: (self._served_at.get(t, -1), tenants[t][0].seq))
+            for depth in range(max(len(items) for items in tenants.values())):
+                out.extend(tenants[t][depth] for t in turn if depth < len(tenants[t]))
+        return out
 
     def push(self, item: Queued[K], front: bool = False) -> bool:
         """Queue a request; False (refused) when the queue is full. `front`: a retry keeps its place."""
@@ -88,6 +124,8 @@ class FlowQueue(Generic[K]):
         if len(self._waiting) >= self.config.max_queued and not front:
             self.rejected += 1
             return False
+        self._pushes += 1
+        item.seq = -self._pushes if front else self._pushes
         self._waiting[item.key] = item
         if front:
             self._waiting.move_to_end(item.key, last=False)
@@ -119,7 +157,7 @@ class FlowQueue(Generic[K]):
         out: list[tuple[Queued[K], Choice]] = []
         real = {v.name: v for v in views}  # what each replica holds: decides whether it admits now
         placed = dict(real)  # plus what waits here for it: what the policy sees
-        for item in list(self._waiting.values()):
+        for item in self.ordered():
             if not any(admits(v, self.config) for v in real.values()):
                 break  # nothing more can go anywhere
             # A replica whose running slots are all taken starts nothing until a request finishes, which its
@@ -134,9 +172,13 @@ class FlowQueue(Generic[K]):
             if admits(real[choice.name], self.config):
                 del self._waiting[item.key]
                 self.dispatched += 1
+                self._served_at[item.tenant] = self.dispatched
                 out.append((item, choice))
                 real[choice.name] = _plus(real[choice.name], item.prompt_tokens)
             placed[choice.name] = _plus(placed[choice.name], item.prompt_tokens)
+        waiting_tenants = {q.tenant for q in self._waiting.values()}
+        for tenant in [t for t in self._served_at if t not in waiting_tenants]:
+            del self._served_at[tenant]  # bounded by the tenants waiting; one who returns starts afresh
         return out
 
     def _instead(self, item: Queued[K], best: Choice, candidates: list[ReplicaView], real: dict[str, ReplicaView],

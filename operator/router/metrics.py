@@ -57,3 +57,14 @@ class RouterMetrics:
                                    "read (aborted upstream), by when: before_answer or streaming.", ["stage"],
                                    registry=reg)
         self.in_flight = Gauge("stallfree_router_requests_in_flight", "Requests the router has open.", registry=reg)
+        # Objectives (objectives.py): the same queue, seen per class of request.
+        self.objective_queue_depth = Gauge("stallfree_router_objective_queue_depth",
+                                           "Requests waiting in the router's queue, by objective.", ["objective"],
+                                           registry=reg)
+        self.objective_queue_wait = Histogram("stallfree_router_objective_queue_wait_seconds",
+                                              "Router arrival to dispatch to a replica, by objective.", ["objective"],
+                                              buckets=TTFT_BUCKETS, registry=reg)
+        self.objective_requests = Counter(
+            "stallfree_router_objective_requests", "Requests that named an objective, by how their wait in the "
+            "router ended: dispatched, shed (refused at arrival, predicted to miss), queue_full, timeout, "
+            "no_replica, cancelled.", ["objective", "outcome"], registry=reg)

@@ -13,7 +13,9 @@ connection (the replica aborts the request and frees its KV blocks).
 Generation requests (POST) first wait in the router's queue (flow_control.py) until a replica can start
 them soon; the time they waited there goes to the replica in `x-stallfree-router-queue-ms`, signed with the
 admin token (stallfree.router_queue_header), so its queue wait and TTFT count from the router's arrival. Only requests the router accepted (admission.py) count as
-demand. Which paths come here, and the body's bounds, are the edge's (edge.py).
+demand. Each request names its objective and tenant in headers (objectives.py): they decide its place in the
+queue (flow_control.py) and, for a sheddable objective predicted to miss everywhere, a 429 at arrival
+(shedding.py). Which paths come here, and the body's bounds, are the edge's (edge.py).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -38,9 +40,11 @@ from stallfree.operator.router.affinity import DEFAULT_BLOCK_TOKENS, PrefixTable
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
 from stallfree.operator.router.forwarding import is_admin, response_headers, upstream_headers
 from stallfree.operator.router.metrics import RouterMetrics
+from stallfree.operator.router.objectives import OBJECTIVE_HEADER, Objective, Objectives, header, tenant_of
 from stallfree.operator.router.pick import AffinityMargin, Choice, ReplicaView, pick, rendezvous_home
 from stallfree.operator.router.replicas import Replica, ReplicaPool
 from stallfree.operator.router.requests import RequestInfo, read_parsed
+from stallfree.operator.router.shedding import SHED_CODE, sheds
 from stallfree.router_queue_header import QUEUE_HEADER, SIGNATURE_HEADER, sign
 
 log = logging.getLogger("stallfree.router")
@@ -64,11 +68,12 @@ class Answer:
     close: Callable[[], Awaitable[None]] | None = None  # frees the upstream side (idempotent)
 
 
-def refusal_answer(status: int, message: str, code: str, param: str | None = None) -> Answer:
+def refusal_answer(status: int, message: str, code: str, param: str | None = None,
+                   retry_after_s: int = 1) -> Answer:
     body = json.dumps(error_body(status, message, param=param, code=code)).encode()
     headers = [(b"content-type", b"application/json")]
     if status in (429, 503):
-        headers.append((b"retry-after", b"1"))
+        headers.append((b"retry-after", str(retry_after_s).encode()))
     return Answer(status, headers, body)
 
 
@@ -101,6 +106,8 @@ class RouterConfig:
     dispatch_tick_s: float = 0.05  # queue re-checked this often (stats polls, slots freed), besides events
     # A stream whose replica sends nothing for this long ends with an error event (a hung replica holds it no longer).
     stream_stall_timeout_s: float = 30.0
+    # The classes of requests (--objectives); the implicit one keeps the queue first come, first served.
+    objectives: Objectives = field(default_factory=Objectives.implicit)
 
 
 class Router:
@@ -185,6 +192,9 @@ class Router:
             replica = self.pool.replicas[choice.name]
             ticket = self._reserve(replica, info.prompt_tokens, now)
             self.metrics.queue_wait.observe(now - item.arrival_s)
+            self.metrics.objective_queue_wait.labels(item.objective).observe(now - item.arrival_s)
+            if item.seq > 0:  # a retry (pushed to the front) was counted on its first dispatch
+                self.metrics.objective_requests.labels(item.objective, "dispatched").inc()
             if not future.done():
                 future.set_result((replica, choice, hashes, ticket))
             else:  # its client left in the same turn: give the reservation back
@@ -205,16 +215,55 @@ class Router:
     def _queue_gauges(self) -> None:
         self.metrics.queue_depth.set(len(self.queue))
         self.metrics.queue_prompt_tokens.set(self.queue.queued_prompt_tokens)
+        depths = self.queue.depth_by_objective()
+        for name in self.config.objectives.by_name:
+            self.metrics.objective_queue_depth.labels(name).set(depths.get(name, 0))
+
+    def _deadline_s(self, objective: Objective, prompt_tokens: int, received: float) -> float | None:
+        """Arrival plus the objective's TTFT target, less the prompt's prefill at the fastest healthy replica."""
+        if objective.ttft_ms is None:
+            return None
+        rates = [r.prefill_tokens_per_ms() for r in self.pool.healthy()]
+        prefill_ms = prompt_tokens / max(rates) if rates and max(rates) > 0 else 0.0
+        return received + (objective.ttft_ms - prefill_ms) / 1000.0
+
+    def _shed(self, objective: Objective, info: RequestInfo) -> Answer | None:
+        """The 429 for a sheddable request predicted to miss its TTFT target at every replica (shedding.py)."""
+        if not objective.sheddable:
+            return None
+        now = time.perf_counter()
+        views = [r.view(now) for r in self.pool.healthy()]
+        starting = sum(1 for r in self.pool.replicas.values()
+                       if not r.healthy and not r.removed and r.reason in ("loading model", "not polled yet"))
+        ahead = sum(q.prompt_tokens for q in self.queue if q.priority >= objective.priority)
+        predicted = sheds(objective, views, starting, info.prompt_tokens, ahead)
+        if predicted is None:
+            return None
+        self.metrics.objective_requests.labels(objective.name, "shed").inc()
+        self.metrics.refused.labels(SHED_CODE).inc()
+        retry_s = max(1, min(60, round((predicted - objective.ttft_ms) / 1000.0)))
+        return refusal_answer(429, f"objective `{objective.name}` is sheddable and its predicted time to first "
+                              f"token ({predicted:.0f} ms) misses its target ({objective.ttft_ms:g} ms) at every "
+                              "replica; retry later", SHED_CODE, retry_after_s=retry_s)
 
     async def _wait_in_queue(self, info: RequestInfo, received: float, seq: int, exclude: frozenset[str],
-                             front: bool) -> tuple[Replica, Choice, list[int], int] | Answer:
+                             front: bool, objective: Objective,
+                             tenant: str) -> tuple[Replica, Choice, list[int], int] | Answer:
         """Queue the request and wait for its dispatch or the queue timeout; cancelled when its client leaves."""
+        if not front:
+            shed = self._shed(objective, info)
+            if shed is not None:
+                return shed
         key = self._next_key = self._next_key + 1
         hashes = prefix_hashes(info.prompt_text, self.block_chars) if self.config.policy == "slo-aware" else []
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        if not self.queue.push(Queued(key, received, info.prompt_tokens, exclude), front=front):
+        item = Queued(key, received, info.prompt_tokens, exclude, objective=objective.name,
+                      priority=objective.priority, tenant=tenant,
+                      deadline_s=self._deadline_s(objective, info.prompt_tokens, received))
+        if not self.queue.push(item, front=front):
             self.metrics.arrivals.inc()
             self.metrics.queue_rejected.inc()
+            self.metrics.objective_requests.labels(objective.name, "queue_full").inc()
             return refusal_answer(429, f"the router's queue is full ({self.config.flow.max_queued} requests "
                                   "waiting); retry shortly", "queue_full")
         if not front:
@@ -246,6 +295,7 @@ class Router:
                 future.cancel()
                 self.queue.cancel(key)
                 self.metrics.queue_cancelled.inc()
+                self.metrics.objective_requests.labels(objective.name, "cancelled").inc()
             self._queue_gauges()
             raise
         if future.done() and not future.cancelled():
@@ -255,6 +305,7 @@ class Router:
         if self.queue.cancel(key):
             self.queue.cancelled -= 1  # not a client leaving
         self._queue_gauges()
+        self.metrics.objective_requests.labels(objective.name, outcome).inc()
         if outcome == "no_replica":
             self.metrics.unroutable.inc()
             return refusal_answer(503, "no replica is ready to take requests; retry shortly", "no_ready_replica")
@@ -308,6 +359,7 @@ class Router:
             return
         body = await _whole_body(receive) if method in ("POST", "PUT", "PATCH") else b""
         info = RequestInfo(False, "", 0)
+        objective = self.config.objectives.default
         if method == "POST":
             parsed = scope.get(PARSED_BODY, NOT_JSON)
             served = admission.served_models(self.pool.healthy())
@@ -316,12 +368,19 @@ class Router:
                 self.metrics.refused.labels(refused.code).inc()
                 await _respond(send, refusal_answer(refused.status, refused.message, refused.code, refused.param))
                 return
+            named = admission.objective_or_refusal(header(scope["headers"], OBJECTIVE_HEADER), self.config.objectives)
+            if isinstance(named, admission.Refusal):
+                self.metrics.refused.labels(named.code).inc()
+                await _respond(send, refusal_answer(named.status, named.message, named.code, named.param))
+                return
+            objective = named
             info = admission.bounded(read_parsed(parsed, self.config.chars_per_token), parsed["model"], served)
         headers = upstream_headers(scope["headers"], scope.get("client"), scope.get("scheme", "http"))
         admin = is_admin(scope["headers"], self.admin_token)
         self._enter()
         left = asyncio.ensure_future(_client_left(receive))
-        work = asyncio.ensure_future(self._answer(method, upstream_path, headers, body, info, received))
+        work = asyncio.ensure_future(self._answer(method, upstream_path, headers, body, info, received, objective,
+                                                  tenant_of(scope["headers"])))
         cut = asyncio.ensure_future(self._cut.wait())
         answer: Answer | None = None
         try:
@@ -355,7 +414,7 @@ class Router:
             self._leave()
 
     async def _answer(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes, info: RequestInfo,
-                      received: float) -> Answer:
+                      received: float, objective: Objective, tenant: str) -> Answer:
         tried: set[str] = set()
         last_refusal: RetryElsewhere | None = None
         queued = method == "POST" and self.config.flow_control
@@ -363,7 +422,8 @@ class Router:
         seq = self.counter
         for attempt in range(MAX_ATTEMPTS):
             if queued:
-                picked = await self._wait_in_queue(info, received, seq, frozenset(tried), front=attempt > 0)
+                picked = await self._wait_in_queue(info, received, seq, frozenset(tried), attempt > 0, objective,
+                                                   tenant)
                 if isinstance(picked, Answer):
                     return picked
             else:
