@@ -49,3 +49,13 @@ def test_a_template_without_tools_gets_them_and_earlier_calls_in_its_messages() 
     assert "tool_calls" not in plain[2] and plain[3] == messages[2]
     aware = "{% for m in messages %}{{ m.tool_calls }}{% endfor %}{{ tools }}"
     assert template_messages(messages, TOOLS, aware, HERMES) == messages  # the template renders both itself
+
+
+def test_finish_reasons_as_openai_spells_them() -> None:
+    from stallfree.node_daemon.server import finish
+
+    assert finish.api_reason("grammar_dead_end") == "stop" and finish.api_reason("length") == "length"
+    assert finish.with_calls("stop", True) == "tool_calls" and finish.with_calls("length", True) == "length"
+    assert finish.with_calls("stop", False) == "stop"
+    assert finish.add_stop_reason({"finish_reason": "stop"}, "grammar_dead_end")["stop_reason"] == "grammar_dead_end"
+    assert "stop_reason" not in finish.add_stop_reason({"finish_reason": "stop"}, "stop")
