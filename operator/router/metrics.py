@@ -68,3 +68,9 @@ class RouterMetrics:
             "stallfree_router_objective_requests", "Requests that named an objective, by how their wait in the "
             "router ended: dispatched, shed (refused at arrival, predicted to miss), queue_full, timeout, "
             "no_replica, cancelled.", ["objective", "outcome"], registry=reg)
+        self.objective_ttft = Histogram("stallfree_router_objective_observed_ttft_seconds",
+                                        "Request received to the upstream's first body byte, by objective.",
+                                        ["objective"], buckets=TTFT_BUCKETS, registry=reg)
+        self.objective_ttft_missed = Counter("stallfree_router_objective_ttft_missed",
+                                             "Requests whose first byte came after their objective's TTFT target.",
+                                             ["objective"], registry=reg)

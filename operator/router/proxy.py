@@ -126,6 +126,7 @@ class Router:
         self._next_ticket = 0
         self.arrived_prompt_tokens = 0  # a counter: the control loop takes its rate between two reads
         self.arrived_prompt_tokens_sq = 0  # and of the squares: the spread of prompt lengths (queueing.py)
+        self.shed_by_objective: dict[str, int] = {}  # refused at arrival, predicted to miss (shedding.py)
         self._ticker: asyncio.Task | None = None
         self._last_healthy_at = time.perf_counter()  # when some replica was last seen healthy
         pool._on_change = self._replica_changed
@@ -210,7 +211,14 @@ class Router:
                 "arrived_prompt_tokens_sq": self.arrived_prompt_tokens_sq,
                 "rejected": self.queue.rejected, "cancelled": self.queue.cancelled,
                 "dispatched": self.queue.dispatched, "max_queued": self.config.flow.max_queued,
-                "dispatch_wait_ms": self.config.flow.dispatch_wait_ms}
+                "dispatch_wait_ms": self.config.flow.dispatch_wait_ms,
+                "objectives": self._objective_status()}
+
+    def _objective_status(self) -> dict[str, dict]:
+        depths = self.queue.depth_by_objective()
+        return {o.name: {"priority": o.priority, "ttft_ms": o.ttft_ms, "depth": depths.get(o.name, 0),
+                         "shed": self.shed_by_objective.get(o.name, 0)}
+                for o in self.config.objectives.by_name.values()}
 
     def _queue_gauges(self) -> None:
         self.metrics.queue_depth.set(len(self.queue))
@@ -240,6 +248,7 @@ class Router:
         if predicted is None:
             return None
         self.metrics.objective_requests.labels(objective.name, "shed").inc()
+        self.shed_by_objective[objective.name] = self.shed_by_objective.get(objective.name, 0) + 1
         self.metrics.refused.labels(SHED_CODE).inc()
         retry_s = max(1, min(60, round((predicted - objective.ttft_ms) / 1000.0)))
         return refusal_answer(429, f"objective `{objective.name}` is sheddable and its predicted time to first "
@@ -442,7 +451,8 @@ class Router:
             waited_ms = (time.perf_counter() - received) * 1000.0
             leg_headers = headers + _queue_headers(f"{waited_ms:.1f}", self.admin_token) if queued else headers
             try:
-                return await self._send(replica, choice, ticket, method, path, leg_headers, body, info, received)
+                return await self._send(replica, choice, ticket, method, path, leg_headers, body, info, received,
+                                        objective)
             except RetryElsewhere as exc:
                 last_refusal = exc
                 log.info("retrying %s elsewhere: %s on %s", path, exc.reason, replica.name)
@@ -456,7 +466,7 @@ class Router:
         return refusal_answer(503, "no replica is ready to take requests; retry shortly", "no_ready_replica")
 
     async def _send(self, replica: Replica, choice: Choice, ticket: int, method: str, path: str, headers,
-                    body: bytes, info: RequestInfo, received: float) -> Answer:
+                    body: bytes, info: RequestInfo, received: float, objective: Objective) -> Answer:
         assert self.client is not None
         state = {"open": True, "prefilled": False}  # reserved on the replica at dispatch (_reserve)
 
@@ -485,6 +495,10 @@ class Router:
         prefilled()
         elapsed = time.perf_counter() - received
         self.metrics.observed_ttft.labels(self.config.policy).observe(elapsed)
+        if method == "POST":  # a generation request: what its objective's TTFT target is about
+            self.metrics.objective_ttft.labels(objective.name).observe(elapsed)
+            if objective.ttft_ms is not None and elapsed * 1000.0 > objective.ttft_ms:
+                self.metrics.objective_ttft_missed.labels(objective.name).inc()
         if choice.predicted_ttft_ms is not None:
             self.metrics.ttft_error.labels(self.config.policy).observe(abs(elapsed - choice.predicted_ttft_ms / 1000))
         out_headers = response_headers(response.headers.multi_items())
