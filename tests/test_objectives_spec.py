@@ -102,3 +102,10 @@ def test_the_crd_carries_objectives_with_unique_names_and_the_default_rule():
 def test_the_routers_flag_refuses_bad_objectives(text: str, message: str):
     with pytest.raises(ValueError, match=message):
         parse_objectives(text)
+
+
+def test_stallfree_router_refuses_bad_objectives_at_start(capsys):
+    from stallfree.cli.router import main
+
+    assert main(["--replicas", "http://127.0.0.1:1", "--objectives", "[{\"name\": \"a\", \"priority\": 1.5}]"]) == 2
+    assert "priority must be an integer" in capsys.readouterr().err

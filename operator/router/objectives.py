@@ -4,7 +4,8 @@ A request names its objective in `x-stallfree-objective` and its tenant in `x-ga
 (the Gateway API Inference Extension's header). No header: the default objective. A name the service does not
 define is refused (400) before the request is queued or counted as demand. The operator hands the router the
 objectives with their targets already resolved against spec.slos (`--objectives JSON`); without them the router
-has one implicit objective at priority 0 with no TTFT target, so its queue stays first come, first served.
+has one implicit objective at priority 0 with no TTFT target, so its queue stays first come, first served
+(tenants, when requests name them, still take turns).
 """
 from __future__ import annotations
 
