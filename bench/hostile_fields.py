@@ -14,8 +14,8 @@ from stallfree.node_daemon.engine.sampling_params import MAX_STOP_CHARS, MAX_STO
 from stallfree.router_queue_header import QUEUE_HEADER
 
 FORGED_QUEUE_MS = 600_000
-LEGACY = {"functions": [{"name": "f", "parameters": {"type": "object", "properties": {}}}], "function_call": "auto",
-          "guided_json": {"type": "object"}, "guided_regex": "[0-9]+", "guided_choice": ["yes", "no"],
+# vLLM's guided decoding, refused by name (OpenAI's deprecated functions/function_call are served as tools since 34).
+LEGACY = {"guided_json": {"type": "object"}, "guided_regex": "[0-9]+", "guided_choice": ["yes", "no"],
           "guided_grammar": "root ::= \"a\""}
 
 
