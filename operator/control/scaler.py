@@ -45,11 +45,9 @@ from stallfree.operator.control.policy import ScalingPolicy
 from stallfree.operator.control.queueing import replicas_for_queue_wait
 
 SCALED_UP, SCALED_DOWN, HOLD = "scaled_up", "scaled_down", "hold"
-# The count for a demand keeps the share of requests waiting past the SLO under 3%. The M/G/c tail overstates
-# this engine's wait (a replica prefills several prompts' chunks in one iteration): at 1% (the p99 itself) it asked
-# 1.28x the oracle's replica-minutes in scale-out, at 3% 1.11x for the same windows within. Scale-in reads the stats
-# window's demand alone, not the last interval's: the scale-down window keeps the largest recommendation, so the
-# noise of one interval would hold replicas.
+# Under 3% of requests, not 1%, may wait past the SLO: the M/G/c tail overstates this engine's wait (a replica
+# prefills several prompts' chunks in one iteration; docs/control-loop.md compares the two). Scale-in reads the
+# stats window's demand, not the last interval's: the scale-down window keeps its largest recommendation.
 QUEUE_WAIT_QUANTILE = 0.97
 NO_INFORMATION = -1  # a step that could not recommend (an unknown replica): neither for nor against scale-in
 
