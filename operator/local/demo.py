@@ -1,20 +1,7 @@
 """The built-in load of `stallfree up --demo`, and its SLOs, sized from the replica's own measured profile.
 
-Nothing here is a fixed rate or a fixed latency: every figure is a multiple of what this replica measured, so
-the demo means the same on a fast machine and a slow one, quiet or busy. The start-up profile is measured alone;
-beside the load generator, the router and whatever else runs on the machine, iterations take longer. So the
-first phase (chat only) is also the warm-up: its windows calibrate the profile (observed mean iteration over what
-the profile predicts for the decodes and prefill tokens those iterations carried), and the SLOs and the later
-phases' loads are sized from the calibrated profile. The story:
-
-1. chat: short requests throughout, a small share of the replica's prefill capacity (the first 30 s: warm-up);
-2. long prompts: prompts that a ceiling-sized budget takes in few, long iterations. The daemons start at the
-   ceiling budget, so every chat stream stalls behind them and p99 TPOT breaches; the tuner must find the way
-   down from feedback;
-3. beyond one replica: long-prompt demand above what one replica can prefill at the budget the TPOT SLO
-   allows (as the control loop measured it in phase 2); no budget can serve it, queue wait breaches, and the
-   scaler adds a replica;
-4. cool-down: chat only, every SLO back under.
+Every rate and latency is a multiple of what this replica measured (calibrated by the chat-only warm-up), so the
+demo means the same on a fast machine and a slow one. docs/control-loop.md tells its four phases.
 """
 from __future__ import annotations
 
@@ -83,8 +70,7 @@ def plan_demo(profile: Profile, ceiling_budget: int, max_model_len: int, scale: 
         # for one replica under this run's conditions (beyond_one_replica).
         LoadPhase("long prompts", 90 * scale, LONG_PROMPTS_SHARE * long_rate, long_prompt, LONG_OUTPUT_TOKENS),
         LoadPhase("beyond one replica", 120 * scale, 0.9 * long_rate, long_prompt, LONG_OUTPUT_TOKENS),
-        # Long enough for two replicas to drain the overload's backlog and the windows to show it (measured:
-        # 60 s ended with the last windows still over on queue wait and TTFT, the backlog gone 3 s later).
+        # Long enough for two replicas to drain the overload's backlog and the windows to show it.
         LoadPhase("cool-down", 90 * scale, 0.0, long_prompt, LONG_OUTPUT_TOKENS),
     ]
     chat = LoadPhase("chat", sum(p.duration_s for p in phases), chat_rate, CHAT_PROMPT_TOKENS, CHAT_OUTPUT_TOKENS)
