@@ -26,8 +26,7 @@ from stallfree.kernels.attention import AttentionMetadata
 
 
 # Decode batches of at most this many cached slots (decodes x longest length) attend in float32: below it
-# the casts cost less than half-precision bmm's fixed overhead (2-core AVX512-BF16: 42 against 68 us a
-# layer for one decode of 128 tokens; even at 2 x 128, bfloat16 from 4 x 128).
+# the casts cost less than half-precision bmm's fixed overhead (docs/cpu.md has the timings).
 FLOAT32_DECODE_MAX_SLOTS = 384
 
 
@@ -115,7 +114,7 @@ def _decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tenso
     v = v_flat.index_select(1, plan.decode_gather).view(kv_heads * n, length, d)
     qh = q.view(n, kv_heads, group, d).transpose(0, 1).reshape(kv_heads * n, group, d)
     if k.dtype != torch.float32 and n * length <= FLOAT32_DECODE_MAX_SLOTS:
-        # oneDNN's half-precision bmm has a fixed cost of ~20 us a call; tiny ones are cheaper cast to float32.
+        # Half-precision bmm has a fixed cost a call; tiny batches are cheaper cast to float32.
         k, v, qh = k.float(), v.float(), qh.float()
     scores = torch.bmm(qh, k.transpose(1, 2))
     if scores.dtype != torch.float32:
