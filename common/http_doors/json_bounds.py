@@ -1,11 +1,9 @@
 """How much structure a JSON body may hold, checked on the raw bytes before anything parses it.
 
 Parsing and validating a body is one C call each (json.loads, pydantic) that holds the GIL however many
-values it holds: 1.33 M token ids took ~0.1 s to parse and ~0.7 s to validate, 100k chat messages ~0.4 s,
-and no worker thread helps while the event loop and the engine wait for the GIL. So a body may hold at most
-MAX_JSON_VALUES values (commas outside strings), MAX_JSON_MEMBERS object members (colons) and
-MAX_JSON_OBJECTS objects (opening braces); within these, parsing and validating take tens of milliseconds
-at most.
+values it holds, and no worker thread helps while the event loop and the engine wait for it (docs/serving.md
+has the stalls). So a body may hold at most MAX_JSON_VALUES values (commas outside strings), MAX_JSON_MEMBERS
+object members (colons) and MAX_JSON_OBJECTS objects (opening braces): within these, a parse is short.
 A token-id prompt longer than the context is refused anyway; OpenAI allows 2048 chat messages.
 
 Counting the raw bytes is one fast C pass each; only when a count is over its bound (the delimiters may sit
@@ -14,7 +12,7 @@ holds the GIL for long, stopping as soon as a bound is passed.
 """
 from __future__ import annotations
 
-# 131072: a token-id prompt for a 128k context (parsed in ~25 ms, one C call); longer prompts go as text.
+# 131072: a token-id prompt for a 128k context; longer prompts go as text.
 MAX_JSON_VALUES = 1 << 17
 MAX_JSON_MEMBERS = 1 << 16
 MAX_JSON_OBJECTS = 1 << 14  # 16384: 2048 messages of several content parts each
