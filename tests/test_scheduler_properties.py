@@ -18,6 +18,7 @@ from stallfree.node_daemon.engine.config import SchedulerConfig
 from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
 from stallfree.node_daemon.engine.output_length import OutputLengthEstimate
 from stallfree.node_daemon.engine.request import Request, RequestStatus
+from stallfree.node_daemon.engine.request_rules import InvalidRequest, RequestLimits, check_request
 from stallfree.node_daemon.engine.scheduler import Scheduler
 from stallfree.simulator.baseline_schedulers import PolicyConfig, build_scheduler
 
@@ -145,11 +146,14 @@ def run_program(s: Scheduler, data, num_steps: int) -> Ledger:
     for step in range(num_steps):
         for _ in range(data.draw(st.integers(0, 3), label="arrivals")):
             request = data.draw(requests(f"s{step}-{len(ledger.arrived)}"), label="request")
+            # The engine checks a request before the scheduler sees it (request_rules); the scheduler only asserts.
+            limits = RequestLimits(min(request.max_model_len, s.config.max_model_len), None, s.kv_cache.num_blocks,
+                                   s.kv_cache.block_size)
             try:
-                s.add_request(request)
-            except ValueError:
-                assert s.get_request(request.request_id) is None  # refused whole, nothing half-added
+                check_request(request.num_prompt_tokens, request.sampling, limits)
+            except InvalidRequest:
                 continue
+            s.add_request(request)
             ledger.arrived.append(request.request_id)
             in_flight.append(request.request_id)
         action = data.draw(st.sampled_from(["step", "step", "step", "abort", "tune"]), label="action")
