@@ -26,9 +26,9 @@ urllib3 uvloop wadler_lindig werkzeug wheel wrapt xarray xxhash yarl zipp""".spl
 # image's version is not recorded: carried, it shadows the image's, which torch takes too).
 WHEELS = ["fastapi==0.165.0", "starlette==1.10.0", "pydantic==2.14.4", "pydantic-core==2.50.5",
           "annotated-types==0.8.0", "typing-inspection==0.4.5", "uvicorn==0.54.0", "opentelemetry-api==1.45.2",
-          "typing-extensions==4.16.0"]
+          "typing-extensions==4.16.0", "llguidance==1.9.1"]  # the last: the daemon's structured-output grammars
 CARRIED = ["fastapi", "starlette", "pydantic", "pydantic_core", "annotated_types", "typing_inspection", "uvicorn",
-           "opentelemetry", "flashinfer", "tvm_ffi"]
+           "opentelemetry", "llguidance", "flashinfer", "tvm_ffi"]
 
 # What the run imports: the check's sections, the daemon and its benchmark.
 RUN_MODULES = ["gpu_check", "gpu_kernel_checks", "gpu_engine_checks", "gpu_fused_checks", "serve_check",
