@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
-from types import FrameType
 from typing import Awaitable, Callable
 
 import uvicorn
+
+from stallfree.http_doors.draining_server import DrainOnSignalServer
 
 log = logging.getLogger("stallfree.server")
 
@@ -76,47 +76,17 @@ async def drain(state: DrainState, abort: Callable[[str], Awaitable[None]]) -> i
     return len(left)
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose first SIGTERM/SIGINT drains before shutting down."""
+class DrainingServer(DrainOnSignalServer):
+    """uvicorn.Server whose first SIGTERM/SIGINT drains (the grace period, then aborts) before shutting down."""
+
+    log = log
 
     def __init__(self, config: uvicorn.Config, state: DrainState,
                  abort: Callable[[str], Awaitable[None]], companions: list[uvicorn.Server] = ()) -> None:
-        super().__init__(config)
-        # Servers on the same loop (the probe listener): they start with this one and stop after it, so
-        # liveness keeps answering through the drain.
-        self.companions = list(companions)
+        super().__init__(config, companions)
         self.drain_state = state
         self._abort = abort
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_task: asyncio.Task | None = None
         self.aborted_on_drain = 0
 
-    async def serve(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
-        tasks = [asyncio.ensure_future(c.serve()) for c in self.companions]
-        try:
-            await super().serve(sockets)
-        finally:
-            for companion in self.companions:
-                companion.should_exit = True
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._loop is None or self.should_exit or self._drain_task is not None:
-            # Second signal (or not serving yet): uvicorn's own fast path.
-            self.force_exit = self._drain_task is not None or self.force_exit
-            self.should_exit = True
-            return
-        # Not recorded in _captured_signals: a completed drain is a clean exit, not a re-raised signal.
-        log.info("received %s: draining", signal.Signals(sig).name)
-        self._loop.call_soon_threadsafe(self._start_drain)
-
-    def _start_drain(self) -> None:
-        if self._drain_task is None:
-            self._drain_task = asyncio.ensure_future(self._drain_then_exit())
-
-    async def _drain_then_exit(self) -> None:
-        try:
-            self.aborted_on_drain = await drain(self.drain_state, self._abort)
-        finally:
-            self.should_exit = True
+    async def drain(self) -> None:
+        self.aborted_on_drain = await drain(self.drain_state, self._abort)

@@ -8,13 +8,12 @@ with an error event and `[DONE]`. A second signal exits at once.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
-from types import FrameType
 from typing import TYPE_CHECKING
 
 import uvicorn
+
+from stallfree.http_doors.draining_server import DrainOnSignalServer
 
 if TYPE_CHECKING:
     from stallfree.operator.router.proxy import Router
@@ -22,32 +21,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("stallfree.router")
 
 
-class DrainingServer(uvicorn.Server):
+class DrainingServer(DrainOnSignalServer):
+    log = log
+
     def __init__(self, config: uvicorn.Config, router: Router, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.router = router
         self.drain_timeout_s = drain_timeout_s
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_task: asyncio.Task | None = None
 
-    async def serve(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._loop is None or self.should_exit or self._drain_task is not None:
-            self.force_exit = self._drain_task is not None or self.force_exit  # a second signal: now
-            self.should_exit = True
-            return
-        log.info("received %s: draining", signal.Signals(sig).name)
-        self._loop.call_soon_threadsafe(self._start_drain)
-
-    def _start_drain(self) -> None:
-        if self._drain_task is None:
-            self._drain_task = asyncio.ensure_future(self._drain_then_exit())
-
-    async def _drain_then_exit(self) -> None:
-        try:
-            await self.router.drain(self.drain_timeout_s)
-        finally:
-            self.should_exit = True
+    async def drain(self) -> None:
+        await self.router.drain(self.drain_timeout_s)
