@@ -196,13 +196,15 @@ def test_bfloat16_logits_are_masked_too(tokenizer, compiler):
 
 def test_the_mask_filler_computes_the_next_step_on_its_worker(tokenizer, compiler):
     compiled = compiler.compile(json_schema_grammar({"type": "array", "items": {"type": "integer"}, "maxItems": 2}))
+    # Twins for the direct computation: a matcher is never touched while the worker holds it (MaskFiller's rule).
     matchers = [compiled.new_matcher() for _ in range(3)]
+    twins = [compiled.new_matcher() for _ in range(3)]
     filler = MaskFiller(compiler.vocab_size)
     try:
-        for matcher in matchers:
+        for matcher in matchers + twins:
             assert matcher.accept(tokenizer.encode("[", add_special_tokens=False)[0])
         pending = filler.submit(matchers)
-        direct = fill_masks(matchers, compiler.vocab_size)
+        direct = fill_masks(twins, compiler.vocab_size)
         result: StepMasks = pending.result(timeout=30)
         assert torch.equal(result.bias, direct.bias) and result.dead == []
     finally:
