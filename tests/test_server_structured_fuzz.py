@@ -25,7 +25,9 @@ valid_schemas = st.recursive(
     | st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6))
     | st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span}, st.integers(-9, 9),
                 st.integers(0, 20))
-    | st.builds(lambda values: {"enum": values}, st.lists(st.text(max_size=4) | st.integers(), min_size=1, max_size=3)),
+    # Enum integers within 64 bits: the JSON doors refuse wider ones (400 invalid_number) before any schema is read.
+    | st.builds(lambda values: {"enum": values},
+                st.lists(st.text(max_size=4) | st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=3)),
     lambda children: st.builds(lambda props: {"type": "object", "properties": props, "required": sorted(props),
                                               "additionalProperties": False},
                                st.dictionaries(st.from_regex(r"[a-z]{1,4}", fullmatch=True), children, max_size=3))
