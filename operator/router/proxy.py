@@ -20,22 +20,22 @@ queue (flow_control.py) and, for a sheddable objective predicted to miss everywh
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator
 
 import anyio
 import httpx
 from starlette.types import Receive, Scope, Send
 
 from stallfree.http_doors.body_guard import PARSED_BODY
-from stallfree.http_doors.error_json import error_body
 from stallfree.http_doors.json_checks import NOT_JSON
 from stallfree.operator.router import admission
 from stallfree.operator.router.edge import create_app  # noqa: F401 - callers build the app from here
+from stallfree.operator.router.answers import Answer, refusal_answer, respond, sse_error
+from stallfree.operator.router.client_io import client_left, whole_body
 from stallfree.operator.router.affinity import DEFAULT_BLOCK_TOKENS, PrefixTable, prefix_hashes
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
 from stallfree.operator.router.forwarding import is_admin, response_headers, upstream_headers
@@ -55,30 +55,6 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 MAX_ATTEMPTS = 3
 REPLICA_HEADER = "x-stallfree-replica"  # which replica answered: for a request with the admin token only
 _CUT_GRACE_S = 2.0  # after a drain's timeout, how long cut streams get to send their last event
-
-
-@dataclass
-class Answer:
-    """What goes back to the client: a whole body, or `chunks` relayed as they arrive."""
-    status: int
-    headers: list[tuple[bytes, bytes]]
-    body: bytes = b""
-    chunks: AsyncIterator[bytes] | None = None
-    replica: str | None = None
-    close: Callable[[], Awaitable[None]] | None = None  # frees the upstream side (idempotent)
-
-
-def refusal_answer(status: int, message: str, code: str, param: str | None = None,
-                   retry_after_s: int = 1) -> Answer:
-    body = json.dumps(error_body(status, message, param=param, code=code)).encode()
-    headers = [(b"content-type", b"application/json")]
-    if status in (429, 503):
-        headers.append((b"retry-after", str(retry_after_s).encode()))
-    return Answer(status, headers, body)
-
-
-def sse_error(message: str, code: str) -> bytes:
-    return f"data: {json.dumps(error_body(500, message, code=code))}\n\n".encode()
 
 
 class RetryElsewhere(Exception):
@@ -363,10 +339,10 @@ class Router:
         received = time.perf_counter()
         method = scope["method"]
         if self.draining:
-            await _respond(send, refusal_answer(503, "the router is shutting down; retry on another",
+            await respond(send, refusal_answer(503, "the router is shutting down; retry on another",
                                                 "draining"))
             return
-        body = await _whole_body(receive) if method in ("POST", "PUT", "PATCH") else b""
+        body = await whole_body(receive) if method in ("POST", "PUT", "PATCH") else b""
         info = RequestInfo(False, "", 0)
         objective = self.config.objectives.default
         if method == "POST":
@@ -375,19 +351,19 @@ class Router:
             refused = admission.refusal(parsed, served)
             if refused is not None:
                 self.metrics.refused.labels(refused.code).inc()
-                await _respond(send, refusal_answer(refused.status, refused.message, refused.code, refused.param))
+                await respond(send, refusal_answer(refused.status, refused.message, refused.code, refused.param))
                 return
             named = admission.objective_or_refusal(header(scope["headers"], OBJECTIVE_HEADER), self.config.objectives)
             if isinstance(named, admission.Refusal):
                 self.metrics.refused.labels(named.code).inc()
-                await _respond(send, refusal_answer(named.status, named.message, named.code, named.param))
+                await respond(send, refusal_answer(named.status, named.message, named.code, named.param))
                 return
             objective = named
             info = admission.bounded(read_parsed(parsed, self.config.chars_per_token), parsed["model"], served)
         headers = upstream_headers(scope["headers"], scope.get("client"), scope.get("scheme", "http"))
         admin = is_admin(scope["headers"], self.admin_token)
         self._enter()
-        left = asyncio.ensure_future(_client_left(receive))
+        left = asyncio.ensure_future(client_left(receive))
         work = asyncio.ensure_future(self._answer(method, upstream_path, headers, body, info, received, objective,
                                                   tenant_of(scope["headers"])))
         cut = asyncio.ensure_future(self._cut.wait())
@@ -400,7 +376,7 @@ class Router:
                 if left.done():
                     self.metrics.client_left.labels("before_answer").inc()
                 else:
-                    await _respond(send, refusal_answer(503, "the router is shutting down; retry on another",
+                    await respond(send, refusal_answer(503, "the router is shutting down; retry on another",
                                                         "draining"))
                 return
             try:
@@ -411,7 +387,7 @@ class Router:
             if admin and answer.replica is not None:
                 answer.headers.append((REPLICA_HEADER.encode(), answer.replica.encode("latin-1")))
             if answer.chunks is None:
-                await _respond(send, answer)
+                await respond(send, answer)
             elif not await self._stream(send, answer, left):
                 self.metrics.client_left.labels("streaming").inc()
         finally:
@@ -675,33 +651,6 @@ def _queue_headers(waited_ms: str, admin_token: str | None) -> list[tuple[str, s
     """The ms a request waited here, signed with the admin token: a daemon believes no one else (router_queue_header)."""
     signed = [(SIGNATURE_HEADER, sign(waited_ms, admin_token, time.time()))] if admin_token else []
     return [(QUEUE_HEADER, waited_ms), *signed]
-
-
-async def _whole_body(receive: Receive) -> bytes:
-    """The body (the door guard replays it as one message)."""
-    parts = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        parts.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(parts)
-
-
-async def _client_left(receive: Receive) -> None:
-    """Returns when the client disconnects (the body was read already: the next message is the disconnect)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _respond(send: Send, answer: Answer) -> None:
-    headers = [*answer.headers, (b"content-length", str(len(answer.body)).encode())]
-    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
-    await send({"type": "http.response.body", "body": answer.body})
 
 
 async def _close(response: httpx.Response) -> None:
