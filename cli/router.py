@@ -11,6 +11,7 @@ import asyncio
 import logging
 import sys
 
+from stallfree.http_doors.flags import add_door_flags
 from stallfree.operator.router.pick import POLICIES
 
 
@@ -51,14 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--port", type=int, default=8080)
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     d = p.add_argument_group("doors (as the daemon's: `stallfree serve --help`)")
-    d.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request bodies above this get 413")
-    d.add_argument("--header-timeout-s", type=float, default=10.0,
-                   help="a request's headers must arrive within this, else 408 and the connection closes")
-    d.add_argument("--body-timeout-s", type=float, default=30.0,
-                   help="a request's body must arrive within this after its headers, else 408")
+    add_door_flags(d)
     d.add_argument("--idle-timeout-s", type=float, default=5.0, help="an idle keep-alive connection closes after this")
-    d.add_argument("--max-connections", type=int, default=4096,
-                   help="open connections before new ones get 503 and are closed (probes still answered)")
     d.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM: how long requests in flight may finish before their streams are ended")
     d.add_argument("--stream-stall-timeout-s", type=float, default=30.0,

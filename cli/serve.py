@@ -12,6 +12,7 @@ import logging
 import sys
 
 from stallfree.contracts import min_budget_for
+from stallfree.http_doors.flags import add_door_flags
 from stallfree.node_daemon.daemon import CPU_TOKEN_BUDGET
 from stallfree.node_daemon.serve_config import ServeConfig
 
@@ -91,13 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "without one the inference API is open)")
     h.add_argument("--max-queue-requests", type=int, default=1024, help="queued requests before 429 (0: no bound)")
     h.add_argument("--max-queue-tokens", type=int, default=0, help="queued prompt tokens before 429 (0: no bound)")
-    h.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request bodies above this get 413")
-    h.add_argument("--header-timeout-s", type=float, default=10.0,
-                   help="a request's headers must arrive within this, else 408 and the connection closes")
-    h.add_argument("--body-timeout-s", type=float, default=30.0,
-                   help="a request's body must arrive within this after its headers, else 408")
-    h.add_argument("--max-connections", type=int, default=4096,
-                   help="open connections before new ones get 503 and are closed")
+    add_door_flags(h)
     h.add_argument("--text-workers", type=int, default=2,
                    help="threads that template and tokenize large prompts off the event loop")
     h.add_argument("--drain-timeout-s", type=float, default=30.0, help="grace period for in-flight requests")
