@@ -114,15 +114,19 @@ class LlamaDecoderLayer(nn.Module):
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); their sum is the layer's output.
         The first layer gets h None and the embeddings as the residual."""
-        norm = self.input_layernorm
-        if h is None:
-            x = rms_norm(residual, norm.weight, norm.eps).to(dtype)
-        else:
-            x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        x, residual = _input_norm(self.input_layernorm, h, residual, dtype)
         x = self.self_attn(x, cos, sin, kv_cache, metadata, attn)
         norm = self.post_attention_layernorm
         x, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
         return self.mlp(x), residual
+
+
+def _input_norm(norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input norm: the first layer norms the embeddings (h None), the others add h to the residual first."""
+    if h is None:
+        return rms_norm(residual, norm.weight, norm.eps).to(dtype), residual
+    return fused_add_rms_norm(h, residual, norm.weight, norm.eps)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -144,11 +148,7 @@ class Gemma3DecoderLayer(nn.Module):
                 kv_cache: KVCache, metadata: AttentionMetadata, attn: AttentionBackend,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer.forward: (this layer's normed MLP output, the residual stream before it)."""
-        norm = self.input_layernorm
-        if h is None:
-            x = rms_norm(residual, norm.weight, norm.eps).to(dtype)
-        else:
-            x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        x, residual = _input_norm(self.input_layernorm, h, residual, dtype)
         x = self.self_attn(x, cos, sin, kv_cache, metadata, attn)
         x = rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         norm = self.pre_feedforward_layernorm
