@@ -123,9 +123,10 @@ async def control_step(memo: kopf.Memo, owner: dict[str, Any], spec: s.Inference
 def repair_children(kube: Kube, owner: dict[str, Any]) -> None:
     """The admin Secret is gone though the spec was reconciled: reconcile again (Secrets are not watched,
     which would take cluster-wide rights on every Secret)."""
-    from stallfree.operator.reconcile.handlers import reconcile_service  # registered by `stallfree operator`
+    from stallfree.operator.reconcile.handlers import reconcile_latest  # registered by `stallfree operator`
 
-    reconcile_service(kube, owner, logging.getLogger("stallfree.operator"))
+    reconcile_latest(kube, owner["metadata"]["namespace"], owner["metadata"]["name"],
+                     logging.getLogger("stallfree.operator"))
 
 
 def queue_source_for(memo: kopf.Memo, client: httpx.AsyncClient, namespace: str, name: str,

@@ -6,11 +6,18 @@ Deployment changes. A spec that cannot be deployed (checks.py, or a schema the A
 enforce) gets an InvalidSpec condition and a Warning event, and nothing is made or changed: no
 exception, so kopf does not retry it until the spec changes. A child the API server refuses as
 Invalid (422) would be refused again on every retry: an InvalidChild condition, and kopf.PermanentError.
+
+kopf runs the handlers of different resources side by side, so a child's event (a Deployment deleted
+by hand) and the InferenceService's own update could apply two specs at once, the older one last.
+Every reconcile of one InferenceService therefore runs under its lock and reads the object afresh
+inside it: the last one to run applies the newest spec.
 """
 from __future__ import annotations
 
 import logging
 import secrets
+import threading
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +34,8 @@ FINALIZER = f"{s.GROUP}/finalizer"
 SERVICE_MONITOR_API = ("monitoring.coreos.com/v1", "ServiceMonitor")
 MANAGED = {render.LABEL_MANAGED_BY: render.MANAGED_BY}
 CHILD_SELECTOR = f"{render.LABEL_MANAGED_BY}={render.MANAGED_BY}"
+# A failed reconcile (an API server hiccup) is retried after this, not kopf's default minute.
+RETRY_BACKOFF_S = 5.0
 # Children whose deletion is repaired at once. Secrets are not watched: that would need cluster-wide
 # rights on every Secret; the control loop notices a missing admin Secret instead (control_handlers.py).
 WATCHED_CHILDREN = (("apps", "v1", "deployments"), ("", "v1", "services"), ("policy", "v1", "poddisruptionbudgets"))
@@ -220,11 +229,30 @@ def reconcile_service(kube: Kube, owner: dict[str, Any], logger: logging.Logger 
     refresh_status(kube, owner, spec, applied.deployment, generation)
 
 
-@kopf.on.resume(s.GROUP, s.VERSION, s.PLURAL)
-@kopf.on.create(s.GROUP, s.VERSION, s.PLURAL)
-@kopf.on.update(s.GROUP, s.VERSION, s.PLURAL)
+_locks_guard = threading.Lock()
+_service_locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+
+
+def _lock_of(namespace: str, name: str) -> threading.Lock:
+    with _locks_guard:
+        return _service_locks[(namespace, name)]
+
+
+def reconcile_latest(kube: Kube, namespace: str, name: str,
+                     logger: logging.Logger | logging.LoggerAdapter) -> None:
+    """Reconcile the InferenceService as it is now, one reconcile per service at a time; nothing when
+    it is gone or being deleted (its children go with it)."""
+    with _lock_of(namespace, name):
+        owner = kube.get_service(namespace, name)
+        if owner is not None and not owner["metadata"].get("deletionTimestamp"):
+            reconcile_service(kube, owner, logger)
+
+
+@kopf.on.resume(s.GROUP, s.VERSION, s.PLURAL, backoff=RETRY_BACKOFF_S)
+@kopf.on.create(s.GROUP, s.VERSION, s.PLURAL, backoff=RETRY_BACKOFF_S)
+@kopf.on.update(s.GROUP, s.VERSION, s.PLURAL, backoff=RETRY_BACKOFF_S)
 def reconcile(body: kopf.Body, memo: kopf.Memo, logger: logging.LoggerAdapter, **_: Any) -> None:
-    reconcile_service(memo.kube, dict(body), logger)
+    reconcile_latest(memo.kube, body["metadata"]["namespace"], body["metadata"]["name"], logger)
 
 
 # -- the Deployment reports back ------------------------------------------------------------------------
@@ -236,12 +264,18 @@ def _refused_child(owner: dict[str, Any]) -> bool:
                 and degraded.get("observedGeneration") == owner["metadata"].get("generation"))
 
 
-def _live_owner(kube: Kube, child: dict[str, Any]) -> dict[str, Any] | None:
-    """The InferenceService a child belongs to (by its label), unless it is gone or being deleted."""
+def _owner_ref(child: dict[str, Any]) -> tuple[str, str] | None:
+    """(namespace, name) of the InferenceService a child belongs to, by its label."""
     name = (child.get("metadata", {}).get("labels") or {}).get(render.LABEL_SERVICE)
     namespace = child.get("metadata", {}).get("namespace")
-    if not name or not namespace:
+    return (namespace, name) if name and namespace else None
+
+
+def _live_owner(kube: Kube, child: dict[str, Any]) -> dict[str, Any] | None:
+    """The InferenceService a child belongs to, unless it is gone or being deleted."""
+    if (ref := _owner_ref(child)) is None:
         return None
+    namespace, name = ref
     owner = kube.get_service(namespace, name)
     if owner is None or owner["metadata"].get("deletionTimestamp"):
         return None  # being deleted: the children go with it
@@ -253,8 +287,8 @@ def _live_owner(kube: Kube, child: dict[str, Any]) -> dict[str, Any] | None:
 def child_deleted(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: logging.LoggerAdapter,
                   **_: Any) -> None:
     """A Service or PodDisruptionBudget deleted by hand: level-triggered, so make it again now."""
-    if type == "DELETED" and (owner := _live_owner(memo.kube, dict(body))) is not None:
-        reconcile_service(memo.kube, owner, logger)
+    if type == "DELETED" and (ref := _owner_ref(dict(body))) is not None:
+        reconcile_latest(memo.kube, *ref, logger)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
@@ -268,7 +302,7 @@ def deployment_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logge
     namespace = owner["metadata"]["namespace"]
     if type == "DELETED":
         # Deleted by hand: level-triggered, so make it again.
-        reconcile_service(kube, owner, logger)
+        reconcile_latest(kube, owner["metadata"]["namespace"], owner["metadata"]["name"], logger)
         return
     if child_labels.get(render.LABEL_COMPONENT, "daemon") != "daemon":
         return  # the router's Deployment: the status counts the daemons
