@@ -12,6 +12,8 @@ another's queues or prefix cache. Two workloads, each generated once and replaye
 Per policy: client-seen TTFT through the router; queue wait (arrival to first scheduled) from the
 daemons' histograms, pooled; prefix-cache hit rate from the daemons' counters. `--itl` instead measures
 what the router adds to inter-token latency at 64 streams (one daemon, direct vs through the router).
+`--objectives` instead serves two objectives, interactive alone and beside a batch flood
+(bench/router_objectives.py, whose docstring says what is judged and why).
 """
 from __future__ import annotations
 
@@ -424,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=("load", "affinity", "both"), default="both")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, from " + ", ".join(POLICIES))
     p.add_argument("--load", type=float, default=0.8, help="offered prefill load over the combined capacity")
-    p.add_argument("--duration-s", type=float, default=60.0, help="seconds of arrivals per policy")
+    p.add_argument("--duration-s", type=float, default=None,
+                   help="seconds of arrivals per policy (60), or per phase with --objectives (25)")
     p.add_argument("--token-budget", type=int, default=512)
     p.add_argument("--profile-seconds", type=float, default=8.0, help="each sim daemon's start-up profile cap")
     p.add_argument("--seed", type=int, default=0)
@@ -436,6 +439,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: 3 replica kills and one SIGSTOP freeze through the router (bench/router_faults.py)")
     p.add_argument("--freeze-s", type=float, default=20.0, help="--faults: how long the frozen replica stays stopped")
     p.add_argument("--rate", type=float, default=20.0, help="--faults: requests per second")
+    o = p.add_argument_group("--objectives: interactive and batch through the router (bench/router_objectives.py)")
+    o.add_argument("--objectives", action="store_true",
+                   help="instead: interactive (priority 10) alone, then beside a sheddable batch flood (priority -1)")
+    o.add_argument("--interactive-load", type=float, default=0.6, help="interactive prefill demand over capacity")
+    o.add_argument("--flood", type=float, default=3.0, help="the batch flood's prefill demand over capacity")
+    o.add_argument("--interactive-ttft-ms", type=float, default=1000.0, help="interactive's TTFT target")
+    o.add_argument("--batch-ttft-ms", type=float, default=4000.0, help="batch's TTFT target (shed when predicted past)")
+    o.add_argument("--flood-bound", type=float, default=1.5,
+                   help="interactive p99 TTFT with the flood over without, at most: the band goes first in the "
+                        "router's queue, so the flood costs it only the batch prefill flow control lets onto its "
+                        "replica (the dispatch wait) and the batch decodes beside it")
     p.add_argument("--quick", action="store_true", help="smoke test: a few seconds per policy, two policies")
     p.add_argument("--json", default="bench-router.json")
     p.add_argument("--plot", default="bench-router.png")
@@ -445,10 +459,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.duration_s is None:
+        args.duration_s = 25.0 if args.objectives else 60.0
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies or not 0 < args.load <= 2 or args.duration_s <= 0:
         print(f"stallfree bench router: error: unknown policies {bad} or bad --load/--duration-s", file=sys.stderr)
+        return 2
+    if args.objectives and (not 0 < args.interactive_load <= 2 or args.flood <= 0 or args.flood_bound < 1
+                            or args.interactive_ttft_ms <= 0 or args.batch_ttft_ms <= 0):
+        print("stallfree bench router: error: --objectives needs 0 < --interactive-load <= 2, --flood > 0, "
+              "--flood-bound >= 1 and positive TTFT targets", file=sys.stderr)
         return 2
     if args.quick:
         args.duration_s = min(args.duration_s, 12.0 if args.faults else 6.0)
@@ -459,7 +480,26 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     payload: dict[str, Any] = {"model": MODEL,
                                "token_budget": args.token_budget, "offered_load": args.load, "duration_s": args.duration_s}
-    if args.faults:
+    if args.objectives:
+        from stallfree.bench import router_objectives
+
+        config = router_objectives.ObjectivesConfig(
+            duration_s=args.duration_s, interactive_load=args.interactive_load, flood=args.flood,
+            interactive_ttft_ms=args.interactive_ttft_ms, batch_ttft_ms=args.batch_ttft_ms,
+            flood_bound=args.flood_bound, token_budget=args.token_budget, seed=args.seed,
+            profile_s=min(args.profile_seconds, 3.0))
+        if args.quick:
+            config.duration_s = min(config.duration_s, 6.0)
+        payload["objectives"] = router_objectives.run(config, log_dir, say)
+        for line in router_objectives.table(payload["objectives"]):
+            say(line)
+        # A --quick run is a smoke test of the machinery: the p99 ratio of a few seconds is shown, not judged.
+        for g in payload["objectives"]["goals"]:
+            if args.quick and g["goal"].startswith("interactive p99"):
+                g["met"] = None
+            say(f"{'----' if g['met'] is None else 'MET ' if g['met'] else 'MISS'} {g['goal']}: {g['figures']}")
+        payload["goals"] = payload["objectives"]["goals"]
+    elif args.faults:
         from stallfree.bench.router_faults import FaultConfig, FaultRun, table as fault_table
 
         config = FaultConfig(duration_s=args.duration_s, rate=args.rate, freeze_s=args.freeze_s, seed=args.seed)

@@ -11,7 +11,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "itl": ("stallfree.bench.itl", "client-seen vs engine-side inter-token latency (API overhead)"),
     "serve": ("stallfree.bench.serve", "load against any OpenAI-compatible endpoint"),
     "sampler": ("stallfree.bench.sampler", "sampler time per decode step: batches 1/16/64, greedy, top-p, penalties"),
-    "router": ("stallfree.bench.router", "routing policies through `stallfree router` on 4 sim daemons"),
+    "router": ("stallfree.bench.router", "routing policies through `stallfree router` on 4 sim daemons; --objectives"),
     "engine": ("stallfree.bench.engine", "every row of the engine-speed table against a real daemon (JSON)"),
     "iteration": ("stallfree.bench.iteration", "host (input prep + sampling) vs forward time per decode iteration"),
     "matmul": ("stallfree.bench.matmul", "a quantized model's projections through the code, int4 and oneDNN kernels"),

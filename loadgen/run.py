@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -43,10 +43,14 @@ class Progress:
 async def run_benchmark(base_url: str, requests: list[RequestSpec], prompts: list[str], model: str,
                         endpoint: str = "completions", api_key: str | None = None, max_concurrency: int | None = None,
                         timeout_s: float = 600.0, request_timeout_s: float = 300.0,
-                        progress: bool = False) -> tuple[list[RequestResult], float]:
-    """Send every request at its arrival offset; returns the results and the wall time used."""
+                        progress: bool = False, headers: dict[str, str] | None = None,
+                        on_result: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
+    """Send every request at its arrival offset; returns the results and the wall time used. `headers` go with
+    every request (an objective, a tenant); `on_result` sees each result as its request ends."""
     url = base_url.rstrip("/") + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = dict(headers or {})
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
     limits = httpx.Limits(max_connections=max_concurrency or 1000, max_keepalive_connections=max_concurrency or 1000)
     results = [RequestResult(i, r.prompt_len, r.output_len, r.arrival_s) for i, r in enumerate(requests)]
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -66,6 +70,8 @@ async def run_benchmark(base_url: str, requests: list[RequestSpec], prompts: lis
                 results[i].sent_s = time.perf_counter() - start
                 await send_request(client, url, body, results[i], endpoint)
         bar.step(results[i].ok)
+        if on_result is not None:
+            on_result(results[i])
 
     async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(request_timeout_s, connect=10.0),
                                  limits=limits) as client:
