@@ -147,6 +147,11 @@ class Fleet:
         return body.get("replicas_healthy") == len(self.replicas)
 
     def stop(self) -> None:
+        self.stop_router()
+        for daemon_set in self.sets:
+            daemon_set.shutdown()
+
+    def stop_router(self) -> None:
         if self.router is not None:
             self.router.terminate()
             try:
@@ -155,8 +160,6 @@ class Fleet:
                 self.router.kill()
                 self.router.wait()
             self.router = None
-        for daemon_set in self.sets:
-            daemon_set.shutdown()
 
 
 def admin_get(url: str, path: str) -> Any:
@@ -489,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             flood_bound=args.flood_bound, token_budget=args.token_budget, seed=args.seed,
             profile_s=min(args.profile_seconds, 3.0))
         if args.quick:
-            config.duration_s = min(config.duration_s, 6.0)
+            config.duration_s, config.fresh_daemons = min(config.duration_s, 5.0), False
         payload["objectives"] = router_objectives.run(config, log_dir, say)
         for line in router_objectives.table(payload["objectives"]):
             say(line)

@@ -2,7 +2,7 @@
 
 The router runs with `--objectives`: `interactive` (priority 10, the default) and `batch` (priority -1: sheddable,
 a looser TTFT target). Two phases, each on fresh daemons and a fresh router (no phase inherits another's queues
-or prefix cache), replaying one seeded interactive workload:
+or prefix cache; `--quick` shares the daemons), replaying one seeded interactive workload:
 
 - alone: the interactive stream only, at --interactive-load of the daemons' combined prefill capacity;
 - flood: the same interactive stream, and beside it a batch stream (`x-stallfree-objective: batch`) of long
@@ -29,13 +29,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from stallfree.arrivals import arrival_times
+from stallfree.loadgen.outcome import REFUSED_AT_ARRIVAL, SERVED, met, outcome, shed
 from stallfree.loadgen.stream import RequestResult
 
 INTERACTIVE, BATCH = "interactive", "batch"
 OBJECTIVE_HEADER = "x-stallfree-objective"  # as operator/router/objectives.py reads it
 FLEET = (("h100", 2),)
-SHED_CODE = "shed_predicted_miss"
-AT_ARRIVAL = (SHED_CODE, "queue_full")  # the router's refusals that come before a request waits
 TICK_S = 10.0
 
 
@@ -52,6 +51,7 @@ class ObjectivesConfig:
     token_budget: int = 512
     profile_s: float = 3.0
     seed: int = 0
+    fresh_daemons: bool = True  # False (--quick): one set of daemons for both phases, a fresh router each
 
     def objectives(self) -> list[dict[str, Any]]:
         """The router's --objectives (operator/router/objectives.py parse_objectives)."""
@@ -82,30 +82,20 @@ def mean(bounds: tuple[int, int]) -> float:
 # ---- judging (pure) ------------------------------------------------------------------------------
 
 
-def classify(result: RequestResult) -> str:
-    """served; refused at arrival (shed or queue_full); refused after waiting (any other refusal); lost (no
-    answer and no refusal: a broken connection, a stream error, still open at the time limit)."""
-    if result.ok:
-        return "served"
-    if result.status is None:
-        return "lost"
-    return "refused_at_arrival" if result.refusal_code in AT_ARRIVAL else "refused_after_waiting"
-
-
 def tally(results: Sequence[RequestResult], ttft_target_ms: float) -> dict[str, Any]:
     """One objective's figures over its requests: counts per outcome, sheds, TTFT and goodput."""
     from stallfree.simulator.latency_summary import summarize
 
-    kinds = [classify(r) for r in results]
-    served = [r for r, k in zip(results, kinds) if k == "served"]
-    shed = [r for r in results if not r.ok and r.refusal_code == SHED_CODE]
-    met = sum(r.ttft_ms is not None and r.ttft_ms <= ttft_target_ms for r in served)
-    return {"requests": len(results), "served": len(served), "shed": len(shed),
-            "shed_without_retry_after": sum(r.retry_after_s is None for r in shed),
+    kinds = [outcome(r) for r in results]
+    served = [r for r in results if r.ok]
+    sheds = [r for r in results if shed(r)]
+    good = sum(met(r, ttft_target_ms) for r in served)
+    return {"requests": len(results), "served": len(served), "shed": len(sheds),
+            "shed_without_retry_after": sum(r.retry_after_s is None for r in sheds),
             "refused_at_arrival": kinds.count("refused_at_arrival"),
             "refused_after_waiting": kinds.count("refused_after_waiting"), "lost": kinds.count("lost"),
-            "served_late": len(served) - met, "ttft_target_ms": ttft_target_ms,
-            "goodput": met / len(results) if results else None,
+            "served_late": len(served) - good, "ttft_target_ms": ttft_target_ms,
+            "goodput": good / len(results) if results else None,
             "ttft_ms": summarize(r.ttft_ms for r in served), "tpot_ms": summarize(r.tpot_ms for r in served
                                                                                  if r.tpot_ms is not None),
             "errors": _errors(results)}
@@ -192,7 +182,7 @@ async def _run_phase(url: str, label: str, streams: list[Stream], model: str, co
     ended: dict[str, list[str]] = {s.objective: [] for s in streams}
 
     def seen(objective: str):
-        return lambda r: ended[objective].append(classify(r))
+        return lambda r: ended[objective].append(outcome(r))
 
     limit_s = config.duration_s + config.queue_timeout_s + 15.0  # bounded: a request still open then is lost
     runs = [asyncio.ensure_future(run_benchmark(url, s.requests, s.prompts, model, timeout_s=limit_s,
@@ -201,48 +191,89 @@ async def _run_phase(url: str, label: str, streams: list[Stream], model: str, co
     started = time.monotonic()
     while not all(r.done() for r in runs):
         await asyncio.wait(runs, timeout=TICK_S)
-        counts = "; ".join(f"{o} {len(k)}/{len(s.requests)} ended ({k.count('served')} served, "
-                           f"{k.count('refused_at_arrival')} refused at arrival)"
+        counts = "; ".join(f"{o} {len(k)}/{len(s.requests)} ended ({k.count(SERVED)} served, "
+                           f"{k.count(REFUSED_AT_ARRIVAL)} refused at arrival)"
                            for s in streams for o, k in [(s.objective, ended[s.objective])])
         say(f"[objectives] {label}: {time.monotonic() - started:.0f}s: {counts}")
     return {s.objective: r.result()[0] for s, r in zip(streams, runs)}
 
 
 def run(config: ObjectivesConfig, log_dir: Path, say) -> dict[str, Any]:
-    from stallfree.bench.router import MODEL, Fleet, prefill_capacity_tokens_per_s
-    from stallfree.loadgen.prompts import PromptBuilder
-    from stallfree.node_daemon.sim.backend import sim_tokenizer
+    from stallfree.bench.router import MODEL, Fleet
 
-    builder = PromptBuilder(sim_tokenizer(MODEL))
-    router_flags = ["--objectives", json.dumps(config.objectives()), "--queue-wait-slo-ms",
-                    str(config.queue_wait_slo_ms), "--queue-timeout-s", str(config.queue_timeout_s)]
     results: dict[str, dict[str, list[RequestResult]]] = {}
-    streams: list[Stream] = []
     out: dict[str, Any] = {"config": asdict(config), "objectives": config.objectives(),
                            "fleet": [{"hardware": hw, "replicas": n} for hw, n in FLEET]}
-    for label in ("alone", "flood"):
-        fleet = Fleet(log_dir, 8192, config.token_budget, config.profile_s, fleet=FLEET)
-        say(f"[objectives] {label}: starting {sum(n for _, n in FLEET)} sim daemons and the router")
-        try:
-            fleet.start()
-            if not streams:
-                capacity = prefill_capacity_tokens_per_s([r.url for r in fleet.replicas])
-                i_rate = config.interactive_load * capacity / mean(INTERACTIVE_PROMPT)
-                b_rate = config.flood * capacity / mean(BATCH_PROMPT)
-                interactive = workload(i_rate, config.duration_s, config.seed, INTERACTIVE_PROMPT, INTERACTIVE_OUTPUT)
-                batch = workload(b_rate, config.duration_s, config.seed + 1, BATCH_PROMPT, BATCH_OUTPUT)
-                streams = [Stream(INTERACTIVE, interactive, [builder.prompt(r, i) for i, r in enumerate(interactive)]),
-                           Stream(BATCH, batch, [builder.prompt(r, 1_000_000 + i) for i, r in enumerate(batch)])]
-                tokens = sum(r.prompt_len for s in streams for r in s.requests)
-                chars_per_token = sum(len(p) for s in streams for p in s.prompts) / max(1, tokens)
-                out.update(capacity_tokens_per_s=capacity, interactive_rate=i_rate, batch_rate=b_rate)
-                say(f"[objectives] combined prefill capacity {capacity:,.0f} tok/s: interactive {len(interactive)} "
-                    f"requests at {i_rate:.1f}/s ({config.interactive_load:.0%}), batch {len(batch)} at {b_rate:.1f}/s "
-                    f"({config.flood:g}x) in the flood")
-            fleet.start_router("slo-aware", chars_per_token, router_flags)
-            results[label] = asyncio.run(_run_phase(fleet.router_url, label, streams if label == "flood"
-                                                    else streams[:1], MODEL, config, say))
-        finally:
+    fleet: Fleet | None = None
+    plan: Plan | None = None
+    try:
+        for label in ("alone", "flood"):
+            if fleet is None or config.fresh_daemons:
+                if fleet is not None:
+                    fleet.stop()
+                fleet = Fleet(log_dir, 8192, config.token_budget, config.profile_s, fleet=FLEET)
+                say(f"[objectives] {label}: starting {sum(n for _, n in FLEET)} sim daemons")
+                fleet.start()
+            if plan is None:
+                plan = make_plan(config, [r.url for r in fleet.replicas], MODEL)
+                out.update(plan.figures)
+                say(plan.describe(config))
+            fleet.start_router("slo-aware", plan.chars_per_token, router_flags(config))
+            streams = plan.streams(label)
+            try:
+                results[label] = asyncio.run(_run_phase(fleet.router_url, label, streams, MODEL, config, say))
+            finally:
+                fleet.stop_router()
+    finally:
+        if fleet is not None:
             fleet.stop()
     out.update(judge(results["alone"][INTERACTIVE], results["flood"][INTERACTIVE], results["flood"][BATCH], config))
     return out
+
+
+def router_flags(config: ObjectivesConfig) -> list[str]:
+    return ["--objectives", json.dumps(config.objectives()), "--queue-wait-slo-ms", str(config.queue_wait_slo_ms),
+            "--queue-timeout-s", str(config.queue_timeout_s)]
+
+
+@dataclass
+class Plan:
+    interactive: list
+    batch: list
+    builder: Any  # PromptBuilder
+    chars_per_token: float
+    figures: dict[str, float]
+
+    def streams(self, label: str) -> list[Stream]:
+        """The phase's streams. Each phase's prompts are its own text (same lengths): daemons shared between
+        phases give the flood's interactive prompts no prefix-cache hits from the alone phase."""
+        offset = 0 if label == "alone" else 500_000
+        out = [Stream(INTERACTIVE, self.interactive,
+                      [self.builder.prompt(r, offset + i) for i, r in enumerate(self.interactive)])]
+        if label == "flood":
+            out.append(Stream(BATCH, self.batch, [self.builder.prompt(r, 1_000_000 + i) for i, r in enumerate(self.batch)]))
+        return out
+
+    def describe(self, config: ObjectivesConfig) -> str:
+        f = self.figures
+        return (f"[objectives] combined prefill capacity {f['capacity_tokens_per_s']:,.0f} tok/s: interactive "
+                f"{len(self.interactive)} requests at {f['interactive_rate']:.1f}/s ({config.interactive_load:.0%}), "
+                f"batch {len(self.batch)} at {f['batch_rate']:.1f}/s ({config.flood:g}x) in the flood")
+
+
+def make_plan(config: ObjectivesConfig, replica_urls: list[str], model: str) -> Plan:
+    """Both workloads, sized from the daemons' combined prefill capacity (as the router counts it)."""
+    from stallfree.bench.router import prefill_capacity_tokens_per_s
+    from stallfree.loadgen.prompts import PromptBuilder
+    from stallfree.node_daemon.sim.backend import sim_tokenizer
+
+    builder = PromptBuilder(sim_tokenizer(model))
+    capacity = prefill_capacity_tokens_per_s(replica_urls)
+    i_rate = config.interactive_load * capacity / mean(INTERACTIVE_PROMPT)
+    b_rate = config.flood * capacity / mean(BATCH_PROMPT)
+    interactive = workload(i_rate, config.duration_s, config.seed, INTERACTIVE_PROMPT, INTERACTIVE_OUTPUT)
+    batch = workload(b_rate, config.duration_s, config.seed + 1, BATCH_PROMPT, BATCH_OUTPUT)
+    sample = [builder.prompt(r, i) for i, r in enumerate(interactive + batch)]
+    chars_per_token = sum(map(len, sample)) / max(1, sum(r.prompt_len for r in interactive + batch))
+    return Plan(interactive, batch, builder, chars_per_token,
+                {"capacity_tokens_per_s": capacity, "interactive_rate": i_rate, "batch_rate": b_rate})

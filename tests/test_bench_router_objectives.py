@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from stallfree.bench import router as bench_router
-from stallfree.bench.router_objectives import ObjectivesConfig, classify, judge
+from stallfree.bench.router_objectives import ObjectivesConfig, judge
+from stallfree.loadgen.outcome import outcome as classify
 from stallfree.loadgen.stream import RequestResult, send_request
 
 
