@@ -173,8 +173,9 @@ def use_profile(opts: ServeConfig, engine, profile, when: str = "start-up") -> N
     if profile is None or not profile.mixed or opts.backend != "model" or opts.no_prefix_cut:
         return
     target = SLO_MARGIN * opts.tpot_slo_ms if opts.tpot_slo_ms is not None else None
-    engine.scheduler.set_prefix_cost(OnlineIterationCost(profile, target,
-                                                         prior_per_prefix_pair(profile, engine.executor.loaded.shape)))
+    cost = OnlineIterationCost(profile, target, prior_per_prefix_pair(profile, engine.executor.loaded.shape))
+    engine.scheduler.set_prefix_cost(cost)
+    engine.scheduler.set_tpot_budget(cost, opts.tpot_slo_ms)  # a request's tighter TPOT target caps the budget
     log.info("%s: prefill chunks over a cached prefix are cut to the budget's iteration time%s (the prefix's cost "
              "learned from served iterations)", when,
              f" and to {target:.0f} ms (the TPOT SLO's iteration target)" if target else "")

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from stallfree.contracts import Profile
+from stallfree.profile_rules import budget_for_tpot
 from stallfree.shapes import ModelShape
 
 # Weight of an iteration against the one after it: about the last 1 / (1 - FORGET) = 50 iterations count.
@@ -100,6 +101,12 @@ class OnlineIterationCost:
                 hi = mid
         # Whole multiples of CHUNK_ALIGN: fewer distinct GEMM shapes, each of which oneDNN builds once.
         return max(MIN_CHUNK, lo - lo % CHUNK_ALIGN)
+
+    def budget_for_tpot(self, tpot_ms: float) -> int:
+        """The token budget for a TPOT target at the machine's fitted speed: the start-up's rule
+        (profile_rules.budget_for_tpot) on the target in the profile's time. The scheduler caps an iteration at it
+        while a running request's own TPOT target is tighter than the service's."""
+        return budget_for_tpot(self.profile, tpot_ms / self.coefficients[0])
 
     def predict_ms(self, decode_context_lens: Sequence[int], prefill_chunks: Sequence[tuple[int, int]]) -> float:
         speed, per_pair, per_context = self.coefficients

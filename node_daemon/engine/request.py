@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
 from stallfree.node_daemon.engine.block_pool import ROOT_HASH, BlockHash, hash_block_tokens
@@ -32,6 +34,21 @@ _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, Requ
              RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_GRAMMAR_DEAD_END}
 
 
+@dataclass(frozen=True, slots=True)
+class Objective:
+    """What a request was sent to meet, as the router signed it (common/request_objective_header.py): the scheduler
+    orders by priority (higher first) then deadline (earlier first), and the budget follows the TPOT target."""
+
+    name: str
+    priority: int = 0
+    deadline: float | None = None  # first token by then, in the engine's clock (as arrival_time); None: none
+    tpot_target_ms: float | None = None
+
+
+# The urgency of a request without an objective: priority 0, no deadline (so first come, first served among them).
+NO_URGENCY = (0, math.inf)
+
+
 class Request:
     """Token ids, progress and KV blocks of one request.
 
@@ -48,7 +65,7 @@ class Request:
         "request_id", "token_ids", "num_prompt_tokens", "block_hashes", "hash_block_size", "sampling",
         "eos_token_ids", "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "arrival_time",
         "first_scheduled_time", "first_token_time", "last_token_time", "finished_time", "num_preemptions",
-        "max_model_len", "matcher",
+        "max_model_len", "matcher", "objective", "arrival_seq",
     )
 
     def __init__(
@@ -60,6 +77,7 @@ class Request:
         arrival_time: float | None = None,
         max_model_len: int = 1 << 30,
         matcher: Matcher | None = None,
+        objective: Objective | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -82,6 +100,20 @@ class Request:
         # The grammar state of a constrained request (response_format, a forced tool call), None for free text:
         # the executor masks its logits and advances it by each sampled token.
         self.matcher = matcher
+        self.objective = objective
+        self.arrival_seq = 0  # its place in arrival order at the scheduler (set there): ties of urgency go by it
+
+    @property
+    def priority(self) -> int:
+        return 0 if self.objective is None else self.objective.priority
+
+    @property
+    def urgency(self) -> tuple[int, float]:
+        """Smaller is more urgent: a higher priority first, then an earlier deadline (none: after every deadline)."""
+        objective = self.objective
+        if objective is None:
+            return NO_URGENCY
+        return -objective.priority, math.inf if objective.deadline is None else objective.deadline
 
     # ---- tokens ------------------------------------------------------------------------------------
 

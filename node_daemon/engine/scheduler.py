@@ -5,8 +5,17 @@ prefills, long-prefill threshold) in this order:
 
 1. every running decode, one token each (they never lose a step to a newcomer);
 2. the next chunk of each partially prefilled prompt, in admission order;
-3. new requests first come, first served (preempted ones ahead of new ones), while budget, sequence
-   slots, the partial-prefill cap and KV admission allow; the queue head blocks the rest (strict FCFS).
+3. new requests in the waiting queue's order, while budget, sequence slots, the partial-prefill cap and
+   KV admission allow; the queue head blocks the rest.
+
+Requests carry an objective when the router signed one (request.py `Objective`): the waiting queue is
+ordered by urgency (higher priority first, then the earlier deadline), then arrival; steps 2 and 3 merge
+so the prefill chunks go to the most urgent request first (a partial prefill before a waiting request
+of the same urgency), decodes still all first. A preempted request goes back to its own place in that
+order, by its original arrival. Without objectives every request has the same urgency, so the queue is
+first come, first served (preempted ones resume first: they arrived before any request still waiting)
+and the order is the one above. While a running request has a TPOT target tighter than the service's,
+the iteration's token budget is capped at the budget for that target (set_tpot_budget).
 
 Every prefill chunk is cut at the leftover budget, at `long_prefill_threshold` when set, and over a long
 cached prefix to the budget's iteration time (set_prefix_cost).
@@ -17,12 +26,12 @@ lengths with a margin and a floor), never more than its own bound (prompt plus m
 context), against the free blocks, net of prefix-cache hits and of what running requests may still
 grow to under their reservations; `watermark_blocks` stay free unless the request would run alone. A
 request resumed after it outran the estimate reserves as many outputs again as it already has. When
-decoding runs out of KV anyway (the estimate was short), the latest admitted request not yet scheduled
-this iteration is preempted by recompute and resumes ahead of new requests; its cached full blocks
-usually make the recompute a cache hit. `OutputLengthEstimate.worst_case()` reserves every request's
-full bound instead, so decoding can never run out of KV.
+decoding runs out of KV anyway (the estimate was short), of the running requests not yet scheduled this
+iteration the lowest priority, then the latest admitted, is preempted by recompute and queued at its
+place; its cached full blocks usually make the recompute a cache hit. `OutputLengthEstimate.worst_case()`
+reserves every request's full bound instead, so decoding can never run out of KV.
 
-Lowering max_num_seqs live below the running count preempts the latest admitted requests at the next
+Lowering max_num_seqs live below the running count preempts (by the same rule) at the next
 step (so the decodes always fit the budget, which validate_tuning keeps above max_num_seqs); lowering
 the partial-prefill cap only stops new partial prefills, the ones in flight finish.
 
@@ -40,9 +49,10 @@ from __future__ import annotations
 
 from bisect import insort
 from collections import deque
+from dataclasses import replace
 from typing import Collection, Protocol
 
-from stallfree.contracts import Ceilings, Tuning, validate_tuning
+from stallfree.contracts import Ceilings, Tuning, min_budget_for, validate_tuning
 from stallfree.node_daemon.engine.config import SchedulerConfig
 from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
 from stallfree.node_daemon.engine.output_length import OutputLengthEstimate
@@ -62,6 +72,12 @@ class PrefixCostModel(Protocol):
     def chunk_within_budget(self, limit: int, used: int, prefix_len: int, token_budget: int) -> int: ...
 
 
+class TpotBudgetModel(Protocol):
+    """The token budget whose iteration fits a TPOT target (node_daemon/engine/iteration_cost.py)."""
+
+    def budget_for_tpot(self, tpot_ms: float) -> int: ...
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, *,
                  output_estimate: OutputLengthEstimate | None = None) -> None:
@@ -73,7 +89,15 @@ class Scheduler:
         self._tuning = config.tuning
         self._block_size = kv_cache.block_size
         self.prefix_cost: PrefixCostModel | None = None
-        self.waiting: deque[Request] = deque()  # preempted at the front, then new requests in arrival order
+        self.tpot_budget: TpotBudgetModel | None = None
+        self.service_tpot_ms: float | None = None
+        # In queue order: by urgency (request.py), then arrival; without objectives, arrival order.
+        self.waiting: deque[Request] = deque()
+        self._num_arrivals = 0
+        # Running requests with a TPOT target of their own: while there are any, the budget may be capped.
+        self._num_tpot_targets = 0
+        # Unfinished requests with an objective: without any, the iteration takes today's first come, first served path.
+        self._num_objectives = 0
         self._requests: dict[str, Request] = {}  # every unfinished request
         # The running requests: those that decode and those still prefilling, each list in admission order
         # (the hot loops walk one each; the latest admitted is one of the two tails).
@@ -101,6 +125,13 @@ class Scheduler:
         """From the next schedule() on, cut prefill chunks over a cached prefix so that an iteration's time stays
         what the token budget means (node_daemon/engine/iteration_cost.py); None stops it."""
         self.prefix_cost = model
+
+    def set_tpot_budget(self, model: TpotBudgetModel | None, service_tpot_ms: float | None) -> None:
+        """From the next schedule() on, while a running request's TPOT target is tighter than `service_tpot_ms`
+        (any target, when None), cap the iteration's token budget at `model`'s budget for the tightest target;
+        None stops it."""
+        self.tpot_budget = model
+        self.service_tpot_ms = service_tpot_ms
 
     def set_tuning(self, tuning: Tuning) -> None:
         """Validate against the ceilings (raises TuningError) and take effect at the next schedule()."""
@@ -159,7 +190,19 @@ class Scheduler:
         request.max_model_len = max_model_len
         self.kv_cache.hash_prompt(request)
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        self._num_arrivals += 1
+        request.arrival_seq = self._num_arrivals
+        if request.objective is not None:
+            self._num_objectives += 1
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        """Into the waiting queue at its place: by urgency, then arrival (usually the tail: O(1))."""
+        waiting = self.waiting
+        if not waiting or _queue_key(waiting[-1]) < _queue_key(request):
+            waiting.append(request)
+        else:
+            insort(waiting, request, key=_queue_key)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Finish as aborted and free its KV blocks at once; None if unknown or already finished."""
@@ -180,6 +223,8 @@ class Scheduler:
             self._remove_running(request)
         else:
             self.waiting.remove(request)
+        if request.objective is not None:
+            self._num_objectives -= 1
         request.status = status
         self.kv_cache.free(request)
         if status is _STOPPED:  # a stop string seen by the engine: the request ended by itself
@@ -189,11 +234,24 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         tuning = self._tuning
+        if self._num_tpot_targets and self.tpot_budget is not None:
+            tuning = self._tpot_capped(tuning)
         out = SchedulerOutput(token_budget=tuning.token_budget)
         while self.num_running > tuning.max_num_seqs:  # max_num_seqs was lowered live
-            self._preempt(self._latest_admitted(), out)
+            self._preempt(self._victim(out), out)
         self._schedule(out, tuning)
         return out
+
+    def _tpot_capped(self, tuning: Tuning) -> Tuning:
+        """The tuning with its budget capped for the tightest TPOT target among running requests, when that target
+        is tighter than the service's; never below the room every running decode needs beside a prefill."""
+        tightest = min(r.objective.tpot_target_ms for r in (*self._decoding, *self._prefilling)
+                       if r.objective is not None and r.objective.tpot_target_ms is not None)
+        service = self.service_tpot_ms
+        if service is not None and tightest >= service:
+            return tuning
+        cap = max(self.tpot_budget.budget_for_tpot(tightest), min_budget_for(self.num_running))
+        return replace(tuning, token_budget=cap) if cap < tuning.token_budget else tuning
 
     def _schedule(self, out: SchedulerOutput, tuning: Tuning) -> None:
         """One stall-free iteration into `out` (a baseline policy overrides this)."""
@@ -207,37 +265,54 @@ class Scheduler:
 
         # 2. The next chunk of every partial prefill, in admission order. A KV shortfall here preempts
         # the latest admitted partial prefill (decodes were all scheduled already).
+        # 3. New (and preempted) requests in the queue's order. Not after a preemption in this iteration: KV is
+        # short, and the victim would only take back the room it just gave. With objectives, 2 and 3 merge by
+        # urgency (a waiting request before a partial prefill only when strictly more urgent).
+        partials = self._prefilling
+        if self._num_objectives:
+            partials = sorted(partials, key=_urgency)  # stable: admission order within one urgency
+        else:
+            partials = partials[:]
+        waiting = self.waiting
+        admitting = True
         num_partial = 0
-        prefilling = self._prefilling
-        for request in prefilling:  # preemption only removes the tail
+        num_running = self.num_running
+        i = 0
+        while True:
+            while i < len(partials) and partials[i].status is not _RUNNING:
+                i += 1  # preempted in this iteration
+            partial = partials[i] if i < len(partials) else None
+            if (admitting and waiting and budget > 0 and num_running < tuning.max_num_seqs and not out.preempted
+                    and (partial is None or waiting[0].urgency < partial.urgency)):
+                request = waiting[0]
+                hits, num_hit_tokens = kv.get_computed_blocks(request)
+                remaining = request.num_tokens - num_hit_tokens
+                n = self._chunk_size(remaining, budget, tuning, num_hit_tokens, chunks)
+                # Partial prefills not given their chunk yet count as partial: they may stay so.
+                in_flight = 0 if partial is None else sum(r.status is _RUNNING for r in partials[i:])
+                if (n <= 0 or (n < remaining and num_partial + in_flight >= tuning.max_partial_prefills)
+                        or not self._admit(request, hits, n)):
+                    admitting = False  # the head blocks the rest
+                    continue
+                num_running += 1
+                chunks.append(ScheduledChunk(request, num_hit_tokens, n, True, n == remaining))
+                budget -= n
+                if n < remaining:
+                    num_partial += 1
+                continue
+            if partial is None:
+                break
+            i += 1
+            request = partial
             start = request.num_computed_tokens
             remaining = request.num_tokens - start
             n = self._chunk_size(remaining, budget, tuning, start, chunks)
             if n <= 0:
                 num_partial += 1
                 continue
-            if not self._grow(request, n, out, prefilling):
+            if not self._grow(request, n, out):
                 break
             chunks.append(ScheduledChunk(request, start, n, True, n == remaining))
-            budget -= n
-            if n < remaining:
-                num_partial += 1
-
-        # 3. New (and preempted) requests, strictly first come, first served. Not after a preemption in
-        # this iteration: KV is short, and the victim would only take back the room it just gave.
-        waiting = self.waiting
-        num_running = len(self._decoding) + len(prefilling)
-        while waiting and budget > 0 and num_running < tuning.max_num_seqs and not out.preempted:
-            request = waiting[0]
-            hits, num_hit_tokens = kv.get_computed_blocks(request)
-            remaining = request.num_tokens - num_hit_tokens
-            n = self._chunk_size(remaining, budget, tuning, num_hit_tokens, chunks)
-            if n <= 0 or (n < remaining and num_partial >= tuning.max_partial_prefills):
-                break
-            if not self._admit(request, hits, n):
-                break
-            num_running += 1
-            chunks.append(ScheduledChunk(request, num_hit_tokens, n, True, n == remaining))
             budget -= n
             if n < remaining:
                 num_partial += 1
@@ -248,15 +323,18 @@ class Scheduler:
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         """One token for every running decode; a decode needs a new block only at a block boundary.
 
-        `_decoding` is in admission order and the victim of a KV shortfall is the latest admitted
-        request: never one scheduled earlier in this loop, and the loop survives it.
+        In admission order, the highest priority first when they differ: the victim of a KV shortfall is never a
+        request scheduled earlier in this loop (_victim), so the lowest priority is still there to be preempted.
         """
         block_size = self._block_size
         chunks = out.chunks
-        for request in self._decoding:
+        decoding = sorted(self._decoding, key=_by_priority) if self._num_objectives else self._decoding[:]
+        for request in decoding:
+            if request.status is not _RUNNING:
+                continue  # preempted in this loop
             start = request.num_computed_tokens
-            if start >= len(request.block_ids) * block_size and not self._grow(request, 1, out, None):
-                break  # it preempted itself: it was the latest admitted, so the last decode
+            if start >= len(request.block_ids) * block_size and not self._grow(request, 1, out):
+                continue  # it preempted itself
             chunks.append(ScheduledChunk(request, start, 1, False, True))
         out.num_decode_tokens = len(chunks)
 
@@ -296,19 +374,18 @@ class Scheduler:
         self._num_admissions += 1
         self._admitted[request.request_id] = (self._num_admissions, reserved)
         self._prefilling.append(request)
+        if request.objective is not None and request.objective.tpot_target_ms is not None:
+            self._num_tpot_targets += 1
         return True
 
-    def _grow(self, request: Request, num_new_tokens: int, out: SchedulerOutput, pool: list[Request] | None) -> bool:
-        """Room for a running request's next tokens, preempting if KV is short; False if it had to go itself.
-
-        The victim is the latest admitted request not yet scheduled in this iteration: the latest of all
-        while decodes are scheduled (pool None), the tail of `pool` (partial prefills) after.
-        """
+    def _grow(self, request: Request, num_new_tokens: int, out: SchedulerOutput) -> bool:
+        """Room for a running request's next tokens, preempting if KV is short (_victim); False if it had to go
+        itself."""
         kv = self.kv_cache
         reserved = self._admitted[request.request_id][1]
         before = len(request.block_ids)
         while not kv.allocate_slots(request, num_new_tokens):
-            victim = self._latest_admitted() if pool is None else pool[-1]
+            victim = self._victim(out)
             self._preempt(victim, out)
             if victim is request:
                 return False
@@ -318,29 +395,32 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        """Preempt by recompute: free its KV, queue it ahead of new requests."""
+        """Preempt by recompute: free its KV, queue it at its place (by urgency, then its original arrival: ahead
+        of every request that came after it)."""
         self._remove_running(request)
         request.status = RequestStatus.PREEMPTED
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request)
         out.preempted.append(request)
 
-    def _latest_admitted(self) -> Request:
-        """The running request admitted last: the later of the two lists' tails."""
-        decoding, prefilling = self._decoding, self._prefilling
-        if not decoding:
-            return prefilling[-1]
-        if prefilling:
-            admitted = self._admitted
-            if admitted[prefilling[-1].request_id][0] > admitted[decoding[-1].request_id][0]:
-                return prefilling[-1]
-        return decoding[-1]
+    def _victim(self, out: SchedulerOutput) -> Request:
+        """Of the running requests not yet scheduled in this iteration, the lowest priority, then the latest admitted.
+
+        Without priorities this is the latest admitted not yet scheduled: decodes are scheduled in admission
+        order, so it is the later of the two lists' tails while they are, the tail of the partial prefills after.
+        """
+        scheduled = {id(chunk.request) for chunk in out.chunks}
+        admitted = self._admitted
+        return min((r for r in (*self._decoding, *self._prefilling) if id(r) not in scheduled),
+                   key=lambda r: (r.priority, -admitted[r.request_id][0]))
 
     def _remove_running(self, request: Request) -> None:
         """Take a running request out of its list and give back its reservation."""
+        if request.objective is not None and request.objective.tpot_target_ms is not None:
+            self._num_tpot_targets -= 1
         if self._prefilling and request in self._prefilling:
             self._prefilling.remove(request)
         else:
@@ -409,10 +489,25 @@ class Scheduler:
             observe = self.output_estimate.observe
             for request in finished:
                 del requests[request.request_id]
+                if request.objective is not None:
+                    self._num_objectives -= 1
                 self._remove_running(request)
                 kv.free(request)
                 observe(request.num_output_tokens, request.status is _STOPPED)
         return finished
+
+
+def _by_priority(request: Request) -> int:
+    return -request.priority
+
+
+def _urgency(request: Request) -> tuple[int, float]:
+    return request.urgency
+
+
+def _queue_key(request: Request) -> tuple[int, float, int]:
+    urgency = request.urgency
+    return urgency[0], urgency[1], request.arrival_seq
 
 
 def _invariant(holds: bool, what: str) -> None:

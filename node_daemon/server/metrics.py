@@ -9,6 +9,12 @@ The occupancy gauges (running, waiting, partial prefills, KV usage and reservati
 engine when Prometheus scrapes (`bind_live`), so they are true at once when requests end between iterations
 (abort, error, drain), not only at the next iteration. A request that failed is not a success: it is
 counted once, as an error, by the server that answered it.
+
+Goodput, per objective (the one the router signed, engine/request.py `Objective`; `default` without one): every
+request the engine finished counts in stallfree_objective_finished_requests, and those that met every SLO of their
+objective also in stallfree_objective_goodput_requests. Met: it ran to its end (stop or length: an abort, an error or
+a grammar's dead end is not served), its first token came by its deadline (TTFT from the router's arrival, the
+router's queue wait included) and its mean TPOT is within its TPOT target, each when the objective has one.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from stallfree import latency
 from stallfree.contracts import Tuning
 from stallfree.node_daemon.engine.engine_protocol import IterationRecord
-from stallfree.node_daemon.engine.request import Request
+from stallfree.node_daemon.engine.request import Request, RequestStatus
 
 # Per-token and per-iteration times (seconds): fine steps from 1 ms up to a few seconds of stall.
 TOKEN_LATENCY_BUCKETS = (
@@ -42,6 +48,25 @@ ERROR_REASONS = (
     "starting", "engine", "internal", "timeout",
 )
 LABEL = "model_name"
+DEFAULT_OBJECTIVE = "default"  # a request without an objective (the router's implicit objective has this name too)
+_SERVED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH})
+
+
+def met_objective(request: Request) -> bool:
+    """Whether a finished request met every SLO of its objective (see the module's docstring)."""
+    if request.status not in _SERVED:
+        return False
+    objective = request.objective
+    if objective is None:
+        return True
+    if objective.deadline is not None and (request.first_token_time is None
+                                           or request.first_token_time > objective.deadline):
+        return False
+    if objective.tpot_target_ms is not None:
+        tpot = latency.tpot_s(request.first_token_time, request.last_token_time, request.num_output_tokens)
+        if tpot is not None and tpot * 1000.0 > objective.tpot_target_ms:
+            return False
+    return True
 
 
 class EngineMetrics:
@@ -128,6 +153,14 @@ class EngineMetrics:
                                   "stats) by hook; the requests are served regardless.", [LABEL, "hook"], registry=reg)
         self._observer_errors = {hook: observer_errors.labels(model_name, hook)
                                  for hook in ("on_iteration", "on_token", "on_finished")}
+        self._objective_finished = Counter(
+            "stallfree_objective_finished_requests", "Requests the engine finished (any way), by objective "
+            "(`default`: none).", [LABEL, "objective"], registry=reg)
+        self._objective_goodput = Counter(
+            "stallfree_objective_goodput_requests", "Finished requests that met every SLO of their objective: "
+            "served to the end, first token by the deadline, mean TPOT within the target.", [LABEL, "objective"],
+            registry=reg)
+        self._objective_children: dict[str, tuple] = {}
         self.engine_config = Info("stallfree_engine_config", "The engine's configuration: ceilings, KV cache, "
                                   "dtype, backend (set once the engine runs).", [LABEL], registry=reg).labels(*m)
         self._live = False
@@ -191,6 +224,7 @@ class EngineMetrics:
             self.itl.observe(latency.itl_s(request.last_token_time, now))
 
     def on_finished(self, request: Request, now: float) -> None:
+        self._count_goodput(request)
         counter = self._success.get(request.status.value)
         if counter is None:
             return  # failed ("error"): the server counts it once in stallfree_request_errors
@@ -203,6 +237,16 @@ class EngineMetrics:
             tpot = latency.tpot_s(request.first_token_time, request.last_token_time, request.num_output_tokens)
             if tpot is not None:
                 self.tpot.observe(tpot)
+
+    def _count_goodput(self, request: Request) -> None:
+        name = DEFAULT_OBJECTIVE if request.objective is None else request.objective.name
+        children = self._objective_children.get(name)
+        if children is None:
+            children = self._objective_children[name] = (self._objective_finished.labels(self._model, name),
+                                                          self._objective_goodput.labels(self._model, name))
+        children[0].inc()
+        if met_objective(request):
+            children[1].inc()
 
     # --- server side (HTTP event loop) ---
 
