@@ -4,6 +4,7 @@ A daemon adds the router's queue wait to the request's queue wait and TTFT, whic
 a client straight to a daemon, an unsigned header would let anyone set those figures. The router signs the value
 with the admin token (which it and every daemon hold) as an HMAC over the value and the time of signing; the
 daemon uses the value only when the signature matches and is recent, so a header seen once cannot be reused later.
+`sign` and `verify` are the one signing rule of what the router tells a daemon: request_objective_header uses them too.
 """
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from stallfree.node_daemon.engine.engine_protocol import RequestOutput
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from stallfree.node_daemon.engine.request import Objective
     from stallfree.node_daemon.structured.compiler import CompiledGrammar
 
 log = logging.getLogger(__name__)
@@ -99,12 +100,14 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                        waited_s: float = 0.0, checked: bool = False,
-                       grammar: CompiledGrammar | None = None) -> AsyncIterator[RequestOutput]:
+                       grammar: CompiledGrammar | None = None,
+                       objective: Objective | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs until one is finished. Leaving early (break, cancel) aborts it.
         `waited_s`: how long it already waited before it reached this daemon (the router's queue): its
         arrival is that much earlier, so queue wait and TTFT count from the router's arrival. `checked`: the caller
         applied engine/request_rules.py to it already (the server, before admission). `grammar`: the output must
-        follow it (LLMEngine.add_request).
+        follow it (LLMEngine.add_request). `objective`: its priority, deadline (this clock: time.monotonic) and TPOT
+        target, as the router signed them.
 
         Bad input raises ValueError at the first iteration; an internal fault while adding it raises
         RequestFailedError (logged on the engine thread); nothing else in flight is disturbed.
@@ -119,7 +122,7 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
         self._submit(("add", request_id, list(prompt_token_ids), sampling, time.monotonic() - max(0.0, waited_s),
-                      checked, grammar))
+                      checked, grammar, objective))
         finished = False
         try:
             while True:
@@ -268,10 +271,10 @@ class AsyncEngine:
             command = commands.popleft()
             kind = command[0]
             if kind == "add":
-                _, request_id, token_ids, sampling, arrival, checked, grammar = command
+                _, request_id, token_ids, sampling, arrival, checked, grammar, objective = command
                 try:
                     engine.add_request(request_id, prompt_token_ids=token_ids, sampling=sampling, arrival_time=arrival,
-                                       checked=checked, grammar=grammar)
+                                       checked=checked, grammar=grammar, objective=objective)
                 except ValueError as exc:  # the request is invalid: the caller's 400
                     self._deliver_to(request_id, exc)
                 except Exception as exc:  # noqa: BLE001 - the engine's fault: logged, the caller's 500

@@ -26,7 +26,7 @@ from stallfree.node_daemon.text.detokenizer import IncrementalDetokenizer
 from stallfree.node_daemon.engine.engine_protocol import (EngineObserver, Executor, IterationRecord, RequestOutput,
                                                           TokenLogprob)
 from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
-from stallfree.node_daemon.engine.request import Request, RequestStatus
+from stallfree.node_daemon.engine.request import Objective, Request, RequestStatus
 from stallfree.node_daemon.engine.request_rules import (InvalidRequest, RequestLimits, check_prompt_tokens,
                                                         check_request)
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
@@ -116,11 +116,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         checked: bool = False,
         grammar: CompiledGrammar | None = None,
+        objective: Objective | None = None,
     ) -> None:
         """Queue a request; ValueError naming the problem (and nothing else changed) if it is bad. `checked`: the
         caller already applied request_rules to it (the server, before admission), so it is not checked again.
         `grammar`: the request's output must follow it (it gets a matcher of its own; n > 1 adds one request per
-        choice, so each sequence has its own)."""
+        choice, so each sequence has its own). `objective`: what the router signed for it (the scheduler's order)."""
         sampling = sampling if sampling is not None else SamplingParams()
         if request_id in self._detokenizers:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -144,7 +145,7 @@ class LLMEngine:
         request = Request(request_id, token_ids, sampling, self.eos_token_ids,
                           arrival_time=self.clock() if arrival_time is None else arrival_time,
                           max_model_len=self.max_model_len,
-                          matcher=grammar.new_matcher() if grammar is not None else None)
+                          matcher=grammar.new_matcher() if grammar is not None else None, objective=objective)
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop,
                                                                  skip_special_tokens=sampling.skip_special_tokens,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 from stallfree.contracts import Ceilings, Tuning
-from stallfree.node_daemon.engine.request import Request
+from stallfree.node_daemon.engine.request import Objective, Request
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
 
@@ -129,7 +129,8 @@ class EngineClient(Protocol):
                             tools: list[dict] | None = None) -> str: ...
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, waited_s: float = 0.0,
-                 checked: bool = False, grammar: CompiledGrammar | None = None) -> AsyncIterator[RequestOutput]: ...
+                 checked: bool = False, grammar: CompiledGrammar | None = None,
+                 objective: Objective | None = None) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
 

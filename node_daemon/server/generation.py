@@ -26,6 +26,7 @@ from stallfree.node_daemon.server.errors import APIError
 from stallfree.router_queue_header import QUEUE_HEADER, SIGNATURE_HEADER, verify
 
 if TYPE_CHECKING:
+    from stallfree.node_daemon.engine.request import Objective
     from stallfree.node_daemon.structured.compiler import CompiledGrammar
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ _SEED_MODULUS = 1 << 64
 class Generation:
     def __init__(self, daemon: Daemon, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  ticket: QueueTicket, waited_s: float = 0.0, n: int = 1,
-                 grammar: CompiledGrammar | None = None) -> None:
+                 grammar: CompiledGrammar | None = None, objective: Objective | None = None) -> None:
         self.daemon = daemon
         self.grammar = grammar  # each choice's engine request gets a matcher of its own
         self.request_id = request_id
@@ -95,6 +96,7 @@ class Generation:
         self.engine_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
         self.ticket = ticket
         self.waited_s = waited_s  # in the router's queue, before it came here
+        self.objective = objective  # the router's, signed (router_objective.py): every choice gets it
         self._started = [False] * n
         self._finished = [False] * n
         self._closed = False
@@ -108,6 +110,8 @@ class Generation:
         engine_id = self.engine_ids[index]
         # checked=True: openai_routes checked the request against the engine's limits before admission.
         extra = {"grammar": self.grammar} if self.grammar is not None else {}
+        if self.objective is not None:
+            extra["objective"] = self.objective
         async for out in self.daemon.engine.generate(engine_id, self.prompt_token_ids, self.samplings[index],
                                                      self.waited_s, checked=True, **extra):
             if index == 0 and self.ticket.queued and (out.num_output_tokens or out.finished):

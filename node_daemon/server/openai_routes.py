@@ -22,6 +22,7 @@ from stallfree.node_daemon.server.app import Daemon, get_daemon
 from stallfree.node_daemon.server.errors import APIError
 from stallfree.node_daemon.server.generation import Generation, admit, router_wait
 from stallfree.node_daemon.server.parsed_body import ParsedBodyRoute
+from stallfree.node_daemon.server.router_objective import router_objective
 from stallfree.node_daemon.server.streaming import ChunkRenderer, SSEResponse, stream_events
 from stallfree.node_daemon.server.structured_requests import (OutputPlan, StructuredOutputs, plan_chat,
                                                               plan_completion, template_messages)
@@ -219,7 +220,9 @@ async def _serve(daemon: Daemon, request: Request, body: protocol.SamplingFields
     ticket = admit(daemon, len(prompt_ids))
     # n > 1: one engine request per choice, the prompt's KV shared through the prefix cache (generation.py).
     waited_s = router_wait.seconds(request.headers, daemon.auth.admin_token)
-    generation = Generation(daemon, rid, prompt_ids, sampling, ticket, waited_s, n=body.n, grammar=plan.grammar)
+    objective = router_objective.of(request.headers, daemon.auth.admin_token)
+    generation = Generation(daemon, rid, prompt_ids, sampling, ticket, waited_s, n=body.n, grammar=plan.grammar,
+                            objective=objective)
     if body.stream:
         render = ChunkRenderer(rid, protocol.now_s(), daemon.served_model_name, chat, body.include_usage,
                                body.continuous_usage, logprobs=sampling.logprobs is not None, echo=echo)

@@ -2,7 +2,7 @@
 
 The router is the public door, so what a client says about where it came from (X-Forwarded-*, Forwarded,
 X-Real-IP) is dropped and X-Forwarded-For / -Proto are set from the connection itself; headers that only
-the router may send to a daemon (x-stallfree-*, such as the queue-time header) are dropped too.
+the router may send to a daemon (x-stallfree-*, such as the queue-time and the objective headers) are dropped too.
 """
 from __future__ import annotations
 

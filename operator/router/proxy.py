@@ -15,7 +15,9 @@ them soon; the time they waited there goes to the replica in `x-stallfree-router
 admin token (stallfree.router_queue_header), so its queue wait and TTFT count from the router's arrival. Only requests the router accepted (admission.py) count as
 demand. Each request names its objective and tenant in headers (objectives.py): they decide its place in the
 queue (flow_control.py) and, for a sheddable objective predicted to miss everywhere, a 429 at arrival
-(shedding.py). Which paths come here, and the body's bounds, are the edge's (edge.py).
+(shedding.py); the replica gets the objective's name, priority, deadline and TPOT target, signed the same way
+(stallfree.request_objective_header), for its scheduler's order. Which paths come here, and the body's bounds,
+are the edge's (edge.py).
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ from stallfree.operator.router.pick import AffinityMargin, Choice, ReplicaView, 
 from stallfree.operator.router.replicas import Replica, ReplicaPool
 from stallfree.operator.router.requests import RequestInfo, read_parsed
 from stallfree.operator.router.shedding import SHED_CODE, sheds
+from stallfree.request_objective_header import RequestObjective
+from stallfree.request_objective_header import headers as objective_headers
 from stallfree.router_queue_header import QUEUE_HEADER, SIGNATURE_HEADER, sign
 
 log = logging.getLogger("stallfree.router")
@@ -426,6 +430,8 @@ class Router:
                 self.prefixes.record(replica.name, hashes, info.prompt_tokens)
             waited_ms = (time.perf_counter() - received) * 1000.0
             leg_headers = headers + _queue_headers(f"{waited_ms:.1f}", self.admin_token) if queued else headers
+            if method == "POST":
+                leg_headers = leg_headers + _objective_headers(objective, waited_ms, self.admin_token)
             try:
                 return await self._send(replica, choice, ticket, method, path, leg_headers, body, info, received,
                                         objective)
@@ -651,6 +657,16 @@ def _queue_headers(waited_ms: str, admin_token: str | None) -> list[tuple[str, s
     """The ms a request waited here, signed with the admin token: a daemon believes no one else (router_queue_header)."""
     signed = [(SIGNATURE_HEADER, sign(waited_ms, admin_token, time.time()))] if admin_token else []
     return [(QUEUE_HEADER, waited_ms), *signed]
+
+
+def _objective_headers(objective: Objective, waited_ms: float, admin_token: str | None) -> list[tuple[str, str]]:
+    """The request's objective for the daemon's scheduler, signed as the queue header is (request_objective_header):
+    its deadline is the router's arrival (now less the wait here) plus the objective's TTFT target, on the wall
+    clock."""
+    now = time.time()
+    deadline = None if objective.ttft_ms is None else now + (objective.ttft_ms - waited_ms) / 1000.0
+    return objective_headers(RequestObjective(objective.name, objective.priority, deadline, objective.tpot_ms),
+                             admin_token, now)
 
 
 async def _close(response: httpx.Response) -> None:
