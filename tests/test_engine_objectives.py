@@ -3,10 +3,13 @@ with every decode still first, the lowest priority preempted first and queued at
 for a running request's tighter TPOT target, and goodput per objective on the daemon's metrics."""
 from __future__ import annotations
 
+import random
+
 from prometheus_client import CollectorRegistry
 from scheduler_driver import check_blocks_conserved, checked_step, make_request, make_scheduler
 
-from stallfree.contracts import min_budget_for
+from stallfree.contracts import Profile, ProfilePoint, min_budget_for
+from stallfree.node_daemon.engine.iteration_cost import OnlineIterationCost
 from stallfree.node_daemon.engine.output_length import OutputLengthEstimate
 from stallfree.node_daemon.engine.request import Objective, Request, RequestStatus
 from stallfree.node_daemon.server.metrics import EngineMetrics, met_objective
@@ -153,6 +156,46 @@ def test_the_tpot_cap_never_takes_the_room_the_running_decodes_need():
     checked_step(s)
     output, _ = checked_step(s)
     assert output.token_budget == min_budget_for(3)
+
+
+def test_the_iteration_cost_models_budget_for_a_tpot_target_is_the_start_ups_rule_at_the_fitted_speed():
+    mixed = [ProfilePoint(tokens=t, num_decodes=4, iteration_ms=20 + 0.5 * t) for t in (64, 128, 256, 512)]
+    decode = [ProfilePoint(tokens=b, num_decodes=b, iteration_ms=20 + 1.0 * b) for b in (1, 4, 16)]
+    cost = OnlineIterationCost(Profile(device="cpu", decode_only=decode, mixed=mixed))
+    assert cost.budget_for_tpot(200.0) == 256  # 148 ms fits 0.8 x 200 ms, 276 ms does not
+    cost.coefficients = (2.0, 0.0, 0.0)  # the machine runs twice as slow as its profile
+    assert cost.budget_for_tpot(200.0) == 64
+
+
+def test_mixed_objectives_under_kv_pressure_keep_every_invariant_and_finish():
+    rng = random.Random(33)
+    preemptions = 0
+    for trial in range(20):
+        s = make_scheduler(num_blocks=24, block_size=4, token_budget=64, max_num_seqs=4, max_partial_prefills=2,
+                           long_prefill_threshold=rng.choice((0, 8)), output_estimate=OutputLengthEstimate.fixed(0))
+        s.set_tpot_budget(BudgetPerMs(), service_tpot_ms=100.0)
+        pending = []
+        for i in range(12):
+            request = make_request(f"t{trial}-{i}", rng.randint(1, 30), max_tokens=rng.randint(1, 20))
+            if rng.random() < 0.7:
+                with_objective(request, rng.choice((-1, 0, 5)), rng.choice((None, rng.uniform(0, 10))),
+                               rng.choice((None, 10.0, 60.0, 500.0)))
+            pending.append(request)
+        finished = []
+        for _ in range(2000):
+            if pending and rng.random() < 0.4:
+                s.add_request(pending.pop(0))
+            if not pending and not s.has_unfinished():
+                break
+            output, done = checked_step(s)
+            finished += done
+            assert output.num_tokens <= output.token_budget
+            assert [c.is_prefill for c in output.chunks] == sorted(c.is_prefill for c in output.chunks)  # decodes first
+            keys = [(r.urgency, r.arrival_seq) for r in s.waiting]
+            assert keys == sorted(keys)
+        assert len(finished) == 12 and s._num_objectives == 0 and s._num_tpot_targets == 0
+        preemptions += s.num_preemptions
+    assert preemptions  # KV pressure was real
 
 
 # ---- goodput on the daemon's metrics --------------------------------------------------------------------
