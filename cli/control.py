@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {key}: {value}", file=out)
         for check, ok in result["checks"].items():
             print(f"  [{'ok' if ok else 'FAIL'}] {check}", file=out)
-        for line in format_table(name, result["judged"], result["oracle"]):
+        for line in format_table(name, result["judged"], result["oracle"] or None):
             print(line, file=out)
         for goal, ok in result["judged"]["goals"].items():
             print(f"  [{'met' if ok else 'missed'}] goal: {goal}", file=out)

@@ -124,8 +124,9 @@ class VirtualCluster:
     def routable(self, now: float) -> list[str]:
         return [name for name, slot in self.slots.items() if not slot.draining and slot.ready_at <= now]
 
-    def submit(self, arrivals: Sequence[tuple[float, int, int]], now: float) -> int:
-        """Each (arrival time, prompt_len, max_tokens) into the router's queue at its time, dispatched as the
+    def submit(self, arrivals: Sequence[tuple[Any, ...]], now: float) -> int:
+        """Each (arrival time, prompt_len, max_tokens[, objective, tenant]) into the router's queue at its time
+        (shed there when its objective is sheddable and predicted to miss), dispatched as the
         router would (`router="immediate"`: at once to the ready replica with the fewest outstanding requests,
         a least-request balancer)."""
         if self.spec.router == "immediate":
@@ -140,9 +141,11 @@ class VirtualCluster:
                 target.submit(prompt_len, max_tokens, arrival)
             return len(arrivals)
         accepted = 0
-        for arrival, prompt_len, max_tokens in arrivals:
+        for arrival, prompt_len, max_tokens, *labels in arrivals:  # labels: (objective, tenant) where named
             self.advance_to(arrival)
-            accepted += self.router.arrive(arrival, prompt_len, max_tokens)
+            ready = {name: self.slots[name].replica for name in self.routable(arrival)}
+            starting = sum(1 for slot in self.slots.values() if not slot.draining and slot.ready_at > arrival)
+            accepted += self.router.arrive(arrival, prompt_len, max_tokens, *labels, ready=ready, starting=starting)
             self._dispatch(arrival)
         return accepted
 

@@ -41,6 +41,7 @@ from stallfree.simulator.closed_loop import ClosedLoopRun, ClusterSpec, LoadPhas
 from stallfree.simulator.speed import SpeedSchedule
 from stallfree.simulator.closed_loop_judge import OVER_ORACLE, judge
 from stallfree.simulator.closed_loop_oracle import oracle
+from stallfree.simulator import closed_loop_scenarios_objectives as objective_scenarios
 from stallfree.operator.control.loop import counts_as_known
 from stallfree.operator.control.policy import ControlPolicy, ScalingPolicy, SLOTargets, drain_target_s
 from stallfree.operator.control.scaler import SCALED_DOWN, SCALED_UP
@@ -445,11 +446,14 @@ SCENARIOS: dict[str, tuple[Callable[[], Scenario], Callable[..., tuple[dict[str,
     "neighbour": (neighbour, summarize_load_change),
     "mixed-fleet": (mixed_fleet, summarize_load_change),
 }
+SCENARIOS.update(objective_scenarios.SCENARIOS)  # objectives and tenants: run and judged there
 
 
 async def run_scenario(name: str, seed: int | None = None) -> ScenarioResult:
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+    if name in objective_scenarios.RUNS:
+        return await objective_scenarios.run_objective_scenario(name, seed)
     build, summarize = SCENARIOS[name]
     scenario = build()
     if seed is not None:

@@ -6,6 +6,12 @@ oldest requests go to the replicas that can start them soon, each to the one wit
 TTFT (pick.py's slo-aware rule, without prefix affinity: simulated prompts share no prefix). A request
 keeps its router arrival time on the replica, so the replica's queue wait and TTFT count from it.
 
+Each request names an objective and a tenant (objectives.py): its priority band, its tenant's turn and its
+deadline order it in the queue (flow_control.py, as the proxy builds its `Queued`), and a request of a sheddable
+objective predicted to miss its TTFT target at every ready replica, counting the replicas starting, is refused
+at arrival (shedding.py, the proxy's 429). What became of each request is kept (request_outcomes.py): its
+objective's windows for the control loop, and the run's goodput.
+
 What a replica has queued is never read off its scheduler: each replica is the router's own `Replica`
 (replicas.py), whose `PrefillClock` is charged at dispatch and settled by each request's first token, as
 the proxy does with first bytes. First tokens and ends reach the router through an engine observer
@@ -22,8 +28,11 @@ from stallfree.node_daemon.engine.request import Request
 from stallfree.operator.control.observe import QueueObservation
 from stallfree.operator.control.queueing import prompt_cv2
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
+from stallfree.operator.router.objectives import Objectives, deadline_s
 from stallfree.operator.router.pick import ReplicaView, pick
 from stallfree.operator.router.replicas import Replica
+from stallfree.operator.router.shedding import reserved_tokens_per_ms, sheds
+from stallfree.simulator.request_outcomes import Outcomes
 from stallfree.simulator.virtual_replica import VirtualReplica
 
 # How often the router's view of a replica's speed is refreshed (its /admin/stats poll, coarser in virtual
@@ -52,12 +61,15 @@ class _Replies:
 
 class VirtualRouter:
     def __init__(self, flow: FlowConfig, profile_of: Callable[[str], Profile], window_s: float,
-                 tick_s: float = 0.05) -> None:
+                 tick_s: float = 0.05, objectives: Objectives | None = None) -> None:
         self.queue: FlowQueue[int] = FlowQueue(flow)
+        self.objectives = objectives or Objectives.implicit()
+        self.outcomes = Outcomes(self.objectives)
         self.profile_of = profile_of
         self.window_s = window_s
         self.tick_s = tick_s
         self._requests: dict[int, tuple[int, int]] = {}  # key -> (prompt_len, max_tokens)
+        self._keys: dict[str, int] = {}  # request id on its replica -> the router's key
         self._next = 0
         self.replicas: dict[str, Replica] = {}  # what the router knows of each: stats, profile, clock, in flight
         self._polled: dict[str, float] = {}  # when each one's stats were last read
@@ -71,12 +83,38 @@ class VirtualRouter:
         """The engine observer a replica named `name` reports its first tokens and ends to (pass it at build)."""
         return _Replies(self, name)
 
-    def arrive(self, t: float, prompt_len: int, max_tokens: int) -> bool:
+    def use_objectives(self, objectives: Objectives) -> None:
+        """The service's objectives (the operator's `--objectives`); before any request arrives."""
+        self.objectives = objectives
+        self.outcomes = Outcomes(objectives)
+
+    def arrive(self, t: float, prompt_len: int, max_tokens: int, objective: str = "", tenant: str = "",
+               ready: dict[str, VirtualReplica] | None = None, starting: int = 0) -> bool:
+        """A request at the router: queued, or refused (the queue is full, or it is shed: `ready` are the
+        replicas that could take it, `starting` those asked for and not yet ready). An objective the service
+        does not define is a ValueError (the router's 400: a workload naming one is wrong)."""
+        named = self.objectives.named(objective)
+        if named is None:
+            raise ValueError(f"objective {objective!r} is not one of {', '.join(self.objectives.names())}")
         self._next += 1
         self._arrived.append((t, prompt_len))
-        if not self.queue.push(Queued(self._next, t, prompt_len)):
+        needs_views = ready is not None and (named.sheddable or named.ttft_ms is not None)
+        views = [self._known(name, replica, t).view(t) for name, replica in (ready or {}).items()] if needs_views else []
+        if named.sheddable and ready is not None:
+            ahead = sum(q.prompt_tokens for q in self.queue if q.priority >= named.priority)
+            above = self.outcomes.offered_above(named.priority, t, self.window_s)
+            reserved = reserved_tokens_per_ms(*above, min(self.window_s, max(t, 1e-9)), (named.ttft_ms or 0.0) / 1000.0)
+            if sheds(named, views, starting, prompt_len, ahead, reserved) is not None:
+                self.outcomes.shed(t, named.name, tenant, prompt_len)
+                return False
+        fastest = max((v.prefill_tokens_per_ms for v in views), default=None)
+        item = Queued(self._next, t, prompt_len, objective=named.name, priority=named.priority, tenant=tenant,
+                      deadline_s=deadline_s(named, prompt_len, t, fastest))
+        if not self.queue.push(item):
+            self.outcomes.refused(t, named.name, tenant, prompt_len)
             return False  # counted by the queue (rejected), as the router answers 429
         self._requests[self._next] = (prompt_len, max_tokens)
+        self.outcomes.arrived(self._next, t, named.name, tenant, prompt_len, max_tokens)
         return True
 
     def dispatch(self, now: float, replicas: dict[str, VirtualReplica]) -> int:
@@ -94,6 +132,8 @@ class VirtualRouter:
             prompt_len, max_tokens = self._requests.pop(item.key)
             request_id = replicas[choice.name].submit(prompt_len, max_tokens, item.arrival_s)
             self._reserve(choice.name, request_id, prompt_len, now)
+            self._keys[request_id] = item.key
+            self.outcomes.dispatched(item.key, now)
         return len(sent)
 
     def snapshot(self, now: float) -> QueueObservation:
@@ -105,11 +145,13 @@ class VirtualRouter:
         recent = [n for t, n in self._arrived if last is not None and t > last]
         span = min(self.window_s, max(now, 1e-9))
         lengths = [n for _, n in self._arrived]
+        windows = self.outcomes.windows(now, self.window_s, last, list(self.queue))
         return QueueObservation(len(self.queue), self.queue.queued_prompt_tokens,
                                 0.0 if oldest is None else max(0.0, now - oldest) * 1000.0,
                                 sum(lengths) / span, sum(recent), len(recent), 0.0 if last is None else now - last,
                                 arrival_requests_per_s=len(lengths) / span,
-                                prompt_cv2=prompt_cv2(len(lengths), sum(lengths), sum(n * n for n in lengths)))
+                                prompt_cv2=prompt_cv2(len(lengths), sum(lengths), sum(n * n for n in lengths)),
+                                objectives=windows if len(self.objectives.by_name) > 1 else ())
 
     def forget(self, names: Sequence[str]) -> None:
         """Replicas that left or restarted: what was in flight there failed, and a new process starts afresh."""
@@ -117,7 +159,10 @@ class VirtualRouter:
         for name in gone:
             self.replicas.pop(name, None)
             self._polled.pop(name, None)
-            self._sent.pop(name, None)
+            for request_id in self._sent.pop(name, ()):
+                key = self._keys.pop(request_id, None)
+                if key is not None:
+                    self.outcomes.lost(key)
         if gone:
             self._replies = [reply for reply in self._replies if reply[2] not in gone]
             heapq.heapify(self._replies)
@@ -157,7 +202,9 @@ class VirtualRouter:
                 continue  # its replica restarted since
             if kind == _FIRST_TOKEN:
                 known.clock.prefilled(request_id, t)
+                self.outcomes.first_token(self._keys.get(request_id), t)
             else:
+                self.outcomes.ended(self._keys.pop(request_id, None), t)
                 sent.discard(request_id)
                 known.clock.forget(request_id, t)  # ended before its first token: its share of the clock goes
                 known.outstanding -= 1

@@ -4,7 +4,9 @@ The same specification drives the simulator (virtual time) and `stallfree bench 
 Arrivals: Poisson, gamma with a burstiness factor (vLLM's convention: shape = burstiness, so 1 is
 Poisson and smaller is burstier), or a trace file. Lengths: fixed, uniform, lognormal, mixtures, and a
 ShareGPT-like preset. A shared-prefix fraction makes the first part of every prompt common (a system
-prompt), which the prefix cache can serve.
+prompt), which the prefix cache can serve. Each request may name its objective (a class of requests with its
+own priority and SLOs: the router's `x-stallfree-objective`) and its tenant (`x-gateway-inference-fairness-id`);
+empty: the service's default objective, no tenant.
 
 Length syntax (`parse_length`):
   fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA[:MIN:MAX] | mix:W*DIST|W*DIST... | sharegpt-prompt | sharegpt-output
@@ -154,6 +156,8 @@ class RequestSpec:
     output_len: int
     shared_prefix_len: int = 0  # leading prompt tokens common to every request of its prefix group
     prefix_group: int = 0
+    objective: str = ""  # the objective it names ("": the service's default)
+    tenant: str = ""  # who sent it ("": no tenant)
 
 
 @dataclass
@@ -170,6 +174,8 @@ class WorkloadSpec:
     trace_path: str | None = None
     max_total_len: int | None = None  # clip prompt + output to a model's context
     seed: int = 0
+    objective: str = ""  # every generated request names this objective ("": the default)
+    tenant: str = ""  # and comes from this tenant ("": none)
 
     def check(self) -> None:
         if self.arrival not in ("poisson", "gamma", "trace"):
@@ -208,7 +214,8 @@ def generate(spec: WorkloadSpec) -> list[RequestSpec]:
         prompt_len = spec.prompt.sample(rng)
         output_len = spec.output.sample(rng)
         shared = int(spec.shared_prefix_fraction * prompt_len)
-        request = RequestSpec(now, prompt_len, output_len, shared, index % spec.num_prefix_groups)
+        request = RequestSpec(now, prompt_len, output_len, shared, index % spec.num_prefix_groups,
+                              spec.objective, spec.tenant)
         requests.append(_clip(request, spec.max_total_len))
     return requests
 
@@ -219,11 +226,12 @@ def _clip(request: RequestSpec, max_total_len: int | None) -> RequestSpec:
     prompt_len = min(request.prompt_len, max_total_len - 1)
     output_len = min(request.output_len, max_total_len - prompt_len)
     return RequestSpec(request.arrival_s, prompt_len, output_len, min(request.shared_prefix_len, prompt_len),
-                       request.prefix_group)
+                       request.prefix_group, request.objective, request.tenant)
 
 
 def load_trace(path: str | Path) -> list[RequestSpec]:
-    """A trace: JSON lines or CSV with arrival_s, prompt_len, output_len (optional shared_prefix_len, prefix_group)."""
+    """A trace: JSON lines or CSV with arrival_s, prompt_len, output_len (optional shared_prefix_len, prefix_group,
+    objective, tenant)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"trace file {str(path)!r} does not exist")
@@ -238,6 +246,7 @@ def load_trace(path: str | Path) -> list[RequestSpec]:
             request = RequestSpec(
                 float(row["arrival_s"]), int(row["prompt_len"]), int(row["output_len"]),
                 int(row.get("shared_prefix_len") or 0), int(row.get("prefix_group") or 0),
+                str(row.get("objective") or ""), str(row.get("tenant") or ""),
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise ValueError(f"{path}: record {number} needs arrival_s, prompt_len, output_len: {exc}") from None

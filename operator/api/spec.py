@@ -431,6 +431,9 @@ class ScalingSpec(_Model):
     max_replicas: int = Field(4, ge=1, le=1000)
     scale_up_stabilization_seconds: int = Field(30, ge=0, le=3600)
     scale_down_stabilization_seconds: int = Field(300, ge=0, le=86400)
+    sheddable_scale_out_share: float = Field(
+        0.25, ge=0, le=1, description="sheddable objectives (priority < 0) use the capacity the others leave and may "
+        "add replicas for their own demand only up to this share of maxReplicas' capacity")
 
     @model_validator(mode="after")
     def _rules(self) -> "ScalingSpec":

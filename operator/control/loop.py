@@ -17,6 +17,8 @@ from stallfree.contracts import Tuning, WindowStats
 from stallfree.operator.control.capacity import prefill_capacity_tokens_per_s
 from stallfree.operator.control.feasibility import LABELS, Feasibility, assess
 from stallfree.operator.control.learned_speed import LearnedSpeed
+from stallfree.operator.control.objective_demand import sized_for_scaler
+from stallfree.operator.control.objective_status import ObjectiveStatus, goodput, objective_statuses
 from stallfree.operator.control.policy import ControlPolicy
 from stallfree.operator.control.observe import (Observer, QueueObservation, QueueSource, ReplicaObservation,
                                                ReplicaTarget)
@@ -111,6 +113,7 @@ class StepResult:
     state: ControlState
     feasibility: Feasibility = Feasibility()
     queue: QueueObservation | None = None  # the router's queue, where one is read
+    objectives: tuple[ObjectiveStatus, ...] = ()  # per objective, where the router reports them
 
     @property
     def feasible_line(self) -> str:
@@ -152,6 +155,8 @@ class StepResult:
                         "reason": self.scale.reason, "message": self.scale.message},
             "failures": list(self.failures),
             "feasibility": _feasibility_status(self.feasibility),
+            "objectives": [o.to_status() for o in self.objectives],
+            "goodput": _r(goodput([o.window for o in self.objectives])),
             "state": self.state.to_dict(),
         }
 
@@ -202,9 +207,15 @@ class ControlLoop:
                 await self._event(_event_reason(decision.kind), f"{obs.name}: {decision.message}")
 
         loads = [_replica_load(o, d, policy, feasibility) for o, d in zip(observations, decisions)]
+        capacity = feasibility.capacity_tokens_per_s if feasibility.known else None
+        # Sized for the protected objectives, sheddable ones within their share (objective_demand.py).
+        loads, sized_queue = sized_for_scaler(queue, loads, {o.name: o.stats.tpot_ms.p99 for o in observations
+                                                             if o.stats is not None}, policy.objectives,
+                                              policy.slo.tpot_p99_ms, policy.scaling.sheddable_scale_out_share,
+                                              policy.scaling.max_replicas, capacity)
         scale, scaler_state = decide_replicas(loads, current_replicas, policy.scaling, state.scaler, now,
                                               feasibility.capacity_tokens_per_s if feasibility.known else None,
-                                              router_backlog(queue, policy),
+                                              router_backlog(sized_queue, policy),
                                               queue_wait_slo_s=policy.slo.queue_wait_p99_ms / 1000.0,
                                               ttft_slo_s=policy.slo.ttft_p99_ms / 1000.0)
         if scale.changed:
@@ -249,7 +260,8 @@ class ControlLoop:
                                   demand_smoothed=feasibility.demand_tokens_per_s if feasibility.known
                                   else state.demand_smoothed, speeds=speeds)
         conditions = [slo_condition(observations, policy), capacity_condition(scale), feasible]
-        return StepResult(now, observations, decisions, scale, conditions, failures, self.state, feasibility, queue)
+        return StepResult(now, observations, decisions, scale, conditions, failures, self.state, feasibility, queue,
+                          objectives=tuple(objective_statuses(queue, policy, capacity)))
 
     async def _observe_queue(self, now: float) -> QueueObservation | None:
         if self.queue_source is None:

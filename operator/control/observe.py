@@ -45,6 +45,42 @@ class ReplicaObservation:
 
 
 @dataclass(frozen=True)
+class ObjectiveWindow:
+    """One objective's requests at the router over the stats window (the router measures them per objective).
+
+    Figures the router does not report stay None (or 0): a router of an earlier release reports depth and shed
+    counts per objective alone. `completed` requests were answered within the window, `good` of them met every
+    target of their objective; shed ones (refused at arrival) are not good either.
+    """
+
+    name: str
+    priority: int = 0
+    arrival_prompt_tokens_per_s: float | None = None  # offered: admitted and shed
+    recent_prompt_tokens: float = 0.0  # over the last control interval (as QueueObservation's)
+    recent_requests: int = 0
+    arrival_requests_per_s: float = 0.0
+    depth: int = 0
+    queued_prompt_tokens: float = 0.0
+    oldest_wait_ms: float = 0.0
+    shed: int = 0  # refused at arrival over the window
+    completed: int = 0
+    good: int = 0
+    ttft_p99_ms: float | None = None
+    tpot_p99_ms: float | None = None
+    queue_wait_p99_ms: float | None = None
+
+    @property
+    def sheddable(self) -> bool:
+        return self.priority < 0
+
+    @property
+    def goodput(self) -> float | None:
+        """The share of its requests over the window that met every SLO of the objective (None: none judged)."""
+        judged = self.completed + self.shed
+        return self.good / judged if judged else None
+
+
+@dataclass(frozen=True)
 class QueueObservation:
     """The router's queue as the control loop reads it (the router's /router/queue)."""
 
@@ -60,6 +96,7 @@ class QueueObservation:
     # variation (what the queue-wait tail depends on besides the mean; None when too few arrived to tell).
     arrival_requests_per_s: float = 0.0
     prompt_cv2: float | None = None
+    objectives: tuple[ObjectiveWindow, ...] = ()  # per objective, where the router reports them
 
 
 class QueueSource(Protocol):

@@ -57,6 +57,9 @@ class ScalingPolicy:
     drain_target_s: float = 60.0
     # Demand beyond this multiple of the known capacity scales out without waiting out the stabilization.
     panic_ratio: float = 2.0
+    # Sheddable objectives use the capacity the others leave; their demand may add replicas only up to this share
+    # of maxReplicas' capacity (objective_demand.py).
+    sheddable_scale_out_share: float = 0.25
 
     def __post_init__(self) -> None:
         if self.mode not in ("managed", "external"):
@@ -65,6 +68,24 @@ class ScalingPolicy:
             raise ValueError(f"need 1 <= minReplicas ({self.min_replicas}) <= maxReplicas ({self.max_replicas})")
         if not 0 < self.scale_down_utilisation <= self.scale_up_utilisation <= 1:
             raise ValueError("need 0 < scale-down utilisation <= scale-up utilisation <= 1")
+        if not 0.0 <= self.sheddable_scale_out_share <= 1.0:
+            raise ValueError(f"sheddable scale-out share must be in [0, 1], got {self.sheddable_scale_out_share}")
+
+
+@dataclass(frozen=True)
+class ObjectiveTargets:
+    """One class of requests (spec.objectives, resolved against spec.slos): its priority and p99 targets (ms)."""
+
+    name: str
+    priority: int = 0
+    ttft_p99_ms: float | None = None
+    tpot_p99_ms: float | None = None
+    queue_wait_p99_ms: float | None = None
+    default: bool = False
+
+    @property
+    def sheddable(self) -> bool:
+        return self.priority < 0
 
 
 # The backlog a scale-out drains must be gone within this many queue-wait SLOs (30 s at the least).
@@ -88,6 +109,8 @@ class ControlPolicy:
     min_samples: int = 5  # fewer latency samples in a window: that replica is unknown
     # Which SLO to hold first when they conflict (spec.slos.priority).
     slo_priority: tuple[str, ...] = ("tpot", "queueWait", "ttft")
+    # The service's objectives (empty: one implicit objective with `slo`); per-objective windows are judged by them.
+    objectives: tuple[ObjectiveTargets, ...] = ()
 
     @classmethod
     def from_spec(cls, spec: "InferenceServiceSpec") -> "ControlPolicy":
@@ -110,10 +133,13 @@ class ControlPolicy:
                 scale_up_stabilization_s=float(spec.scaling.scale_up_stabilization_seconds),
                 scale_down_stabilization_s=float(spec.scaling.scale_down_stabilization_seconds),
                 drain_target_s=drain_target_s(spec.slos.queue_wait_p99_ms),
+                sheddable_scale_out_share=spec.scaling.sheddable_scale_out_share,
             ),
             tuning_enabled=spec.tuning.mode != "off",
             initial_token_budget=None if isinstance(budget.initial, str) else budget.initial,
             interval_s=spec.tuning.interval_seconds,
             window_s=spec.slos.window_seconds,
             slo_priority=tuple(spec.slos.priority),
+            objectives=tuple(ObjectiveTargets(o.name, o.priority, o.ttft_p99_ms, o.tpot_p99_ms, o.queue_wait_p99_ms,
+                                              o.default) for o in spec.resolved_objectives()),
         )

@@ -52,6 +52,17 @@ class Objectives:
         return sorted(self.by_name)
 
 
+def deadline_s(objective: Objective, prompt_tokens: int, received_s: float,
+               fastest_prefill_tokens_per_ms: float | None) -> float | None:
+    """A request's place in its tenant's line: arrival plus the objective's TTFT target, less the prompt's prefill
+    at the fastest replica (None: the objective has no TTFT target, arrival order)."""
+    if objective.ttft_ms is None:
+        return None
+    rate = fastest_prefill_tokens_per_ms or 0.0
+    prefill_ms = prompt_tokens / rate if rate > 0 else 0.0
+    return received_s + (objective.ttft_ms - prefill_ms) / 1000.0
+
+
 def parse_objectives(text: str) -> Objectives:
     """`--objectives`: a JSON list of {name, priority, ttftP99Ms, tpotP99Ms?, queueWaitP99Ms?, default?}.
     Raises ValueError naming the problem."""

@@ -4,7 +4,9 @@ A request of a sheddable objective (priority < 0) that would wait and then miss 
 once: it held a place in the queue, and its client learns nothing until too late. At arrival its TTFT is
 predicted as pick.py predicts it on each healthy replica (the prefill queued there, its prompt, a step), plus
 the prompt tokens waiting in the router ahead of it (its band and above) drained at the replicas' summed
-prefill rate. It is shed only when that misses the target at every replica. A replica that is starting (its
+prefill rate, less what the higher bands' arrivals take of it (they go first, so they slow the wait: without that
+share a batch band predicted at its target waits past it by the interactive load's factor). It is shed only when
+that misses the target at every replica. A replica that is starting (its
 model loading) may take it soon, but the router does not know when it will be ready, so while one is
 starting nothing is shed. Pure: views in, verdict out.
 """
@@ -16,20 +18,41 @@ from stallfree.operator.router.pick import ReplicaView, predict_ttft_ms
 SHED_CODE = "shed_predicted_miss"
 
 
-def predicted_ttft_ms(views: list[ReplicaView], prompt_tokens: int, tokens_ahead: int) -> float | None:
-    """The soonest predicted TTFT over `views` with `tokens_ahead` waiting in the router first; None: no view."""
+# The higher bands' arrivals are counted at their mean plus this many standard deviations over the wait: a batch
+# request admitted at its target waits past it whenever the interactive load runs above its mean.
+RESERVE_DEVIATIONS = 3.0
+
+
+def reserved_tokens_per_ms(requests: int, tokens: float, tokens_sq: float, window_s: float, horizon_s: float,
+                           deviations: float = RESERVE_DEVIATIONS) -> float:
+    """The prefill rate the higher bands may take over the next `horizon_s` (a band's TTFT target): their arrival
+    rate over the last `window_s` (`requests` of `tokens` prompt tokens, `tokens_sq` their squares) plus
+    `deviations` standard deviations of the difference between the rate ahead and that estimate (a Poisson
+    stream's token count over the horizon, and over the window the estimate was taken on)."""
+    if requests <= 0 or window_s <= 0 or horizon_s <= 0:
+        return 0.0
+    mean = tokens / window_s
+    spread = (tokens_sq / window_s * (1.0 / horizon_s + 1.0 / window_s)) ** 0.5
+    return (mean + deviations * spread) / 1000.0
+
+
+def predicted_ttft_ms(views: list[ReplicaView], prompt_tokens: int, tokens_ahead: int,
+                      reserved_tokens_per_ms: float = 0.0) -> float | None:
+    """The soonest predicted TTFT over `views` with `tokens_ahead` waiting in the router first, drained at the
+    replicas' summed prefill rate less `reserved_tokens_per_ms` (the higher bands' arrivals); None: no view."""
     if not views:
         return None
     total_rate = sum(max(v.prefill_tokens_per_ms, 1e-6) for v in views)
-    return min(predict_ttft_ms(v, prompt_tokens) for v in views) + tokens_ahead / total_rate
+    free_rate = max(total_rate - max(0.0, reserved_tokens_per_ms), 1e-6)
+    return min(predict_ttft_ms(v, prompt_tokens) for v in views) + tokens_ahead / free_rate
 
 
 def sheds(objective: Objective, views: list[ReplicaView], starting: int, prompt_tokens: int,
-          tokens_ahead: int) -> float | None:
+          tokens_ahead: int, reserved_tokens_per_ms: float = 0.0) -> float | None:
     """The predicted TTFT (ms) when this request is to be refused at arrival, else None (it waits)."""
     if not objective.sheddable or objective.ttft_ms is None or starting > 0:
         return None
-    predicted = predicted_ttft_ms(views, prompt_tokens, tokens_ahead)
+    predicted = predicted_ttft_ms(views, prompt_tokens, tokens_ahead, reserved_tokens_per_ms)
     if predicted is None or predicted <= objective.ttft_ms:
         return None
     return predicted

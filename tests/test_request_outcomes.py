@@ -1,0 +1,70 @@
+"""Goodput: a request is good when served within every target of its objective; shed, refused and lost ones are
+not. Per-objective windows are what the virtual router reports to the control loop."""
+from __future__ import annotations
+
+import pytest
+
+from stallfree.operator.router.flow_control import Queued
+from stallfree.operator.router.objectives import Objective, Objectives
+from stallfree.operator.router.shedding import reserved_tokens_per_ms
+from stallfree.simulator.request_outcomes import Outcomes
+
+INTERACTIVE = Objective("interactive", 0, ttft_ms=1000.0, tpot_ms=50.0, queue_wait_ms=500.0)
+BATCH = Objective("batch", -1, ttft_ms=30000.0)
+OBJECTIVES = Objectives({o.name: o for o in (INTERACTIVE, BATCH)}, INTERACTIVE)
+
+
+def _served(outcomes: Outcomes, key: int, arrival: float, dispatched: float, first: float, end: float,
+            objective: str = "interactive", tenant: str = "a", tokens: int = 11) -> None:
+    outcomes.arrived(key, arrival, objective, tenant, 1000, tokens)
+    outcomes.dispatched(key, dispatched)
+    outcomes.first_token(key, first)
+    outcomes.ended(key, end)
+
+
+def test_goodput_counts_only_requests_within_every_target():
+    o = Outcomes(OBJECTIVES)
+    _served(o, 1, 0.0, 0.1, 0.5, 0.9)  # TTFT 500, TPOT 40, wait 100: good
+    _served(o, 2, 0.0, 0.1, 1.5, 1.9)  # TTFT 1500: late
+    _served(o, 3, 0.0, 0.1, 0.5, 1.5)  # TPOT 100: too slow
+    _served(o, 4, 0.0, 0.6, 0.8, 1.0)  # waited 600 ms in the router
+    o.arrived(5, 0.0, "interactive", "a", 1000, 11)
+    o.lost(5, 2.0)
+    o.shed(0.0, "batch", "b", 500)
+    summary = o.summary()
+    assert summary["interactive"]["good"] == 1 and summary["interactive"]["requests"] == 5
+    assert summary["interactive"]["goodput"] == pytest.approx(0.2)
+    assert summary["interactive"]["served_late"] == 1 and summary["interactive"]["lost"] == 1
+    assert summary["batch"]["shed"] == 1
+    assert summary["batch"]["goodput"] == 0.0
+    assert o.summary(tenant="b").keys() == {"batch"}
+
+
+def test_windows_per_objective_hold_the_last_window_and_what_waits():
+    o = Outcomes(OBJECTIVES)
+    _served(o, 1, 0.0, 0.1, 0.5, 0.9)  # before the window
+    _served(o, 2, 40.0, 40.1, 40.5, 40.9)
+    o.shed(45.0, "batch", "b", 500)
+    waiting = [Queued(9, 44.0, 700, objective="batch", priority=-1)]
+    windows = {w.name: w for w in o.windows(50.0, 30.0, 45.0, waiting)}
+    assert windows["interactive"].completed == 1 and windows["interactive"].goodput == 1.0
+    assert windows["interactive"].arrival_prompt_tokens_per_s == pytest.approx(1000 / 30.0)
+    assert windows["batch"].shed == 1 and windows["batch"].goodput == 0.0 and windows["batch"].sheddable
+    assert windows["batch"].depth == 1 and windows["batch"].oldest_wait_ms == pytest.approx(6000.0)
+    assert windows["batch"].recent_requests == 0  # the shed one arrived at 45.0, not after the last reading
+
+
+def test_what_the_higher_bands_offered_ages_out_of_the_window():
+    o = Outcomes(OBJECTIVES)
+    _served(o, 1, 1.0, 1.1, 1.5, 1.9)
+    _served(o, 2, 20.0, 20.1, 20.5, 20.9)
+    assert o.offered_above(-1, 25.0, 30.0) == (2, 2000.0, 2e6)
+    assert o.offered_above(-1, 35.0, 30.0) == (1, 1000.0, 1e6)
+    assert o.offered_above(0, 35.0, 30.0) == (0, 0.0, 0.0)  # nothing above the top band
+
+
+def test_the_reserve_is_the_higher_bands_rate_plus_its_spread():
+    # 100 requests of 1000 tokens over 10 s: 10,000 tok/s, spread sqrt(1e8/10 * (1/10 + 1/10)) = 1414 tok/s.
+    assert reserved_tokens_per_ms(100, 1e5, 1e8, 10.0, 10.0, deviations=0.0) == pytest.approx(10.0)
+    assert reserved_tokens_per_ms(100, 1e5, 1e8, 10.0, 10.0, deviations=1.0) == pytest.approx(10.0 + 1.4142, rel=1e-4)
+    assert reserved_tokens_per_ms(0, 0.0, 0.0, 10.0, 10.0) == 0.0
