@@ -5,9 +5,9 @@ cost model). Prints the run's timeline, the figures its claim rests on, and ever
 within, restore times after the replicas were ready, reversals) beside an offline oracle's replica-minutes
 (the fewest replicas meeting every SLO, knowing the load). The JSON carries each scenario's
 `replica_minutes_over_oracle` and `slo_window_fraction` (the worst over its SLOs). Exits 1 when any scenario
-misses any of its checks or goals (restored within 3 intervals of the replicas being ready, >= 95% of windows
-within every feasible SLO after the first breach, replica-minutes <= 1.15x the oracle's, at most one reversal per
-load change); each miss is printed with the figure that missed.
+misses any of its checks or goals (the backlog drained within 3 intervals of the replicas being ready, >= 95% of
+windows within every feasible SLO after the first breach, replica-minutes <= 1.15x the oracle's, at most one
+reversal per load change, and a scenario's own goals); each miss is printed with the figure that missed.
 """
 from __future__ import annotations
 
