@@ -7,6 +7,8 @@ import asyncio
 import pytest
 
 from stallfree.contracts import Ceilings, Tuning
+from stallfree.operator.api.spec import InferenceServiceStatus
+from stallfree.operator.reconcile.control_handlers import status_fields
 from stallfree.operator.control.policy import ControlPolicy, ObjectiveTargets, SLOTargets
 from stallfree.simulator.closed_loop import ClusterSpec
 from stallfree.simulator.closed_loop_scenarios import SCENARIOS
@@ -64,4 +66,10 @@ def test_streams_run_side_by_side_and_reach_the_router_with_their_labels():
     assert all(o.arrival_s < 10.0 for o in offered if o.objective == "batch")  # its stream stopped at 10 s
     assert any(o.arrival_s >= 10.0 for o in offered if o.objective == "interactive")  # the other one did not
     assert {o.tenant for o in offered} == {"a", "b"}
-    assert driver.steps[-1].objectives and driver.steps[-1].to_status()["objectives"]
+    fields = status_fields(driver.steps[-1])
+    rows = {row["name"]: row for row in fields["control"]["objectives"]}
+    assert set(rows) == {"interactive", "batch"} and rows["batch"]["sheddable"]
+    assert {"p99TtftMs", "p99TpotMs", "p99QueueWaitMs", "goodput", "feasible", "shed"} <= set(rows["interactive"])
+    assert rows["interactive"]["goodput"] is not None and fields["goodput"] == fields["control"]["goodput"]
+    status = InferenceServiceStatus.model_validate(fields)  # what the CRD's status schema takes
+    assert status.goodput == fields["goodput"]

@@ -93,3 +93,23 @@ def test_a_batch_flood_on_full_replicas_does_not_scale_past_the_protected_need()
     held, _ = decide_replicas(loads, 3, policy, ScalerState(), 100.0, 4000.0, backlog, 2.0, 3.0)
     # 7000 protected + a quarter of 8 replicas' capacity (8000) = 15000 tok/s: at most 5 replicas, not 8.
     assert held.desired <= 5
+
+
+def test_the_policy_reads_the_objectives_and_the_sheddable_share_off_the_spec():
+    import pydantic
+
+    from stallfree.operator.api.spec import parse_spec
+    from stallfree.operator.control.policy import ControlPolicy
+
+    spec = parse_spec({"model": {"name": "m"}, "scaling": {"maxReplicas": 6, "sheddableScaleOutShare": 0.5},
+                       "objectives": [{"name": "chat", "priority": 10}, {"name": "batch", "priority": -1,
+                                                                          "ttftP99Ms": 60000}]})
+    policy = ControlPolicy.from_spec(spec)
+    assert policy.scaling.sheddable_scale_out_share == 0.5
+    by_name = {o.name: o for o in policy.objectives}
+    assert by_name["chat"].default and not by_name["chat"].sheddable
+    assert by_name["batch"].sheddable and by_name["batch"].ttft_p99_ms == 60000
+    assert by_name["batch"].tpot_p99_ms == spec.slos.tpot_p99_ms  # defaults to spec.slos
+    assert ControlPolicy.from_spec(parse_spec({"model": {"name": "m"}})).scaling.sheddable_scale_out_share == 0.25
+    with pytest.raises(pydantic.ValidationError):
+        parse_spec({"model": {"name": "m"}, "scaling": {"sheddableScaleOutShare": 1.5}})

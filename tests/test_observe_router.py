@@ -40,3 +40,45 @@ def test_the_spread_of_prompt_lengths_comes_from_the_routers_sums():
     lengths = [1000, 3000] * 10  # mean 2000, standard deviation 1000: cv^2 = 0.25
     assert prompt_cv2(len(lengths), sum(lengths), sum(n * n for n in lengths)) == 0.25
     assert prompt_cv2(5, 5000.0, 5e6) is None  # too few to tell
+
+
+async def test_per_objective_windows_come_from_the_routers_per_objective_counters():
+    def reading(arrivals: int, tokens: float, shed: int) -> dict:
+        out = status(arrivals, tokens)
+        out["objectives"] = {"batch": {"priority": -1, "depth": 3, "shed": shed, "arrivals": arrivals,
+                                       "arrived_prompt_tokens": tokens},
+                             "interactive": {"priority": 0, "depth": 1, "shed": 0}}  # an older router's figures
+        return out
+
+    readings = iter([reading(0, 0.0, 5), reading(10, 10_000.0, 7), reading(30, 40_000.0, 12)])
+
+    async def read():
+        return next(readings)
+
+    source = RouterQueueSource(read, window_s=30.0)
+    for t in (0.0, 10.0):
+        await source.observe_queue(t)
+    windows = {w.name: w for w in (await source.observe_queue(20.0)).objectives}
+    batch = windows["batch"]
+    assert batch.sheddable and batch.depth == 3 and batch.shed == 7  # 12 - 5 over the window
+    assert batch.arrival_prompt_tokens_per_s == 2000.0 and (batch.recent_prompt_tokens, batch.recent_requests) == (
+        30_000.0, 20)
+    assert windows["interactive"].arrival_prompt_tokens_per_s is None  # not counted per objective: unknown
+
+
+async def test_summed_routers_add_their_objectives_up():
+    from stallfree.operator.control.observe_router import summed_reader
+
+    async def one():
+        return {**status(10, 1000.0, depth=1), "objectives": {"batch": {"priority": -1, "depth": 2, "shed": 1,
+                                                                         "oldest_wait_ms": 10.0}}}
+
+    async def two():
+        return {**status(5, 500.0), "objectives": {"batch": {"priority": -1, "depth": 3, "shed": 4,
+                                                              "oldest_wait_ms": 30.0}}}
+
+    async def readers():
+        return [one, two]
+
+    total = await summed_reader(readers)()
+    assert total["objectives"]["batch"] == {"priority": -1, "depth": 5.0, "shed": 5.0, "oldest_wait_ms": 30.0}

@@ -121,6 +121,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Budget", "type": "integer", "jsonPath": ".status.tokenBudget"},
     {"name": "P99-TPOT-ms", "type": "number", "jsonPath": ".status.p99TpotMs"},
     {"name": "P99-TTFT-ms", "type": "number", "jsonPath": ".status.p99TtftMs"},
+    {"name": "Goodput", "type": "number", "jsonPath": ".status.goodput", "priority": 1},
     _condition_column("SLO-Met", "SLOMet"),
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -538,6 +538,8 @@ class InferenceServiceStatus(_Model):
     p99_ttft_ms: float | None = None
     p99_tpot_ms: float | None = None
     p99_queue_wait_ms: float | None = None
+    goodput: float | None = Field(None, description="share of the requests over the router's window that met every "
+                                  "SLO of their objective (per objective: control.objectives)")
     endpoint: str | None = Field(None, description="where clients send requests (the router's or the daemons' Service)")
     conditions: list[Condition] = Field(default_factory=list)
     control: dict[str, Any] | None = Field(

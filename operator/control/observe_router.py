@@ -8,6 +8,10 @@ Several router pods (two by default) each keep their own queue: a request waits 
 reached. The scaler sizes for their sum (summed_reader): depths, queued tokens and arrival counters add up,
 the oldest wait is the oldest of any. A router that leaves takes its counters with it, which reads as a
 restart (the rates start afresh), never as a burst.
+
+Per objective (`objectives` in the router's answer) the same readings give each one's depth, its shed count over
+the window and, where the router counts them per objective (`arrivals`, `arrived_prompt_tokens`), its arrival
+rates; a figure the router does not give stays unknown (None), and the loop then sizes as without objectives.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from typing import Any, Awaitable, Callable
 
 import httpx
 
-from stallfree.operator.control.observe import QueueObservation
+from stallfree.operator.control.observe import ObjectiveWindow, QueueObservation
 from stallfree.operator.control.queueing import prompt_cv2
 
 Reader = Callable[[], Awaitable[dict[str, Any] | None]]
@@ -26,8 +30,8 @@ class RouterQueueSource:
     def __init__(self, read: Reader, window_s: float) -> None:
         self.read = read
         self.window_s = window_s
-        # (time, arrivals, arrived prompt tokens, their squares)
-        self._readings: deque[tuple[float, int, float, float]] = deque()
+        # (time, arrivals, arrived prompt tokens, their squares, per objective as the router gave it)
+        self._readings: deque[tuple[float, int, float, float, dict[str, dict[str, Any]]]] = deque()
 
     async def observe_queue(self, now: float) -> QueueObservation | None:
         status = await self.read()
@@ -37,7 +41,8 @@ class RouterQueueSource:
         squares = float(status.get("arrived_prompt_tokens_sq", 0.0))  # a router of an earlier release lacks it
         if self._readings and (arrivals < self._readings[-1][1] or tokens < self._readings[-1][2]):
             self._readings.clear()  # the router restarted: its counters began again
-        self._readings.append((now, arrivals, tokens, squares))
+        per_objective = status.get("objectives")
+        self._readings.append((now, arrivals, tokens, squares, per_objective if isinstance(per_objective, dict) else {}))
         while len(self._readings) > 2 and self._readings[1][0] <= now - self.window_s:
             self._readings.popleft()
         first, last = self._readings[0], self._readings[-1]
@@ -50,7 +55,33 @@ class RouterQueueSource:
                                 oldest_wait_ms=float(status["oldest_wait_ms"]), arrival_prompt_tokens_per_s=rate,
                                 recent_prompt_tokens=last[2] - previous[2], recent_requests=last[1] - previous[1],
                                 recent_s=last[0] - previous[0], arrival_requests_per_s=count / span if span > 0 else 0.0,
-                                prompt_cv2=cv2)
+                                prompt_cv2=cv2, objectives=objective_windows(first[4], previous[4], last[4], span))
+
+
+def objective_windows(first: dict[str, dict[str, Any]], previous: dict[str, dict[str, Any]],
+                      last: dict[str, dict[str, Any]], span: float) -> tuple[ObjectiveWindow, ...]:
+    """Each objective's window from three readings of the router's per-objective counters (the window's first,
+    the last interval's start, now)."""
+    out = []
+    for name, now in sorted(last.items()):
+        if not isinstance(now, dict):
+            continue
+        start, before = first.get(name) or {}, previous.get(name) or {}
+
+        def grew(key: str, since: dict[str, Any]) -> float:
+            return max(0.0, float(now.get(key, 0.0)) - float(since.get(key, 0.0)))
+
+        counted = "arrived_prompt_tokens" in now and "arrivals" in now
+        out.append(ObjectiveWindow(
+            str(name), int(now.get("priority", 0)),
+            arrival_prompt_tokens_per_s=(grew("arrived_prompt_tokens", start) / span if span > 0 else 0.0)
+            if counted else None,
+            recent_prompt_tokens=grew("arrived_prompt_tokens", before) if counted else 0.0,
+            recent_requests=int(grew("arrivals", before)) if counted else 0,
+            arrival_requests_per_s=grew("arrivals", start) / span if counted and span > 0 else 0.0,
+            depth=int(now.get("depth", 0)), queued_prompt_tokens=float(now.get("queued_prompt_tokens", 0.0)),
+            oldest_wait_ms=float(now.get("oldest_wait_ms", 0.0)), shed=int(grew("shed", start))))
+    return tuple(out)
 
 
 _SUMMED = ("depth", "queued_prompt_tokens", "arrivals", "arrived_prompt_tokens", "arrived_prompt_tokens_sq")
@@ -66,9 +97,32 @@ def summed_reader(readers: Callable[[], Awaitable[list[Reader]]]) -> Reader:
         total["depth"], total["arrivals"] = int(total["depth"]), int(total["arrivals"])
         total["oldest_wait_ms"] = max(float(s["oldest_wait_ms"]) for s in statuses)
         total["routers"] = len(statuses)
+        total["objectives"] = _summed_objectives([s.get("objectives") or {} for s in statuses])
         return total
 
     return read
+
+
+_SUMMED_PER_OBJECTIVE = ("depth", "queued_prompt_tokens", "shed", "arrivals", "arrived_prompt_tokens")
+
+
+def _summed_objectives(per_router: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The routers' per-objective figures added up (the oldest wait the oldest of any); a counter only where every
+    router that reports the objective gives it."""
+    out: dict[str, dict[str, Any]] = {}
+    for objectives in per_router:
+        for name, figures in objectives.items() if isinstance(objectives, dict) else ():
+            if not isinstance(figures, dict):
+                continue
+            seen = name in out
+            total = out.setdefault(name, {"priority": figures.get("priority", 0)})
+            for key in _SUMMED_PER_OBJECTIVE:
+                if key in figures and (not seen or key in total):
+                    total[key] = total.get(key, 0.0) + float(figures[key])
+                elif seen:
+                    total.pop(key, None)
+            total["oldest_wait_ms"] = max(total.get("oldest_wait_ms", 0.0), float(figures.get("oldest_wait_ms", 0.0)))
+    return out
 
 
 def http_queue_reader(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> Reader:

@@ -159,11 +159,14 @@ def observer_for(client: httpx.AsyncClient, token: str | None, namespace: str, n
 
 
 def status_fields(result: StepResult) -> dict[str, Any]:
-    """status.control plus the printer columns' figures (worst known replica's p99s, median tuning)."""
+    """status.control (with each objective's p99s, goodput and feasibility) plus the printer columns' figures
+    (worst known replica's p99s, median tuning, the service's goodput where the router reports objectives)."""
     p99 = result.observed_p99()
     tunings = [d.tuning for d in result.tuning if d.tuning is not None]
+    control = result.to_status()
     fields: dict[str, Any] = {
-        "control": result.to_status(),
+        "control": control,
+        "goodput": control.get("goodput"),
         "p99TtftMs": _round(p99["ttft_ms"]),
         "p99TpotMs": _round(p99["tpot_ms"]),
         "p99QueueWaitMs": _round(p99["queue_wait_ms"]),
