@@ -1,7 +1,9 @@
 """The built-in load of `stallfree up --demo`, and its SLOs, sized from the replica's own measured profile.
 
 Every rate and latency is a multiple of what this replica measured (calibrated by the chat-only warm-up), so the
-demo means the same on a fast machine and a slow one. docs/control-loop.md tells its four phases.
+demo means the same on a fast machine and a slow one. docs/control-loop.md tells its six phases. Behind the
+router it serves two objectives: chat (the default, priority 10) and batch (priority -1: sheddable), whose
+requests come only in the fifth phase, beside the chat.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from stallfree.contracts import Profile, WindowStats
 from stallfree.profile_rules import (MIN_TOKEN_BUDGET, SLO_MARGIN, budget_for_tpot, prefill_room, prefill_tokens_per_s,
                                      scaled)
 from stallfree.operator.local.load import LoadPhase
+from stallfree.operator.router.objectives import Objective, Objectives
 
 # p99 TPOT is a per-request mean: a reply decodes beside a long prompt's prefill for as many iterations as that
 # prefill lasts. Replies shorter than a long prompt's chunk count at the allowed budget decode wholly beside it
@@ -26,6 +29,12 @@ CHAT_SHARE = 0.2  # of one replica's prefill capacity: enough replies decoding w
 LONG_PROMPTS_SHARE = 0.4  # the long-prompt phase: within one replica, a long prompt every few seconds
 MIN_WARMUP_ITERATIONS = 20  # a window with fewer iterations says too little about their time
 TARGET_BUDGET_SHARE = 0.25  # the TPOT SLO lets a budget of about this share of the ceiling through
+CHAT_OBJECTIVE, BATCH_OBJECTIVE = "chat", "batch"
+BATCH_PHASE, AFTER_BATCH_PHASE = "batch beside chat", "after the batch"
+# The batch flood, as a multiple of what maxReplicas replicas prefill (3x one replica's capacity with the CPU
+# example's 2): more than the service can serve beside the chat at its largest, so the router sheds some at arrival.
+BATCH_FLOOD = 1.5
+BATCH_TTFT_SHARE = 1 / 3  # of the service's TTFT SLO: the batch objective's target (demo_objectives says why)
 
 
 @dataclass(frozen=True)
@@ -68,10 +77,17 @@ def plan_demo(profile: Profile, ceiling_budget: int, max_model_len: int, scale: 
         LoadPhase("chat only", 30 * scale, 0.0, long_prompt, LONG_OUTPUT_TOKENS),
         # The next phase's rate is only a default: `up --demo` sizes it from the capacity the loop measured
         # for one replica under this run's conditions (beyond_one_replica).
-        LoadPhase("long prompts", 90 * scale, LONG_PROMPTS_SHARE * long_rate, long_prompt, LONG_OUTPUT_TOKENS),
+        LoadPhase("long prompts", 60 * scale, LONG_PROMPTS_SHARE * long_rate, long_prompt, LONG_OUTPUT_TOKENS),
         LoadPhase("beyond one replica", 120 * scale, 0.9 * long_rate, long_prompt, LONG_OUTPUT_TOKENS),
         # Long enough for two replicas to drain the overload's backlog and the windows to show it.
-        LoadPhase("cool-down", 90 * scale, 0.0, long_prompt, LONG_OUTPUT_TOKENS),
+        LoadPhase("cool-down", 60 * scale, 0.0, long_prompt, LONG_OUTPUT_TOKENS),
+        # Long prompts of the sheddable objective beside the chat: the router serves what fits after the chat
+        # and refuses the rest at arrival (only behind the router: without one nothing would shed them).
+        # Its rate here is one replica's share: batch_phase multiplies it by maxReplicas.
+        LoadPhase(BATCH_PHASE, 45 * scale, BATCH_FLOOD * long_rate, long_prompt, LONG_OUTPUT_TOKENS,
+                  objective=BATCH_OBJECTIVE),
+        # Chat only again: what the flood left queued drains, and the windows show whether it did.
+        LoadPhase(AFTER_BATCH_PHASE, 60 * scale, 0.0, long_prompt, LONG_OUTPUT_TOKENS),
     ]
     chat = LoadPhase("chat", sum(p.duration_s for p in phases), chat_rate, CHAT_PROMPT_TOKENS, CHAT_OUTPUT_TOKENS)
     return DemoPlan(tpot_slo, ttft_slo, queue_slo, prefill_rate, allowed, long_prompt, chat, phases)
@@ -113,6 +129,27 @@ def sized_phase(plan: DemoPlan, label: str, capacity_tokens_per_s: float | None)
 
 def beyond_one_replica(plan: DemoPlan, capacity_tokens_per_s: float | None) -> LoadPhase:
     return sized_phase(plan, "beyond one replica", capacity_tokens_per_s)
+
+
+def batch_phase(plan: DemoPlan, capacity_tokens_per_s: float | None, max_replicas: int) -> LoadPhase:
+    """The batch flood: BATCH_FLOOD times maxReplicas replicas' prefill capacity, one replica's as the loop
+    measured it (the plan's profile-sized figure without one)."""
+    phase = next(p for p in plan.phases if p.label == BATCH_PHASE)
+    if not capacity_tokens_per_s or capacity_tokens_per_s <= 0:
+        return replace(phase, rate_per_s=phase.rate_per_s * max_replicas)
+    return replace(phase, rate_per_s=BATCH_FLOOD * max_replicas * capacity_tokens_per_s / phase.prompt_tokens)
+
+
+def demo_objectives(plan: DemoPlan) -> Objectives:
+    """chat (the default: the chat, the long prompts) at the plan's SLOs, and batch, sheddable, admitted only when
+    predicted to start within BATCH_TTFT_SHARE of the service's TTFT SLO. The control loop's windows do not tell
+    objectives apart (a batch request's wait in the router counts in them like a chat one's), and the router's
+    prediction at arrival runs short of the wait a batch request then has behind the chat band and the flood
+    (bench router --objectives measures it): the margin keeps the batch the router admits within the service's SLOs."""
+    chat = Objective(CHAT_OBJECTIVE, 10, plan.ttft_slo_ms, plan.tpot_slo_ms, plan.queue_wait_slo_ms)
+    batch = Objective(BATCH_OBJECTIVE, -1, BATCH_TTFT_SHARE * plan.ttft_slo_ms, plan.tpot_slo_ms,
+                      plan.queue_wait_slo_ms)
+    return Objectives({chat.name: chat, batch.name: batch}, chat)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,9 @@ from the calibrated profile, its SLOs replace the warm-up's, and the remaining p
 calibrated rates; the overload phase is sized when it starts, from the prefill capacity the control loop
 measured for one replica (demo.beyond_one_replica). Every window, the warm-up's too, is judged against
 the final SLOs. Each phase is decided the moment the load driver reaches it (the phase lists are generators).
+Behind the router, the router's objectives follow the plan's SLOs (demo.demo_objectives), and the fifth phase
+sends a sheddable batch flood beside the chat (sized like the overload, from the measured capacity), the sixth
+chat alone again; without a router both are left out.
 """
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ from typing import Any, Iterator
 
 from stallfree.contracts import Profile
 from stallfree.operator.control.policy import SLOTargets
-from stallfree.operator.local.demo import (PHASE_SHARES, Calibration, DemoPlan, calibrate, plan_demo, sized_phase,
-                                          predicted_prefill_ms, scaled)
+from stallfree.operator.local.demo import (AFTER_BATCH_PHASE, BATCH_FLOOD, BATCH_PHASE, PHASE_SHARES, Calibration, DemoPlan, batch_phase,
+                                          calibrate, demo_objectives, plan_demo, predicted_prefill_ms, scaled, sized_phase)
 from stallfree.operator.local.load import LoadDriver, LoadPhase
 
 CAPACITY_STEPS = 3  # the overload phase is sized from the median capacity of the loop's last steps
@@ -37,6 +40,7 @@ class DemoRun:
         self.warmup = self.plan.phases[0]
         self.phases: list[LoadPhase] = []  # the phases the verdict judges, as they start
         self.background: list[LoadPhase] = []  # the chat load beside them
+        self.behind_router = getattr(runtime, "router", None) is not None  # only a router sheds the batch phase
         self._first_step = len(runtime.steps)
         self._long_prompt_factor: float | None = None
         self._tasks: list[asyncio.Future] = []
@@ -54,7 +58,10 @@ class DemoRun:
 
     @property
     def duration_s(self) -> float:
-        return sum(p.duration_s for p in self.plan.phases)
+        return sum(p.duration_s for p in self._planned())
+
+    def _planned(self) -> list[LoadPhase]:
+        return [p for p in self.plan.phases if self.behind_router or p.label not in (BATCH_PHASE, AFTER_BATCH_PHASE)]
 
     def done(self) -> bool:
         return bool(self._tasks) and all(t.done() for t in self._tasks)
@@ -71,14 +78,21 @@ class DemoRun:
         runtime.policy = dataclasses.replace(runtime.policy, slo=slo)
         runtime.loop.policy = runtime.policy
         self.view.policy = runtime.policy
+        if self.behind_router:
+            runtime.router.set_objectives(demo_objectives(plan))
+
+    @property
+    def objectives(self):
+        """The router's objectives as the plan sized them (what the verdict per objective judges against)."""
+        return demo_objectives(self.plan)
 
     # -- the phases, each decided when the load driver reaches it ------------------------------------
     def _story(self) -> Iterator[LoadPhase]:
         self.phases.append(self.warmup)
         yield self.warmup
         self._calibrate()
-        for phase in self.plan.phases[1:]:
-            if phase.label in PHASE_SHARES:
+        for phase in self._planned()[1:]:
+            if phase.label in PHASE_SHARES or phase.label == BATCH_PHASE:
                 phase = self._size_overload(phase)
             self.phases.append(phase)
             yield phase
@@ -137,11 +151,16 @@ class DemoRun:
         measured = [s.feasibility.capacity_tokens_per_s for s in self.runtime.steps[-CAPACITY_STEPS:]
                     if getattr(s, "feasibility", None) is not None and s.feasibility.capacity_tokens_per_s]
         capacity = statistics.median(measured) if measured else None
-        phase = sized_phase(self.plan, planned.label, capacity)
+        batch = planned.label == BATCH_PHASE
+        max_replicas = self.runtime.spec.scaling.max_replicas
+        phase = (batch_phase(self.plan, capacity, max_replicas) if batch
+                 else sized_phase(self.plan, planned.label, capacity))
         if capacity is None:
             self.view.say(f"no measured prefill capacity yet: '{planned.label}' keeps the plan's rate")
         else:
+            kind = f"sheddable batch (objective `batch`, {max_replicas} replicas' worth x{BATCH_FLOOD:g})" if batch \
+                else "long-prompt"
             self.view.say(f"the loop measured one replica prefilling ~{capacity:.0f} tokens/s at the budget its "
                           f"TPOT target allows: '{phase.label}' asks {phase.rate_per_s * phase.prompt_tokens:.0f} "
-                          f"long-prompt tokens/s plus the chat")
+                          f"{kind} tokens/s plus the chat")
         return phase

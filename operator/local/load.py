@@ -3,7 +3,8 @@
 Each request goes to the next replica that is live and not draining (round robin), streams over the
 OpenAI API and is measured client-side (TTFT, TPOT, ITL), reusing the benchmark client. A request
 refused by a draining replica (503) is retried once on another replica, as a Service's endpoints
-would drop the draining pod.
+would drop the draining pod. A phase may name its objective (`x-stallfree-objective`): the router serves it in
+that objective's band and may shed it at arrival (429), which the summary counts as shed, not failed.
 """
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from typing import Any, Callable, Iterable
 import httpx
 
 from stallfree.arrivals import arrival_times
+from stallfree.loadgen.outcome import shed
 from stallfree.loadgen.prompts import PromptBuilder
 from stallfree.loadgen.stream import RequestResult, send_request, streaming_body
+from stallfree.operator.router.objectives import OBJECTIVE_HEADER
 from stallfree.simulator.latency_summary import summarize
 
 
@@ -29,10 +32,11 @@ class LoadPhase:
     rate_per_s: float  # Poisson arrivals (stallfree.arrivals, the driver's seeded rng)
     prompt_tokens: int
     max_tokens: int
+    objective: str | None = None  # the objective its requests name (None: the service's default)
 
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "duration_s": self.duration_s, "rate_per_s": self.rate_per_s,
-                "prompt_tokens": self.prompt_tokens, "max_tokens": self.max_tokens}
+                "prompt_tokens": self.prompt_tokens, "max_tokens": self.max_tokens, "objective": self.objective}
 
 
 @dataclass
@@ -40,6 +44,7 @@ class PhasedResult:
     phase: str
     result: RequestResult
     replica: str | None = None
+    objective: str | None = None
 
 
 class LoadDriver:
@@ -97,13 +102,14 @@ class LoadDriver:
     async def _one(self, client: httpx.AsyncClient, phase: LoadPhase, started: float) -> None:
         index = next(self._counter)
         result = RequestResult(index, phase.prompt_tokens, phase.max_tokens, time.time() - started)
-        record = PhasedResult(phase.label, result)
+        record = PhasedResult(phase.label, result, objective=phase.objective)
         self.results.append(record)
         prompt = self.prompts.text(phase.prompt_tokens, seed=index, lead=f"{index}:")
         body = streaming_body("completions", self.model, prompt, phase.max_tokens)
+        headers = {OBJECTIVE_HEADER: phase.objective} if phase.objective else None
         self._in_flight += 1
         try:
-            await self._send(client, body, result, record, started)
+            await self._send(client, body, result, record, started, headers)
         except asyncio.CancelledError:
             result.error = "cancelled: still running when the drain timeout ran out"
             raise
@@ -111,7 +117,7 @@ class LoadDriver:
             self._in_flight -= 1
 
     async def _send(self, client: httpx.AsyncClient, body: dict[str, Any], result: RequestResult,
-                    record: PhasedResult, started: float) -> None:
+                    record: PhasedResult, started: float, headers: dict[str, str] | None = None) -> None:
         for _attempt in range(2):
             urls = self.urls()
             if not urls:
@@ -121,7 +127,7 @@ class LoadDriver:
             record.replica = url
             result.error = None
             result.sent_s = time.time() - started
-            await send_request(client, url + "/v1/completions", body, result, "completions")
+            await send_request(client, url + "/v1/completions", body, result, "completions", headers=headers)
             if result.ok or not (result.error or "").startswith("HTTP 503"):
                 return
 
@@ -150,15 +156,17 @@ async def _stopped_by(when: float, stop: asyncio.Event | None) -> bool:
 
 def _summary(results: list[RequestResult]) -> dict[str, Any]:
     done = [r for r in results if r.ok]
+    sheds = sum(map(shed, results))
     errors: dict[str, int] = {}
     for r in results:
-        if not r.ok:
+        if not r.ok and not shed(r):
             key = (r.error or "still running")[:100]
             errors[key] = errors.get(key, 0) + 1
     return {
         "requests": len(results),
         "completed": len(done),
-        "failed": len(results) - len(done),
+        "shed": sheds,  # refused at arrival by the router (a sheddable objective predicted to miss): not failed
+        "failed": len(results) - len(done) - sheds,
         "ttft_ms": summarize(r.ttft_ms for r in done),
         "tpot_ms": summarize(r.tpot_ms for r in done if r.tpot_ms is not None),
         "itl_ms": summarize(gap for r in done for gap in r.itl_ms),

@@ -52,6 +52,15 @@ def report(name: str, spec: InferenceServiceSpec, runtime: LocalRuntime, load: L
                                                           "message": cal.describe()}
     if load and phases:
         result["verdict"] = demo_verdict(rows, starts, phases, runtime)
+        per_objective = objectives_verdict(load, demo)
+        if per_objective is not None:
+            result["verdict"]["objectives"] = per_objective
+            result["verdict"]["ok"] = result["verdict"]["ok"] and per_objective["ok"]
+            lines = result["verdict"]["lines"]
+            lines[-1:-1] = per_objective["lines"]  # before the result line, which now says both
+            if not per_objective["ok"]:
+                lines[-1] = "  result: FAILED: an objective missed its goal in the batch phase" + (
+                    "" if lines[-1].endswith("every feasible SLO was restored") else f" ({lines[-1].strip()})")
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(result, indent=1, default=str))
     if rows:
@@ -74,6 +83,33 @@ def demo_verdict(rows: list[dict[str, Any]], starts: list[tuple[float, LoadPhase
     return {"ok": verdict.ok, "failed": len(verdict.failed), "met_at_end": verdict.met_at_end,
             "lines": verdict_text(verdict, runtime.policy.interval_s),
             "phases": [dataclasses.asdict(p) for p in verdict.phases]}
+
+
+def objectives_verdict(load: LoadDriver, demo: DemoRun) -> dict[str, Any] | None:
+    """Per objective over the batch phase (objective_verdict.py): the chat sent during it and the batch flood;
+    None when the run had no batch phase (no router, or stopped before it)."""
+    from stallfree.operator.local.demo import BATCH_PHASE, CHAT_OBJECTIVE
+    from stallfree.operator.local.objective_verdict import judge_objectives, objective_lines
+
+    timed = sorted(t for t, p in load.phase_starts if p in demo.phases)
+    starts = [t for t, p in load.phase_starts if p.label == BATCH_PHASE]
+    if not starts:
+        return None
+    start = starts[0]
+    end = next((t for t in timed if t > start), float("inf"))
+    objectives = demo.objectives
+    by_objective: dict[str, list] = {}
+    for record in load.results:
+        if record.phase == BATCH_PHASE:
+            name = record.objective or objectives.default.name
+        elif start <= record.result.scheduled_s < end:
+            name = record.objective or CHAT_OBJECTIVE
+        else:
+            continue
+        by_objective.setdefault(name, []).append(record.result)
+    verdicts = judge_objectives(by_objective, sorted(objectives.by_name.values(), key=lambda o: -o.priority))
+    return {"ok": all(v.ok for v in verdicts), "phase": BATCH_PHASE, "lines": objective_lines(verdicts, BATCH_PHASE),
+            "objectives": [dict(dataclasses.asdict(v), ok=v.ok) for v in verdicts]}
 
 
 VERDICT_NAMES = {"tpot": "tpot", "queueWait": "queue_wait", "ttft": "ttft"}
@@ -115,11 +151,13 @@ def summary_text(result: dict[str, Any], out: Path) -> str:
     for label, s in result["client"].items():
         if label == "all":
             continue
-        lines.append(f"  {label:<20} {s['completed']}/{s['requests']} done  client p99 TTFT {_ms(s['ttft_ms'])} "
+        shed = f", {s['shed']} shed" if s.get("shed") else ""
+        lines.append(f"  {label:<20} {s['completed']}/{s['requests']} done{shed}  client p99 TTFT {_ms(s['ttft_ms'])} "
                      f"TPOT {_ms(s['tpot_ms'])} (SLO {slo['tpot_p99_ms']:.0f})")
     if result["client"]:
         total = result["client"]["all"]
-        lines.append(f"requests: {total['requests']} sent, {total['completed']} completed, {total['failed']} failed"
+        lines.append(f"requests: {total['requests']} sent, {total['completed']} completed, {total.get('shed', 0)} shed "
+                     f"at arrival, {total['failed']} failed"
                      + (f" ({total['errors']})" if total["errors"] else ""))
     if "verdict" in result:
         lines += result["verdict"]["lines"]

@@ -1,7 +1,8 @@
 """The router inside another program's event loop (the local runtime behind `stallfree up`).
 
 Its replica set is handed in (`follow`) whenever the caller's set changes, instead of being read from
-EndpointSlices; everything else is the same router: its own health polls, picks, metrics, HTTP edge.
+EndpointSlices; everything else is the same router: its own health polls, picks, metrics, HTTP edge. Its
+objectives may be replaced while it runs (`set_objectives`): the demo sizes their targets after it started.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import uvicorn
 
 from stallfree.net import free_port
+from stallfree.operator.router.objectives import Objectives
 from stallfree.operator.router.proxy import Router, RouterConfig, create_app
 from stallfree.operator.router.replicas import ReplicaPool
 from stallfree.ready import NotReadyInTime, wait_until_ready_async
@@ -44,6 +46,10 @@ class InProcessRouter:
     def follow(self, replicas: dict[str, str]) -> None:
         """name -> URL of every replica that may serve (not draining); health is the router's own poll."""
         self.router.pool.set_replicas(replicas)
+
+    def set_objectives(self, objectives: Objectives) -> None:
+        """The objectives each new request is judged by (queued ones keep the band and deadline they got)."""
+        self.router.config.objectives = objectives
 
     async def wait_ready(self, timeout_s: float = 10.0) -> bool:
         """Until the router's own poll found a replica ready (its first poll follows `follow` closely)."""
