@@ -145,13 +145,14 @@ class VirtualRouter:
         recent = [n for t, n in self._arrived if last is not None and t > last]
         span = min(self.window_s, max(now, 1e-9))
         lengths = [n for _, n in self._arrived]
-        windows = self.outcomes.windows(now, self.window_s, last, list(self.queue))
+        several = len(self.objectives.by_name) > 1  # one objective: the queue's own figures say it all
+        windows = self.outcomes.windows(now, self.window_s, last, list(self.queue)) if several else ()
         return QueueObservation(len(self.queue), self.queue.queued_prompt_tokens,
                                 0.0 if oldest is None else max(0.0, now - oldest) * 1000.0,
                                 sum(lengths) / span, sum(recent), len(recent), 0.0 if last is None else now - last,
                                 arrival_requests_per_s=len(lengths) / span,
                                 prompt_cv2=prompt_cv2(len(lengths), sum(lengths), sum(n * n for n in lengths)),
-                                objectives=windows if len(self.objectives.by_name) > 1 else ())
+                                objectives=windows)
 
     def forget(self, names: Sequence[str]) -> None:
         """Replicas that left or restarted: what was in flight there failed, and a new process starts afresh."""
