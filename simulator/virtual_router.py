@@ -99,7 +99,8 @@ class VirtualRouter:
         self._next += 1
         self._arrived.append((t, prompt_len))
         needs_views = ready is not None and (named.sheddable or named.ttft_ms is not None)
-        views = [self._known(name, replica, t).view(t) for name, replica in (ready or {}).items()] if needs_views else []
+        views = [self._known(name, replica, t).view(t) for name, replica in (ready or {}).items()] \
+            if needs_views else []
         if named.sheddable and ready is not None:
             ahead = sum(q.prompt_tokens for q in self.queue if q.priority >= named.priority)
             above = self.outcomes.offered_above(named.priority, t, self.window_s)

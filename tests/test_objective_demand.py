@@ -17,7 +17,8 @@ TARGETS = (ObjectiveTargets("interactive", 0, 3000.0, 100.0, 2000.0, default=Tru
 
 def _queue(interactive: float, batch: float, batch_depth: int = 200, batch_wait_ms: float = 25000.0,
            interactive_ttft: float | None = 1500.0) -> QueueObservation:
-    windows = (ObjectiveWindow("interactive", 0, arrival_prompt_tokens_per_s=interactive, recent_prompt_tokens=interactive * 10,
+    windows = (ObjectiveWindow("interactive", 0, arrival_prompt_tokens_per_s=interactive,
+                               recent_prompt_tokens=interactive * 10,
                                recent_requests=30, arrival_requests_per_s=3.0, depth=1, queued_prompt_tokens=3000.0,
                                oldest_wait_ms=100.0, ttft_p99_ms=interactive_ttft, queue_wait_p99_ms=500.0),
                ObjectiveWindow("batch", -1, arrival_prompt_tokens_per_s=batch, recent_prompt_tokens=batch * 10,
@@ -33,8 +34,9 @@ def _queue(interactive: float, batch: float, batch_depth: int = 200, batch_wait_
 def test_no_split_without_a_sheddable_objective_or_per_objective_arrivals():
     only = QueueObservation(0, 0.0, 0.0, 1000.0, objectives=(ObjectiveWindow("a", 0, arrival_prompt_tokens_per_s=1.0),))
     assert split_demand(only, 0.25, 4, 4000.0) is None
-    unknown = QueueObservation(0, 0.0, 0.0, 1000.0, objectives=(ObjectiveWindow("a", 0, arrival_prompt_tokens_per_s=1.0),
-                                                                 ObjectiveWindow("b", -1)))
+    unknown = QueueObservation(0, 0.0, 0.0, 1000.0,
+                               objectives=(ObjectiveWindow("a", 0, arrival_prompt_tokens_per_s=1.0),
+                                           ObjectiveWindow("b", -1)))
     assert split_demand(unknown, 0.25, 4, 4000.0) is None  # an older router: depth and shed counts only
     assert split_demand(None, 0.25, 4, 4000.0) is None
 

@@ -115,7 +115,8 @@ def sized_loads(loads: Sequence[ReplicaLoad], split: DemandSplit, breaching: boo
     return out
 
 
-def sized_for_scaler(queue: QueueObservation | None, loads: list[ReplicaLoad], stats_tpot_p99_ms: dict[str, float | None],
+def sized_for_scaler(queue: QueueObservation | None, loads: list[ReplicaLoad],
+                     stats_tpot_p99_ms: dict[str, float | None],
                      targets: Sequence[ObjectiveTargets], tpot_slo_ms: float, share: float, max_replicas: int,
                      capacity_per_replica: float | None) -> tuple[list[ReplicaLoad], QueueObservation | None]:
     """The replicas' loads and the router's queue as the scaler sizes them (unchanged without a split)."""

@@ -23,7 +23,8 @@ class ObjectiveStatus:
     def to_status(self) -> dict[str, Any]:
         w = self.window
         return {"name": w.name, "priority": w.priority, "sheddable": w.sheddable,
-                "p99TtftMs": _r(w.ttft_p99_ms), "p99TpotMs": _r(w.tpot_p99_ms), "p99QueueWaitMs": _r(w.queue_wait_p99_ms),
+                "p99TtftMs": _r(w.ttft_p99_ms), "p99TpotMs": _r(w.tpot_p99_ms),
+                "p99QueueWaitMs": _r(w.queue_wait_p99_ms),
                 "goodput": None if w.goodput is None else round(w.goodput, 4), "completed": w.completed,
                 "shed": w.shed, "queued": w.depth,
                 "demandTokensPerS": _r(w.arrival_prompt_tokens_per_s), "feasible": self.feasible}

@@ -42,7 +42,8 @@ class RouterQueueSource:
         if self._readings and (arrivals < self._readings[-1][1] or tokens < self._readings[-1][2]):
             self._readings.clear()  # the router restarted: its counters began again
         per_objective = status.get("objectives")
-        self._readings.append((now, arrivals, tokens, squares, per_objective if isinstance(per_objective, dict) else {}))
+        per_objective = per_objective if isinstance(per_objective, dict) else {}
+        self._readings.append((now, arrivals, tokens, squares, per_objective))
         while len(self._readings) > 2 and self._readings[1][0] <= now - self.window_s:
             self._readings.popleft()
         first, last = self._readings[0], self._readings[-1]
