@@ -45,8 +45,8 @@ def test_the_spread_of_prompt_lengths_comes_from_the_routers_sums():
 async def test_per_objective_windows_come_from_the_routers_per_objective_counters():
     def reading(arrivals: int, tokens: float, shed: int) -> dict:
         out = status(arrivals, tokens)
-        out["objectives"] = {"batch": {"priority": -1, "depth": 3, "shed": shed, "arrivals": arrivals,
-                                       "arrived_prompt_tokens": tokens},
+        out["objectives"] = {"batch": {"priority": -1, "depth": 3, "shed": shed, "offered": arrivals,
+                                       "offered_prompt_tokens": tokens},
                              "interactive": {"priority": 0, "depth": 1, "shed": 0}}  # an older router's figures
         return out
 

@@ -137,9 +137,12 @@ def test_an_unknown_objective_is_a_400_naming_it_and_never_counts_as_demand():
         assert _value(text, 'stallfree_router_objective_queue_wait_seconds_count{objective="interactive"}') == 3.0
         assert _value(text, 'stallfree_router_objective_queue_depth{objective="batch"}') == 0.0
         assert _value(text, 'stallfree_router_objective_observed_ttft_seconds_count{objective="interactive"}') == 3.0
-        assert _queue(url)["objectives"] == {
-            "interactive": {"priority": 10, "ttft_ms": 600000.0, "depth": 0, "shed": 0},
-            "batch": {"priority": -1, "ttft_ms": 600000.0, "depth": 0, "shed": 0}}
+        status = _queue(url)
+        assert status["objectives"] == {
+            "interactive": {"priority": 10, "ttft_ms": 600000.0, "depth": 0, "shed": 0, "offered": 3,
+                            "offered_prompt_tokens": status["arrived_prompt_tokens"]},
+            "batch": {"priority": -1, "ttft_ms": 600000.0, "depth": 0, "shed": 0, "offered": 0,
+                      "offered_prompt_tokens": 0}}
         # The objective headers are the router's: none reaches the replica.
         assert all("x-stallfree-objective" not in headers for _, _, headers in fake.inference())
 
@@ -163,6 +166,8 @@ def test_a_sheddable_request_predicted_to_miss_is_refused_at_arrival_and_a_non_s
         status = _queue(url)
         assert status["arrivals"] == 1  # a shed request is no demand: it was refused before the queue
         assert status["objectives"]["batch"]["shed"] == 1 and status["objectives"]["chat"]["shed"] == 0
+        # Offered per objective counts the shed one too: what the control loop sizes a sheddable share from.
+        assert status["objectives"]["batch"]["offered"] == 1 and status["objectives"]["chat"]["offered"] == 1
 
 
 def test_a_higher_band_waiting_behind_a_lower_one_is_served_first_over_http():

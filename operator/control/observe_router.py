@@ -10,8 +10,8 @@ the oldest wait is the oldest of any. A router that leaves takes its counters wi
 restart (the rates start afresh), never as a burst.
 
 Per objective (`objectives` in the router's answer) the same readings give each one's depth, its shed count over
-the window and, where the router counts them per objective (`arrivals`, `arrived_prompt_tokens`), its arrival
-rates; a figure the router does not give stays unknown (None), and the loop then sizes as without objectives.
+the window and, where the router counts them per objective (`offered`, `offered_prompt_tokens`: shed ones
+included), its arrival rates; a figure the router does not give stays unknown (None), and the loop then sizes as without objectives.
 """
 from __future__ import annotations
 
@@ -72,14 +72,14 @@ def objective_windows(first: dict[str, dict[str, Any]], previous: dict[str, dict
         def grew(key: str, since: dict[str, Any]) -> float:
             return max(0.0, float(now.get(key, 0.0)) - float(since.get(key, 0.0)))
 
-        counted = "arrived_prompt_tokens" in now and "arrivals" in now
+        counted = "offered_prompt_tokens" in now and "offered" in now
         out.append(ObjectiveWindow(
             str(name), int(now.get("priority", 0)),
-            arrival_prompt_tokens_per_s=(grew("arrived_prompt_tokens", start) / span if span > 0 else 0.0)
+            arrival_prompt_tokens_per_s=(grew("offered_prompt_tokens", start) / span if span > 0 else 0.0)
             if counted else None,
-            recent_prompt_tokens=grew("arrived_prompt_tokens", before) if counted else 0.0,
-            recent_requests=int(grew("arrivals", before)) if counted else 0,
-            arrival_requests_per_s=grew("arrivals", start) / span if counted and span > 0 else 0.0,
+            recent_prompt_tokens=grew("offered_prompt_tokens", before) if counted else 0.0,
+            recent_requests=int(grew("offered", before)) if counted else 0,
+            arrival_requests_per_s=grew("offered", start) / span if counted and span > 0 else 0.0,
             depth=int(now.get("depth", 0)), queued_prompt_tokens=float(now.get("queued_prompt_tokens", 0.0)),
             oldest_wait_ms=float(now.get("oldest_wait_ms", 0.0)), shed=int(grew("shed", start))))
     return tuple(out)
@@ -104,7 +104,7 @@ def summed_reader(readers: Callable[[], Awaitable[list[Reader]]]) -> Reader:
     return read
 
 
-_SUMMED_PER_OBJECTIVE = ("depth", "queued_prompt_tokens", "shed", "arrivals", "arrived_prompt_tokens")
+_SUMMED_PER_OBJECTIVE = ("depth", "queued_prompt_tokens", "shed", "offered", "offered_prompt_tokens")
 
 
 def _summed_objectives(per_router: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

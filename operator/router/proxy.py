@@ -107,6 +107,9 @@ class Router:
         self.arrived_prompt_tokens = 0  # a counter: the control loop takes its rate between two reads
         self.arrived_prompt_tokens_sq = 0  # and of the squares: the spread of prompt lengths (queueing.py)
         self.shed_by_objective: dict[str, int] = {}  # refused at arrival, predicted to miss (shedding.py)
+        # Requests and prompt tokens that named each objective, shed ones included: the control loop sizes for the
+        # non-sheddable ones and a share of the sheddable (operator/control/objective_demand.py).
+        self.offered_by_objective: dict[str, list[int]] = {}
         self._ticker: asyncio.Task | None = None
         self._last_healthy_at = time.perf_counter()  # when some replica was last seen healthy
         pool._on_change = self._replica_changed
@@ -196,8 +199,10 @@ class Router:
 
     def _objective_status(self) -> dict[str, dict]:
         depths = self.queue.depth_by_objective()
+        offered = self.offered_by_objective
         return {o.name: {"priority": o.priority, "ttft_ms": o.ttft_ms, "depth": depths.get(o.name, 0),
-                         "shed": self.shed_by_objective.get(o.name, 0)}
+                         "shed": self.shed_by_objective.get(o.name, 0), "offered": offered.get(o.name, [0, 0])[0],
+                         "offered_prompt_tokens": offered.get(o.name, [0, 0])[1]}
                 for o in self.config.objectives.by_name.values()}
 
     def _queue_gauges(self) -> None:
@@ -240,6 +245,8 @@ class Router:
                              tenant: str) -> tuple[Replica, Choice, list[int], int] | Answer:
         """Queue the request and wait for its dispatch or the queue timeout; cancelled when its client leaves."""
         if not front:
+            offered = self.offered_by_objective.setdefault(objective.name, [0, 0])
+            offered[0], offered[1] = offered[0] + 1, offered[1] + info.prompt_tokens
             shed = self._shed(objective, info)
             if shed is not None:
                 return shed
