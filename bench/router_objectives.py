@@ -31,9 +31,9 @@ from typing import Any, Sequence
 from stallfree.arrivals import arrival_times
 from stallfree.loadgen.outcome import REFUSED_AT_ARRIVAL, SERVED, met, outcome, shed
 from stallfree.loadgen.stream import RequestResult
+from stallfree.operator.router.objectives import OBJECTIVE_HEADER
 
 INTERACTIVE, BATCH = "interactive", "batch"
-OBJECTIVE_HEADER = "x-stallfree-objective"  # as operator/router/objectives.py reads it
 FLEET = (("h100", 2),)
 TICK_S = 10.0
 
