@@ -1,7 +1,8 @@
 """Closed-loop scenarios with objectives and tenants (issue 33): each request names its class and its sender.
 
 - mixed-objectives: interactive requests at 60% of maxReplicas' prefill capacity, then a batch flood (a sheddable
-  objective) at 3x that capacity. Goals: interactive goodput >= 99%; no batch request waits past its TTFT target
+  objective) at 3x that capacity. It starts at maxReplicas: the router sheds nothing while a replica is starting
+  (shedding.py), so a flood that lands during a scale-out is admitted whole for the start-up and served late. Goals: interactive goodput >= 99%; no batch request waits past its TTFT target
   and then fails (each is served in time or refused at arrival: none served late, lost or refused by a full
   queue); batch uses >= 90% of the prefill capacity the interactive load leaves over the flood.
 - tenants: four tenants share the service at 60% of its capacity; a fifth floods at 3x. Run again without the
@@ -149,7 +150,7 @@ def mixed_objectives() -> "Scenario":
     return Scenario("mixed-objectives", "interactive at 60% of capacity beside a batch flood at 3x (sheddable), "
                     f"maxReplicas {MAX_REPLICAS}: interactive goodput >= 99%, batch served in time or refused at "
                     "arrival, batch fills >= 90% of the spare prefill capacity",
-                    base.cluster, policy, phases, DURATION_S, replicas=3, load_changes=2)
+                    base.cluster, policy, phases, DURATION_S, replicas=MAX_REPLICAS, load_changes=2)
 
 
 TENANTS = ("t1", "t2", "t3", "t4")

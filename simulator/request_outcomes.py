@@ -8,7 +8,6 @@ window, what the router reports to the control loop) and `summary` (the whole ru
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -64,8 +63,6 @@ class Outcomes:
         self.in_flight: dict[int, Outcome] = {}
         self.done: list[Outcome] = []  # in the order they ended (done_s nondecreasing but for lost ones)
         self.offered: list[Outcome] = []  # every arrival, in arrival order
-        self._recent_by_priority: dict[int, deque[tuple[float, int]]] = {}  # (arrival, prompt tokens) per band
-        self._sums: dict[int, list[float]] = {}  # per band: requests, tokens, squares over the deque
 
     # -- what the router saw happen ------------------------------------------------------------------------
     def arrived(self, key: int, t: float, objective: str, tenant: str, prompt_tokens: int, max_tokens: int) -> None:
@@ -75,23 +72,6 @@ class Outcomes:
 
     def _offer(self, outcome: Outcome) -> None:
         self.offered.append(outcome)
-        priority = self.objectives.by_name[outcome.objective].priority
-        self._recent_by_priority.setdefault(priority, deque()).append((outcome.arrival_s, outcome.prompt_tokens))
-        sums = self._sums.setdefault(priority, [0, 0.0, 0.0])
-        sums[0], sums[1], sums[2] = sums[0] + 1, sums[1] + outcome.prompt_tokens, sums[2] + outcome.prompt_tokens ** 2
-
-    def offered_above(self, priority: int, now: float, window_s: float) -> tuple[int, float, float]:
-        """(requests, prompt tokens, their squares) offered over the last `window_s` by the bands above `priority`
-        (what goes before this band's turn: shedding.reserved_tokens_per_ms)."""
-        total = [0, 0.0, 0.0]
-        for band, recent in self._recent_by_priority.items():
-            sums = self._sums[band]
-            while recent and recent[0][0] <= now - window_s:
-                tokens = recent.popleft()[1]
-                sums[0], sums[1], sums[2] = sums[0] - 1, sums[1] - tokens, sums[2] - tokens ** 2
-            if band > priority:
-                total = [a + b for a, b in zip(total, sums)]
-        return int(total[0]), total[1], total[2]
 
     def shed(self, t: float, objective: str, tenant: str, prompt_tokens: int) -> None:
         self._refused(t, objective, tenant, prompt_tokens, SHED)

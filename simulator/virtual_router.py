@@ -31,7 +31,7 @@ from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
 from stallfree.operator.router.objectives import Objectives, deadline_s
 from stallfree.operator.router.pick import ReplicaView, pick
 from stallfree.operator.router.replicas import Replica
-from stallfree.operator.router.shedding import reserved_tokens_per_ms, sheds
+from stallfree.operator.router.shedding import BandArrivals, sheds
 from stallfree.simulator.request_outcomes import Outcomes
 from stallfree.simulator.virtual_replica import VirtualReplica
 
@@ -65,6 +65,7 @@ class VirtualRouter:
         self.queue: FlowQueue[int] = FlowQueue(flow)
         self.objectives = objectives or Objectives.implicit()
         self.outcomes = Outcomes(self.objectives)
+        self.bands = BandArrivals(window_s)  # what each priority band offered: the reserve shedding predicts with
         self.profile_of = profile_of
         self.window_s = window_s
         self.tick_s = tick_s
@@ -98,13 +99,13 @@ class VirtualRouter:
             raise ValueError(f"objective {objective!r} is not one of {', '.join(self.objectives.names())}")
         self._next += 1
         self._arrived.append((t, prompt_len))
+        self.bands.offered(t, named.priority, prompt_len)
         needs_views = ready is not None and (named.sheddable or named.ttft_ms is not None)
         views = [self._known(name, replica, t).view(t) for name, replica in (ready or {}).items()] \
             if needs_views else []
         if named.sheddable and ready is not None:
             ahead = sum(q.prompt_tokens for q in self.queue if q.priority >= named.priority)
-            above = self.outcomes.offered_above(named.priority, t, self.window_s)
-            reserved = reserved_tokens_per_ms(*above, min(self.window_s, max(t, 1e-9)), (named.ttft_ms or 0.0) / 1000.0)
+            reserved = self.bands.reserved_tokens_per_ms(named.priority, t, (named.ttft_ms or 0.0) / 1000.0)
             if sheds(named, views, starting, prompt_len, ahead, reserved) is not None:
                 self.outcomes.shed(t, named.name, tenant, prompt_len)
                 return False

@@ -6,7 +6,7 @@ import pytest
 
 from stallfree.operator.router.flow_control import Queued
 from stallfree.operator.router.objectives import Objective, Objectives
-from stallfree.operator.router.shedding import reserved_tokens_per_ms
+from stallfree.operator.router.shedding import BandArrivals, reserved_tokens_per_ms
 from stallfree.simulator.request_outcomes import Outcomes
 
 INTERACTIVE = Objective("interactive", 0, ttft_ms=1000.0, tpot_ms=50.0, queue_wait_ms=500.0)
@@ -55,12 +55,15 @@ def test_windows_per_objective_hold_the_last_window_and_what_waits():
 
 
 def test_what_the_higher_bands_offered_ages_out_of_the_window():
-    o = Outcomes(OBJECTIVES)
-    _served(o, 1, 1.0, 1.1, 1.5, 1.9)
-    _served(o, 2, 20.0, 20.1, 20.5, 20.9)
-    assert o.offered_above(-1, 25.0, 30.0) == (2, 2000.0, 2e6)
-    assert o.offered_above(-1, 35.0, 30.0) == (1, 1000.0, 1e6)
-    assert o.offered_above(0, 35.0, 30.0) == (0, 0.0, 0.0)  # nothing above the top band
+    bands = BandArrivals(window_s=30.0)
+    bands.offered(0.0, 0, 1000)
+    bands.offered(20.0, 0, 1000)
+    bands.offered(21.0, -1, 5000)  # its own band: not reserved against it
+    at_25 = bands.reserved_tokens_per_ms(-1, 25.0, 30.0)
+    assert at_25 == pytest.approx(reserved_tokens_per_ms(2, 2000.0, 2e6, 25.0, 30.0))
+    assert bands.reserved_tokens_per_ms(-1, 35.0, 30.0) == pytest.approx(
+        reserved_tokens_per_ms(1, 1000.0, 1e6, 30.0, 30.0))  # the first aged out
+    assert bands.reserved_tokens_per_ms(0, 35.0, 30.0) == 0.0  # nothing above the top band
 
 
 def test_the_reserve_is_the_higher_bands_rate_plus_its_spread():

@@ -46,7 +46,7 @@ from stallfree.operator.router.objectives import OBJECTIVE_HEADER, Objective, Ob
 from stallfree.operator.router.pick import AffinityMargin, Choice, ReplicaView, pick, rendezvous_home
 from stallfree.operator.router.replicas import Replica, ReplicaPool
 from stallfree.operator.router.requests import RequestInfo, read_parsed
-from stallfree.operator.router.shedding import SHED_CODE, sheds
+from stallfree.operator.router.shedding import SHED_CODE, BandArrivals, sheds
 from stallfree.request_objective_header import RequestObjective
 from stallfree.request_objective_header import headers as objective_headers
 from stallfree.router_queue_header import QUEUE_HEADER, SIGNATURE_HEADER, sign
@@ -110,6 +110,7 @@ class Router:
         # Requests and prompt tokens that named each objective, shed ones included: the control loop sizes for the
         # non-sheddable ones and a share of the sheddable (operator/control/objective_demand.py).
         self.offered_by_objective: dict[str, list[int]] = {}
+        self.bands = BandArrivals()  # what each priority band offered lately: the reserve shedding predicts with
         self._ticker: asyncio.Task | None = None
         self._last_healthy_at = time.perf_counter()  # when some replica was last seen healthy
         pool._on_change = self._replica_changed
@@ -229,7 +230,8 @@ class Router:
         starting = sum(1 for r in self.pool.replicas.values()
                        if not r.healthy and not r.removed and r.reason in ("loading model", "not polled yet"))
         ahead = sum(q.prompt_tokens for q in self.queue if q.priority >= objective.priority)
-        predicted = sheds(objective, views, starting, info.prompt_tokens, ahead)
+        reserved = self.bands.reserved_tokens_per_ms(objective.priority, now, (objective.ttft_ms or 0.0) / 1000.0)
+        predicted = sheds(objective, views, starting, info.prompt_tokens, ahead, reserved)
         if predicted is None:
             return None
         self.metrics.objective_requests.labels(objective.name, "shed").inc()
@@ -247,6 +249,7 @@ class Router:
         if not front:
             offered = self.offered_by_objective.setdefault(objective.name, [0, 0])
             offered[0], offered[1] = offered[0] + 1, offered[1] + info.prompt_tokens
+            self.bands.offered(time.perf_counter(), objective.priority, info.prompt_tokens)
             shed = self._shed(objective, info)
             if shed is not None:
                 return shed

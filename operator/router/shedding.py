@@ -8,9 +8,12 @@ prefill rate, less what the higher bands' arrivals take of it (they go first, so
 share a batch band predicted at its target waits past it by the interactive load's factor). It is shed only when
 that misses the target at every replica. A replica that is starting (its
 model loading) may take it soon, but the router does not know when it will be ready, so while one is
-starting nothing is shed. Pure: views in, verdict out.
+starting nothing is shed. Pure: views in, verdict out; `BandArrivals` keeps the recent arrivals per band, with
+the times it is handed.
 """
 from __future__ import annotations
+
+from collections import deque
 
 from stallfree.operator.router.objectives import Objective
 from stallfree.operator.router.pick import ReplicaView, predict_ttft_ms
@@ -34,6 +37,33 @@ def reserved_tokens_per_ms(requests: int, tokens: float, tokens_sq: float, windo
     mean = tokens / window_s
     spread = (tokens_sq / window_s * (1.0 / horizon_s + 1.0 / window_s)) ** 0.5
     return (mean + deviations * spread) / 1000.0
+
+
+# How far back the bands' arrivals are counted for the reserve.
+RESERVE_WINDOW_S = 30.0
+
+
+class BandArrivals:
+    """The prompt tokens each priority band offered over the last `window_s` (clock-free: times are passed in), for
+    the reserve a lower band's wait is predicted with."""
+
+    def __init__(self, window_s: float = RESERVE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._recent: deque[tuple[float, int, int]] = deque()  # (time, priority, prompt tokens)
+        self._first: float | None = None
+
+    def offered(self, t: float, priority: int, prompt_tokens: int) -> None:
+        self._first = t if self._first is None else self._first
+        self._recent.append((t, priority, prompt_tokens))
+
+    def reserved_tokens_per_ms(self, priority: int, now: float, horizon_s: float) -> float:
+        """What the bands above `priority` may take of the prefill over `horizon_s` (reserved_tokens_per_ms)."""
+        while self._recent and self._recent[0][0] <= now - self.window_s:
+            self._recent.popleft()
+        above = [n for _, p, n in self._recent if p > priority]
+        span = min(self.window_s, now - self._first) if self._first is not None else 0.0
+        return reserved_tokens_per_ms(len(above), float(sum(above)), float(sum(n * n for n in above)), span,
+                                      horizon_s)
 
 
 def predicted_ttft_ms(views: list[ReplicaView], prompt_tokens: int, tokens_ahead: int,
