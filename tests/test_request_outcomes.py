@@ -64,6 +64,9 @@ def test_what_the_higher_bands_offered_ages_out_of_the_window():
     assert bands.reserved_tokens_per_ms(-1, 35.0, 30.0) == pytest.approx(
         reserved_tokens_per_ms(1, 1000.0, 1e6, 30.0, 30.0))  # the first aged out
     assert bands.reserved_tokens_per_ms(0, 35.0, 30.0) == 0.0  # nothing above the top band
+    for t in range(100, 200):  # no sheddable request asks: what it keeps stays one window's
+        bands.offered(float(t), 0, 10)
+    assert len(bands) == 30
 
 
 def test_the_reserve_is_the_higher_bands_rate_plus_its_spread():

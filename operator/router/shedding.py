@@ -55,15 +55,22 @@ class BandArrivals:
     def offered(self, t: float, priority: int, prompt_tokens: int) -> None:
         self._first = t if self._first is None else self._first
         self._recent.append((t, priority, prompt_tokens))
+        self._forget_before(t - self.window_s)  # bounded by the window's arrivals, sheddable ones or not
 
     def reserved_tokens_per_ms(self, priority: int, now: float, horizon_s: float) -> float:
         """What the bands above `priority` may take of the prefill over `horizon_s` (reserved_tokens_per_ms)."""
-        while self._recent and self._recent[0][0] <= now - self.window_s:
-            self._recent.popleft()
+        self._forget_before(now - self.window_s)
         above = [n for _, p, n in self._recent if p > priority]
         span = min(self.window_s, now - self._first) if self._first is not None else 0.0
         return reserved_tokens_per_ms(len(above), float(sum(above)), float(sum(n * n for n in above)), span,
                                       horizon_s)
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def _forget_before(self, t: float) -> None:
+        while self._recent and self._recent[0][0] <= t:
+            self._recent.popleft()
 
 
 def predicted_ttft_ms(views: list[ReplicaView], prompt_tokens: int, tokens_ahead: int,
