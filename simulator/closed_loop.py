@@ -53,6 +53,7 @@ class ClusterSpec:
     hardware_mix: tuple[str, ...] = ()  # replica i runs on hardware_mix[i % len] (a mixed fleet); () = hardware
     router: str = "queue"  # queue: the router's flow control; immediate: least-outstanding at arrival
     queue_wait_slo_ms: float | None = None  # what the router's dispatch share is taken of
+    keep_records: bool = False  # keep every finished request's timeline (a scenario judged on goodput)
 
     def hardware_of(self, index: int) -> str:
         return self.hardware_mix[index % len(self.hardware_mix)] if self.hardware_mix else self.hardware
@@ -71,6 +72,8 @@ class VirtualCluster:
         self.spec = spec
         self.window_s = window_s
         self.slots: dict[str, _Slot] = {}
+        self.removal_rank: dict[str, int] = {}  # name -> rank from the end (0: removed first)
+        self.finished: list = []  # finished requests' records of replicas already gone (keep_records)
         self.desired = 0
         self._next_index = 0
         self._profiles: dict[str, Profile] = {}
@@ -84,6 +87,8 @@ class VirtualCluster:
     def scale_to(self, replicas: int, now: float, ready_now: bool = False) -> None:
         """New replicas start (ready after startup_s); surplus ones, newest first, drain and then go."""
         serving = [name for name, slot in self.slots.items() if not slot.draining]
+        # Surplus replicas go from the end: the actuator's preferred ones (prefer_removal) are put there.
+        serving.sort(key=lambda name: self.removal_rank.get(name, -1))
         for _ in range(replicas - len(serving)):
             name, index = f"r{self._next_index}", self._next_index
             self._next_index += 1
@@ -107,7 +112,8 @@ class VirtualCluster:
         replies = self.router.observer(name) if spec.router == "queue" else None
         replica = VirtualReplica.for_model(spec.model, spec.hardware_of(index), tuning=spec.start_tuning,
                                            ceilings=spec.ceilings, max_model_len=spec.max_model_len, dtype=spec.dtype,
-                                           name=name, stats_window_s=self.window_s, start_time=now, observer=replies)
+                                           name=name, stats_window_s=self.window_s, start_time=now, observer=replies,
+                                           keep_records=spec.keep_records)
         if not spec.speed.nominal:  # its clock runs at the true speed; its profile stays the nominal curve
             replica.executor.cost_model = SlowedCostModel(replica.cost_model, spec.speed, replica.clock)
         return replica
@@ -116,6 +122,7 @@ class VirtualCluster:
         """Remove drained replicas (nothing waiting, running or yet to arrive)."""
         gone = [name for name, slot in self.slots.items() if slot.draining and _idle(slot.replica)]
         for name in gone:
+            self.finished += self.slots[name].replica.finished
             del self.slots[name]
         self.router.forget(gone)
         return gone
@@ -233,6 +240,10 @@ class VirtualActuator:
         self.cluster.slots[replica].replica.set_tuning(tuning)  # raises TuningError like a 422
         self.puts.append((self.now, replica, tuning))
 
+    async def prefer_removal(self, names: Sequence[str]) -> None:
+        """On a scale-in, which replicas go first (the scaler's removal_order), as a pod-deletion cost would."""
+        self.cluster.removal_rank = {name: len(names) - i for i, name in enumerate(names)}
+
     async def set_replicas(self, replicas: int) -> None:
         self.cluster.scale_to(replicas, self.now)
 
@@ -248,6 +259,7 @@ class ClosedLoopRun:
     events: list[dict[str, Any]]
     submitted: int
     policy: ControlPolicy
+    records: list = field(default_factory=list)  # finished requests' timelines (ClusterSpec.keep_records)
 
 
 def poisson_arrivals(phase: LoadPhase, start: float, end: float, rng: random.Random) -> list[tuple[float, int, int]]:
@@ -307,7 +319,8 @@ class ClosedLoopDriver:
     async def run(self, duration_s: float) -> ClosedLoopRun:
         while self.t < duration_s - 1e-9:
             await self.step()
-        return ClosedLoopRun(self.steps, self.actuator.events, self.submitted, self.policy)
+        records = self.cluster.finished + [r for slot in self.cluster.slots.values() for r in slot.replica.finished]
+        return ClosedLoopRun(self.steps, self.actuator.events, self.submitted, self.policy, records)
 
 
 async def run_closed_loop(cluster_spec: ClusterSpec, policy: ControlPolicy, phases: Sequence[LoadPhase],

@@ -16,6 +16,7 @@ from typing import Any, Protocol, Sequence
 from stallfree.contracts import Tuning, WindowStats
 from stallfree.operator.control.capacity import prefill_capacity_tokens_per_s
 from stallfree.operator.control.feasibility import LABELS, Feasibility, assess
+from stallfree.operator.control.forecast import Forecast, ForecastState, observe as forecast_arrivals
 from stallfree.operator.control.learned_speed import LearnedSpeed
 from stallfree.operator.control.objective_demand import sized_for_scaler
 from stallfree.operator.control.objective_status import ObjectiveStatus, goodput, objective_statuses
@@ -23,7 +24,7 @@ from stallfree.operator.control.policy import ControlPolicy
 from stallfree.operator.control.observe import (Observer, QueueObservation, QueueSource, ReplicaObservation,
                                                ReplicaTarget)
 from stallfree.operator.control.scaler import (ReplicaLoad, RouterBacklog, ScaleDecision, ScalerState,
-                                               decide_replicas, short_window_rate)
+                                               decide_replicas, removal_order, short_window_rate)
 from stallfree.operator.control.tuner import REAPPLY, ReplicaTunerState, TunerConfig, TuningDecision, decide_tuning
 
 SLO_MET, CAPACITY_EXHAUSTED, SLO_FEASIBLE = "SLOMet", "PrefillCapacityExhausted", "SLOFeasible"
@@ -67,6 +68,7 @@ class ControlState:
     feasible_pending_steps: int = 0  # ... for this many consecutive steps
     demand_smoothed: float | None = None  # prompt tokens/s, smoothed over steps (feasibility's demand)
     speeds: dict[str, LearnedSpeed] = field(default_factory=dict)  # each replica's, learned from its windows
+    forecast: ForecastState = field(default_factory=ForecastState)  # the arrival rate's history and judged error
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -81,6 +83,7 @@ class ControlState:
             "feasible_pending_steps": self.feasible_pending_steps,
             "demand_smoothed": self.demand_smoothed,
             "speeds": {name: s.to_dict() for name, s in self.speeds.items()},
+            "forecast": self.forecast.to_dict(),
         }
 
     @classmethod
@@ -99,6 +102,7 @@ class ControlState:
             feasible_pending_steps=int(data.get("feasible_pending_steps") or 0),
             demand_smoothed=data.get("demand_smoothed"),
             speeds={name: LearnedSpeed.from_dict(s) for name, s in (data.get("speeds") or {}).items()},
+            forecast=ForecastState.from_dict(data.get("forecast")),
         )
 
 
@@ -113,6 +117,7 @@ class StepResult:
     state: ControlState
     feasibility: Feasibility = Feasibility()
     queue: QueueObservation | None = None  # the router's queue, where one is read
+    forecast: Forecast | None = None  # the arrival rate ahead (None: no router count to fit it on)
     objectives: tuple[ObjectiveStatus, ...] = ()  # per objective, where the router reports them
 
     @property
@@ -157,6 +162,10 @@ class StepResult:
             "feasibility": _feasibility_status(self.feasibility),
             "objectives": [o.to_status() for o in self.objectives],
             "goodput": _r(goodput([o.window for o in self.objectives])),
+            "forecast": None if self.forecast is None else {
+                "promptTokensPerS": _r(self.forecast.rate), "horizonSeconds": self.forecast.horizon_s,
+                "error": _r(self.forecast.error), "trusted": self.forecast.trusted,
+                "periodSeconds": self.forecast.period_s, "message": self.forecast.describe()},
             "state": self.state.to_dict(),
         }
 
@@ -213,14 +222,21 @@ class ControlLoop:
                                                              if o.stats is not None}, policy.objectives,
                                               policy.slo.tpot_p99_ms, policy.scaling.sheddable_scale_out_share,
                                               policy.scaling.max_replicas, capacity)
+        forecast, forecast_state = _forecast(sized_queue, state, policy, now)  # the demand sized for
         scale, scaler_state = decide_replicas(loads, current_replicas, policy.scaling, state.scaler, now,
                                               feasibility.capacity_tokens_per_s if feasibility.known else None,
                                               router_backlog(sized_queue, policy),
                                               queue_wait_slo_s=policy.slo.queue_wait_p99_ms / 1000.0,
-                                              ttft_slo_s=policy.slo.ttft_p99_ms / 1000.0)
+                                              ttft_slo_s=policy.slo.ttft_p99_ms / 1000.0,
+                                              forecast_rise_tokens_per_s=forecast.usable_rise if forecast else None)
+        if scale.desired < scale.current:
+            scale = replace(scale, remove_first=removal_order(loads))
         if scale.changed:
             try:
                 if policy.scaling.mode == "managed":
+                    prefer = getattr(self.actuator, "prefer_removal", None)  # optional: which replicas go first
+                    if prefer is not None and scale.remove_first:
+                        await prefer(scale.remove_first)
                     await self.actuator.set_replicas(scale.desired)
                 await self._event("ScaledUp" if scale.desired > scale.current else "ScaledDown", scale.message)
             except Exception as exc:  # noqa: BLE001 - the scale did not happen: keep the old state, retry
@@ -258,10 +274,10 @@ class ControlLoop:
                                   last_step_at=now, feasible_reason=reported, feasible_pending=pending,
                                   feasible_pending_steps=pending_steps,
                                   demand_smoothed=feasibility.demand_tokens_per_s if feasibility.known
-                                  else state.demand_smoothed, speeds=speeds)
+                                  else state.demand_smoothed, speeds=speeds, forecast=forecast_state)
         conditions = [slo_condition(observations, policy), capacity_condition(scale), feasible]
         return StepResult(now, observations, decisions, scale, conditions, failures, self.state, feasibility, queue,
-                          objectives=tuple(objective_statuses(queue, policy, capacity)))
+                          forecast, objectives=tuple(objective_statuses(queue, policy, capacity)))
 
     async def _observe_queue(self, now: float) -> QueueObservation | None:
         if self.queue_source is None:
@@ -288,6 +304,19 @@ def _learn_speeds(observations: Sequence[ReplicaObservation], speeds: dict[str, 
         learned[obs.name] = speed
         out.append(replace(obs, profile=speed.apply(obs.profile)))
     return out, learned
+
+
+def _forecast(queue: QueueObservation | None, state: ControlState, policy: ControlPolicy,
+              now: float) -> tuple[Forecast | None, ForecastState]:
+    """The arrival rate one ready-delay ahead (the scale-up stabilization, the measured start-up, and the interval
+    before the next step can act), fitted on the router's per-interval count; none without the router's queue."""
+    if queue is None or queue.recent_s <= 0:
+        return None, state.forecast
+    scaling = policy.scaling
+    horizon = scaling.scale_up_stabilization_s + state.scaler.expected_startup_s(scaling.scale_up_stabilization_s) \
+        + policy.interval_s
+    return forecast_arrivals(state.forecast, now, queue.recent_prompt_tokens / queue.recent_s, horizon,
+                             policy.interval_s)
 
 
 def router_backlog(queue: QueueObservation | None, policy: ControlPolicy) -> RouterBacklog | None:

@@ -20,6 +20,14 @@ the last interval's alone, read off the queues: a replica's prefill work plus it
 the previous step (less one Poisson standard deviation of the interval's count), so a step up is sized
 an interval after it lands instead of a whole stats window later.
 
+Ahead of predictable load: with a trusted forecast (forecast.py: how much the demand rises before replicas asked
+for now would be ready, the stabilization window included), the count is sized for the measured demand plus
+that rise, and a rise of at least MIN_FORECAST_RISE that carries the demand beyond the scale-up utilisation of
+the serving replicas counts as exhaustion without waiting for the tuner's ceiling or a breach (it still has to
+hold for the stabilization window: a Poisson burst on a flat load is fitted as a rise for a step or two).
+Scale-in never goes below what the forecast needs. Without one (not trusted: it forecast badly lately, or the
+load stepped) all is reactive.
+
 Per-replica capacity: replicas at their ceiling show what a replica delivers (their measured mean);
 before that, feasibility.py's capacity at the budget the TPOT SLO allows (what SLOFeasible reports).
 
@@ -49,6 +57,8 @@ SCALED_UP, SCALED_DOWN, HOLD = "scaled_up", "scaled_down", "hold"
 # prefills several prompts' chunks in one iteration; docs/control-loop.md compares the two). Scale-in reads the
 # stats window's demand, not the last interval's: the scale-down window keeps its largest recommendation.
 QUEUE_WAIT_QUANTILE = 0.97
+SAME_SPEED = 1.25  # replicas whose prefill capacities differ by less are one speed to the scale-in choice
+MIN_FORECAST_RISE = 0.05  # of the measured demand: a smaller forecast rise does not scale on its own
 NO_INFORMATION = -1  # a step that could not recommend (an unknown replica): neither for nor against scale-in
 
 
@@ -137,6 +147,8 @@ class ScaleDecision:
     busy_replicas: int = 0  # replicas sized in as busy draining their own backlog
     # Arrivals over the last interval alone (prefill done + queue growth): the panic window's demand.
     short_demand_tokens_per_s: float | None = None
+    # On a scale-in: the replicas to remove first, in order (removal_order); the actuator may honour it.
+    remove_first: tuple[str, ...] = ()
 
     @property
     def changed(self) -> bool:
@@ -147,14 +159,16 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
                     now: float, service_capacity: float | None = None,
                     backlog: RouterBacklog | None = None,
                     queue_wait_slo_s: float | None = None,
-                    ttft_slo_s: float | None = None) -> tuple[ScaleDecision, ScalerState]:
+                    ttft_slo_s: float | None = None,
+                    forecast_rise_tokens_per_s: float | None = None) -> tuple[ScaleDecision, ScalerState]:
     """The replica count for this step. `current` is the count the service is set to now.
     `service_capacity`: one replica's prefill tokens/s at the budget the TPOT SLO allows (feasibility.py),
     the per-replica capacity the count is sized from (never above what replicas at their ceiling show).
     `backlog`: the router's queue, when requests wait there (the demand it saw arrive and the work queued).
     `queue_wait_slo_s`, `ttft_slo_s`: the p99 SLOs; with the router's arrivals, the count for a demand is also at
     least what keeps queue wait within both the queue-wait SLO and the TTFT SLO less a long prompt's prefill
-    (queueing.py), not only what its utilisation allows."""
+    (queueing.py), not only what its utilisation allows. `forecast_rise_tokens_per_s`: a trusted forecast's rise of the
+    prompt-token demand before replicas asked for now are ready (None: size reactively)."""
     backlog = backlog or RouterBacklog()
     state = _track_startup(state, loads, now)
     previous = state
@@ -195,6 +209,13 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
         fleet, kept_aside = len(known) + len(serving_unknown), 0
     else:
         fleet, kept_aside = len(known), len(serving_unknown)
+    measured_demand = sizing_demand  # what the backlog grows by until new replicas are ready
+    rise = forecast_rise_tokens_per_s or 0.0
+    ahead = measured_demand + rise if rise > 0 else 0.0
+    sizing_demand = max(sizing_demand, ahead)
+    # A rise within the fit's noise on a flat load must not buy a replica the reactive path would wait for.
+    ahead_full = capacity is not None and rise > MIN_FORECAST_RISE * measured_demand \
+        and ahead > capacity * fleet * policy.scale_up_utilisation
 
     def for_queue_wait(demand_tokens_per_s: float) -> int:
         """Replicas that keep queue wait within its target at this demand (0 where the router's arrivals cannot
@@ -216,7 +237,7 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
     # runs past the scale-up utilisation of the capacity (scale before the breach, not after it).
     near_full = capacity is not None and sizing_demand > capacity * fleet * policy.scale_up_utilisation
     exhausted = all(r.at_ceiling for r in known) and (any(r.breaching for r in known) or backlog.breaching
-                                                      or near_full)
+                                                      or near_full) or ahead_full
     waiting = sum(r.num_waiting for r in known) + backlog.queued_requests
     draining = state.last_waiting is not None and waiting < state.last_waiting
     if not exhausted:
@@ -227,6 +248,8 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
         state = replace(state, last_waiting=waiting)
     exhausted_since = state.exhausted_since
     figures = _figures(demand, capacity, known, unknown)
+    if ahead > measured_demand:
+        figures += f", forecast {ahead:.0f} tok/s before new replicas would be ready"
 
     if exhausted:
         held_for = now - exhausted_since
@@ -260,13 +283,13 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
             if backlog.queued_requests:
                 # The router's queue is drained by every replica, the new ones included; it grows by the demand
                 # the current ones cannot carry until the new ones are ready.
-                queued_work += backlog.queued_prompt_tokens + max(0.0, sizing_demand - capacity * fleet) * startup
+                queued_work += backlog.queued_prompt_tokens + max(0.0, measured_demand - capacity * fleet) * startup
         drain = queued_work / policy.drain_target_s
         need = kept_aside + (busy + max(math.ceil((sizing_demand + drain) / (capacity * policy.scale_up_utilisation)),
                                         for_queue_wait(sizing_demand))
                                        if capacity else len(known) + 1)
-        if sizing_demand > demand:
-            figures += f", {sizing_demand:.0f} tok/s arriving over the last interval"
+        if measured_demand > demand:
+            figures += f", {measured_demand:.0f} tok/s arriving over the last interval"
         figures += (f", {busy} replica(s) busy draining their queue alone, backlog {queued_work:.0f} tok to drain in "
                     f"{policy.drain_target_s:g}s, start-up {startup:.0f}s")
         if need <= current and starting:
@@ -299,7 +322,8 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
         for_demand = kept_aside + busy + max(math.ceil(sizing_demand / (capacity * policy.scale_up_utilisation)),
                                              for_queue_wait(sizing_demand)) \
             if capacity else desired
-        decision, new_state = _decide(current, desired, SCALED_UP, "capacity_exhausted",
+        decision, new_state = _decide(current, desired, SCALED_UP,
+                                      "forecast_ahead" if ahead > measured_demand else "capacity_exhausted",
                                       f"prefill capacity exhausted ({figures}): {current} -> {desired} replicas",
                                       True, state, now, demand, capacity)
         # The count beyond the demand's was sized to drain the backlog: it may go once that is drained. One more
@@ -364,6 +388,20 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
     else:
         reason, message = "load_fits", f"{current} replicas carry the load ({figures})"
     return ScaleDecision(current, current, HOLD, reason, message, False, demand, capacity), state
+
+
+def removal_order(loads: Sequence[ReplicaLoad]) -> tuple[str, ...]:
+    """Which replicas a scale-in removes first: those not ready yet (they carry nothing), then the known ones
+    slowest first (the least prefill capacity: on a mixed fleet an a100 goes before an h100, so the count kept
+    holds the most capacity), newest first among equals; ready replicas that cannot be read go last (they
+    carry a share no one can see). Capacities within SAME_SPEED of each other are equal: on one GPU model the
+    measured figures differ by noise, and the newest goes, as before."""
+    def rank(r: ReplicaLoad) -> tuple[int, int, int, str]:
+        group = 0 if not r.ready else (1 if r.known else 2)
+        speed = round(math.log(r.capacity_tokens_per_s) / math.log(SAME_SPEED)) if r.capacity_tokens_per_s else 0
+        digits = "".join(ch for ch in r.name if ch.isdigit())
+        return (group, speed, -int(digits) if digits else 0, r.name)
+    return tuple(r.name for r in sorted(loads, key=rank))
 
 
 def _track_startup(state: ScalerState, loads: Sequence[ReplicaLoad], now: float) -> ScalerState:

@@ -32,6 +32,7 @@ def step_row(step: StepResult) -> dict[str, Any]:
     if step.scale.changed:
         decisions.append({"replica": None, "kind": step.scale.kind, "reason": step.scale.reason,
                           "message": step.scale.message})
+    fc = step.forecast
     return {
         "t": step.time,
         "replicas": step.scale.current,
@@ -47,7 +48,18 @@ def step_row(step: StepResult) -> dict[str, Any]:
         "decisions": decisions,
         "conditions": {c.type: c.status for c in step.conditions},
         "feasible": step.feasible_line,  # SLOFeasible's status and message, one line (live views)
+        # The arrival rate one ready-delay ahead, its recent error, and whether the scaler sized from it.
+        "arrival_tokens_per_s": _arrival_rate(step),
+        "forecast_tokens_per_s": None if fc is None or fc.rate is None else round(fc.rate, 1),
+        "forecast_error": None if fc is None or fc.error is None else round(fc.error, 3),
+        "forecast_trusted": bool(fc is not None and fc.trusted),
     }
+
+
+def _arrival_rate(step: StepResult) -> float | None:
+    """Prompt tokens/s that arrived at the router over the last interval (what the forecast is fitted on)."""
+    q = step.queue
+    return None if q is None or q.recent_s <= 0 else round(q.recent_prompt_tokens / q.recent_s, 1)
 
 
 def timeline(run: "ClosedLoopRun") -> list[dict[str, Any]]:
@@ -79,4 +91,8 @@ def format_row(row: dict[str, Any]) -> str:
             f"->{row['desired_replicas']} (ready {row['ready_replicas']})")
     notes = [f"{d['replica'] + ': ' if d['replica'] else ''}{d['kind']} ({d['reason']})" for d in row["decisions"]]
     unknown = [f"{r['name']} unknown" for r in row["replica_detail"] if not r["known"]]
+    if row.get("forecast_tokens_per_s") is not None:
+        err = row.get("forecast_error")
+        text += (f"  forecast {row['forecast_tokens_per_s']:.0f} tok/s "
+                 f"(err {'-' if err is None else f'{err:.0%}'}{'' if row.get('forecast_trusted') else ', reactive'})")
     return text + ("  " + "; ".join(notes + unknown) if notes or unknown else "")
