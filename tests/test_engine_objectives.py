@@ -98,18 +98,52 @@ def test_under_kv_pressure_the_lowest_priority_is_preempted_first_and_keeps_its_
     s.add_request(make_request("a", 6, max_tokens=12))
     s.add_request(make_request("b", 6, max_tokens=12))
     checked_step(s)
-    s.add_request(with_objective(make_request("vip", 6, max_tokens=2), priority=9))
+    # Of the same band as "low": it waits for a slot, it preempts nobody.
     s.add_request(with_objective(make_request("late-low", 6, max_tokens=2), priority=-1, name="batch"))
-    assert s.num_running == 3 and ids(s.waiting) == ["vip", "late-low"]
+    assert s.num_running == 3 and ids(s.waiting) == ["late-low"]
     output = _until_preempted(s)
     assert ids(output.preempted) == ["low"]
     assert {c.request.request_id for c in output.chunks} == {"a", "b"}  # the others still decode
-    # Back by its own priority and original arrival: behind the higher band, ahead of a later request of its band.
-    assert ids(s.waiting) == ["vip", "low", "late-low"]
+    # Back by its own priority and original arrival: ahead of a later request of its band.
+    assert ids(s.waiting) == ["low", "late-low"]
     assert s.get_request("low").status is RequestStatus.PREEMPTED
     check_blocks_conserved(s)
     while s.has_unfinished():
         checked_step(s)
+
+
+def test_a_higher_priority_request_preempts_the_lowest_running_one_when_the_running_set_is_full():
+    s = make_scheduler(num_blocks=64, block_size=4, token_budget=64, max_num_seqs=3)
+    s.add_request(with_objective(make_request("low", 6, max_tokens=12), priority=-1, name="batch"))
+    checked_step(s)
+    s.add_request(make_request("a", 6, max_tokens=12))
+    s.add_request(make_request("b", 6, max_tokens=12))
+    checked_step(s)
+    s.add_request(with_objective(make_request("late-low", 6, max_tokens=2), priority=-1, name="batch"))
+    checked_step(s)
+    assert s.num_running == 3 and ids(s.waiting) == ["late-low"]  # an equal priority preempts nobody
+    s.add_request(with_objective(make_request("vip", 6, max_tokens=2), priority=9))
+    output, _ = checked_step(s)
+    # "low" goes (recompute); the survivors' decodes first, then the newcomer's prefill in the same iteration.
+    assert ids(output.preempted) == ["low"]
+    assert [(c.request.request_id, c.is_prefill) for c in output.chunks] == [("a", False), ("b", False),
+                                                                              ("vip", True)]
+    assert ids(s.waiting) == ["low", "late-low"]  # the victim keeps its place: ahead of the later one of its band
+    assert s.get_request("low").status is RequestStatus.PREEMPTED and s.get_request("low").num_computed_tokens == 0
+    check_blocks_conserved(s)
+    while s.has_unfinished():
+        checked_step(s)
+    assert s.get_request("low") is None  # it resumed and finished
+
+
+def test_a_higher_priority_request_never_preempts_an_equal_or_higher_one():
+    s = make_scheduler(num_blocks=64, block_size=4, token_budget=64, max_num_seqs=2)
+    s.add_request(with_objective(make_request("top", 6, max_tokens=12), priority=9))
+    s.add_request(with_objective(make_request("mid", 6, max_tokens=12), priority=5))
+    checked_step(s)
+    s.add_request(with_objective(make_request("mid-2", 6, max_tokens=2), priority=5))
+    output, _ = checked_step(s)
+    assert not output.preempted and ids(s.waiting) == ["mid-2"]
 
 
 def test_a_preempted_request_without_objective_resumes_ahead_of_later_ones_as_before():

@@ -31,6 +31,12 @@ iteration the lowest priority, then the latest admitted, is preempted by recompu
 place; its cached full blocks usually make the recompute a cache hit. `OutputLengthEstimate.worst_case()`
 reserves every request's full bound instead, so decoding can never run out of KV.
 
+Priorities are strict at admission too: before each iteration, while the running set is full (max_num_seqs) or
+KV is short for the waiting queue's head, and a running request has a strictly lower priority than the head, the
+lowest (then the latest admitted) is preempted by the same recompute and keeps its place; the head is admitted
+in that iteration, after the survivors' decodes. Equal or higher priorities are never preempted, so requests
+without objectives (all priority 0) never are.
+
 Lowering max_num_seqs live below the running count preempts (by the same rule) at the next
 step (so the decodes always fit the budget, which validate_tuning keeps above max_num_seqs); lowering
 the partial-prefill cap only stops new partial prefills, the ones in flight finish.
@@ -110,6 +116,7 @@ class Scheduler:
         self._growth_blocks = 0
         self._num_partial_prefills = 0
         self.num_preemptions = 0
+        self._num_made_room = 0  # preempted in this iteration to admit a higher priority (_make_room)
 
     # ---- live limits -------------------------------------------------------------------------------
 
@@ -239,8 +246,32 @@ class Scheduler:
         out = SchedulerOutput(token_budget=tuning.token_budget)
         while self.num_running > tuning.max_num_seqs:  # max_num_seqs was lowered live
             self._preempt(self._victim(out), out)
+        self._num_made_room = self._make_room(out, tuning) if self._num_objectives and self.waiting else 0
         self._schedule(out, tuning)
         return out
+
+    def _make_room(self, out: SchedulerOutput, tuning: Tuning) -> int:
+        """Strict priority: while the running set is full, or KV is short for the waiting queue's head, and a running
+        request has a strictly lower priority than the head, preempt the lowest (_victim: recompute, it keeps its
+        place in the queue, behind the head). Equal or higher priorities are never preempted. Returns how many."""
+        head = self.waiting[0]
+        made = 0
+        while self._decoding or self._prefilling:
+            if self.num_running < tuning.max_num_seqs and self._fits(head):
+                break
+            victim = self._victim(out)
+            if victim.priority >= head.priority:
+                break
+            self._preempt(victim, out)
+            made += 1
+        return made
+
+    def _fits(self, request: Request) -> bool:
+        """Would its admission's KV reservation fit the free blocks now (_admit's test)?"""
+        hits, _ = self.kv_cache.get_computed_blocks(request)
+        need, _ = self._admission_need(request, hits)
+        watermark = self.config.watermark_blocks if self._admitted else 0
+        return need + self._growth_blocks + watermark <= self.kv_cache.num_free_blocks
 
     def _tpot_capped(self, tuning: Tuning) -> Tuning:
         """The tuning with its budget capped for the tightest TPOT target among running requests, when that target
@@ -282,7 +313,8 @@ class Scheduler:
             while i < len(partials) and partials[i].status is not _RUNNING:
                 i += 1  # preempted in this iteration
             partial = partials[i] if i < len(partials) else None
-            if (admitting and waiting and budget > 0 and num_running < tuning.max_num_seqs and not out.preempted
+            if (admitting and waiting and budget > 0 and num_running < tuning.max_num_seqs
+                    and len(out.preempted) <= self._num_made_room
                     and (partial is None or waiting[0].urgency < partial.urgency)):
                 request = waiting[0]
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
@@ -355,11 +387,7 @@ class Scheduler:
     def _admit(self, request: Request, hits: list[int], num_new_tokens: int) -> bool:
         """Move the queue head to running if its reserved footprint fits the free blocks; else False."""
         kv = self.kv_cache
-        num_prompt = request.num_prompt_tokens
-        final_kv_tokens = max(num_prompt, request.max_total_tokens - 1)  # the last token never needs KV
-        expected_outputs = max(self.output_estimate.tokens, 2 * request.num_output_tokens)
-        reserve_tokens = max(request.num_tokens, min(final_kv_tokens, num_prompt + expected_outputs - 1))
-        need = kv.blocks_to_admit(hits, reserve_tokens)
+        need, reserve_tokens = self._admission_need(request, hits)
         watermark = self.config.watermark_blocks if self._admitted else 0
         if need + self._growth_blocks + watermark > kv.num_free_blocks:
             return False
@@ -377,6 +405,14 @@ class Scheduler:
         if request.objective is not None and request.objective.tpot_target_ms is not None:
             self._num_tpot_targets += 1
         return True
+
+    def _admission_need(self, request: Request, hits: list[int]) -> tuple[int, int]:
+        """(free blocks its admission takes, tokens it reserves): its prompt (and outputs so far) plus the estimate."""
+        num_prompt = request.num_prompt_tokens
+        final_kv_tokens = max(num_prompt, request.max_total_tokens - 1)  # the last token never needs KV
+        expected_outputs = max(self.output_estimate.tokens, 2 * request.num_output_tokens)
+        reserve_tokens = max(request.num_tokens, min(final_kv_tokens, num_prompt + expected_outputs - 1))
+        return self.kv_cache.blocks_to_admit(hits, reserve_tokens), reserve_tokens
 
     def _grow(self, request: Request, num_new_tokens: int, out: SchedulerOutput) -> bool:
         """Room for a running request's next tokens, preempting if KV is short (_victim); False if it had to go
