@@ -24,7 +24,7 @@ from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, Sched
 from stallfree.node_daemon.engine.engine import LLMEngine
 from stallfree.node_daemon.engine.engine_protocol import EngineObserver
 from stallfree.node_daemon.engine.observers import FanoutObserver
-from stallfree.node_daemon.engine.request import Request, RequestStatus
+from stallfree.node_daemon.engine.request import Objective, Request, RequestStatus
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.node_daemon.measure.stats_window import StatsWindow
 from stallfree.node_daemon.sim.backend import build_cost_model, sim_num_kv_blocks, sim_tokenizer
@@ -148,7 +148,7 @@ class VirtualReplica:
         self.config = self.engine.scheduler.config
         self.scheduler = self.engine.scheduler
         self.kv_cache = self.engine.kv_cache
-        self._arrivals: list[tuple[float, int, str, list[int], int]] = []  # heap: not yet arrived
+        self._arrivals: list[tuple[float, int, str, list[int], int, Objective | None]] = []  # heap: not yet arrived
         self._seq = itertools.count()
         self.num_submitted = 0
         self._num_aborted = 0
@@ -186,8 +186,10 @@ class VirtualReplica:
         return self.clock.now
 
     def submit(self, prompt_len: int, max_tokens: int, arrival_time: float | None = None,
-               prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
-        """Queue a request arriving at `arrival_time` (default: now); returns its id."""
+               prompt_token_ids: list[int] | None = None, request_id: str | None = None,
+               objective: Objective | None = None) -> str:
+        """Queue a request arriving at `arrival_time` (default: now); returns its id. `objective`: what the router
+        signed for it (its priority and deadline order it in the engine's waiting queue)."""
         if prompt_token_ids is None:
             if prompt_len < 1:
                 raise ValueError(f"prompt_len must be at least 1, got {prompt_len}")
@@ -205,7 +207,7 @@ class VirtualReplica:
                              f"max_model_len {max_model_len}")
         arrival = self.clock.now if arrival_time is None else arrival_time
         request_id = request_id or f"{self.name}-{self.num_submitted}"
-        heapq.heappush(self._arrivals, (arrival, next(self._seq), request_id, prompt_token_ids, max_tokens))
+        heapq.heappush(self._arrivals, (arrival, next(self._seq), request_id, prompt_token_ids, max_tokens, objective))
         self.num_submitted += 1
         return request_id
 
@@ -341,10 +343,11 @@ class VirtualReplica:
         arrivals, now, engine = self._arrivals, self.clock.now, self.engine
         records = self._records.live if self._records is not None else None
         while arrivals and arrivals[0][0] <= now:
-            arrival, _, request_id, token_ids, max_tokens = heapq.heappop(arrivals)
+            arrival, _, request_id, token_ids, max_tokens, objective = heapq.heappop(arrivals)
             for window in self._windows.values():
                 window.on_arrival(len(token_ids), arrival)
             engine.add_request(request_id, prompt_token_ids=token_ids,
-                               sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=arrival)
+                               sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=arrival,
+                               objective=objective)
             if records is not None:
                 records[request_id] = RequestRecord(request_id, arrival, len(token_ids), max_tokens)

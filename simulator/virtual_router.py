@@ -24,7 +24,7 @@ import itertools
 from typing import Callable, Sequence
 
 from stallfree.contracts import Profile
-from stallfree.node_daemon.engine.request import Request
+from stallfree.node_daemon.engine.request import Objective, Request
 from stallfree.operator.control.observe import QueueObservation
 from stallfree.operator.control.queueing import prompt_cv2
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
@@ -132,8 +132,9 @@ class VirtualRouter:
         sent = self.queue.dispatch(views, choose)
         for item, choice in sent:
             prompt_len, max_tokens = self._requests.pop(item.key)
-            request_id = replicas[choice.name].submit(prompt_len, max_tokens, item.arrival_s)
-            self._reserve(choice.name, request_id, prompt_len, now)
+            request_id = replicas[choice.name].submit(prompt_len, max_tokens, item.arrival_s,
+                                                      objective=self._signed(item))
+            self._reserve(choice.name, request_id, prompt_len, now, item.priority, item.tenant)
             self._keys[request_id] = item.key
             self.outcomes.dispatched(item.key, now)
         return len(sent)
@@ -182,11 +183,23 @@ class VirtualRouter:
             self._polled[name] = now
         return known
 
-    def _reserve(self, name: str, request_id: str, prompt_tokens: int, now: float) -> None:
-        """Counted at dispatch (the proxy's _reserve): in flight there, and on its prefill clock."""
+    def _signed(self, item: Queued[int]) -> Objective | None:
+        """What the proxy signs for the engine (proxy.py objective headers): its priority, the first token due at
+        its arrival plus the TTFT target, its TPOT target. None for the implicit objective (as without one)."""
+        if len(self.objectives.by_name) <= 1 and not item.priority:
+            return None
+        named = self.objectives.named(item.objective)
+        deadline = None if named is None or named.ttft_ms is None else item.arrival_s + named.ttft_ms / 1000.0
+        return Objective(item.objective, item.priority, deadline, None if named is None else named.tpot_ms)
+
+    def _reserve(self, name: str, request_id: str, prompt_tokens: int, now: float, priority: int = 0,
+                 tenant: str = "") -> None:
+        """Counted at dispatch (the proxy's _reserve): in flight there (in its band), and on its prefill clock."""
         known = self.replicas[name]
         known.outstanding += 1
-        known.clock.dispatched(request_id, prompt_tokens, known.prefill_tokens_per_ms() * 1000.0, now)
+        known.held[request_id] = priority
+        known.clock.dispatched(request_id, prompt_tokens, known.prefill_tokens_per_ms() * 1000.0, now,
+                               priority, tenant)
         self._sent.setdefault(name, set()).add(request_id)
 
     def _heard(self, t: float, name: str, request_id: str, kind: int) -> None:
@@ -211,3 +224,4 @@ class VirtualRouter:
                 sent.discard(request_id)
                 known.clock.forget(request_id, t)  # ended before its first token: its share of the clock goes
                 known.outstanding -= 1
+                known.held.pop(request_id, None)

@@ -20,7 +20,7 @@ so the closed-loop scenarios exercise the dispatch rule the cluster serves with.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Generic, Hashable, Iterator, TypeVar
 
 from stallfree.operator.router.pick import AffinityMargin, Choice, ReplicaView
@@ -31,6 +31,10 @@ K = TypeVar("K", bound=Hashable)
 DEFAULT_DISPATCH_WAIT_MS = 500.0
 # The share of the queue-wait SLO a request may wait on its replica once dispatched (the rest is the router's).
 SLO_SHARE = 0.25
+
+
+# A tenant counts as active in its band (for its share of each replica's dispatch window) this long after it last sent.
+TENANT_MEMORY_S = 10.0
 
 
 def dispatch_wait_ms(queue_wait_slo_ms: float | None) -> float:
@@ -59,14 +63,27 @@ class Queued(Generic[K]):
     seq: int = 0  # set by push: arrival order; a retry (front) keeps a place before every arrival
 
 
-def admits(view: ReplicaView, config: FlowConfig) -> bool:
-    """Can this replica start one more request soon? An idle replica always can."""
+def admits(view: ReplicaView, config: FlowConfig, priority: int | None = None) -> bool:
+    """Can this replica start one more request (of `priority`: only what is ahead of that band counts) soon?
+    An idle replica always can."""
+    if priority is not None:
+        view = view.seen_by(priority)
     if view.max_num_seqs is not None and view.outstanding >= view.max_num_seqs:
         return False
     if view.queued_prefill_tokens <= 0:
         return True
     rate = max(view.prefill_tokens_per_ms, 1e-6)
     return view.queued_prefill_tokens / rate <= config.dispatch_wait_ms
+
+
+def within_share(view: ReplicaView, config: FlowConfig, priority: int, tenant: str, tenants: int) -> bool:
+    """Is this tenant's queued prefill on the replica within its share of the dispatch window (the window over the
+    band's active tenants)? The engine serves a band first come, first served, so a tenant that filled the window
+    would hold back every other tenant's request sent behind it; capped, it fills only its share."""
+    if tenants <= 1:
+        return True
+    own = view.queued_of(priority, tenant)
+    return own <= 0 or own / max(view.prefill_tokens_per_ms, 1e-6) <= config.dispatch_wait_ms / tenants
 
 
 @dataclass
@@ -79,6 +96,7 @@ class FlowQueue(Generic[K]):
     dispatched: int = 0
     _pushes: int = 0
     _served_at: dict[str, int] = field(default_factory=dict)  # tenant -> the dispatch count when last served
+    _seen: dict[tuple[int, str], float] = field(default_factory=dict)  # (band, tenant) -> its latest arrival
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -125,6 +143,11 @@ class FlowQueue(Generic[K]):
             self.rejected += 1
             return False
         self._pushes += 1
+        if item.tenant or self._seen:
+            self._seen[(item.priority, item.tenant)] = item.arrival_s
+            if len(self._seen) > 1:
+                horizon = item.arrival_s - TENANT_MEMORY_S
+                self._seen = {k: t for k, t in self._seen.items() if t >= horizon}
         item.seq = -self._pushes if front else self._pushes
         self._waiting[item.key] = item
         if front:
@@ -157,36 +180,58 @@ class FlowQueue(Generic[K]):
         out: list[tuple[Queued[K], Choice]] = []
         real = {v.name: v for v in views}  # what each replica holds: decides whether it admits now
         placed = dict(real)  # plus what waits here for it: what the policy sees
+        tenants = self._active_tenants()
+        blocked_at: int | None = None  # a band no replica admits: neither does any lower one
         for item in self.ordered():
-            if not any(admits(v, self.config) for v in real.values()):
-                break  # nothing more can go anywhere
-            # A replica whose running slots are all taken starts nothing until a request finishes, which its
-            # queued prefill does not show: it is chosen only when every replica is so.
-            open_slots = [v for v in placed.values() if v.max_num_seqs is None or v.outstanding < v.max_num_seqs]
-            pool = open_slots or list(placed.values())
+            p = item.priority
+            if blocked_at is not None and p <= blocked_at:
+                break
+            if not any(admits(v, self.config, p) for v in real.values()):
+                blocked_at = p
+                continue  # nothing more of this band can go anywhere
+            share = tenants.get(p, 1)
+
+            def admitted(v: ReplicaView) -> bool:
+                return admits(v, self.config, p) and within_share(v, self.config, p, item.tenant, share)
+
+            if not any(admitted(v) for v in real.values()):
+                continue  # its tenant has its share everywhere: the other tenants' requests go by
+            # A replica whose running slots (those of this band or higher) are all taken starts nothing until one
+            # frees, which its queued prefill does not show: it is chosen only when every replica is so.
+            seen = {name: v.seen_by(p) for name, v in placed.items()}
+            open_slots = [v for v in seen.values() if v.max_num_seqs is None or v.outstanding < v.max_num_seqs]
+            pool = open_slots or list(seen.values())
             preferred = [v for v in pool if v.name not in item.exclude]
             candidates = preferred or pool
             choice = choose(item, candidates)
-            if not admits(real[choice.name], self.config):
-                choice = self._instead(item, choice, candidates, real, choose) or choice
-            if admits(real[choice.name], self.config):
+            if not admitted(real[choice.name]):
+                choice = self._instead(item, choice, candidates, real, choose, admitted) or choice
+            if admitted(real[choice.name]):
                 del self._waiting[item.key]
                 self.dispatched += 1
                 self._served_at[item.tenant] = self.dispatched
                 out.append((item, choice))
-                real[choice.name] = _plus(real[choice.name], item.prompt_tokens)
-            placed[choice.name] = _plus(placed[choice.name], item.prompt_tokens)
+                real[choice.name] = real[choice.name].plus(item.prompt_tokens, p, item.tenant)
+            placed[choice.name] = placed[choice.name].plus(item.prompt_tokens, p, item.tenant)
         waiting_tenants = {q.tenant for q in self._waiting.values()}
         for tenant in [t for t in self._served_at if t not in waiting_tenants]:
             del self._served_at[tenant]  # bounded by the tenants waiting; one who returns starts afresh
         return out
 
+    def _active_tenants(self) -> dict[int, int]:
+        """Band -> how many tenants sent to it lately (TENANT_MEMORY_S): the share each has of a dispatch window."""
+        out: dict[int, int] = {}
+        for priority, _ in self._seen:
+            out[priority] = out.get(priority, 0) + 1
+        return out
+
     def _instead(self, item: Queued[K], best: Choice, candidates: list[ReplicaView], real: dict[str, ReplicaView],
-                 choose: Callable[[Queued[K], list[ReplicaView]], Choice]) -> Choice | None:
+                 choose: Callable[[Queued[K], list[ReplicaView]], Choice],
+                 admitted: Callable[[ReplicaView], bool]) -> Choice | None:
         """A replica that admits now, when waiting for the best one would not clearly pay: its predicted TTFT is
         within the hold margin of the best's (predictions are estimates: holding a request for a replica only
         a little better by them leaves this one idle), or the policy predicts nothing."""
-        admitting = [v for v in candidates if admits(real[v.name], self.config)]
+        admitting = [v for v in candidates if admitted(real[v.name])]
         if not admitting:
             return None
         alternative = choose(item, admitting)
@@ -194,8 +239,3 @@ class FlowQueue(Generic[K]):
             return alternative
         return alternative if self.config.hold_margin.allows(alternative.predicted_ttft_ms,
                                                              best.predicted_ttft_ms) else None
-
-
-def _plus(view: ReplicaView, prompt_tokens: int) -> ReplicaView:
-    return replace(view, queued_prefill_tokens=view.queued_prefill_tokens + prompt_tokens,
-                   outstanding=view.outstanding + 1)

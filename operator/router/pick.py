@@ -13,7 +13,8 @@ than the best by more than a margin, because a cache-warm replica skips that pre
 from __future__ import annotations
 
 import random as _random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Mapping
 
 POLICIES = ("slo-aware", "least-outstanding", "round-robin", "random")
 
@@ -30,6 +31,39 @@ class ReplicaView:
     cached_prefix_tokens: int = 0  # leading tokens of this prompt it recently took (likely in its prefix cache)
     home: bool = False  # rendezvous home of this prompt's first block
     max_num_seqs: int | None = None  # its live running-set cap (flow control keeps outstanding below it)
+    # queued_prefill_tokens split by (priority, tenant); None: not known, every request sees all of it.
+    queued_by_class: Mapping[tuple[int, str], int] | None = None
+    # outstanding split by priority, given when its engine preempts a lower priority for a higher one's slot.
+    outstanding_by_priority: Mapping[int, int] | None = None
+
+    def queued_of(self, priority: int, tenant: str) -> int:
+        """Queued prefill tokens of one tenant in one band."""
+        return 0 if self.queued_by_class is None else self.queued_by_class.get((priority, tenant), 0)
+
+    def seen_by(self, priority: int) -> "ReplicaView":
+        """This replica as a request of `priority` meets it: the engine prefills higher bands first and preempts
+        lower ones for a running slot, so only the queued prefill and slots of bands >= `priority` are ahead."""
+        if self.queued_by_class is None and self.outstanding_by_priority is None:
+            return self
+        queued = self.queued_prefill_tokens
+        if self.queued_by_class is not None:
+            queued = min(queued, sum(n for (p, _), n in self.queued_by_class.items() if p >= priority))
+        outstanding = self.outstanding
+        if self.outstanding_by_priority is not None:
+            outstanding = sum(n for p, n in self.outstanding_by_priority.items() if p >= priority)
+        return replace(self, queued_prefill_tokens=queued, outstanding=outstanding)
+
+    def plus(self, prompt_tokens: int, priority: int = 0, tenant: str = "") -> "ReplicaView":
+        """As it is once one more request of this class is sent to it."""
+        by_class = by_priority = None
+        if self.queued_by_class is not None:
+            by_class = dict(self.queued_by_class)
+            by_class[(priority, tenant)] = by_class.get((priority, tenant), 0) + prompt_tokens
+        if self.outstanding_by_priority is not None:
+            by_priority = dict(self.outstanding_by_priority)
+            by_priority[priority] = by_priority.get(priority, 0) + 1
+        return replace(self, queued_prefill_tokens=self.queued_prefill_tokens + prompt_tokens,
+                       outstanding=self.outstanding + 1, queued_by_class=by_class, outstanding_by_priority=by_priority)
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,7 @@ class Router:
         for item, choice in self.queue.dispatch([r.view(now) for r in healthy], choose):
             future, info, hashes, _ = self._waiters.pop(item.key)
             replica = self.pool.replicas[choice.name]
-            ticket = self._reserve(replica, info.prompt_tokens, now)
+            ticket = self._reserve(replica, info.prompt_tokens, now, item.priority, item.tenant)
             self.metrics.queue_wait.observe(now - item.arrival_s)
             self.metrics.objective_queue_wait.labels(item.objective).observe(now - item.arrival_s)
             if item.seq > 0:  # a retry (pushed to the front) was counted on its first dispatch
@@ -312,17 +312,20 @@ class Router:
         return refusal_answer(503, f"no replica could start the request within {self.config.queue_timeout_s:g}s "
                               "in the router's queue", "queue_timeout")
 
-    def _reserve(self, replica: Replica, tokens: int, now_s: float) -> int:
-        """Counted at dispatch, before any await: the next dispatch sees this request on its replica.
+    def _reserve(self, replica: Replica, tokens: int, now_s: float, priority: int = 0, tenant: str = "") -> int:
+        """Counted at dispatch, before any await: the next dispatch sees this request on its replica (in its band).
         Returns the ticket its first byte (or failure) settles on the replica's prefill clock."""
         self._next_ticket += 1
         replica.outstanding += 1
-        replica.clock.dispatched(self._next_ticket, tokens, replica.prefill_tokens_per_ms() * 1000.0, now_s)
+        replica.held[self._next_ticket] = priority
+        replica.clock.dispatched(self._next_ticket, tokens, replica.prefill_tokens_per_ms() * 1000.0, now_s,
+                                 priority, tenant)
         self.metrics.in_flight.inc()
         return self._next_ticket
 
     def _unreserve(self, replica: Replica, ticket: int) -> None:
         replica.outstanding -= 1
+        replica.held.pop(ticket, None)
         replica.clock.forget(ticket, time.perf_counter())
         self.metrics.in_flight.dec()
 
@@ -475,6 +478,7 @@ class Router:
                     state["prefilled"] = True
                     replica.clock.forget(ticket, time.perf_counter())
                 replica.outstanding -= 1
+                replica.held.pop(ticket, None)
                 self.metrics.in_flight.dec()
                 self.dispatch()  # a running slot is free
 

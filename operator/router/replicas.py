@@ -35,6 +35,8 @@ class Replica:
     # What the router sent it and has not had a first byte back for, drained at its prefill rate.
     clock: PrefillClock = field(default_factory=PrefillClock)
     outstanding: int = 0
+    # In flight there by the router's key (ticket) -> its priority: the running slots each band holds.
+    held: dict = field(default_factory=dict)
     down_event: asyncio.Event = field(default_factory=asyncio.Event)
     removed: bool = False
 
@@ -54,9 +56,15 @@ class Replica:
     def view(self, now_s: float, cached_prefix_tokens: int = 0, home: bool = False) -> ReplicaView:
         stats = self.stats
         rate = self.prefill_tokens_per_ms()
+        by_priority: dict[int, int] = {}
+        for priority in self.held.values():
+            by_priority[priority] = by_priority.get(priority, 0) + 1
         return ReplicaView(
             name=self.name,
             queued_prefill_tokens=self.clock.queued_tokens(rate * 1000.0, now_s),
+            queued_by_class=self.clock.queued_by_class(rate * 1000.0, now_s),
+            # The engine preempts a lower band for a higher one's slot (scheduler.py): slots counted per band.
+            outstanding_by_priority=by_priority if len(self.held) == self.outstanding else None,
             prefill_tokens_per_ms=rate,
             step_ms=decode_step_ms(self.profile, stats),
             outstanding=self.outstanding,
