@@ -14,7 +14,8 @@ whole timeline and a summary of the figures its claim rests on; `check` says whe
   stabilization window, no flapping over 30 minutes.
 - unknown-replica: one of two replicas cannot be read; no scaling decision rests on it and the status
   says so; when load rises, the scale-up is sized from the readable replica alone.
-- burst: 10x the demand for 60 s, then back; ramp: demand doubling over 10 minutes.
+- burst: 10x the demand for 60 s, then back; ramp: demand doubling over 10 minutes (its goal and the
+  sinusoid scenario: closed_loop_scenarios_predictable.py).
 - A profile that can be wrong (speed.py): slow (every replica at x0.7 the speed its profile says), fast
   (x1.4), neighbour (x1.0, then x0.6 from t=600 s: a noisy neighbour) and mixed-fleet (a100 and h100
   replicas in one service). The controller reads each replica's profile and learns the truth from its
@@ -42,6 +43,7 @@ from stallfree.simulator.speed import SpeedSchedule
 from stallfree.simulator.closed_loop_judge import OVER_ORACLE, judge
 from stallfree.simulator.closed_loop_oracle import oracle
 from stallfree.simulator import closed_loop_scenarios_objectives as objective_scenarios
+from stallfree.simulator import closed_loop_scenarios_predictable as predictable
 from stallfree.operator.control.loop import counts_as_known
 from stallfree.operator.control.policy import ControlPolicy, ScalingPolicy, SLOTargets, drain_target_s
 from stallfree.operator.control.scaler import SCALED_DOWN, SCALED_UP
@@ -440,11 +442,12 @@ SCENARIOS: dict[str, tuple[Callable[[], Scenario], Callable[..., tuple[dict[str,
     "scale-out": (scale_out, summarize_scale_out),
     "unknown-replica": (unknown_replica, summarize_unknown_replica),
     "burst": (burst, summarize_load_change),
-    "ramp": (ramp, summarize_load_change),
+    "ramp": (ramp, predictable.summarize_ramp),
     "slow": (slow, summarize_load_change),
     "fast": (fast, summarize_load_change),
     "neighbour": (neighbour, summarize_load_change),
     "mixed-fleet": (mixed_fleet, summarize_load_change),
+    "sinusoid": (predictable.sinusoid, predictable.summarize_sinusoid),
 }
 SCENARIOS.update(objective_scenarios.SCENARIOS)  # objectives and tenants: run and judged there
 
@@ -465,6 +468,7 @@ async def run_scenario(name: str, seed: int | None = None) -> ScenarioResult:
     else:
         summary, checks = summarize(scenario, run)
     judged, reference = judge_run(scenario, run)
+    judged["goals"].update(summary.pop("scenario_goals", {}))  # a scenario's own goals gate like the common ones
     return ScenarioResult(scenario, run, summary, checks, judged, reference)
 
 

@@ -16,26 +16,27 @@ pytestmark = pytest.mark.slow
 MET = {
     'tpot-step': ('at_most_one_reversal_per_load_change', 'replica_minutes_within_1.15x_oracle', 'backlog_drained_within_3_intervals_of_ready'),
     'small-budget': ('at_most_one_reversal_per_load_change', 'replica_minutes_within_1.15x_oracle', 'backlog_drained_within_3_intervals_of_ready'),
-    'scale-out': ('95pct_windows_within_every_feasible_slo', 'at_most_one_reversal_per_load_change', 'replica_minutes_within_1.15x_oracle'),
+    'scale-out': ('95pct_windows_within_every_feasible_slo', 'at_most_one_reversal_per_load_change', 'replica_minutes_within_1.15x_oracle',
+                  'backlog_drained_within_3_intervals_of_ready'),
     # unknown-replica's restore within 3 intervals of ready is no longer held: the loop now sizes from the router's
     # demand and scales on a certain overload, so its replicas are ready 70 s sooner and the breach lasts 70 s
     # instead of 140 s (windows within 55% -> 79%); counted from that earlier ready, the restore is 5 intervals,
     # exactly when the drained backlog leaves the 30 s window (the judge's backlog_window_clear figure).
-    'unknown-replica': ('at_most_one_reversal_per_load_change', 'replica_minutes_within_1.15x_oracle'),
+    'unknown-replica': ('at_most_one_reversal_per_load_change', 'replica_minutes_within_1.15x_oracle', 'backlog_drained_within_3_intervals_of_ready'),
     'burst': ('at_most_one_reversal_per_load_change', 'replica_minutes_within_1.15x_oracle'),
-    'ramp': ('replica_minutes_within_1.15x_oracle',),
+    'ramp': ('replica_minutes_within_1.15x_oracle', 'backlog_drained_within_3_intervals_of_ready'),
     # Routed on the router's own view (its prefill clock, settled by first tokens), slow's replica reversals fell
     # from 3 to 1 over its 2 load changes.
     'slow': ('at_most_one_reversal_per_load_change', 'replica_minutes_within_1.15x_oracle'),
-    'fast': ('95pct_windows_within_every_feasible_slo', 'at_most_one_reversal_per_load_change', 'replica_minutes_within_1.15x_oracle'),
-    'neighbour': ('replica_minutes_within_1.15x_oracle',),
-    # mixed-fleet lost two goals when the simulator's router moved from each replica's exact queue to the router's
-    # own view (its prefill clock): windows within every SLO 97% -> 92.8% (goal 95%) and replica reversals 1 -> 3
-    # (goal 1 per load change, 2 changes). Both views send nearly every request to the h100s; after the 4 -> 2
-    # scale-in the a100 left took 362 prompt tok/s in the next window (708 before), too few samples to be known, so
-    # the scaler sized from the h100 alone, scaled 2 -> 1 keeping the a100 (newest first goes), breached, and scaled
-    # 1 -> 3: a scaler fix (unknown replicas' capacity, which replica goes), not a goal to drop.
-    'mixed-fleet': ('replica_minutes_within_1.15x_oracle',),
+    'fast': ('95pct_windows_within_every_feasible_slo', 'at_most_one_reversal_per_load_change', 'replica_minutes_within_1.15x_oracle',
+             'backlog_drained_within_3_intervals_of_ready'),
+    'neighbour': ('replica_minutes_within_1.15x_oracle', 'backlog_drained_within_3_intervals_of_ready'),
+    # mixed-fleet: since the scale-in removes the slowest replica (scaler.removal_order), not the newest, it keeps
+    # the h100s and meets every goal (windows within 92.8% -> 97%, replica reversals 3 -> 1, 0.68x the oracle).
+    'mixed-fleet': ('95pct_windows_within_every_feasible_slo', 'at_most_one_reversal_per_load_change',
+                    'replica_minutes_within_1.15x_oracle', 'backlog_drained_within_3_intervals_of_ready'),
+    # sinusoid misses its goodput goal (92.7%, goal 95%) and 95% of windows: docs/control-loop.md.
+    'sinusoid': ('at_most_one_reversal_per_load_change', 'replica_minutes_within_1.15x_oracle', 'backlog_drained_within_3_intervals_of_ready'),
 }
 
 
