@@ -134,7 +134,7 @@ class VirtualRouter:
             prompt_len, max_tokens = self._requests.pop(item.key)
             request_id = replicas[choice.name].submit(prompt_len, max_tokens, item.arrival_s,
                                                       objective=self._signed(item))
-            self._reserve(choice.name, request_id, prompt_len, now, item.priority, item.tenant)
+            self._reserve(choice.name, request_id, prompt_len, now, item.sent_priority, item.tenant)
             self._keys[request_id] = item.key
             self.outcomes.dispatched(item.key, now)
         return len(sent)
@@ -185,12 +185,12 @@ class VirtualRouter:
 
     def _signed(self, item: Queued[int]) -> Objective | None:
         """What the proxy signs for the engine (proxy.py objective headers): its priority, the first token due at
-        its arrival plus the TTFT target, its TPOT target. None for the implicit objective (as without one)."""
-        if len(self.objectives.by_name) <= 1 and not item.priority:
+        its arrival plus the TTFT target, its TPOT target (the priority it was sent with: flow_control.py). None for the implicit objective (as without one)."""
+        if len(self.objectives.by_name) <= 1 and not item.sent_priority:
             return None
         named = self.objectives.named(item.objective)
         deadline = None if named is None or named.ttft_ms is None else item.arrival_s + named.ttft_ms / 1000.0
-        return Objective(item.objective, item.priority, deadline, None if named is None else named.tpot_ms)
+        return Objective(item.objective, item.sent_priority, deadline, None if named is None else named.tpot_ms)
 
     def _reserve(self, name: str, request_id: str, prompt_tokens: int, now: float, priority: int = 0,
                  tenant: str = "") -> None:

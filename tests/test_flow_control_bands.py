@@ -6,7 +6,7 @@ share of a replica's dispatch window, so a flood never holds the other tenants' 
 """
 from __future__ import annotations
 
-from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued, admits, within_share
+from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued, admits
 from stallfree.operator.router.pick import Choice, ReplicaView, pick_slo_aware
 from stallfree.operator.router.prefill_clock import PrefillClock
 from stallfree.operator.router.replicas import Replica
@@ -76,31 +76,31 @@ def test_the_replica_view_splits_its_queued_prefill_and_slots_by_band():
     assert seen.seen_by(INTERACTIVE).queued_prefill_tokens == 0 and seen.seen_by(INTERACTIVE).outstanding == 0
 
 
-def test_a_tenant_fills_only_its_share_of_the_dispatch_window():
-    config = FlowConfig(dispatch_wait_ms=400.0)
-    replica = view("a", {(0, "flood"): 150, (0, "t1"): 50})
-    assert within_share(replica, config, 0, "flood", 1)  # alone: the whole window
-    assert not within_share(replica, config, 0, "flood", 4)  # 150 ms of 100 ms
-    assert within_share(replica, config, 0, "t1", 4)
-
-
-def test_a_flooding_tenant_does_not_hold_back_the_other_tenants_requests():
+def test_a_flooding_tenant_is_sent_below_its_band_and_does_not_hold_back_the_other_tenants():
     queue: FlowQueue[int] = FlowQueue(FlowConfig(dispatch_wait_ms=400.0))
     queue.push(Queued(0, 0.0, 100, tenant="t1"))
     queue.push(Queued(1, 0.0, 100, tenant="t2"))
     for key in range(2, 40):
         queue.push(Queued(key, 0.0, 100, tenant="flood"))
+    # The flood offered 3,800 of 4,000 tokens, over twice its fair share (1,333): one below the band.
     sent = queue.dispatch([view("a", {})], first)
-    by_tenant: dict[str, int] = {}
+    by_tenant: dict[tuple[str, int], int] = {}
     for item, _ in sent:
-        by_tenant[item.tenant] = by_tenant.get(item.tenant, 0) + 1
-    # Three tenants: the flood's share of the 400 ms window is 133 ms, two prompts of 100 ms (the second sent while
-    # its queued prefill was still within its share), not the four that would fill the window.
-    assert by_tenant == {"t1": 1, "t2": 1, "flood": 2}
-    # Once the others' work is done, the flood still keeps to its share: their next requests go at once.
+        by_tenant[(item.tenant, item.sent_priority)] = by_tenant.get((item.tenant, item.sent_priority), 0) + 1
+    assert by_tenant == {("t1", 0): 1, ("t2", 0): 1, ("flood", -1): 3}  # the window's 400 ms: 5 prompts in all
+    # The flood's queued prefill fills the replica's window, yet another tenant's request goes at once: in the
+    # engine it is ahead of the flood's (a higher priority), so nothing of the flood is ahead of it.
     queue.push(Queued(100, 1.0, 100, tenant="t1"))
-    sent = queue.dispatch([view("a", {(0, "flood"): 200})], first)
-    assert [item.key for item, _ in sent] == [100]
+    sent = queue.dispatch([view("a", {(0, "t2"): 100, (-1, "flood"): 2000})], first)
+    assert [(item.key, item.sent_priority) for item, _ in sent] == [(100, 0)]
+
+
+def test_tenants_offering_alike_are_never_demoted():
+    queue: FlowQueue[int] = FlowQueue(FlowConfig(dispatch_wait_ms=400.0))
+    for key in range(12):
+        queue.push(Queued(key, key * 0.1, 100 + 10 * (key % 3), tenant=f"t{key % 4}"))
+    sent = queue.dispatch([view("a", {}), view("b", {})], first)
+    assert sent and all(item.sent_priority == 0 for item, _ in sent)
 
 
 def test_one_tenant_keeps_the_whole_window_as_before():

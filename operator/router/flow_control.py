@@ -14,12 +14,16 @@ least recently first; within a tenant, earliest deadline first (arrival plus the
 the predicted prefill), then arrival. Requests without a deadline, one tenant, one band: arrival order, as
 before objectives. Only the order changes: which replica, and when, are the dispatch rule's above.
 
-The same queue runs in the router (proxy.py) and in the virtual-time cluster (simulator/closed_loop.py),
-so the closed-loop scenarios exercise the dispatch rule the cluster serves with.
+Judged per band and tenant: the engine prefills higher bands first and preempts a lower band's running request
+for a higher one's slot, so a request meets only the queued prefill and the running slots of its band and higher
+(`ReplicaView.seen_by`). Within a band the engine serves first come, first served, so a tenant that offered more
+than FLOOD_SHARE times its fair share of the band's prompt tokens over the last TENANT_MEMORY_S is sent one below
+its band (`Queued.sent_priority`, signed so to the engine): the other tenants' requests neither count its queued
+prefill here nor wait for it in the engine, and it takes the capacity they leave. One tenant: as before.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Hashable, Iterator, TypeVar
 
@@ -33,8 +37,10 @@ DEFAULT_DISPATCH_WAIT_MS = 500.0
 SLO_SHARE = 0.25
 
 
-# A tenant counts as active in its band (for its share of each replica's dispatch window) this long after it last sent.
+# A tenant's offered prompt tokens in its band are counted over this long, and it is flooding past this many times
+# its fair share of the band's (the band's over its tenants).
 TENANT_MEMORY_S = 10.0
+FLOOD_SHARE = 2.0
 
 
 def dispatch_wait_ms(queue_wait_slo_ms: float | None) -> float:
@@ -61,6 +67,12 @@ class Queued(Generic[K]):
     tenant: str = ""  # fairness between tenants within a band
     deadline_s: float | None = None  # None: arrival order within the tenant
     seq: int = 0  # set by push: arrival order; a retry (front) keeps a place before every arrival
+    demoted: bool = False  # set by dispatch: its tenant is flooding its band, sent one below it (`sent_priority`)
+
+    @property
+    def sent_priority(self) -> int:
+        """The priority it is sent (and signed to the engine) with: its band's, one lower when its tenant floods."""
+        return self.priority - 1 if self.demoted else self.priority
 
 
 def admits(view: ReplicaView, config: FlowConfig, priority: int | None = None) -> bool:
@@ -76,16 +88,6 @@ def admits(view: ReplicaView, config: FlowConfig, priority: int | None = None) -
     return view.queued_prefill_tokens / rate <= config.dispatch_wait_ms
 
 
-def within_share(view: ReplicaView, config: FlowConfig, priority: int, tenant: str, tenants: int) -> bool:
-    """Is this tenant's queued prefill on the replica within its share of the dispatch window (the window over the
-    band's active tenants)? The engine serves a band first come, first served, so a tenant that filled the window
-    would hold back every other tenant's request sent behind it; capped, it fills only its share."""
-    if tenants <= 1:
-        return True
-    own = view.queued_of(priority, tenant)
-    return own <= 0 or own / max(view.prefill_tokens_per_ms, 1e-6) <= config.dispatch_wait_ms / tenants
-
-
 @dataclass
 class FlowQueue(Generic[K]):
     config: FlowConfig = field(default_factory=FlowConfig)
@@ -96,7 +98,8 @@ class FlowQueue(Generic[K]):
     dispatched: int = 0
     _pushes: int = 0
     _served_at: dict[str, int] = field(default_factory=dict)  # tenant -> the dispatch count when last served
-    _seen: dict[tuple[int, str], float] = field(default_factory=dict)  # (band, tenant) -> its latest arrival
+    _offers: "deque[tuple[float, int, str, int]]" = field(default_factory=deque)  # (arrival, band, tenant, tokens)
+    _offered: dict[tuple[int, str], int] = field(default_factory=dict)  # (band, tenant) -> tokens in _offers
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -143,11 +146,8 @@ class FlowQueue(Generic[K]):
             self.rejected += 1
             return False
         self._pushes += 1
-        if item.tenant or self._seen:
-            self._seen[(item.priority, item.tenant)] = item.arrival_s
-            if len(self._seen) > 1:
-                horizon = item.arrival_s - TENANT_MEMORY_S
-                self._seen = {k: t for k, t in self._seen.items() if t >= horizon}
+        if not front and (item.tenant or self._offers):
+            self._offer(item)
         item.seq = -self._pushes if front else self._pushes
         self._waiting[item.key] = item
         if front:
@@ -180,22 +180,21 @@ class FlowQueue(Generic[K]):
         out: list[tuple[Queued[K], Choice]] = []
         real = {v.name: v for v in views}  # what each replica holds: decides whether it admits now
         placed = dict(real)  # plus what waits here for it: what the policy sees
-        tenants = self._active_tenants()
+        flooding = self._flooding()
         blocked_at: int | None = None  # a band no replica admits: neither does any lower one
         for item in self.ordered():
-            p = item.priority
+            # A flooding tenant goes one below its band: the other tenants' requests are never held behind it.
+            item.demoted = (item.priority, item.tenant) in flooding
+            p = item.sent_priority
             if blocked_at is not None and p <= blocked_at:
-                break
+                continue
             if not any(admits(v, self.config, p) for v in real.values()):
-                blocked_at = p
+                blocked_at = p if blocked_at is None else max(blocked_at, p)
                 continue  # nothing more of this band can go anywhere
-            share = tenants.get(p, 1)
 
             def admitted(v: ReplicaView) -> bool:
-                return admits(v, self.config, p) and within_share(v, self.config, p, item.tenant, share)
+                return admits(v, self.config, p)
 
-            if not any(admitted(v) for v in real.values()):
-                continue  # its tenant has its share everywhere: the other tenants' requests go by
             # A replica whose running slots (those of this band or higher) are all taken starts nothing until one
             # frees, which its queued prefill does not show: it is chosen only when every replica is so.
             seen = {name: v.seen_by(p) for name, v in placed.items()}
@@ -218,11 +217,31 @@ class FlowQueue(Generic[K]):
             del self._served_at[tenant]  # bounded by the tenants waiting; one who returns starts afresh
         return out
 
-    def _active_tenants(self) -> dict[int, int]:
-        """Band -> how many tenants sent to it lately (TENANT_MEMORY_S): the share each has of a dispatch window."""
-        out: dict[int, int] = {}
-        for priority, _ in self._seen:
-            out[priority] = out.get(priority, 0) + 1
+    def _offer(self, item: Queued[K]) -> None:
+        """Count its prompt in its tenant's offer over the last TENANT_MEMORY_S (by arrival times)."""
+        offers, offered = self._offers, self._offered
+        offers.append((item.arrival_s, item.priority, item.tenant, item.prompt_tokens))
+        key = (item.priority, item.tenant)
+        offered[key] = offered.get(key, 0) + item.prompt_tokens
+        horizon = item.arrival_s - TENANT_MEMORY_S
+        while offers and offers[0][0] < horizon:
+            _, priority, tenant, tokens = offers.popleft()
+            left = offered[(priority, tenant)] - tokens
+            if left > 0:
+                offered[(priority, tenant)] = left
+            else:
+                del offered[(priority, tenant)]
+
+    def _flooding(self) -> set[tuple[int, str]]:
+        """(band, tenant) of the tenants that offered more than FLOOD_SHARE times their band's fair share lately."""
+        bands: dict[int, list[tuple[str, int]]] = {}
+        for (priority, tenant), tokens in self._offered.items():
+            bands.setdefault(priority, []).append((tenant, tokens))
+        out: set[tuple[int, str]] = set()
+        for priority, tenants in bands.items():
+            if len(tenants) > 1:
+                fair = sum(tokens for _, tokens in tenants) / len(tenants)
+                out.update((priority, t) for t, tokens in tenants if tokens > FLOOD_SHARE * fair)
         return out
 
     def _instead(self, item: Queued[K], best: Choice, candidates: list[ReplicaView], real: dict[str, ReplicaView],

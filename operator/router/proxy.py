@@ -175,7 +175,7 @@ class Router:
         for item, choice in self.queue.dispatch([r.view(now) for r in healthy], choose):
             future, info, hashes, _ = self._waiters.pop(item.key)
             replica = self.pool.replicas[choice.name]
-            ticket = self._reserve(replica, info.prompt_tokens, now, item.priority, item.tenant)
+            ticket = self._reserve(replica, info.prompt_tokens, now, item.sent_priority, item.tenant)
             self.metrics.queue_wait.observe(now - item.arrival_s)
             self.metrics.objective_queue_wait.labels(item.objective).observe(now - item.arrival_s)
             if item.seq > 0:  # a retry (pushed to the front) was counted on its first dispatch
@@ -444,7 +444,10 @@ class Router:
             waited_ms = (time.perf_counter() - received) * 1000.0
             leg_headers = headers + _queue_headers(f"{waited_ms:.1f}", self.admin_token) if queued else headers
             if method == "POST":
-                leg_headers = leg_headers + _objective_headers(objective, waited_ms, self.admin_token)
+                # The priority it was sent with (one below its band past its tenant's share: flow_control.py).
+                signed = objective if not queued else replace(objective,
+                                                              priority=replica.held.get(ticket, objective.priority))
+                leg_headers = leg_headers + _objective_headers(signed, waited_ms, self.admin_token)
             try:
                 return await self._send(replica, choice, ticket, method, path, leg_headers, body, info, received,
                                         objective)
