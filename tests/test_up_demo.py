@@ -174,3 +174,13 @@ def test_a_long_prompt_probe_calibrates_the_mixed_curve_when_it_ran_slower_than_
     # Sized from it, the long-prompt load is what one replica prefills at those chunks' speed.
     assert plan_demo(slow_chunks, 512, 2048).prefill_tokens_per_s < plan_demo(scaled(profile, 1.2), 512,
                                                                              2048).prefill_tokens_per_s / 2
+
+
+def test_an_idle_replica_read_with_nothing_waiting_does_not_hold_back_a_restore():
+    # After a scale-out light load may leave one replica idle: read, nothing waiting, too few samples to judge.
+    rows = [_row(0, 50), _row(5, 300), _row(10, 80), _row(15, 90)]
+    for row in rows[2:]:
+        row["replica_detail"].append({"name": "r1", "known": False, "num_waiting": 0})
+    rows[2]["replica_detail"][1]["num_waiting"] = 2  # something waits there: it says too little to restore
+    (breach,) = judge(rows, [Phase("long", 0, 20)], SLOS).phases[0].breaches
+    assert breach.restored_at_s == 15 and breach.intervals_to_restore == 2

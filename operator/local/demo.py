@@ -86,8 +86,9 @@ def plan_demo(profile: Profile, ceiling_budget: int, max_model_len: int, scale: 
         # Its rate here is one replica's share: batch_phase multiplies it by maxReplicas.
         LoadPhase(BATCH_PHASE, 45 * scale, BATCH_FLOOD * long_rate, long_prompt, LONG_OUTPUT_TOKENS,
                   objective=BATCH_OBJECTIVE),
-        # Chat only again: what the flood left queued drains, and the windows show whether it did.
-        LoadPhase(AFTER_BATCH_PHASE, 60 * scale, 0.0, long_prompt, LONG_OUTPUT_TOKENS),
+        # Chat only again: what the flood left queued drains, and the windows show whether it did. Not shorter
+        # than 30 s: that drain and the stats window's clear-out take as long at any --phase-scale.
+        LoadPhase(AFTER_BATCH_PHASE, 60 * max(scale, 0.5), 0.0, long_prompt, LONG_OUTPUT_TOKENS),
     ]
     chat = LoadPhase("chat", sum(p.duration_s for p in phases), chat_rate, CHAT_PROMPT_TOKENS, CHAT_OUTPUT_TOKENS)
     return DemoPlan(tpot_slo, ttft_slo, queue_slo, prefill_rate, allowed, long_prompt, chat, phases)

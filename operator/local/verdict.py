@@ -176,8 +176,10 @@ def verdict_text(verdict: Verdict, interval_s: float) -> list[str]:
 
 
 def _all_known(row: dict[str, Any]) -> bool:
-    """Every replica of the window was known (rows without replica detail: taken as known)."""
-    return all(d.get("known", True) for d in row.get("replica_detail", ()))
+    """Every replica of the window was known (rows without replica detail: taken as known). A replica read with
+    nothing waiting counts as known though its window had too few samples to judge: an idle replica hides no
+    backlog (after a scale-out, light load may leave one idle and it would never let a restore count)."""
+    return all(d.get("known", True) or d.get("num_waiting") == 0 for d in row.get("replica_detail", ()))
 
 
 def _above(value: float | None, target: float) -> bool:
