@@ -302,12 +302,7 @@ class ClosedLoopDriver:
 
     async def step(self) -> StepResult:
         t, end = self.t, self.t + self.policy.interval_s
-        # Arrivals of this interval, cut at phase boundaries so a load step lands when it says.
-        cuts = sorted({t, end, *(p.start_s for p in self.phases if t < p.start_s < end)})
-        for lo, hi in zip(cuts, cuts[1:]):
-            phase = active_phase(self.phases, lo)
-            if phase is not None:
-                self.submitted += self.cluster.submit(poisson_arrivals(phase, lo, hi, self.rng), t)
+        self.submitted += self.cluster.submit(self.arrivals(t, end), t)
         self.cluster.advance_to(end)
         self.cluster.reap()
         self.t = end
@@ -315,6 +310,16 @@ class ClosedLoopDriver:
         result = await self.loop.step(self.cluster.targets(end), self.cluster.desired, end)
         self.steps.append(result)
         return result
+
+    def arrivals(self, t: float, end: float) -> list[tuple[Any, ...]]:
+        """This interval's arrivals in time order, cut at phase boundaries so a load step lands when it says."""
+        out: list[tuple[Any, ...]] = []
+        cuts = sorted({t, end, *(p.start_s for p in self.phases if t < p.start_s < end)})
+        for lo, hi in zip(cuts, cuts[1:]):
+            phase = active_phase(self.phases, lo)
+            if phase is not None:
+                out += poisson_arrivals(phase, lo, hi, self.rng)
+        return out
 
     async def run(self, duration_s: float) -> ClosedLoopRun:
         while self.t < duration_s - 1e-9:

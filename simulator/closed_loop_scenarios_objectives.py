@@ -64,8 +64,8 @@ class StreamsDriver(ClosedLoopDriver):
         super().__init__(cluster_spec, policy, phases, replicas, seed=seed)
         self.cluster.router.use_objectives(router_objectives(policy))
 
-    async def step(self):
-        t, end = self.t, self.t + self.policy.interval_s
+    def arrivals(self, t: float, end: float) -> list[tuple[Any, ...]]:
+        """Every stream's arrivals of this interval, each labelled (objective, tenant), in time order."""
         arrivals: list[tuple[Any, ...]] = []
         for phases in streams(self.phases).values():
             cuts = sorted({t, end, *(p.start_s for p in phases if t < p.start_s < end)})
@@ -75,14 +75,7 @@ class StreamsDriver(ClosedLoopDriver):
                     labels = (getattr(phase, "objective", ""), getattr(phase, "tenant", ""))
                     arrivals += [(*a, *labels) for a in poisson_arrivals(phase, lo, hi, self.rng)]
         arrivals.sort(key=lambda a: a[0])
-        self.submitted += self.cluster.submit(arrivals, t)
-        self.cluster.advance_to(end)
-        self.cluster.reap()
-        self.t = end
-        self.actuator.now = end
-        result = await self.loop.step(self.cluster.targets(end), self.cluster.desired, end)
-        self.steps.append(result)
-        return result
+        return arrivals
 
 
 def router_objectives(policy: ControlPolicy) -> Objectives:
