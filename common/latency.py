@@ -27,3 +27,17 @@ def tpot_s(first_token_s: float | None, last_token_s: float | None, num_output_t
     if num_output_tokens < 2 or first_token_s is None or last_token_s is None:
         return None
     return (last_token_s - first_token_s) / (num_output_tokens - 1)
+
+
+def within_targets(ttft_ms: float | None, tpot_ms: float | None, queue_wait_ms: float | None = None, *,
+                   ttft_target_ms: float | None = None, tpot_target_ms: float | None = None,
+                   queue_wait_target_ms: float | None = None) -> bool:
+    """Whether a served request met every target given (None: not judged); the one rule goodput counts by.
+
+    A TTFT or queue wait that was not measured misses its target. TPOT is undefined for a one-token reply,
+    so a missing TPOT cannot miss one."""
+    if ttft_target_ms is not None and (ttft_ms is None or ttft_ms > ttft_target_ms):
+        return False
+    if queue_wait_target_ms is not None and (queue_wait_ms is None or queue_wait_ms > queue_wait_target_ms):
+        return False
+    return tpot_target_ms is None or tpot_ms is None or tpot_ms <= tpot_target_ms

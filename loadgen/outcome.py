@@ -7,6 +7,7 @@ limit) is lost.
 """
 from __future__ import annotations
 
+from stallfree.latency import within_targets
 from stallfree.loadgen.stream import RequestResult
 
 SHED_CODE = "shed_predicted_miss"  # operator/router/shedding.py: a sheddable request predicted to miss
@@ -29,8 +30,4 @@ def shed(result: RequestResult) -> bool:
 
 def met(result: RequestResult, ttft_ms: float | None, tpot_ms: float | None = None) -> bool:
     """Served within every target given (a one-token reply has no TPOT, so it cannot miss one)."""
-    if not result.ok:
-        return False
-    if ttft_ms is not None and (result.ttft_ms is None or result.ttft_ms > ttft_ms):
-        return False
-    return tpot_ms is None or result.tpot_ms is None or result.tpot_ms <= tpot_ms
+    return result.ok and within_targets(result.ttft_ms, result.tpot_ms, ttft_target_ms=ttft_ms, tpot_target_ms=tpot_ms)

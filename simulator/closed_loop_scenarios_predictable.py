@@ -15,6 +15,7 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
+from stallfree.latency import within_targets
 from stallfree.simulator.closed_loop import ClosedLoopRun, LoadPhase
 from stallfree.simulator.closed_loop_judge import SLOS, _drained_at
 from stallfree.simulator.workload import parse_length
@@ -62,10 +63,13 @@ def goodput(records: Sequence[Any], slo, unfinished: int = 0) -> float | None:
     if not total:
         return None
     met = sum(1 for r in records
-              if r.ttft_s is not None and r.ttft_s * 1000 <= slo.ttft_p99_ms
-              and (r.tpot_s is None or r.tpot_s * 1000 <= slo.tpot_p99_ms)
-              and r.queue_wait_s is not None and r.queue_wait_s * 1000 <= slo.queue_wait_p99_ms)
+              if within_targets(_ms(r.ttft_s), _ms(r.tpot_s), _ms(r.queue_wait_s), ttft_target_ms=slo.ttft_p99_ms,
+                                tpot_target_ms=slo.tpot_p99_ms, queue_wait_target_ms=slo.queue_wait_p99_ms))
     return met / total
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
 
 
 def summarize_sinusoid(scenario: "Scenario", run: ClosedLoopRun) -> tuple[dict[str, Any], dict[str, bool]]:

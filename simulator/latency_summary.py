@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from stallfree.contracts import percentile
+from stallfree.latency import within_targets
 
 
 def summarize(values: Iterable[float]) -> dict[str, float | int | None]:
@@ -31,10 +32,7 @@ class SLOs:
     e2e_ms: float | None = None
 
     def met(self, ttft_ms: float | None, tpot_ms: float | None, e2e_ms: float | None) -> bool:
-        if self.ttft_ms is not None and (ttft_ms is None or ttft_ms > self.ttft_ms):
-            return False
-        # TPOT is undefined for a one-token output: it cannot breach a TPOT objective.
-        if self.tpot_ms is not None and tpot_ms is not None and tpot_ms > self.tpot_ms:
+        if not within_targets(ttft_ms, tpot_ms, ttft_target_ms=self.ttft_ms, tpot_target_ms=self.tpot_ms):
             return False
         return not (self.e2e_ms is not None and (e2e_ms is None or e2e_ms > self.e2e_ms))
 

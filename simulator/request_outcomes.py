@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from stallfree.contracts import percentile
+from stallfree.latency import within_targets
 from stallfree.operator.control.observe import ObjectiveWindow
 from stallfree.operator.router.flow_control import Queued
 from stallfree.operator.router.objectives import Objective, Objectives
@@ -50,11 +51,9 @@ class Outcome:
 
     def good(self, objective: Objective) -> bool:
         """Served, and within every target its objective sets."""
-        if self.kind != SERVED:
-            return False
-        return all(limit is None or value is None or value <= limit
-                   for value, limit in ((self.ttft_ms, objective.ttft_ms), (self.tpot_ms, objective.tpot_ms),
-                                        (self.wait_ms, objective.queue_wait_ms)))
+        return self.kind == SERVED and within_targets(
+            self.ttft_ms, self.tpot_ms, self.wait_ms, ttft_target_ms=objective.ttft_ms,
+            tpot_target_ms=objective.tpot_ms, queue_wait_target_ms=objective.queue_wait_ms)
 
 
 class Outcomes:
