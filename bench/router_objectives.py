@@ -13,9 +13,9 @@ answer or a clean refusal); every interactive request served (it is not sheddabl
 served or refused at arrival (429 shed_predicted_miss with Retry-After, or queue_full), none failing after it
 waited; and the interactive p99 TTFT with the flood within --flood-bound (1.5x) of its p99 alone. Why that bound:
 the interactive band is served strictly before batch in the router's queue, so no interactive request waits
-behind a batch one there; what the flood can still cost it is the batch prefill already dispatched to its replica
-(flow control keeps that within the dispatch wait, a quarter of --queue-wait-slo-ms) and the batch decodes that
-share its iterations. Goodput per objective (the share of its requests served within its TTFT target; a shed
+behind a batch one there, nor in the engine's (a batch prefill gets no chunk beside an interactive one); what the
+flood can still cost it is the batch iteration already under way when it arrives and the batch decodes that share
+its iterations. Goodput per objective (the share of its requests served within its TTFT target; a shed
 request counts as not met, and not as lost) is printed beside it.
 """
 from __future__ import annotations

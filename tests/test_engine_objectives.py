@@ -55,11 +55,25 @@ def test_a_more_urgent_request_arriving_later_gets_its_prefill_chunk_first_and_e
     assert layout(output) == [("d", 8, 1, False), ("batch", 0, 47, True)]
     s.add_request(with_objective(make_request("urgent", 30), priority=10, deadline=1.0))
     output, _ = checked_step(s)
-    # The decode first as always, then the urgent newcomer, then the batch prefill in what is left.
-    assert layout(output) == [("d", 9, 1, False), ("urgent", 0, 30, True), ("batch", 47, 17, True)]
+    # The decode first as always, then the urgent newcomer; the batch prefill gets none of what is left, which would
+    # only lengthen the iteration that carries the urgent prefill (its TTFT).
+    assert layout(output) == [("d", 9, 1, False), ("urgent", 0, 30, True)]
     output, _ = checked_step(s)
-    # Both decode before any prefill (the higher priority first: a KV shortfall then finds the lower unscheduled).
-    assert layout(output)[:3] == [("urgent", 30, 1, False), ("d", 10, 1, False), ("batch", 64, 46, True)]
+    # Both decode before any prefill (the higher priority first: a KV shortfall then finds the lower unscheduled);
+    # no urgent prefill left, so the batch prefill goes on in the rest of the budget.
+    assert layout(output) == [("urgent", 30, 1, False), ("d", 10, 1, False), ("batch", 47, 46, True)]
+
+
+def test_a_lower_priority_is_not_admitted_beside_a_higher_prioritys_prefill_but_its_own_band_is():
+    s = make_scheduler(num_blocks=256, token_budget=64, max_num_seqs=8, max_partial_prefills=4, prefix_caching=False)
+    s.add_request(with_objective(make_request("chat-1", 10), priority=5, deadline=1.0))
+    s.add_request(with_objective(make_request("chat-2", 10), priority=5, deadline=2.0))
+    s.add_request(with_objective(make_request("batch", 100), priority=-1))
+    output, _ = checked_step(s)
+    assert layout(output) == [("chat-1", 0, 10, True), ("chat-2", 0, 10, True)]
+    assert ids(s.waiting) == ["batch"]
+    output, _ = checked_step(s)  # no chat prefill left: the batch request takes the budget beside the decodes
+    assert layout(output) == [("chat-1", 10, 1, False), ("chat-2", 10, 1, False), ("batch", 0, 62, True)]
 
 
 def test_a_partial_prefill_goes_on_before_a_newcomer_of_the_same_urgency():

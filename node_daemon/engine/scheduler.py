@@ -11,7 +11,9 @@ prefills, long-prefill threshold) in this order:
 Requests carry an objective when the router signed one (request.py `Objective`): the waiting queue is
 ordered by urgency (higher priority first, then the earlier deadline), then arrival; steps 2 and 3 merge
 so the prefill chunks go to the most urgent request first (a partial prefill before a waiting request
-of the same urgency), decodes still all first. A preempted request goes back to its own place in that
+of the same urgency), decodes still all first. The first prefill chunk sets the iteration's band: no request of
+a lower priority gets a prefill chunk beside it (the leftover budget would only lengthen the iteration that carries
+the more urgent prefill, so its TTFT); it prefills in iterations without one. A preempted request goes back to its own place in that
 order, by its original arrival. Without objectives every request has the same urgency, so the queue is
 first come, first served (preempted ones resume first: they arrived before any request still waiting)
 and the order is the one above. While a running request has a TPOT target tighter than the service's,
@@ -308,11 +310,16 @@ class Scheduler:
         admitting = True
         num_partial = 0
         num_running = self.num_running
+        # With objectives, the first prefill chunk sets the iteration's band: a lower priority's chunk would only
+        # lengthen the iteration that carries a more urgent request's prefill (its TTFT); it waits for one without.
+        band: int | None = None
         i = 0
         while True:
             while i < len(partials) and partials[i].status is not _RUNNING:
                 i += 1  # preempted in this iteration
             partial = partials[i] if i < len(partials) else None
+            if band is not None and waiting and waiting[0].priority < band:
+                admitting = False
             if (admitting and waiting and budget > 0 and num_running < tuning.max_num_seqs
                     and len(out.preempted) <= self._num_made_room
                     and (partial is None or waiting[0].urgency < partial.urgency)):
@@ -329,6 +336,8 @@ class Scheduler:
                 num_running += 1
                 chunks.append(ScheduledChunk(request, num_hit_tokens, n, True, n == remaining))
                 budget -= n
+                if band is None and self._num_objectives:
+                    band = request.priority
                 if n < remaining:
                     num_partial += 1
                 continue
@@ -338,7 +347,8 @@ class Scheduler:
             request = partial
             start = request.num_computed_tokens
             remaining = request.num_tokens - start
-            n = self._chunk_size(remaining, budget, tuning, start, chunks)
+            below_band = band is not None and request.priority < band
+            n = 0 if below_band else self._chunk_size(remaining, budget, tuning, start, chunks)
             if n <= 0:
                 num_partial += 1
                 continue
@@ -346,6 +356,8 @@ class Scheduler:
                 break
             chunks.append(ScheduledChunk(request, start, n, True, n == remaining))
             budget -= n
+            if band is None and self._num_objectives:
+                band = request.priority
             if n < remaining:
                 num_partial += 1
         out.num_decode_tokens = num_decodes
