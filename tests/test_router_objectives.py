@@ -105,6 +105,17 @@ def test_a_sheddable_request_is_shed_only_when_it_misses_at_every_replica_and_no
     assert sheds(batch, [], 0, 100, 0) is None  # nothing to predict on
 
 
+def test_the_higher_bands_reserve_slows_the_whole_wait_the_replicas_queue_too():
+    batch = Objective("batch", -1, ttft_ms=1000.0)
+    half = view("half", queued=400)  # 400 queued + 100 prompt at 1 token/ms: 500 ms, + a 10 ms step
+    assert predicted_ttft_ms([half], 100, 0) == 510.0
+    # The interactive band takes half of the prefill: on the replica, it passes what is queued there too.
+    assert predicted_ttft_ms([half], 100, 0, reserved_tokens_per_ms=0.5) == 1010.0
+    assert predicted_ttft_ms([half], 100, 200, reserved_tokens_per_ms=0.5) == 1410.0  # the router's queue as well
+    assert sheds(batch, [half], 0, 100, 0) is None
+    assert sheds(batch, [half], 0, 100, 0, reserved_tokens_per_ms=0.5) == 1010.0
+
+
 # -- over HTTP --------------------------------------------------------------------------------------------
 
 def _metrics(url: str) -> str:

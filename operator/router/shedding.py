@@ -4,8 +4,9 @@ A request of a sheddable objective (priority < 0) that would wait and then miss 
 once: it held a place in the queue, and its client learns nothing until too late. At arrival its TTFT is
 predicted as pick.py predicts it on each healthy replica (the prefill queued there, its prompt, a step), plus
 the prompt tokens waiting in the router ahead of it (its band and above) drained at the replicas' summed
-prefill rate, less what the higher bands' arrivals take of it (they go first, so they slow the wait: without that
-share a batch band predicted at its target waits past it by the interactive load's factor). It is shed only when
+prefill rate; the whole wait stretched by what the higher bands' arrivals take of that rate (they go first, in the
+router's queue and in the engine's, so they slow the wait: without that share a batch band predicted at its target
+waits past it by the interactive load's factor). It is shed only when
 that misses the target at every replica. A replica that is starting (its
 model loading) may take it soon, but the router does not know when it will be ready, so while one is
 starting nothing is shed. Pure: views in, verdict out; `BandArrivals` keeps the recent arrivals per band, with
@@ -75,13 +76,17 @@ class BandArrivals:
 
 def predicted_ttft_ms(views: list[ReplicaView], prompt_tokens: int, tokens_ahead: int,
                       reserved_tokens_per_ms: float = 0.0) -> float | None:
-    """The soonest predicted TTFT over `views` with `tokens_ahead` waiting in the router first, drained at the
-    replicas' summed prefill rate less `reserved_tokens_per_ms` (the higher bands' arrivals); None: no view."""
+    """The soonest predicted TTFT over `views` with `tokens_ahead` waiting in the router first. All of the wait,
+    the prefill queued at the replica as much as the router's, drains at the prefill rate less
+    `reserved_tokens_per_ms` (the higher bands' arrivals pass it on the replica too: the engine serves them first);
+    None: no view."""
     if not views:
         return None
     total_rate = sum(max(v.prefill_tokens_per_ms, 1e-6) for v in views)
     free_rate = max(total_rate - max(0.0, reserved_tokens_per_ms), 1e-6)
-    return min(predict_ttft_ms(v, prompt_tokens) for v in views) + tokens_ahead / free_rate
+    stretch = total_rate / free_rate
+    at_replica = min((predict_ttft_ms(v, prompt_tokens) - v.step_ms) * stretch + v.step_ms for v in views)
+    return at_replica + tokens_ahead / free_rate
 
 
 def sheds(objective: Objective, views: list[ReplicaView], starting: int, prompt_tokens: int,
