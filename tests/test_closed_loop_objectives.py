@@ -42,7 +42,11 @@ def test_tenants_goal_compares_each_tenant_with_its_own_run_without_the_flood():
     goals = judge_tenants({"a": 1100.0, "b": 1300.0, "c": None}, {"a": 1000.0, "b": 1000.0, "c": 900.0})
     assert goals == {"tenant_a_p99_ttft_within_1.2x_of_no_flood": True,
                      "tenant_b_p99_ttft_within_1.2x_of_no_flood": False,
-                     "tenant_c_p99_ttft_within_1.2x_of_no_flood": False}
+                     "tenant_c_p99_ttft_within_1.2x_of_no_flood": False,
+                     "every_other_tenants_request_served": True}
+    # A refused request has no TTFT: the p99 over the served alone would hide it.
+    assert judge_tenants({"a": 1000.0}, {"a": 1000.0}, others_not_served=3) == {
+        "tenant_a_p99_ttft_within_1.2x_of_no_flood": True, "every_other_tenants_request_served": False}
 
 
 def test_the_scenarios_are_registered():

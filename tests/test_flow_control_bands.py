@@ -108,3 +108,28 @@ def test_one_tenant_keeps_the_whole_window_as_before():
     for key in range(10):
         queue.push(Queued(key, 0.0, 100))
     assert len(queue.dispatch([view("a", {})], first)) == 5  # 0, 100, ... 400 ms queued: admitted while <= 400
+
+
+def test_a_flooding_tenant_fills_its_share_of_the_queue_and_the_others_still_find_room():
+    queue: FlowQueue[str] = FlowQueue(FlowConfig(max_queued=12))
+    for i in range(3):  # four tenants sending lately: each may hold 12 // 4 = 3 requests here
+        assert queue.push(Queued(f"t{i}", float(i), 100, tenant=f"t{i}"))
+    flood = [queue.push(Queued(f"f{i}", 3.0 + i, 100, tenant="flood")) for i in range(10)]
+    assert flood == [True] * 3 + [False] * 7  # refused at its share, not at the queue's bound
+    assert len(queue) == 6 and queue.rejected == 7
+    assert queue.push(Queued("t0-again", 20.0, 100, tenant="t0"))  # the others still get in
+    assert not queue.push(Queued("f-late", 22.0, 100, tenant="flood"))
+    assert queue.cancel("f0")  # one of its own left: its share has room again
+    assert queue.push(Queued("f-later", 23.0, 100, tenant="flood"))
+    # A band is a flow of its own too: a higher band's request is not refused behind a lower band's flood (and
+    # with five flows sending, each holds at most 12 // 5 = 2).
+    assert queue.push(Queued("urgent", 24.0, 100, priority=INTERACTIVE, tenant="flood"))
+    assert not queue.push(Queued("f-then", 25.0, 100, tenant="flood"))
+    assert queue.dispatch([view("a", {}, seqs=None)], first)
+    assert queue.push(Queued("f-after", 30.0, 100, tenant="flood"))  # dispatched ones no longer count
+
+
+def test_one_flow_may_fill_the_whole_queue():
+    queue: FlowQueue[str] = FlowQueue(FlowConfig(max_queued=5))
+    assert [queue.push(Queued(f"r{i}", float(i), 100)) for i in range(6)] == [True] * 5 + [False]
+    assert queue.share(Queued("x", 7.0, 1)) == 5

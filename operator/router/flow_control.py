@@ -7,7 +7,8 @@ running slot (the router's requests in flight there below its max_num_seqs). Unt
 in order (no request waits behind a later one for the same replica), so a replica that becomes
 ready, or one that frees a slot, takes the oldest waiting request at once instead of a backlog staying
 on the replica it was routed to. The queue is bounded: past `max_queued` a new request is refused (the
-HTTP edge answers 429 with Retry-After).
+HTTP edge answers 429 with Retry-After), and so is one whose flow (its band and tenant) already holds its share of
+that bound (`share`): a flood fills its own share, and a quieter tenant's or band's request still finds room.
 
 The order (`ordered`): priority bands strictly, highest first; within a band, tenants take turns, the one served
 least recently first; within a tenant, earliest deadline first (arrival plus the objective's TTFT target, less
@@ -100,6 +101,7 @@ class FlowQueue(Generic[K]):
     _served_at: dict[str, int] = field(default_factory=dict)  # tenant -> the dispatch count when last served
     _offers: "deque[tuple[float, int, str, int]]" = field(default_factory=deque)  # (arrival, band, tenant, tokens)
     _offered: dict[tuple[int, str], int] = field(default_factory=dict)  # (band, tenant) -> tokens in _offers
+    _held: dict[tuple[int, str], int] = field(default_factory=dict)  # (band, tenant) -> requests waiting here
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -139,27 +141,47 @@ class FlowQueue(Generic[K]):
         return out
 
     def push(self, item: Queued[K], front: bool = False) -> bool:
-        """Queue a request; False (refused) when the queue is full. `front`: a retry keeps its place."""
+        """Queue a request; False (refused) when the queue is full or its flow holds its share of it (`share`).
+        `front`: a retry keeps its place."""
         if not front:
             self.arrivals += 1
-        if len(self._waiting) >= self.config.max_queued and not front:
+            if item.tenant or self._offers:
+                self._offer(item)
+        if not front and (len(self._waiting) >= self.config.max_queued
+                          or self._held.get(_flow(item), 0) >= self.share(item)):
             self.rejected += 1
             return False
         self._pushes += 1
-        if not front and (item.tenant or self._offers):
-            self._offer(item)
         item.seq = -self._pushes if front else self._pushes
         self._waiting[item.key] = item
+        self._held[_flow(item)] = self._held.get(_flow(item), 0) + 1
         if front:
             self._waiting.move_to_end(item.key, last=False)
         return True
 
+    def share(self, item: Queued[K]) -> int:
+        """How many requests its flow (band and tenant) may hold here: the queue's bound over the flows seen lately
+        (offering in the last TENANT_MEMORY_S, or waiting), so one flooding flow fills its share, not the queue,
+        and the others' requests still find room. One flow: the whole queue."""
+        flows = {*self._offered, *self._held, _flow(item)}
+        return max(1, self.config.max_queued // len(flows))
+
     def cancel(self, key: K) -> bool:
         """A client that left while queued: removed, counted as cancelled."""
-        if self._waiting.pop(key, None) is None:
+        item = self._waiting.pop(key, None)
+        if item is None:
             return False
+        self._release(item)
         self.cancelled += 1
         return True
+
+    def _release(self, item: Queued[K]) -> None:
+        flow = _flow(item)
+        left = self._held[flow] - 1
+        if left:
+            self._held[flow] = left
+        else:
+            del self._held[flow]
 
     def dispatch(self, views: list[ReplicaView],
                  choose: Callable[[Queued[K], list[ReplicaView]], Choice]) -> list[tuple[Queued[K], Choice]]:
@@ -207,6 +229,7 @@ class FlowQueue(Generic[K]):
                 choice = self._instead(item, choice, candidates, real, choose, admitted) or choice
             if admitted(real[choice.name]):
                 del self._waiting[item.key]
+                self._release(item)
                 self.dispatched += 1
                 self._served_at[item.tenant] = self.dispatched
                 out.append((item, choice))
@@ -258,3 +281,7 @@ class FlowQueue(Generic[K]):
             return alternative
         return alternative if self.config.hold_margin.allows(alternative.predicted_ttft_ms,
                                                              best.predicted_ttft_ms) else None
+
+
+def _flow(item: Queued[K]) -> tuple[int, str]:
+    return item.priority, item.tenant

@@ -263,6 +263,10 @@ class Router:
             self.metrics.arrivals.inc()
             self.metrics.queue_rejected.inc()
             self.metrics.objective_requests.labels(objective.name, "queue_full").inc()
+            if len(self.queue) < self.config.flow.max_queued:
+                return refusal_answer(429, f"this tenant's share of the router's queue is full ({self.queue.share(item)}"
+                                      f" of {self.config.flow.max_queued} requests, shared by the tenants and "
+                                      "objectives sending lately); retry shortly", "queue_full")
             return refusal_answer(429, f"the router's queue is full ({self.config.flow.max_queued} requests "
                                   "waiting); retry shortly", "queue_full")
         if not front:
