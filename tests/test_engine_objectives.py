@@ -85,14 +85,23 @@ def test_a_partial_prefill_goes_on_before_a_newcomer_of_the_same_urgency():
     assert layout(output) == [("first", 48, 48, True)]
 
 
-def test_the_urgent_path_respects_the_partial_prefill_cap_of_prefills_in_flight():
+def test_the_partial_prefill_cap_counts_the_prefills_in_flight_of_the_same_priority_or_higher():
     s = make_scheduler(num_blocks=256, token_budget=48, max_num_seqs=8, max_partial_prefills=1, prefix_caching=False)
     s.add_request(with_objective(make_request("batch", 200), priority=-1))
     checked_step(s)
     s.add_request(with_objective(make_request("urgent", 100), priority=10))
+    s.add_request(with_objective(make_request("urgent-2", 100), priority=10))
     output, _ = checked_step(s)
-    # "urgent" would stay partial beside "batch", which is still partial: the cap (1) keeps it waiting.
-    assert layout(output) == [("batch", 48, 48, True)] and ids(s.waiting) == ["urgent"]
+    # "batch" is still partial, but of a lower priority: it gets no chunk beside "urgent" and does not hold it back
+    # under the cap (1). "urgent-2" would stay partial beside "urgent", of its own priority: the cap keeps it waiting.
+    assert layout(output) == [("urgent", 0, 48, True)] and ids(s.waiting) == ["urgent-2"]
+    later = [layout(checked_step(s)[0]) for _ in range(5)]
+    assert later == [[("urgent", 48, 48, True)],
+                     [("urgent", 96, 4, True), ("urgent-2", 0, 44, True)],  # its own band's cap: after "urgent"
+                     [("urgent", 100, 1, False), ("urgent-2", 44, 47, True)],
+                     [("urgent", 101, 1, False), ("urgent-2", 91, 9, True)],
+                     # no urgent prompt left: "batch" goes on from where it stopped, its KV kept
+                     [("urgent", 102, 1, False), ("urgent-2", 100, 1, False), ("batch", 48, 46, True)]]
 
 
 def _until_preempted(s, max_steps: int = 50):

@@ -13,7 +13,9 @@ ordered by urgency (higher priority first, then the earlier deadline), then arri
 so the prefill chunks go to the most urgent request first (a partial prefill before a waiting request
 of the same urgency), decodes still all first. The first prefill chunk sets the iteration's band: no request of
 a lower priority gets a prefill chunk beside it (the leftover budget would only lengthen the iteration that carries
-the more urgent prefill, so its TTFT); it prefills in iterations without one. A preempted request goes back to its own place in that
+the more urgent prefill, so its TTFT); it prefills in iterations without one, and its partial prefill does not
+count against the partial-prefill cap of a higher priority's prompt (it would hold that prompt back until its own
+finished). A preempted request goes back to its own place in that
 order, by its original arrival. Without objectives every request has the same urgency, so the queue is
 first come, first served (preempted ones resume first: they arrived before any request still waiting)
 and the order is the one above. While a running request has a TPOT target tighter than the service's,
@@ -327,8 +329,10 @@ class Scheduler:
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
                 remaining = request.num_tokens - num_hit_tokens
                 n = self._chunk_size(remaining, budget, tuning, num_hit_tokens, chunks)
-                # Partial prefills not given their chunk yet count as partial: they may stay so.
-                in_flight = 0 if partial is None else sum(r.status is _RUNNING for r in partials[i:])
+                # Partial prefills not given their chunk yet count as partial: they may stay so. A lower priority's
+                # does not: it gets no chunk beside this one (the band rule), so it never holds this prompt back.
+                in_flight = 0 if partial is None else sum(r.status is _RUNNING and r.priority >= request.priority
+                                                          for r in partials[i:])
                 if (n <= 0 or (n < remaining and num_partial + in_flight >= tuning.max_partial_prefills)
                         or not self._admit(request, hits, n)):
                     admitting = False  # the head blocks the rest
