@@ -17,6 +17,7 @@ This module imports closed_loop_scenarios lazily (in functions): that one regist
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -63,17 +64,20 @@ class StreamsDriver(ClosedLoopDriver):
                  replicas: int = 1, seed: int = 0) -> None:
         super().__init__(cluster_spec, policy, phases, replicas, seed=seed)
         self.cluster.router.use_objectives(router_objectives(policy))
+        # One generator per stream: a stream's arrivals do not depend on the others', so a run without the flood
+        # replays the other tenants' very requests (tenants compares each with itself, not with another sample).
+        self._stream_rngs = {name: random.Random(f"{seed}:{name}") for name in streams(self.phases)}
 
     def arrivals(self, t: float, end: float) -> list[tuple[Any, ...]]:
         """Every stream's arrivals of this interval, each labelled (objective, tenant), in time order."""
         arrivals: list[tuple[Any, ...]] = []
-        for phases in streams(self.phases).values():
+        for name, phases in streams(self.phases).items():
             cuts = sorted({t, end, *(p.start_s for p in phases if t < p.start_s < end)})
             for lo, hi in zip(cuts, cuts[1:]):
                 phase = active_phase(phases, lo)
                 if phase is not None:
                     labels = (getattr(phase, "objective", ""), getattr(phase, "tenant", ""))
-                    arrivals += [(*a, *labels) for a in poisson_arrivals(phase, lo, hi, self.rng)]
+                    arrivals += [(*a, *labels) for a in poisson_arrivals(phase, lo, hi, self._stream_rngs[name])]
         arrivals.sort(key=lambda a: a[0])
         return arrivals
 

@@ -37,13 +37,15 @@ MET = {
                     'replica_minutes_within_1.15x_oracle', 'backlog_drained_within_3_intervals_of_ready'),
     # sinusoid misses its goodput goal (92.7%, goal 95%) and 95% of windows: docs/control-loop.md.
     'sinusoid': ('at_most_one_reversal_per_load_change', 'replica_minutes_within_1.15x_oracle', 'backlog_drained_within_3_intervals_of_ready'),
-    # mixed-objectives meets every goal since shedding's prediction stretches the wait queued at the replica by the
-    # higher band's reserve too (interactive requests pass batch prefill there as well): 0 served late of 1,197.
-    'mixed-objectives': ('interactive_goodput_at_least_99pct', 'batch_uses_at_least_90pct_of_spare_prefill',
-                         'no_batch_request_waits_past_its_deadline_then_fails'),
-    # tenants: each other tenant's p99 TTFT is 1.22-1.83x its run without the flood (goal 1.2x): the demoted
-    # flood's prefill chunks and decodes still lengthen every iteration (docs/control-loop.md).
-    'tenants': (),
+    # mixed-objectives: interactive goodput is held; batch misses "served in time or refused at arrival" (10 of
+    # ~1,190 served up to 5.8 s late, after 12-17 s on a replica behind interactive bursts that the engine serves
+    # first) and its share of the spare prefill (0.893, goal 0.9): docs/control-loop.md.
+    'mixed-objectives': ('interactive_goodput_at_least_99pct',),
+    # tenants: every other tenant's p99 TTFT within 1.2x of its own run without the flood, all of them served (the
+    # router's queue gives each tenant its share, the engine's band rule and partial-prefill cap by priority).
+    'tenants': ('tenant_t1_p99_ttft_within_1.2x_of_no_flood', 'tenant_t2_p99_ttft_within_1.2x_of_no_flood',
+                'tenant_t3_p99_ttft_within_1.2x_of_no_flood', 'tenant_t4_p99_ttft_within_1.2x_of_no_flood',
+                'every_other_tenants_request_served'),
 }
 
 
