@@ -189,7 +189,9 @@ class VirtualRouter:
         if len(self.objectives.by_name) <= 1 and not item.sent_priority:
             return None
         named = self.objectives.named(item.objective)
-        deadline = None if named is None or named.ttft_ms is None else item.arrival_s + named.ttft_ms / 1000.0
+        # Sent below its band (its tenant past its share), it gives up its deadline, as the proxy signs it.
+        deadline = None if named is None or named.ttft_ms is None or item.demoted \
+            else item.arrival_s + named.ttft_ms / 1000.0
         return Objective(item.objective, item.sent_priority, deadline, None if named is None else named.tpot_ms)
 
     def _reserve(self, name: str, request_id: str, prompt_tokens: int, now: float, priority: int = 0,

@@ -124,9 +124,11 @@ def shadow_for(scheduler: Scheduler) -> ShadowKV:
     return _SHADOWS[scheduler]
 
 
-def checked_step(scheduler: Scheduler, token_of=lambda request: 7) -> tuple[SchedulerOutput, list[Request]]:
-    """One engine iteration: schedule, check and write the shadow KV, sample, update, check the blocks."""
-    output = scheduler.schedule()
+def checked_step(scheduler: Scheduler, token_of=lambda request: 7,
+                 now: float | None = None) -> tuple[SchedulerOutput, list[Request]]:
+    """One engine iteration (at `now`, as the engine's clock gives it): schedule, check and write the shadow KV,
+    sample, update, check the blocks."""
+    output = scheduler.schedule(now)
     shadow_for(scheduler).check_and_write(output)
     finished = scheduler.update_from_output(output, sample_tokens(output, token_of))
     check_blocks_conserved(scheduler)

@@ -104,6 +104,30 @@ def test_the_partial_prefill_cap_counts_the_prefills_in_flight_of_the_same_prior
                      [("urgent", 102, 1, False), ("urgent-2", 100, 1, False), ("batch", 48, 46, True)]]
 
 
+def test_a_lower_priority_near_its_deadline_takes_the_leftover_budget_beside_a_higher_prefill():
+    s = make_scheduler(num_blocks=256, token_budget=48, max_num_seqs=8, max_partial_prefills=1, prefix_caching=False)
+    s.add_request(with_objective(make_request("batch", 200), priority=-1, deadline=10.0))  # arrived at 0.0
+    checked_step(s, now=0.0)
+    s.add_request(with_objective(make_request("urgent", 100), priority=10, deadline=20.0))
+    output, _ = checked_step(s, now=4.0)  # 6 s of its 10 left: not due, paused beside the urgent prefill
+    assert layout(output) == [("urgent", 0, 48, True)]
+    output, _ = checked_step(s, now=5.5)  # under half of its time left: due, it takes what "urgent" leaves
+    assert layout(output) == [("urgent", 48, 48, True)]  # nothing left over
+    output, _ = checked_step(s, now=5.6)
+    assert layout(output) == [("urgent", 96, 4, True), ("batch", 48, 44, True)]  # after it, never before
+
+
+def test_a_waiting_lower_priority_near_its_deadline_is_admitted_in_the_leftover_budget():
+    s = make_scheduler(num_blocks=256, token_budget=48, max_num_seqs=8, max_partial_prefills=2, prefix_caching=False)
+    s.add_request(with_objective(make_request("urgent", 30), priority=10, deadline=20.0))
+    s.add_request(with_objective(make_request("batch", 40), priority=-1, deadline=10.0))  # arrived at 0.0
+    output, _ = checked_step(s, now=1.0)
+    assert layout(output) == [("urgent", 0, 30, True)] and ids(s.waiting) == ["batch"]
+    s.add_request(with_objective(make_request("urgent-2", 30), priority=10, deadline=20.0))
+    output, _ = checked_step(s, now=6.0)  # due: admitted after the urgent prefill, in what it leaves
+    assert layout(output) == [("urgent", 30, 1, False), ("urgent-2", 0, 30, True), ("batch", 0, 17, True)]
+
+
 def _until_preempted(s, max_steps: int = 50):
     for _ in range(max_steps):
         output, _ = checked_step(s)

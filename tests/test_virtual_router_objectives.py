@@ -60,3 +60,13 @@ def test_each_request_is_judged_against_its_objective_and_reported_per_objective
     assert by_name["interactive"].completed == 4 and by_name["interactive"].goodput == 1.0
     assert by_name["interactive"].ttft_p99_ms is not None and by_name["batch"].completed == 0
     assert router.outcomes.summary()["interactive"]["served"] == 4
+
+
+def test_a_request_sent_below_its_band_gives_up_its_deadline():
+    router, replica = _setup()
+    assert router.arrive(0.0, 500, 2, "interactive", "flood", ready={"r0": replica})
+    item = router.queue.ordered()[0]
+    assert router._signed(item).deadline == pytest.approx(3.0)  # arrival + the 3 s TTFT target
+    item.demoted = True  # its tenant past its share (flow_control): one band down, no deadline to age by
+    signed = router._signed(item)
+    assert (signed.priority, signed.deadline) == (-1, None)

@@ -198,7 +198,7 @@ class LLMEngine:
         """Run one iteration; one RequestOutput per request that got a token (or finished) in it."""
         scheduler = self.scheduler
         start = self.clock()
-        output = scheduler.schedule()
+        output = scheduler.schedule(start)
         self.last_num_scheduled_tokens = output.num_prefill_tokens + output.num_decode_tokens
         if output.is_empty:
             return []

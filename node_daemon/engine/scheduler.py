@@ -15,7 +15,8 @@ of the same urgency), decodes still all first. The first prefill chunk sets the 
 a lower priority gets a prefill chunk beside it (the leftover budget would only lengthen the iteration that carries
 the more urgent prefill, so its TTFT); it prefills in iterations without one, and its partial prefill does not
 count against the partial-prefill cap of a higher priority's prompt (it would hold that prompt back until its own
-finished). A preempted request goes back to its own place in that
+finished). Once its deadline is near (half of its time here gone: `_due`), it takes the leftover budget beside a
+higher band again, still after it, so a burst of the higher band cannot starve it past its deadline. A preempted request goes back to its own place in that
 order, by its original arrival. Without objectives every request has the same urgency, so the queue is
 first come, first served (preempted ones resume first: they arrived before any request still waiting)
 and the order is the one above. While a running request has a TPOT target tighter than the service's,
@@ -121,6 +122,7 @@ class Scheduler:
         self._num_partial_prefills = 0
         self.num_preemptions = 0
         self._num_made_room = 0  # preempted in this iteration to admit a higher priority (_make_room)
+        self._now: float | None = None  # this iteration's time, when the engine gives it (_due)
 
     # ---- live limits -------------------------------------------------------------------------------
 
@@ -243,7 +245,10 @@ class Scheduler:
 
     # ---- one iteration -----------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """One iteration. `now` (the engine's clock, as arrival times and deadlines) lets a lower priority's request
+        whose deadline is near take the leftover budget beside a higher one (`_due`); without it, none is due."""
+        self._now = now
         tuning = self._tuning
         if self._num_tpot_targets and self.tpot_budget is not None:
             tuning = self._tpot_capped(tuning)
@@ -320,7 +325,7 @@ class Scheduler:
             while i < len(partials) and partials[i].status is not _RUNNING:
                 i += 1  # preempted in this iteration
             partial = partials[i] if i < len(partials) else None
-            if band is not None and waiting and waiting[0].priority < band:
+            if band is not None and waiting and waiting[0].priority < band and not self._due(waiting[0]):
                 admitting = False
             if (admitting and waiting and budget > 0 and num_running < tuning.max_num_seqs
                     and len(out.preempted) <= self._num_made_room
@@ -351,7 +356,7 @@ class Scheduler:
             request = partial
             start = request.num_computed_tokens
             remaining = request.num_tokens - start
-            below_band = band is not None and request.priority < band
+            below_band = band is not None and request.priority < band and not self._due(request)
             n = 0 if below_band else self._chunk_size(remaining, budget, tuning, start, chunks)
             if n <= 0:
                 num_partial += 1
@@ -367,6 +372,15 @@ class Scheduler:
         out.num_decode_tokens = num_decodes
         out.num_prefill_tokens = tuning.token_budget - num_decodes - budget
         self._num_partial_prefills = num_partial
+
+    def _due(self, request: Request) -> bool:
+        """Its deadline is near: less than DUE_SHARE of the time it had from its arrival here is left. Strict priority
+        alone would starve it through a burst of a higher band that its shedding at the router could not foresee; due,
+        it takes what a higher band's prefill leaves of the budget (never more: that band still goes first)."""
+        objective, now = request.objective, self._now
+        if objective is None or objective.deadline is None or now is None or request.arrival_time is None:
+            return False
+        return objective.deadline - now < DUE_SHARE * (objective.deadline - request.arrival_time)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         """One token for every running decode; a decode needs a new block only at a block boundary.
@@ -547,6 +561,10 @@ class Scheduler:
                 kv.free(request)
                 observe(request.num_output_tokens, request.status is _STOPPED)
         return finished
+
+
+# A lower priority's request is due once less than this share of its time (its arrival here to its deadline) is left.
+DUE_SHARE = 0.5
 
 
 def _by_priority(request: Request) -> int:

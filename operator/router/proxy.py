@@ -448,9 +448,10 @@ class Router:
             waited_ms = (time.perf_counter() - received) * 1000.0
             leg_headers = headers + _queue_headers(f"{waited_ms:.1f}", self.admin_token) if queued else headers
             if method == "POST":
-                # The priority it was sent with (one below its band past its tenant's share: flow_control.py).
-                signed = objective if not queued else replace(objective,
-                                                              priority=replica.held.get(ticket, objective.priority))
+                # The priority it was sent with (one below its band past its tenant's share: flow_control.py); sent
+                # below its band, it gives up its deadline too, which would let it take budget beside the band.
+                sent = replica.held.get(ticket, objective.priority) if queued else objective.priority
+                signed = objective if sent == objective.priority else replace(objective, priority=sent, ttft_ms=None)
                 leg_headers = leg_headers + _objective_headers(signed, waited_ms, self.admin_token)
             try:
                 return await self._send(replica, choice, ticket, method, path, leg_headers, body, info, received,
