@@ -46,7 +46,9 @@ async def test_per_objective_windows_come_from_the_routers_per_objective_counter
     def reading(arrivals: int, tokens: float, shed: int) -> dict:
         out = status(arrivals, tokens)
         out["objectives"] = {"batch": {"priority": -1, "depth": 3, "shed": shed, "offered": arrivals,
-                                       "offered_prompt_tokens": tokens},
+                                       "offered_prompt_tokens": tokens, "completed": arrivals // 2,
+                                       "good": arrivals // 4, "p99_ttft_ms": 900.0 + arrivals,
+                                       "p99_queue_wait_ms": None},
                              "interactive": {"priority": 0, "depth": 1, "shed": 0}}  # an older router's figures
         return out
 
@@ -64,6 +66,10 @@ async def test_per_objective_windows_come_from_the_routers_per_objective_counter
     assert batch.arrival_prompt_tokens_per_s == 2000.0 and (batch.recent_prompt_tokens, batch.recent_requests) == (
         30_000.0, 20)
     assert windows["interactive"].arrival_prompt_tokens_per_s is None  # not counted per objective: unknown
+    # Answered and good over the window (counters), the p99s as the router's own window gives them now.
+    assert (batch.completed, batch.good, batch.goodput) == (15, 7, 7 / 22)
+    assert (batch.ttft_p99_ms, batch.queue_wait_p99_ms) == (930.0, None)
+    assert windows["interactive"].ttft_p99_ms is None and windows["interactive"].goodput is None
 
 
 async def test_summed_routers_add_their_objectives_up():
@@ -71,14 +77,17 @@ async def test_summed_routers_add_their_objectives_up():
 
     async def one():
         return {**status(10, 1000.0, depth=1), "objectives": {"batch": {"priority": -1, "depth": 2, "shed": 1,
-                                                                         "oldest_wait_ms": 10.0}}}
+                                                                         "oldest_wait_ms": 10.0,
+                                                                         "p99_ttft_ms": 700.0}}}
 
     async def two():
         return {**status(5, 500.0), "objectives": {"batch": {"priority": -1, "depth": 3, "shed": 4,
-                                                              "oldest_wait_ms": 30.0}}}
+                                                              "oldest_wait_ms": 30.0, "p99_ttft_ms": 400.0,
+                                                              "p99_queue_wait_ms": 50.0}}}
 
     async def readers():
         return [one, two]
 
     total = await summed_reader(readers)()
-    assert total["objectives"]["batch"] == {"priority": -1, "depth": 5.0, "shed": 5.0, "oldest_wait_ms": 30.0}
+    assert total["objectives"]["batch"] == {"priority": -1, "depth": 5.0, "shed": 5.0, "oldest_wait_ms": 30.0,
+                                            "p99_ttft_ms": 700.0, "p99_queue_wait_ms": 50.0}  # the worst router's

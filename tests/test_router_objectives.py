@@ -149,11 +149,15 @@ def test_an_unknown_objective_is_a_400_naming_it_and_never_counts_as_demand():
         assert _value(text, 'stallfree_router_objective_queue_depth{objective="batch"}') == 0.0
         assert _value(text, 'stallfree_router_objective_observed_ttft_seconds_count{objective="interactive"}') == 3.0
         status = _queue(url)
+        interactive = status["objectives"]["interactive"]
+        # Its p99s over the router's window, the answered ones and those within the TTFT target (all three).
+        assert 0.0 < interactive.pop("p99_queue_wait_ms") <= interactive.pop("p99_ttft_ms") < 10_000.0
         assert status["objectives"] == {
             "interactive": {"priority": 10, "ttft_ms": 600000.0, "depth": 0, "shed": 0, "offered": 3,
-                            "offered_prompt_tokens": status["arrived_prompt_tokens"]},
+                            "offered_prompt_tokens": status["arrived_prompt_tokens"], "completed": 3, "good": 3},
             "batch": {"priority": -1, "ttft_ms": 600000.0, "depth": 0, "shed": 0, "offered": 0,
-                      "offered_prompt_tokens": 0}}
+                      "offered_prompt_tokens": 0, "completed": 0, "good": 0, "p99_ttft_ms": None,
+                      "p99_queue_wait_ms": None}}
         # The objective headers are the router's: none reaches the replica.
         assert all("x-stallfree-objective" not in headers for _, _, headers in fake.inference())
 
@@ -179,6 +183,8 @@ def test_a_sheddable_request_predicted_to_miss_is_refused_at_arrival_and_a_non_s
         assert status["objectives"]["batch"]["shed"] == 1 and status["objectives"]["chat"]["shed"] == 0
         # Offered per objective counts the shed one too: what the control loop sizes a sheddable share from.
         assert status["objectives"]["batch"]["offered"] == 1 and status["objectives"]["chat"]["offered"] == 1
+        # The chat request was answered past its 1 ms target: counted, not good.
+        assert (status["objectives"]["chat"]["completed"], status["objectives"]["chat"]["good"]) == (1, 0)
 
 
 def test_a_higher_band_waiting_behind_a_lower_one_is_served_first_over_http():

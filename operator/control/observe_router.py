@@ -11,7 +11,10 @@ restart (the rates start afresh), never as a burst.
 
 Per objective (`objectives` in the router's answer) the same readings give each one's depth, its shed count over
 the window and, where the router counts them per objective (`offered`, `offered_prompt_tokens`: shed ones
-included), its arrival rates; a figure the router does not give stays unknown (None), and the loop then sizes as without objectives.
+included), its arrival rates, its requests answered and within their TTFT target (`completed`, `good`) and its p99
+TTFT and queue wait over the router's own window (objective_outcomes.py; several routers: the worst one's), which
+the breach verdict then judges per objective; a figure the router does not give stays unknown (None), and the loop
+then sizes as without objectives.
 """
 from __future__ import annotations
 
@@ -81,7 +84,9 @@ def objective_windows(first: dict[str, dict[str, Any]], previous: dict[str, dict
             recent_requests=int(grew("offered", before)) if counted else 0,
             arrival_requests_per_s=grew("offered", start) / span if counted and span > 0 else 0.0,
             depth=int(now.get("depth", 0)), queued_prompt_tokens=float(now.get("queued_prompt_tokens", 0.0)),
-            oldest_wait_ms=float(now.get("oldest_wait_ms", 0.0)), shed=int(grew("shed", start))))
+            oldest_wait_ms=float(now.get("oldest_wait_ms", 0.0)), shed=int(grew("shed", start)),
+            completed=int(grew("completed", start)), good=int(grew("good", start)),
+            ttft_p99_ms=_ms(now.get("p99_ttft_ms")), queue_wait_p99_ms=_ms(now.get("p99_queue_wait_ms"))))
     return tuple(out)
 
 
@@ -104,7 +109,14 @@ def summed_reader(readers: Callable[[], Awaitable[list[Reader]]]) -> Reader:
     return read
 
 
-_SUMMED_PER_OBJECTIVE = ("depth", "queued_prompt_tokens", "shed", "offered", "offered_prompt_tokens")
+_SUMMED_PER_OBJECTIVE = ("depth", "queued_prompt_tokens", "shed", "offered", "offered_prompt_tokens", "completed",
+                         "good")
+# Each router's p99 over its own requests: the service's is taken as the worst of them (a bound, not a merge).
+_WORST_PER_OBJECTIVE = ("p99_ttft_ms", "p99_queue_wait_ms")
+
+
+def _ms(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _summed_objectives(per_router: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -123,6 +135,10 @@ def _summed_objectives(per_router: list[dict[str, Any]]) -> dict[str, dict[str, 
                 elif seen:
                     total.pop(key, None)
             total["oldest_wait_ms"] = max(total.get("oldest_wait_ms", 0.0), float(figures.get("oldest_wait_ms", 0.0)))
+            for key in _WORST_PER_OBJECTIVE:
+                values = [v for v in (_ms(total.get(key)), _ms(figures.get(key))) if v is not None]
+                if values:
+                    total[key] = max(values)
     return out
 
 

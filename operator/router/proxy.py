@@ -42,6 +42,7 @@ from stallfree.operator.router.affinity import DEFAULT_BLOCK_TOKENS, PrefixTable
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
 from stallfree.operator.router.forwarding import is_admin, response_headers, upstream_headers
 from stallfree.operator.router.metrics import RouterMetrics
+from stallfree.operator.router.objective_outcomes import ObjectiveOutcomes
 from stallfree.operator.router.objectives import OBJECTIVE_HEADER, Objective, Objectives, header, tenant_of
 from stallfree.operator.router.pick import AffinityMargin, Choice, ReplicaView, pick, rendezvous_home
 from stallfree.operator.router.replicas import Replica, ReplicaPool
@@ -101,6 +102,7 @@ class Router:
         self.rng = random.Random(config.seed)
         self.client: httpx.AsyncClient | None = None
         self.queue: FlowQueue[int] = FlowQueue(config.flow)
+        self.outcomes = ObjectiveOutcomes()  # per objective: p99s and goodput counts for /router/queue
         self._waiters: dict[int, tuple[asyncio.Future, RequestInfo, list[int], int]] = {}
         self._next_key = 0
         self._next_ticket = 0
@@ -178,6 +180,7 @@ class Router:
             ticket = self._reserve(replica, info.prompt_tokens, now, item.sent_priority, item.tenant)
             self.metrics.queue_wait.observe(now - item.arrival_s)
             self.metrics.objective_queue_wait.labels(item.objective).observe(now - item.arrival_s)
+            self.outcomes.dispatched(item.objective, now, (now - item.arrival_s) * 1000.0)
             if item.seq > 0:  # a retry (pushed to the front) was counted on its first dispatch
                 self.metrics.objective_requests.labels(item.objective, "dispatched").inc()
             if not future.done():
@@ -201,9 +204,11 @@ class Router:
     def _objective_status(self) -> dict[str, dict]:
         depths = self.queue.depth_by_objective()
         offered = self.offered_by_objective
+        now = time.perf_counter()
         return {o.name: {"priority": o.priority, "ttft_ms": o.ttft_ms, "depth": depths.get(o.name, 0),
                          "shed": self.shed_by_objective.get(o.name, 0), "offered": offered.get(o.name, [0, 0])[0],
-                         "offered_prompt_tokens": offered.get(o.name, [0, 0])[1]}
+                         "offered_prompt_tokens": offered.get(o.name, [0, 0])[1],
+                         **self.outcomes.figures(o.name, now)}
                 for o in self.config.objectives.by_name.values()}
 
     def _queue_gauges(self) -> None:
@@ -501,6 +506,7 @@ class Router:
         self.metrics.observed_ttft.labels(self.config.policy).observe(elapsed)
         if method == "POST":  # a generation request: what its objective's TTFT target is about
             self.metrics.objective_ttft.labels(objective.name).observe(elapsed)
+            self.outcomes.first_byte(objective.name, received + elapsed, elapsed * 1000.0, objective.ttft_ms)
             if objective.ttft_ms is not None and elapsed * 1000.0 > objective.ttft_ms:
                 self.metrics.objective_ttft_missed.labels(objective.name).inc()
         if choice.predicted_ttft_ms is not None:
