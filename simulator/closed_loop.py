@@ -65,6 +65,8 @@ class _Slot:
     ready_at: float
     index: int = 0
     draining: bool = False
+    asked_at: float = 0.0
+    start_seen: bool = True  # its start-up (if any) told to the router, which learns start-up times from them
 
 
 class VirtualCluster:
@@ -93,7 +95,7 @@ class VirtualCluster:
             name, index = f"r{self._next_index}", self._next_index
             self._next_index += 1
             self.slots[name] = _Slot(self._new_replica(name, index, now), now if ready_now else now + self.spec.startup_s,
-                                     index)
+                                     index, asked_at=now, start_seen=ready_now)
         for name in serving[replicas:] if replicas < len(serving) else ():
             self.slots[name].draining = True
         self.desired = replicas
@@ -151,7 +153,15 @@ class VirtualCluster:
         for arrival, prompt_len, max_tokens, *labels in arrivals:  # labels: (objective, tenant) where named
             self.advance_to(arrival)
             ready = {name: self.slots[name].replica for name in self.routable(arrival)}
-            starting = sum(1 for slot in self.slots.values() if not slot.draining and slot.ready_at > arrival)
+            starting = []  # how long each replica not yet ready has been starting
+            for slot in self.slots.values():
+                if slot.draining:
+                    continue
+                if slot.ready_at > arrival:
+                    starting.append(arrival - slot.asked_at)
+                elif not slot.start_seen:
+                    slot.start_seen = True
+                    self.router.replica_started(slot.ready_at - slot.asked_at)
             accepted += self.router.arrive(arrival, prompt_len, max_tokens, *labels, ready=ready, starting=starting)
             self._dispatch(arrival)
         return accepted

@@ -1,8 +1,8 @@
 """Closed-loop scenarios with objectives and tenants (issue 33): each request names its class and its sender.
 
 - mixed-objectives: interactive requests at 60% of maxReplicas' prefill capacity, then a batch flood (a sheddable
-  objective) at 3x that capacity. It starts at maxReplicas: the router sheds nothing while a replica is starting
-  (shedding.py), so a flood that lands during a scale-out is admitted whole for the start-up and served late. Goals: interactive goodput >= 99%; no batch request waits past its TTFT target
+  objective) at 3x that capacity, on a fleet at maxReplicas (what batch may use is then the whole fleet's spare
+  capacity, the goal's measure). Goals: interactive goodput >= 99%; no batch request waits past its TTFT target
   and then fails (each is served in time or refused at arrival: none served late, lost or refused by a full
   queue); batch uses >= 90% of the prefill capacity the interactive load leaves over the flood.
 - tenants: four tenants share the service at 60% of its capacity; a fifth floods at 3x. Run again without the

@@ -32,6 +32,7 @@ from stallfree.operator.router.objectives import Objectives, deadline_s
 from stallfree.operator.router.pick import ReplicaView, pick
 from stallfree.operator.router.replicas import Replica
 from stallfree.operator.router.shedding import BandArrivals, sheds
+from stallfree.operator.router.startup_times import StartupTimes
 from stallfree.simulator.request_outcomes import Outcomes
 from stallfree.simulator.virtual_replica import VirtualReplica
 
@@ -66,6 +67,7 @@ class VirtualRouter:
         self.objectives = objectives or Objectives.implicit()
         self.outcomes = Outcomes(self.objectives)
         self.bands = BandArrivals(window_s)  # what each priority band offered: the reserve shedding predicts with
+        self.startup_times = StartupTimes()  # the start-ups seen (replica_started): when a starting one is ready
         self.profile_of = profile_of
         self.window_s = window_s
         self.tick_s = tick_s
@@ -84,16 +86,21 @@ class VirtualRouter:
         """The engine observer a replica named `name` reports its first tokens and ends to (pass it at build)."""
         return _Replies(self, name)
 
+    def replica_started(self, seconds: float) -> None:
+        """A replica became ready `seconds` after it was asked for (as the router sees a start-up end)."""
+        self.startup_times.observed(seconds)
+
     def use_objectives(self, objectives: Objectives) -> None:
         """The service's objectives (the operator's `--objectives`); before any request arrives."""
         self.objectives = objectives
         self.outcomes = Outcomes(objectives)
 
     def arrive(self, t: float, prompt_len: int, max_tokens: int, objective: str = "", tenant: str = "",
-               ready: dict[str, VirtualReplica] | None = None, starting: int = 0) -> bool:
+               ready: dict[str, VirtualReplica] | None = None, starting: Sequence[float] = ()) -> bool:
         """A request at the router: queued, or refused (the queue is full, or it is shed: `ready` are the
-        replicas that could take it, `starting` those asked for and not yet ready). An objective the service
-        does not define is a ValueError (the router's 400: a workload naming one is wrong)."""
+        replicas that could take it, `starting` how long each replica asked for and not yet ready has been
+        starting, in seconds). An objective the service does not define is a ValueError (the router's 400: a
+        workload naming one is wrong)."""
         named = self.objectives.named(objective)
         if named is None:
             raise ValueError(f"objective {objective!r} is not one of {', '.join(self.objectives.names())}")
@@ -106,7 +113,8 @@ class VirtualRouter:
         if named.sheddable and ready is not None:
             ahead = sum(q.prompt_tokens for q in self.queue if q.priority >= named.priority)
             reserved = self.bands.reserved_tokens_per_ms(named.priority, t, (named.ttft_ms or 0.0) / 1000.0)
-            if sheds(named, views, starting, prompt_len, ahead, reserved) is not None:
+            starting_in_ms = [ms for ms in map(self.startup_times.ready_in_ms, starting) if ms is not None]
+            if sheds(named, views, starting_in_ms, prompt_len, ahead, reserved) is not None:
                 self.outcomes.shed(t, named.name, tenant, prompt_len)
                 return False
         fastest = max((v.prefill_tokens_per_ms for v in views), default=None)

@@ -13,7 +13,7 @@ from server_helpers import running_daemon
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
 from stallfree.operator.router.objectives import Objective
 from stallfree.operator.router.pick import Choice, ReplicaView, pick_slo_aware
-from stallfree.operator.router.shedding import predicted_ttft_ms, sheds
+from stallfree.operator.router.shedding import drain_ms, predicted_ttft_ms, sheds
 from test_router_proxy import MODEL, router, wait_until
 from test_router_queue import ONE_SLOT, _queue, _replicas
 
@@ -93,16 +93,29 @@ def test_the_fairness_memory_holds_only_tenants_still_waiting():
 
 # -- shedding: pure ---------------------------------------------------------------------------------------
 
-def test_a_sheddable_request_is_shed_only_when_it_misses_at_every_replica_and_none_is_starting():
+def test_a_sheddable_request_is_shed_only_when_it_misses_at_every_replica_counting_those_starting():
     batch = Objective("batch", -1, ttft_ms=1000.0)
     busy, idle = view("busy", queued=5000), view("idle", queued=0)
     assert predicted_ttft_ms([busy, idle], 100, 0) == 110.0  # the idle one: 100 tokens at 1/ms + a step
-    assert sheds(batch, [busy, idle], 0, 100, 0) is None  # one replica meets it
-    assert sheds(batch, [busy], 0, 100, 0) == 5110.0  # every replica misses
-    assert sheds(batch, [idle], 0, 100, 2000) == 2110.0  # the router's queue ahead of it counts too
-    assert sheds(batch, [busy], 1, 100, 0) is None  # a replica starting may take it: not shed
-    assert sheds(Objective("chat", 0, ttft_ms=1000.0), [busy], 0, 100, 0) is None  # not sheddable: it waits
-    assert sheds(batch, [], 0, 100, 0) is None  # nothing to predict on
+    assert sheds(batch, [busy, idle], [], 100, 0) is None  # one replica meets it
+    assert sheds(batch, [busy], [], 100, 0) == 5110.0  # every replica misses
+    assert sheds(batch, [idle], [], 100, 2000) == 2110.0  # the router's queue ahead of it counts too
+    # A replica starting, ready in 500 ms: it may take this one itself then (500 + 100 tokens at 1/ms + a step).
+    assert sheds(batch, [busy], [500.0], 100, 0) is None
+    assert predicted_ttft_ms([busy], 100, 0, starting_in_ms=[500.0]) == 610.0
+    assert sheds(batch, [busy], [5000.0], 100, 0) == 5110.0  # ready too late to help
+    # It joins the drain of the router's queue when ready: 2000 tokens ahead, 500 at 1/ms, the rest at 2/ms.
+    assert predicted_ttft_ms([idle], 100, 2000, starting_in_ms=[500.0]) == 500.0 + 750.0 + 110.0
+    assert sheds(Objective("chat", 0, ttft_ms=1000.0), [busy], [], 100, 0) is None  # not sheddable: it waits
+    assert sheds(batch, [], [], 100, 0) is None  # nothing to predict on
+
+
+def test_the_drain_speeds_up_as_starting_replicas_join():
+    assert drain_ms(1000, 1.0, []) == 1000.0
+    assert drain_ms(1000, 1.0, [(200.0, 1.0)]) == 200.0 + 400.0
+    assert drain_ms(100, 1.0, [(200.0, 1.0)]) == 100.0  # done before it joins
+    assert drain_ms(2000, 1.0, [(600.0, 2.0), (200.0, 1.0)]) == 600.0 + 1000.0 / 4.0  # in time order
+    assert drain_ms(0, 1.0, [(200.0, 1.0)]) == 0.0
 
 
 def test_the_higher_bands_reserve_slows_the_whole_wait_the_replicas_queue_too():
@@ -112,8 +125,8 @@ def test_the_higher_bands_reserve_slows_the_whole_wait_the_replicas_queue_too():
     # The interactive band takes half of the prefill: on the replica, it passes what is queued there too.
     assert predicted_ttft_ms([half], 100, 0, reserved_tokens_per_ms=0.5) == 1010.0
     assert predicted_ttft_ms([half], 100, 200, reserved_tokens_per_ms=0.5) == 1410.0  # the router's queue as well
-    assert sheds(batch, [half], 0, 100, 0) is None
-    assert sheds(batch, [half], 0, 100, 0, reserved_tokens_per_ms=0.5) == 1010.0
+    assert sheds(batch, [half], [], 100, 0) is None
+    assert sheds(batch, [half], [], 100, 0, reserved_tokens_per_ms=0.5) == 1010.0
 
 
 # -- over HTTP --------------------------------------------------------------------------------------------

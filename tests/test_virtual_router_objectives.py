@@ -29,10 +29,13 @@ def test_a_sheddable_request_predicted_to_miss_everywhere_is_refused_at_arrival(
     big = int(rate * 3000)  # three seconds of prefill: past batch's 2 s target
     assert router.arrive(0.0, big, 4, "interactive", ready={"r0": replica})
     assert not router.arrive(0.0, 1000, 4, "batch", "t", ready={"r0": replica})  # behind it: predicted to miss
-    assert router.arrive(0.0, 1000, 4, "batch", "t", ready={"r0": replica}, starting=1)  # a replica is starting
+    # A replica starting counts from when it is expected ready (a 60 s start-up until one is seen): one that has
+    # just started is no help to a 2 s target; one about to be ready takes the queue's half and this one in time.
+    assert not router.arrive(0.0, 1000, 4, "batch", "t", ready={"r0": replica}, starting=[0.0])
+    assert router.arrive(0.0, 1000, 4, "batch", "t", ready={"r0": replica}, starting=[60.0])
     assert router.arrive(0.0, 1000, 4, "interactive", ready={"r0": replica})  # not sheddable: it waits
     summary = router.outcomes.summary()
-    assert summary["batch"]["shed"] == 1
+    assert summary["batch"]["shed"] == 2
 
 
 def test_bands_go_first_and_an_unknown_objective_is_refused():

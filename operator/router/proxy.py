@@ -232,8 +232,7 @@ class Router:
             return None
         now = time.perf_counter()
         views = [r.view(now) for r in self.pool.healthy()]
-        starting = sum(1 for r in self.pool.replicas.values()
-                       if not r.healthy and not r.removed and r.reason in ("loading model", "not polled yet"))
+        starting = self.pool.starting_in_ms(time.monotonic())
         ahead = sum(q.prompt_tokens for q in self.queue if q.priority >= objective.priority)
         reserved = self.bands.reserved_tokens_per_ms(objective.priority, now, (objective.ttft_ms or 0.0) / 1000.0)
         predicted = sheds(objective, views, starting, info.prompt_tokens, ahead, reserved)

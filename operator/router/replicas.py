@@ -18,6 +18,7 @@ from stallfree.contracts import Profile, WindowStats
 from stallfree.operator.router.pick import ReplicaView
 from stallfree.operator.router.prefill_clock import PrefillClock
 from stallfree.operator.router.rates import decode_step_ms, prefill_tokens_per_ms
+from stallfree.operator.router.startup_times import StartupTimes
 
 log = logging.getLogger("stallfree.router")
 
@@ -39,6 +40,16 @@ class Replica:
     held: dict = field(default_factory=dict)
     down_event: asyncio.Event = field(default_factory=asyncio.Event)
     removed: bool = False
+    # From its first sight until its first ready poll (time.monotonic), and whether it was seen loading its model
+    # meanwhile (then that span was a start-up: ReplicaPool.startup_times learns from it).
+    seen_at: float = field(default_factory=time.monotonic)
+    ever_ready: bool = False
+    seen_loading: bool = False
+
+    @property
+    def starting(self) -> bool:
+        return not self.healthy and not self.removed and not self.ever_ready and \
+            self.reason in ("loading model", "not polled yet")
 
     def mark(self, healthy: bool, reason: str) -> None:
         if healthy != self.healthy:
@@ -85,6 +96,18 @@ class ReplicaPool:
         self._client: httpx.AsyncClient | None = None
         self._tasks: dict[str, asyncio.Task] = {}
         self._on_change = on_change  # called with (replica) when health flips or it leaves
+        self.startup_times = StartupTimes()
+
+    def starting_in_ms(self, now: float) -> list[float]:
+        """When each replica still starting is expected ready, from `now` (time.monotonic), in ms
+        (startup_times.py; one starting for too long is not counted)."""
+        out = []
+        for replica in self.replicas.values():
+            if replica.starting:
+                ready_in = self.startup_times.ready_in_ms(now - replica.seen_at)
+                if ready_in is not None:
+                    out.append(ready_in)
+        return out
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy]
@@ -129,9 +152,20 @@ class ReplicaPool:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure to answer is unhealthy, never a crash
                 replica.mark(False, f"{type(exc).__name__}: {exc}"[:200])
+            self._track_startup(replica, time.monotonic())
             if replica.healthy != was_healthy and self._on_change:
                 self._on_change(replica)
             await asyncio.sleep(max(0.0, self.poll_interval_s - (time.monotonic() - started)))
+
+    def _track_startup(self, replica: Replica, now: float) -> None:
+        if replica.ever_ready:
+            return
+        if replica.healthy:
+            replica.ever_ready = True
+            if replica.seen_loading:
+                self.startup_times.observed(now - replica.seen_at)
+        elif replica.reason == "loading model":
+            replica.seen_loading = True
 
     async def poll(self, replica: Replica) -> None:
         assert self._client is not None

@@ -7,14 +7,15 @@ the prompt tokens waiting in the router ahead of it (its band and above) drained
 prefill rate; the whole wait stretched by what the higher bands' arrivals take of that rate (they go first, in the
 router's queue and in the engine's, so they slow the wait: without that share a batch band predicted at its target
 waits past it by the interactive load's factor). It is shed only when
-that misses the target at every replica. A replica that is starting (its
-model loading) may take it soon, but the router does not know when it will be ready, so while one is
-starting nothing is shed. Pure: views in, verdict out; `BandArrivals` keeps the recent arrivals per band, with
-the times it is handed.
+that misses the target at every replica, counting the replicas already starting: each joins the prefill rate
+when it is expected ready (startup_times.py: the start-ups the router has seen), and may start the request
+itself then. Pure: views in, verdict out; `BandArrivals` keeps the recent arrivals per band, with the times it
+is handed.
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import Sequence
 
 from stallfree.operator.router.objectives import Objective
 from stallfree.operator.router.pick import ReplicaView, predict_ttft_ms
@@ -75,26 +76,46 @@ class BandArrivals:
 
 
 def predicted_ttft_ms(views: list[ReplicaView], prompt_tokens: int, tokens_ahead: int,
-                      reserved_tokens_per_ms: float = 0.0) -> float | None:
+                      reserved_tokens_per_ms: float = 0.0, starting_in_ms: Sequence[float] = ()) -> float | None:
     """The soonest predicted TTFT over `views` with `tokens_ahead` waiting in the router first. All of the wait,
     the prefill queued at the replica as much as the router's, drains at the prefill rate less
-    `reserved_tokens_per_ms` (the higher bands' arrivals pass it on the replica too: the engine serves them first);
-    None: no view."""
+    `reserved_tokens_per_ms` (the higher bands' arrivals pass it on the replica too: the engine serves them first).
+    A replica still starting (`starting_in_ms`: when each is expected ready) joins that rate then, at the ready
+    replicas' mean rate, and may start the request itself then. None: no ready replica to predict from."""
     if not views:
         return None
     total_rate = sum(max(v.prefill_tokens_per_ms, 1e-6) for v in views)
     free_rate = max(total_rate - max(0.0, reserved_tokens_per_ms), 1e-6)
     stretch = total_rate / free_rate
+    each = free_rate / len(views)  # what a starting replica adds to the free rate once ready
+    drained = drain_ms(tokens_ahead, free_rate, [(t, each) for t in starting_in_ms])
     at_replica = min((predict_ttft_ms(v, prompt_tokens) - v.step_ms) * stretch + v.step_ms for v in views)
-    return at_replica + tokens_ahead / free_rate
+    soonest = at_replica + drained
+    if starting_in_ms:
+        step = sum(v.step_ms for v in views) / len(views)
+        soonest = min(soonest, max(min(starting_in_ms), drained) + prompt_tokens / each + step)
+    return soonest
 
 
-def sheds(objective: Objective, views: list[ReplicaView], starting: int, prompt_tokens: int,
+def drain_ms(tokens: float, rate: float, joining: Sequence[tuple[float, float]]) -> float:
+    """How long `tokens` take at `rate` tokens/ms, plus each (at ms, rate) of `joining` from its time on."""
+    t, left = 0.0, max(0.0, tokens)
+    for at, extra in sorted(joining):
+        if left <= rate * (at - t):
+            break
+        if at > t:
+            left -= rate * (at - t)
+            t = at
+        rate += extra
+    return t + left / rate
+
+
+def sheds(objective: Objective, views: list[ReplicaView], starting_in_ms: Sequence[float], prompt_tokens: int,
           tokens_ahead: int, reserved_tokens_per_ms: float = 0.0) -> float | None:
     """The predicted TTFT (ms) when this request is to be refused at arrival, else None (it waits)."""
-    if not objective.sheddable or objective.ttft_ms is None or starting > 0:
+    if not objective.sheddable or objective.ttft_ms is None:
         return None
-    predicted = predicted_ttft_ms(views, prompt_tokens, tokens_ahead, reserved_tokens_per_ms)
+    predicted = predicted_ttft_ms(views, prompt_tokens, tokens_ahead, reserved_tokens_per_ms, starting_in_ms)
     if predicted is None or predicted <= objective.ttft_ms:
         return None
     return predicted
