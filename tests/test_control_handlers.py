@@ -181,3 +181,26 @@ async def test_a_deleted_admin_secret_is_made_again_by_the_next_control_step(kmo
             != secret["metadata"]["uid"] and not kmock.objects["v1/secrets", NS, "chat-admin-token"].deleted and new,
             timeout=20)
         assert remade["stringData"]["token"] and remade["stringData"]["token"] != secret["stringData"]["token"]
+
+
+async def test_a_scale_in_ranks_the_pods_the_scaler_chose_by_deletion_cost(kmock: BridgedEmulator) -> None:
+    # The ReplicaSet removes the pods of the lowest controller.kubernetes.io/pod-deletion-cost first: the
+    # scaler's removal order becomes those costs (the first the lowest), a pod already gone is skipped.
+    from stallfree.operator.reconcile.k8s_actuator import DELETION_COST, mark_for_removal
+    from stallfree.operator.reconcile.kube import Kube
+
+    for name in ("chat-a", "chat-b", "chat-c"):
+        response = await kmock.post(f"/api/v1/namespaces/{NS}/pods", json=daemon_pod(name, 8000))
+        assert response.status in (200, 201), await response.text()
+
+    def mark() -> list[str]:
+        kube = Kube.from_environment()
+        try:
+            return mark_for_removal(kube, NS, ["chat-b", "chat-gone", "chat-a"])
+        finally:
+            kube.close()
+
+    assert await asyncio.to_thread(mark) == ["chat-b", "chat-a"]
+    costs = {name: obj(kmock, "v1/pods", name)["metadata"].get("annotations", {}).get(DELETION_COST)
+             for name in ("chat-a", "chat-b", "chat-c")}
+    assert costs == {"chat-b": "-3", "chat-a": "-1", "chat-c": None}  # chat-c unnamed: cost 0, removed last

@@ -3,7 +3,7 @@ rights Kubernetes needs without a call, each with its reason), and nothing dange
 
 The real reconciler (under kopf) runs against kmock through a service's whole life: made with a
 ServiceMonitor API present, children deleted by hand and repaired, switched to a plain Service, deleted;
-the control loop's API calls (its pods, routers, admin token, status, /scale) are made
+the control loop's API calls (its pods, routers, admin token, status, deletion costs, /scale) are made
 through its own functions with the same client. Every request is mapped to the RBAC (apiGroup, resource,
 verb) it needs.
 """
@@ -20,7 +20,7 @@ import yaml
 from kmock_bridge import BridgedEmulator
 from stallfree.operator.api import spec as s
 from stallfree.operator.reconcile import render
-from stallfree.operator.reconcile.k8s_actuator import read_admin_token, replica_targets, router_urls
+from stallfree.operator.reconcile.k8s_actuator import mark_for_removal, read_admin_token, replica_targets, router_urls
 from stallfree.operator.reconcile.kube import Kube
 from test_operator_kmock import (DEPLOYMENTS, IS_RESOURCE, IS_URL, NS, create, eventually, exists, kubeconfig,  # noqa: F401
                                  manifest, obj, patch_spec, rbac_verb, reconciler_registry)
@@ -98,6 +98,7 @@ def control_loop_calls(owner: dict[str, Any]) -> None:
         router_urls(kube, NS, "chat")
         assert read_admin_token(kube, NS, "chat")
         kube.update_status(NS, "chat", {"p99TpotMs": 1.0})
+        mark_for_removal(kube, NS, ["chat-daemon-gone"])  # before a scale-in (a pod already gone is skipped)
         kube.scale_service(NS, "chat", 2)
     finally:
         kube.close()

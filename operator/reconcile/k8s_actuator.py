@@ -6,6 +6,9 @@
 - put_tuning: PUT /admin/tuning on the pod with the service's admin token (from its Secret).
 - set_replicas: /scale of the InferenceService (spec.replicas), exactly what an HPA would write; the
   reconciler carries it to the Deployment, whose preStop hook and grace period drain removed pods.
+- prefer_removal: before a scale-in, each daemon pod's `controller.kubernetes.io/pod-deletion-cost` in the
+  scaler's removal order (the first most negative), so the ReplicaSet removes the pods the scaler chose (the
+  slowest, the not-ready) instead of its own pick (beta and on by default since Kubernetes 1.22).
 - record_event: a Kubernetes Event on the InferenceService (kopf posts it).
 
 The Kube client is synchronous: its calls run in a worker thread, off kopf's event loop.
@@ -14,13 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from typing import Any
+from typing import Any, Sequence
 
 import httpx
 
 from stallfree.contracts import Tuning
 from stallfree.operator.reconcile import render
-from stallfree.operator.reconcile.kube import Kube
+from stallfree.operator.reconcile.kube import Kube, KubeError
 from stallfree.operator.control.observe import ReplicaTarget
 
 
@@ -81,6 +84,26 @@ def read_admin_token(kube: Kube, namespace: str, name: str) -> str | None:
     return base64.b64decode(encoded).decode() if encoded else None
 
 
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
+def mark_for_removal(kube: Kube, namespace: str, pods: Sequence[str]) -> list[str]:
+    """Rank `pods` for the next scale-in: the first gets the lowest deletion cost (-len(pods)), the last -1;
+    pods not named keep theirs (0 when never marked), so they go after these. A pod already gone is skipped.
+    Returns the pods marked."""
+    marked = []
+    for rank, pod in enumerate(pods):
+        cost = str(rank - len(pods))
+        try:
+            kube.patch("v1", "Pod", namespace, pod, {"metadata": {"annotations": {DELETION_COST: cost}}})
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+            continue
+        marked.append(pod)
+    return marked
+
+
 class TuningRejected(RuntimeError):
     """A daemon answered the PUT with an error (its message says why)."""
 
@@ -111,6 +134,9 @@ class KubernetesActuator:
                                          timeout=self.timeout_s)
         if response.status_code != 200:
             raise TuningRejected(f"{replica} answered {response.status_code}: {response.text[:300]}")
+
+    async def prefer_removal(self, replicas: Sequence[str]) -> None:
+        await asyncio.to_thread(mark_for_removal, self.kube, self.namespace, replicas)
 
     async def set_replicas(self, replicas: int) -> None:
         await asyncio.to_thread(self.kube.scale_service, self.namespace, self.name, replicas)
