@@ -228,7 +228,7 @@ class ControlLoop:
                                               router_backlog(sized_queue, policy),
                                               queue_wait_slo_s=policy.slo.queue_wait_p99_ms / 1000.0,
                                               ttft_slo_s=policy.slo.ttft_p99_ms / 1000.0,
-                                              forecast_rise_tokens_per_s=forecast.usable_rise if forecast else None)
+                                              forecast_tokens_per_s=forecast.usable_rate if forecast else None)
         if scale.desired < scale.current:
             scale = replace(scale, remove_first=removal_order(loads))
         if scale.changed:

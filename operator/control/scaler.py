@@ -20,13 +20,13 @@ the last interval's alone, read off the queues: a replica's prefill work plus it
 the previous step (less one Poisson standard deviation of the interval's count), so a step up is sized
 an interval after it lands instead of a whole stats window later.
 
-Ahead of predictable load: with a trusted forecast (forecast.py: how much the demand rises before replicas asked
-for now would be ready, the stabilization window included), the count is sized for the measured demand plus
-that rise, and a rise of at least MIN_FORECAST_RISE that carries the demand beyond the scale-up utilisation of
-the serving replicas counts as exhaustion without waiting for the tuner's ceiling or a breach (it still has to
-hold for the stabilization window: a Poisson burst on a flat load is fitted as a rise for a step or two).
-Scale-in never goes below what the forecast needs. Without one (not trusted: it forecast badly lately, or the
-load stepped) all is reactive.
+Ahead of predictable load: given a trusted forecast that sees a significant rise (forecast.py: the demand
+expected before replicas asked for now would be ready, the stabilization window included), the count is sized
+for the larger of the measured demand and that forecast, and a forecast at least MIN_FORECAST_RISE above the
+measured demand that needs more replicas than serve now (by the same rule the count is sized by: utilisation and
+the queue-wait tail) counts as exhaustion without waiting for the tuner's ceiling or a breach. It still has to
+hold for the stabilization window. Scale-in never goes below what the forecast needs. Without one (not trusted:
+it forecast badly, or the load stepped; or no significant rise) all is reactive.
 
 Per-replica capacity: replicas at their ceiling show what a replica delivers (their measured mean);
 before that, feasibility.py's capacity at the budget the TPOT SLO allows (what SLOFeasible reports).
@@ -58,7 +58,7 @@ SCALED_UP, SCALED_DOWN, HOLD = "scaled_up", "scaled_down", "hold"
 # stats window's demand, not the last interval's: the scale-down window keeps its largest recommendation.
 QUEUE_WAIT_QUANTILE = 0.97
 SAME_SPEED = 1.25  # replicas whose prefill capacities differ by less are one speed to the scale-in choice
-MIN_FORECAST_RISE = 0.05  # of the measured demand: a smaller forecast rise does not scale on its own
+MIN_FORECAST_RISE = 0.05  # of the measured demand: a forecast less above it does not scale on its own
 NO_INFORMATION = -1  # a step that could not recommend (an unknown replica): neither for nor against scale-in
 
 
@@ -160,15 +160,16 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
                     backlog: RouterBacklog | None = None,
                     queue_wait_slo_s: float | None = None,
                     ttft_slo_s: float | None = None,
-                    forecast_rise_tokens_per_s: float | None = None) -> tuple[ScaleDecision, ScalerState]:
+                    forecast_tokens_per_s: float | None = None) -> tuple[ScaleDecision, ScalerState]:
     """The replica count for this step. `current` is the count the service is set to now.
     `service_capacity`: one replica's prefill tokens/s at the budget the TPOT SLO allows (feasibility.py),
     the per-replica capacity the count is sized from (never above what replicas at their ceiling show).
     `backlog`: the router's queue, when requests wait there (the demand it saw arrive and the work queued).
     `queue_wait_slo_s`, `ttft_slo_s`: the p99 SLOs; with the router's arrivals, the count for a demand is also at
     least what keeps queue wait within both the queue-wait SLO and the TTFT SLO less a long prompt's prefill
-    (queueing.py), not only what its utilisation allows. `forecast_rise_tokens_per_s`: a trusted forecast's rise of the
-    prompt-token demand before replicas asked for now are ready (None: size reactively)."""
+    (queueing.py), not only what its utilisation allows. `forecast_tokens_per_s`: the prompt-token demand a trusted
+    forecast expects before replicas asked for now are ready, given only when it sees a significant rise (None:
+    size reactively)."""
     backlog = backlog or RouterBacklog()
     state = _track_startup(state, loads, now)
     previous = state
@@ -210,12 +211,8 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
     else:
         fleet, kept_aside = len(known), len(serving_unknown)
     measured_demand = sizing_demand  # what the backlog grows by until new replicas are ready
-    rise = forecast_rise_tokens_per_s or 0.0
-    ahead = measured_demand + rise if rise > 0 else 0.0
+    ahead = forecast_tokens_per_s or 0.0
     sizing_demand = max(sizing_demand, ahead)
-    # A rise within the fit's noise on a flat load must not buy a replica the reactive path would wait for.
-    ahead_full = capacity is not None and rise > MIN_FORECAST_RISE * measured_demand \
-        and ahead > capacity * fleet * policy.scale_up_utilisation
 
     def for_queue_wait(demand_tokens_per_s: float) -> int:
         """Replicas that keep queue wait within its target at this demand (0 where the router's arrivals cannot
@@ -232,6 +229,16 @@ def decide_replicas(loads: Sequence[ReplicaLoad], current: int, policy: ScalingP
             wait_s = min(wait_s, max(0.1 * ttft_slo_s, ttft_slo_s - long_prompt / capacity))
         return replicas_for_queue_wait(demand_tokens_per_s / mean_prompt, capacity / mean_prompt, wait_s,
                                        cv2, QUEUE_WAIT_QUANTILE)
+
+    def replicas_for(demand_tokens_per_s: float) -> int:
+        """The count a demand needs by the rule the count is sized by: utilisation and the queue-wait tail."""
+        return max(math.ceil(demand_tokens_per_s / (capacity * policy.scale_up_utilisation)),
+                   for_queue_wait(demand_tokens_per_s))
+
+    # The forecast needs more replicas than serve now: ask before the tuner's ceiling or a breach says so. A
+    # forecast within MIN_FORECAST_RISE of what is measured adds nothing the reactive path would not see.
+    ahead_full = capacity is not None and ahead > (1.0 + MIN_FORECAST_RISE) * measured_demand \
+        and replicas_for(ahead) > fleet
 
     # Exhausted: no replica can add prefill by tuning, and a queue SLO breaches or the demand already
     # runs past the scale-up utilisation of the capacity (scale before the breach, not after it).
