@@ -35,8 +35,10 @@ MET = {
     # the h100s and meets every goal (windows within 92.8% -> 97%, replica reversals 3 -> 1, 0.68x the oracle).
     'mixed-fleet': ('95pct_windows_within_every_feasible_slo', 'at_most_one_reversal_per_load_change',
                     'replica_minutes_within_1.15x_oracle', 'backlog_drained_within_3_intervals_of_ready'),
-    # sinusoid misses its goodput goal (92.7%, goal 95%) and 95% of windows: docs/control-loop.md.
-    'sinusoid': ('at_most_one_reversal_per_load_change', 'replica_minutes_within_1.15x_oracle', 'backlog_drained_within_3_intervals_of_ready'),
+    # sinusoid meets its goodput goal since the forecast is judged by backtesting (97.6%, goal 95%, at 1.07x the
+    # oracle); 95% of windows is still missed: docs/control-loop.md.
+    'sinusoid': ('at_most_one_reversal_per_load_change', 'replica_minutes_within_1.15x_oracle', 'backlog_drained_within_3_intervals_of_ready',
+                 'goodput_at_least_95%'),
     # mixed-objectives: interactive goodput is held; batch misses "served in time or refused at arrival" (5 of
     # ~1,190 served up to 4.1 s late: admitted before an interactive burst past the shedding reserve, 24-26 s of
     # their 30 s went in the router's queue) and its share of the spare prefill (0.892, goal 0.9):
