@@ -112,7 +112,7 @@ class VirtualRouter:
             if needs_views else []
         if named.sheddable and ready is not None:
             ahead = sum(q.prompt_tokens for q in self.queue if q.priority >= named.priority)
-            reserved = self.bands.reserved_tokens_per_ms(named.priority, t, (named.ttft_ms or 0.0) / 1000.0)
+            reserved = self.bands.reserve(named.priority, t, (named.ttft_ms or 0.0) / 1000.0)
             starting_in_ms = [ms for ms in map(self.startup_times.ready_in_ms, starting) if ms is not None]
             if sheds(named, views, starting_in_ms, prompt_len, ahead, reserved) is not None:
                 self.outcomes.shed(t, named.name, tenant, prompt_len)

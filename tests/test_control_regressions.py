@@ -39,11 +39,10 @@ MET = {
     # oracle); 95% of windows is still missed: docs/control-loop.md.
     'sinusoid': ('at_most_one_reversal_per_load_change', 'replica_minutes_within_1.15x_oracle', 'backlog_drained_within_3_intervals_of_ready',
                  'goodput_at_least_95%'),
-    # mixed-objectives: interactive goodput is held; batch misses "served in time or refused at arrival" (5 of
-    # ~1,190 served up to 4.1 s late: admitted before an interactive burst past the shedding reserve, 24-26 s of
-    # their 30 s went in the router's queue) and its share of the spare prefill (0.892, goal 0.9):
-    # docs/control-loop.md.
-    'mixed-objectives': ('interactive_goodput_at_least_99pct',),
+    # mixed-objectives: interactive goodput and batch's use of the spare prefill (1.0) are held; batch misses
+    # "served in time or refused at arrival": 20 of 1,186 served up to 3.3 s late, admitted at the edge of the
+    # shedding prediction (docs/control-loop.md).
+    'mixed-objectives': ('interactive_goodput_at_least_99pct', 'batch_uses_at_least_90pct_of_spare_prefill'),
     # tenants: every other tenant's p99 TTFT within 1.2x of its own run without the flood, all of them served (the
     # router's queue gives each tenant its share, the engine's band rule and partial-prefill cap by priority).
     'tenants': ('tenant_t1_p99_ttft_within_1.2x_of_no_flood', 'tenant_t2_p99_ttft_within_1.2x_of_no_flood',

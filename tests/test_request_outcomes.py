@@ -6,7 +6,7 @@ import pytest
 
 from stallfree.operator.router.flow_control import Queued
 from stallfree.operator.router.objectives import Objective, Objectives
-from stallfree.operator.router.shedding import BandArrivals, reserved_tokens_per_ms
+from stallfree.operator.router.shedding import REPLICA_RESERVE_DEVIATIONS, BandArrivals, reserved_tokens_per_ms
 from stallfree.simulator.request_outcomes import Outcomes
 
 INTERACTIVE = Objective("interactive", 0, ttft_ms=1000.0, tpot_ms=50.0, queue_wait_ms=500.0)
@@ -61,6 +61,12 @@ def test_what_the_higher_bands_offered_ages_out_of_the_window():
     bands.offered(21.0, -1, 5000)  # its own band: not reserved against it
     at_25 = bands.reserved_tokens_per_ms(-1, 25.0, 30.0)
     assert at_25 == pytest.approx(reserved_tokens_per_ms(2, 2000.0, 2e6, 25.0, 30.0))
+    # The replica's part of the wait is reserved with fewer deviations than the router queue's.
+    reserve = bands.reserve(-1, 25.0, 30.0)
+    assert reserve.router == pytest.approx(at_25)
+    assert reserve.replica == pytest.approx(reserved_tokens_per_ms(2, 2000.0, 2e6, 25.0, 30.0,
+                                                                   REPLICA_RESERVE_DEVIATIONS))
+    assert reserved_tokens_per_ms(2, 2000.0, 2e6, 25.0, 30.0, 0.0) < reserve.replica < reserve.router
     assert bands.reserved_tokens_per_ms(-1, 35.0, 30.0) == pytest.approx(
         reserved_tokens_per_ms(1, 1000.0, 1e6, 30.0, 30.0))  # the first aged out
     assert bands.reserved_tokens_per_ms(0, 35.0, 30.0) == 0.0  # nothing above the top band

@@ -13,7 +13,7 @@ from server_helpers import running_daemon
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
 from stallfree.operator.router.objectives import Objective
 from stallfree.operator.router.pick import Choice, ReplicaView, pick_slo_aware
-from stallfree.operator.router.shedding import drain_ms, predicted_ttft_ms, sheds
+from stallfree.operator.router.shedding import Reserve, drain_ms, predicted_ttft_ms, sheds
 from test_router_proxy import MODEL, router, wait_until
 from test_router_queue import ONE_SLOT, _queue, _replicas
 
@@ -123,10 +123,13 @@ def test_the_higher_bands_reserve_slows_the_whole_wait_the_replicas_queue_too():
     half = view("half", queued=400)  # 400 queued + 100 prompt at 1 token/ms: 500 ms, + a 10 ms step
     assert predicted_ttft_ms([half], 100, 0) == 510.0
     # The interactive band takes half of the prefill: on the replica, it passes what is queued there too.
-    assert predicted_ttft_ms([half], 100, 0, reserved_tokens_per_ms=0.5) == 1010.0
-    assert predicted_ttft_ms([half], 100, 200, reserved_tokens_per_ms=0.5) == 1410.0  # the router's queue as well
+    assert predicted_ttft_ms([half], 100, 0, Reserve(0.5, 0.5)) == 1010.0
+    assert predicted_ttft_ms([half], 100, 200, Reserve(0.5, 0.5)) == 1410.0  # the router's queue as well
     assert sheds(batch, [half], [], 100, 0) is None
-    assert sheds(batch, [half], [], 100, 0, reserved_tokens_per_ms=0.5) == 1010.0
+    assert sheds(batch, [half], [], 100, 0, Reserve(0.5, 0.5)) == 1010.0
+    # The reserve over the router's queue and the one on the replica each slow their own part of the wait.
+    assert predicted_ttft_ms([half], 100, 200, Reserve(0.5, 0.0)) == 510.0 + 400.0
+    assert predicted_ttft_ms([half], 100, 200, Reserve(0.0, 0.5)) == 1010.0 + 200.0
 
 
 # -- over HTTP --------------------------------------------------------------------------------------------

@@ -234,7 +234,7 @@ class Router:
         views = [r.view(now) for r in self.pool.healthy()]
         starting = self.pool.starting_in_ms(time.monotonic())
         ahead = sum(q.prompt_tokens for q in self.queue if q.priority >= objective.priority)
-        reserved = self.bands.reserved_tokens_per_ms(objective.priority, now, (objective.ttft_ms or 0.0) / 1000.0)
+        reserved = self.bands.reserve(objective.priority, now, (objective.ttft_ms or 0.0) / 1000.0)
         predicted = sheds(objective, views, starting, info.prompt_tokens, ahead, reserved)
         if predicted is None:
             return None

@@ -15,6 +15,7 @@ is handed.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Sequence
 
 from stallfree.operator.router.objectives import Objective
@@ -26,6 +27,20 @@ SHED_CODE = "shed_predicted_miss"
 # The higher bands' arrivals are counted at their mean plus this many standard deviations over the wait: a batch
 # request admitted at its target waits past it whenever the interactive load runs above its mean.
 RESERVE_DEVIATIONS = 3.0
+# ... and over its wait on the replica (its share of what is queued there, and its own prompt), this many: that
+# wait is short, and at 3 a batch objective with a tight target was shed almost whole even with capacity to spare.
+REPLICA_RESERVE_DEVIATIONS = 1.5
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """What the higher bands may take of the prefill (tokens/ms): over the router's queue ahead, and on a replica."""
+
+    router: float = 0.0
+    replica: float = 0.0
+
+
+NO_RESERVE = Reserve()
 
 
 def reserved_tokens_per_ms(requests: int, tokens: float, tokens_sq: float, window_s: float, horizon_s: float,
@@ -59,13 +74,19 @@ class BandArrivals:
         self._recent.append((t, priority, prompt_tokens))
         self._forget_before(t - self.window_s)  # bounded by the window's arrivals, sheddable ones or not
 
-    def reserved_tokens_per_ms(self, priority: int, now: float, horizon_s: float) -> float:
+    def reserved_tokens_per_ms(self, priority: int, now: float, horizon_s: float,
+                               deviations: float = RESERVE_DEVIATIONS) -> float:
         """What the bands above `priority` may take of the prefill over `horizon_s` (reserved_tokens_per_ms)."""
         self._forget_before(now - self.window_s)
         above = [n for _, p, n in self._recent if p > priority]
         span = min(self.window_s, now - self._first) if self._first is not None else 0.0
         return reserved_tokens_per_ms(len(above), float(sum(above)), float(sum(n * n for n in above)), span,
-                                      horizon_s)
+                                      horizon_s, deviations)
+
+    def reserve(self, priority: int, now: float, horizon_s: float) -> Reserve:
+        """The reserve a request of `priority` with a TTFT target of `horizon_s` is predicted with."""
+        return Reserve(self.reserved_tokens_per_ms(priority, now, horizon_s),
+                       self.reserved_tokens_per_ms(priority, now, horizon_s, REPLICA_RESERVE_DEVIATIONS))
 
     def __len__(self) -> int:
         return len(self._recent)
@@ -76,17 +97,17 @@ class BandArrivals:
 
 
 def predicted_ttft_ms(views: list[ReplicaView], prompt_tokens: int, tokens_ahead: int,
-                      reserved_tokens_per_ms: float = 0.0, starting_in_ms: Sequence[float] = ()) -> float | None:
+                      reserve: Reserve = NO_RESERVE, starting_in_ms: Sequence[float] = ()) -> float | None:
     """The soonest predicted TTFT over `views` with `tokens_ahead` waiting in the router first. All of the wait,
-    the prefill queued at the replica as much as the router's, drains at the prefill rate less
-    `reserved_tokens_per_ms` (the higher bands' arrivals pass it on the replica too: the engine serves them first).
-    A replica still starting (`starting_in_ms`: when each is expected ready) joins that rate then, at the ready
-    replicas' mean rate, and may start the request itself then. None: no ready replica to predict from."""
+    the prefill queued at the replica as much as the router's, drains at the prefill rate less the higher bands'
+    `reserve` (they pass it on the replica too: the engine serves them first). A replica still starting
+    (`starting_in_ms`: when each is expected ready) joins that rate then, at the ready replicas' mean rate, and
+    may start the request itself then. None: no ready replica to predict from."""
     if not views:
         return None
     total_rate = sum(max(v.prefill_tokens_per_ms, 1e-6) for v in views)
-    free_rate = max(total_rate - max(0.0, reserved_tokens_per_ms), 1e-6)
-    stretch = total_rate / free_rate
+    free_rate = max(total_rate - max(0.0, reserve.router), 1e-6)
+    stretch = total_rate / max(total_rate - max(0.0, reserve.replica), 1e-6)
     each = free_rate / len(views)  # what a starting replica adds to the free rate once ready
     drained = drain_ms(tokens_ahead, free_rate, [(t, each) for t in starting_in_ms])
     at_replica = min((predict_ttft_ms(v, prompt_tokens) - v.step_ms) * stretch + v.step_ms for v in views)
@@ -111,11 +132,11 @@ def drain_ms(tokens: float, rate: float, joining: Sequence[tuple[float, float]])
 
 
 def sheds(objective: Objective, views: list[ReplicaView], starting_in_ms: Sequence[float], prompt_tokens: int,
-          tokens_ahead: int, reserved_tokens_per_ms: float = 0.0) -> float | None:
+          tokens_ahead: int, reserve: Reserve = NO_RESERVE) -> float | None:
     """The predicted TTFT (ms) when this request is to be refused at arrival, else None (it waits)."""
     if not objective.sheddable or objective.ttft_ms is None:
         return None
-    predicted = predicted_ttft_ms(views, prompt_tokens, tokens_ahead, reserved_tokens_per_ms, starting_in_ms)
+    predicted = predicted_ttft_ms(views, prompt_tokens, tokens_ahead, reserve, starting_in_ms)
     if predicted is None or predicted <= objective.ttft_ms:
         return None
     return predicted
