@@ -6,7 +6,7 @@ import json
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from server_helpers import LiveDaemon, running_daemon
@@ -107,6 +107,11 @@ def test_valid_requests_decode_to_valid_output(live: LiveDaemon, tools, choice, 
     if use_format:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "f", "schema": schema}}
     response = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120)
+    if response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded":
+        # Three tools' schemas rendered into the prompt can leave less than 400 tokens of a 2048 context: that
+        # refusal is right (it names max_tokens), and the draw is no test of decoding.
+        assert response.json()["error"]["param"] == "max_tokens", response.text
+        assume(False)
     assert response.status_code == 200, response.text
     result = response.json()["choices"][0]
     if choice == "auto":
