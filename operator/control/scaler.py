@@ -51,6 +51,8 @@ from typing import Any, Sequence
 
 from stallfree.operator.control.policy import ScalingPolicy
 from stallfree.operator.control.queueing import replicas_for_queue_wait
+from stallfree.startup import KEEP as KEEP_STARTUPS
+from stallfree.startup import expected_startup_s
 
 SCALED_UP, SCALED_DOWN, HOLD = "scaled_up", "scaled_down", "hold"
 # Under 3% of requests, not 1%, may wait past the SLO: the M/G/c tail overstates this engine's wait (a replica
@@ -130,8 +132,7 @@ class ScalerState:
         return cls(**data)
 
     def expected_startup_s(self, default: float) -> float:
-        ordered = sorted(self.startup_s)
-        return ordered[len(ordered) // 2] if ordered else default
+        return expected_startup_s(self.startup_s, default)
 
 
 @dataclass(frozen=True)
@@ -412,7 +413,7 @@ def removal_order(loads: Sequence[ReplicaLoad]) -> tuple[str, ...]:
 
 
 def _track_startup(state: ScalerState, loads: Sequence[ReplicaLoad], now: float) -> ScalerState:
-    """Note replicas first seen starting; when one becomes ready, how long it took (the last 5 kept)."""
+    """Note replicas first seen starting; when one becomes ready, how long it took (the last KEEP_STARTUPS kept)."""
     since = dict(state.starting_since)
     measured = list(state.startup_s)
     for r in loads:
@@ -422,7 +423,7 @@ def _track_startup(state: ScalerState, loads: Sequence[ReplicaLoad], now: float)
             measured.append(now - since.pop(r.name))
     names = {r.name for r in loads}
     since = {n: t for n, t in since.items() if n in names}
-    return replace(state, starting_since=tuple(sorted(since.items())), startup_s=tuple(measured[-5:]))
+    return replace(state, starting_since=tuple(sorted(since.items())), startup_s=tuple(measured[-KEEP_STARTUPS:]))
 
 
 def _decide(current: int, desired: int, kind: str, reason: str, message: str, exhausted: bool | None,

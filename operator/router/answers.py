@@ -8,6 +8,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from starlette.types import Send
 
 from stallfree.http_doors.error_json import error_body
+from stallfree.operator.router.shedding import SHED_CODE
 
 
 @dataclass
@@ -28,6 +29,25 @@ def refusal_answer(status: int, message: str, code: str, param: str | None = Non
     if status in (429, 503):
         headers.append((b"retry-after", str(retry_after_s).encode()))
     return Answer(status, headers, body)
+
+
+def shed_answer(objective: str, predicted_ms: float, target_ms: float) -> Answer:
+    """The 429 for a request of a sheddable objective predicted to miss its TTFT target at every replica; the
+    client may retry once the predicted overrun has passed (1-60 s)."""
+    retry_s = max(1, min(60, round((predicted_ms - target_ms) / 1000.0)))
+    return refusal_answer(429, f"objective `{objective}` is sheddable and its predicted time to first token "
+                          f"({predicted_ms:.0f} ms) misses its target ({target_ms:g} ms) at every replica; retry "
+                          "later", SHED_CODE, retry_after_s=retry_s)
+
+
+def queue_full_answer(max_queued: int, share: int | None) -> Answer:
+    """The 429 for a request the router's queue has no room for: the whole queue, or its flow's `share` of it."""
+    if share is not None:
+        return refusal_answer(429, f"this tenant's share of the router's queue is full ({share} of {max_queued} "
+                              "requests, shared by the tenants and objectives sending lately); retry shortly",
+                              "queue_full")
+    return refusal_answer(429, f"the router's queue is full ({max_queued} requests waiting); retry shortly",
+                          "queue_full")
 
 
 def sse_error(message: str, code: str) -> bytes:

@@ -36,18 +36,19 @@ from stallfree.http_doors.body_guard import PARSED_BODY
 from stallfree.http_doors.json_checks import NOT_JSON
 from stallfree.operator.router import admission
 from stallfree.operator.router.edge import create_app  # noqa: F401 - callers build the app from here
-from stallfree.operator.router.answers import Answer, refusal_answer, respond, sse_error
+from stallfree.operator.router.answers import (Answer, queue_full_answer, refusal_answer, respond, shed_answer,
+                                               sse_error)
 from stallfree.operator.router.client_io import client_left, whole_body
 from stallfree.operator.router.affinity import DEFAULT_BLOCK_TOKENS, PrefixTable, prefix_hashes
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
 from stallfree.operator.router.forwarding import is_admin, response_headers, upstream_headers
 from stallfree.operator.router.metrics import RouterMetrics
-from stallfree.operator.router.objective_outcomes import ObjectiveOutcomes
+from stallfree.operator.router.objective_book import ObjectiveBook
 from stallfree.operator.router.objectives import OBJECTIVE_HEADER, Objective, Objectives, header, tenant_of
 from stallfree.operator.router.pick import AffinityMargin, Choice, ReplicaView, pick, rendezvous_home
 from stallfree.operator.router.replicas import Replica, ReplicaPool
 from stallfree.operator.router.requests import RequestInfo, read_parsed
-from stallfree.operator.router.shedding import SHED_CODE, BandArrivals, sheds
+from stallfree.operator.router.shedding import SHED_CODE
 from stallfree.request_objective_header import RequestObjective
 from stallfree.request_objective_header import headers as objective_headers
 from stallfree.router_queue_header import QUEUE_HEADER, SIGNATURE_HEADER, sign
@@ -102,17 +103,12 @@ class Router:
         self.rng = random.Random(config.seed)
         self.client: httpx.AsyncClient | None = None
         self.queue: FlowQueue[int] = FlowQueue(config.flow)
-        self.outcomes = ObjectiveOutcomes()  # per objective: p99s and goodput counts for /router/queue
+        self.objectives = ObjectiveBook()  # per objective: offered, shed, outcomes (objective_book.py)
         self._waiters: dict[int, tuple[asyncio.Future, RequestInfo, list[int], int]] = {}
         self._next_key = 0
         self._next_ticket = 0
         self.arrived_prompt_tokens = 0  # a counter: the control loop takes its rate between two reads
         self.arrived_prompt_tokens_sq = 0  # and of the squares: the spread of prompt lengths (queueing.py)
-        self.shed_by_objective: dict[str, int] = {}  # refused at arrival, predicted to miss (shedding.py)
-        # Requests and prompt tokens that named each objective, shed ones included: the control loop sizes for the
-        # non-sheddable ones and a share of the sheddable (operator/control/objective_demand.py).
-        self.offered_by_objective: dict[str, list[int]] = {}
-        self.bands = BandArrivals()  # what each priority band offered lately: the reserve shedding predicts with
         self._ticker: asyncio.Task | None = None
         self._last_healthy_at = time.perf_counter()  # when some replica was last seen healthy
         pool._on_change = self._replica_changed
@@ -180,7 +176,7 @@ class Router:
             ticket = self._reserve(replica, info.prompt_tokens, now, item.sent_priority, item.tenant)
             self.metrics.queue_wait.observe(now - item.arrival_s)
             self.metrics.objective_queue_wait.labels(item.objective).observe(now - item.arrival_s)
-            self.outcomes.dispatched(item.objective, now, (now - item.arrival_s) * 1000.0)
+            self.objectives.outcomes.dispatched(item.objective, now, (now - item.arrival_s) * 1000.0)
             if item.seq > 0:  # a retry (pushed to the front) was counted on its first dispatch
                 self.metrics.objective_requests.labels(item.objective, "dispatched").inc()
             if not future.done():
@@ -199,17 +195,7 @@ class Router:
                 "rejected": self.queue.rejected, "cancelled": self.queue.cancelled,
                 "dispatched": self.queue.dispatched, "max_queued": self.config.flow.max_queued,
                 "dispatch_wait_ms": self.config.flow.dispatch_wait_ms,
-                "objectives": self._objective_status()}
-
-    def _objective_status(self) -> dict[str, dict]:
-        depths = self.queue.depth_by_objective()
-        offered = self.offered_by_objective
-        now = time.perf_counter()
-        return {o.name: {"priority": o.priority, "ttft_ms": o.ttft_ms, "depth": depths.get(o.name, 0),
-                         "shed": self.shed_by_objective.get(o.name, 0), "offered": offered.get(o.name, [0, 0])[0],
-                         "offered_prompt_tokens": offered.get(o.name, [0, 0])[1],
-                         **self.outcomes.figures(o.name, now)}
-                for o in self.config.objectives.by_name.values()}
+                "objectives": self.objectives.status(self.config.objectives, self.queue.depth_by_objective(), now)}
 
     def _queue_gauges(self) -> None:
         self.metrics.queue_depth.set(len(self.queue))
@@ -232,28 +218,21 @@ class Router:
             return None
         now = time.perf_counter()
         views = [r.view(now) for r in self.pool.healthy()]
-        starting = self.pool.starting_in_ms(time.monotonic())
         ahead = sum(q.prompt_tokens for q in self.queue if q.priority >= objective.priority)
-        reserved = self.bands.reserve(objective.priority, now, (objective.ttft_ms or 0.0) / 1000.0)
-        predicted = sheds(objective, views, starting, info.prompt_tokens, ahead, reserved)
+        predicted = self.objectives.predicted_miss_ms(objective, views, self.pool.starting_in_ms(time.monotonic()),
+                                                      info.prompt_tokens, ahead, now)
         if predicted is None:
             return None
         self.metrics.objective_requests.labels(objective.name, "shed").inc()
-        self.shed_by_objective[objective.name] = self.shed_by_objective.get(objective.name, 0) + 1
         self.metrics.refused.labels(SHED_CODE).inc()
-        retry_s = max(1, min(60, round((predicted - objective.ttft_ms) / 1000.0)))
-        return refusal_answer(429, f"objective `{objective.name}` is sheddable and its predicted time to first "
-                              f"token ({predicted:.0f} ms) misses its target ({objective.ttft_ms:g} ms) at every "
-                              "replica; retry later", SHED_CODE, retry_after_s=retry_s)
+        return shed_answer(objective.name, predicted, objective.ttft_ms or 0.0)
 
     async def _wait_in_queue(self, info: RequestInfo, received: float, seq: int, exclude: frozenset[str],
                              front: bool, objective: Objective,
                              tenant: str) -> tuple[Replica, Choice, list[int], int] | Answer:
         """Queue the request and wait for its dispatch or the queue timeout; cancelled when its client leaves."""
         if not front:
-            offered = self.offered_by_objective.setdefault(objective.name, [0, 0])
-            offered[0], offered[1] = offered[0] + 1, offered[1] + info.prompt_tokens
-            self.bands.offered(time.perf_counter(), objective.priority, info.prompt_tokens)
+            self.objectives.offer(objective, info.prompt_tokens, time.perf_counter())
             shed = self._shed(objective, info)
             if shed is not None:
                 return shed
@@ -267,12 +246,8 @@ class Router:
             self.metrics.arrivals.inc()
             self.metrics.queue_rejected.inc()
             self.metrics.objective_requests.labels(objective.name, "queue_full").inc()
-            if len(self.queue) < self.config.flow.max_queued:
-                return refusal_answer(429, f"this tenant's share of the router's queue is full ({self.queue.share(item)}"
-                                      f" of {self.config.flow.max_queued} requests, shared by the tenants and "
-                                      "objectives sending lately); retry shortly", "queue_full")
-            return refusal_answer(429, f"the router's queue is full ({self.config.flow.max_queued} requests "
-                                  "waiting); retry shortly", "queue_full")
+            whole = len(self.queue) >= self.config.flow.max_queued
+            return queue_full_answer(self.config.flow.max_queued, None if whole else self.queue.share(item))
         if not front:
             self.metrics.arrivals.inc()
             self.arrived_prompt_tokens += info.prompt_tokens
@@ -505,7 +480,8 @@ class Router:
         self.metrics.observed_ttft.labels(self.config.policy).observe(elapsed)
         if method == "POST":  # a generation request: what its objective's TTFT target is about
             self.metrics.objective_ttft.labels(objective.name).observe(elapsed)
-            self.outcomes.first_byte(objective.name, received + elapsed, elapsed * 1000.0, objective.ttft_ms)
+            self.objectives.outcomes.first_byte(objective.name, received + elapsed, elapsed * 1000.0,
+                                                objective.ttft_ms)
             if objective.ttft_ms is not None and elapsed * 1000.0 > objective.ttft_ms:
                 self.metrics.objective_ttft_missed.labels(objective.name).inc()
         if choice.predicted_ttft_ms is not None:

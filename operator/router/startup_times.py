@@ -1,18 +1,19 @@
 """How long replicas take to start, as the router saw it, so shedding can count a replica that is still starting.
 
-A replica is starting from the router's first sight of it until its first ready poll, when it was seen loading
-its model on the way (one that answers ready at once was already up: no start-up to learn from). The expected
-start-up is the median of the last few; until one is seen, `default_s`. A starting replica is counted as ready
-in the expected time less what it has already taken, and not at all once it has taken twice the expected time
-(a start-up that long may never end: counting it would shed nothing for as long). Pure: times are passed in.
+A replica is starting from the router's first sight of it until its first ready poll, when it was seen loading its
+model on the way (one that answers ready at once was already up: no start-up to learn from). The expected start-up
+is the scaler's rule over the last few seen (`stallfree.startup`); until one is seen, `default_s`. A starting
+replica is counted as ready in the expected time less what it has already taken, and not at all once it has taken
+twice the expected time (a start-up that long may never end: counting it would shed nothing for as long). Pure:
+times are passed in.
 """
 from __future__ import annotations
 
 from collections import deque
-from statistics import median
+
+from stallfree.startup import KEEP, expected_startup_s
 
 DEFAULT_STARTUP_S = 60.0
-KEEP = 5
 
 
 class StartupTimes:
@@ -27,7 +28,7 @@ class StartupTimes:
             self._seen.append(seconds)
 
     def expected_s(self) -> float:
-        return median(self._seen) if self._seen else self.default_s
+        return expected_startup_s(self._seen, self.default_s)
 
     def ready_in_ms(self, elapsed_s: float) -> float | None:
         """When a replica starting for `elapsed_s` is expected ready, from now (ms); None: not to be counted."""
