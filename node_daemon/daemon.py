@@ -278,8 +278,10 @@ class _Remeasure:
     arrival changes the key: a profile measured on an earlier start may be there).
 
     A request arriving mid-run stops it at the next iteration (should_stop), so serving waits at most
-    one profile iteration; backs off (x2) between tries, gives up after `tries`. on_profile(profile) is called
-    with each profile it gives the daemon (on the engine thread)."""
+    one profile iteration; backs off (x2) between tries, gives up after `tries`. A busy machine is judged by the
+    run itself (its own CPU share, profiler.MIN_CPU_SHARE), not by the node's load average, which counts other
+    processes that may not take this one's cores. on_profile(profile) is called with each profile it gives the
+    daemon (on the engine thread)."""
 
     def __init__(self, settings, cache, device: str, delay_s: float = 30.0, tries: int = 5) -> None:
         self.settings, self.cache, self.device = settings, cache, device
@@ -289,7 +291,6 @@ class _Remeasure:
     def __call__(self, daemon, engine, should_stop) -> float | None:
         """Runs on the engine thread; returns the delay before the next try, or None when done."""
         import dataclasses
-        import os
 
         from stallfree.node_daemon.measure.profile_cache import profile_key
         from stallfree.node_daemon.measure.profiler import run_profile
@@ -304,9 +305,6 @@ class _Remeasure:
                 log.info("profile: %s", why)
                 self._give(daemon, cached)
                 return None
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        if os.getloadavg()[0] > cores:  # still busy: measuring now would only be wrong again, and slow
-            return max(self.delay_s, 30.0)
         self.tries -= 1
         settings = dataclasses.replace(self.settings, should_stop=should_stop, progress=None)
         run = run_profile(engine, self.device, settings)
