@@ -146,8 +146,9 @@ def test_the_time_budget_bounds_the_sweep(one_thread) -> None:
                                  "--num-kv-blocks", "4096"])
     lines: list[str] = []
     run = run_profile(engine, device, ProfileSettings(max_seconds=0.3, progress=lines.append))
-    # Past the budget by at most the point in flight (one point of the tiny model is milliseconds).
-    assert run.seconds < 0.3 + 1.0
+    # Stopped by the budget (points left unmeasured), past it by about the point in flight (milliseconds for the
+    # tiny model; the margin is for a busy machine).
+    assert run.skipped and run.seconds < 0.3 + 3.0
     assert run.profile.mixed and lines and all(line.startswith("profile") for line in lines)
     planned = len(run.profile.mixed) + len(run.profile.decode_only) + len(run.skipped)
     assert all(f"/{planned}" in line for line in lines if line.startswith("profile point"))

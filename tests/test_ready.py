@@ -34,14 +34,14 @@ def test_a_dead_process_ends_the_wait_at_once_not_at_the_deadline():
     started = time.monotonic()
     with pytest.raises(ExitedBeforeReady, match="replica r-0 exited"):
         wait_until_ready(lambda: False, 30.0, alive=lambda: False, poll_s=0.01, what="replica r-0")
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 10.0  # far below the 30 s deadline, with room for a busy machine
 
 
 def test_the_deadline_raises_a_timeout():
     started = time.monotonic()
     with pytest.raises(NotReadyInTime, match="not ready after"):
         wait_until_ready(lambda: False, 0.1, poll_s=0.02)
-    assert 0.1 <= time.monotonic() - started < 1.0
+    assert 0.1 <= time.monotonic() - started < 10.0
     assert issubclass(NotReadyInTime, TimeoutError) and issubclass(ExitedBeforeReady, RuntimeError)
 
 
