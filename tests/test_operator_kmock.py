@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import os
 import pathlib
 import socket
@@ -82,13 +83,18 @@ users: [{{name: kmock, user: {{token: test}}}}]
     kmock.install_basics(NS)
 
 
+RESYNC_S = 0.5  # the resync timer's interval here (the operator's is handlers.RESYNC_S): repairs in test time
+
+
 def reconciler_registry() -> kopf.OperatorRegistry:
     """The reconciler's handlers only, even where another test module imported the control loop's
-    handlers into kopf's default registry."""
+    handlers into kopf's default registry; its resync timer ticks every RESYNC_S."""
     source, registry = kopf.get_default_registry(), kopf.OperatorRegistry()
     for part in ("_activities", "_indexing", "_watching", "_spawning", "_changing", "_webhooks"):
         for handler in getattr(source, part).get_all_handlers():
             if getattr(handler.fn, "__module__", None) == handlers.__name__:
+                if handler.fn is handlers.resync:
+                    handler = dataclasses.replace(handler, interval=RESYNC_S, initial_delay=RESYNC_S)
                 getattr(registry, part).append(handler)
     return registry
 
@@ -103,7 +109,8 @@ class Operator:
     """`kopf run` in a thread; stopping it never blocks the event loop that serves the emulator."""
 
     def __init__(self) -> None:
-        self.runner = kopf.testing.KopfRunner(["run", "--standalone", "--namespace", NS],
+        # As deployed: every namespace (kopf then lists no namespaces), rights checked per call (rbac_checked).
+        self.runner = kopf.testing.KopfRunner(["run", "--standalone", "--all-namespaces"],
                                               registry=reconciler_registry(), timeout=20)
 
     async def __aenter__(self) -> "Operator":
@@ -366,7 +373,7 @@ async def test_stallfree_operator_command_reconciles_and_answers_liveness(kmock:
         port = sock.getsockname()[1]
     log = (tmp_path / "operator.log").open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "stallfree.cli", "operator", "-n", NS, "--no-control-loop",
+        [sys.executable, "-m", "stallfree.cli", "operator", "--all-namespaces", "--no-control-loop",
          "--liveness-host", "127.0.0.1", "--liveness-port", str(port)],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     try:
@@ -467,3 +474,19 @@ async def test_a_refused_roll_keeps_its_condition_through_rollout_reports(
         assert response.status == 200
         await asyncio.sleep(1.5)  # the Deployment's event is handled well within this
         assert condition(kmock, "chat", "Degraded")["reason"] == "InvalidChild"
+
+
+async def test_a_namespace_without_the_operators_rolebinding_gets_a_condition_and_is_served_once_bound(
+        kmock: BridgedEmulator) -> None:
+    """The operator holds no cluster-wide rights on children: where no RoleBinding grants them, the API server
+    answers 403, and the service says how to bind them; the resync serves it once they are granted."""
+    refusal = kmock[f"get /apis/apps/v1/namespaces/{NS}/deployments/chat"] << 403
+    async with Operator():
+        await create(kmock, manifest())
+        degraded = await eventually(lambda: condition(kmock, "chat", "Degraded"))
+        assert degraded["status"] == "True" and degraded["reason"] == "NamespaceNotServed"
+        assert f"kubectl -n {NS} apply -f manifests/operator/namespaced/rolebinding.yaml" in degraded["message"]
+        assert not exists(kmock, DEPLOYMENTS, "chat")
+        kmock._payloads.remove(refusal)  # the user binds the rights
+        await eventually(lambda: exists(kmock, DEPLOYMENTS, "chat"))
+        await eventually(lambda: condition(kmock, "chat", "Degraded")["status"] == "False")

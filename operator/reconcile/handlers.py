@@ -1,14 +1,18 @@
 """kopf handlers: make each InferenceService's children exist and report it truthfully.
 
 Thin glue, level-triggered: every create, resume and update renders all children from the spec
-(render.py) and applies them (kube.py); the status is recomputed from the Deployment whenever the
-Deployment changes. A spec that cannot be deployed (checks.py, or a schema the API server did not
+(render.py) and applies them (kube.py), and a timer does the same every RESYNC_S, so children deleted by
+hand come back and the status follows the Deployment's rollout. A spec that cannot be deployed (checks.py, or a schema the API server did not
 enforce) gets an InvalidSpec condition and a Warning event, and nothing is made or changed: no
 exception, so kopf does not retry it until the spec changes. A child the API server refuses as
 Invalid (422) would be refused again on every retry: an InvalidChild condition, and kopf.PermanentError.
 
-kopf runs the handlers of different resources side by side, so a child's event (a Deployment deleted
-by hand) and the InferenceService's own update could apply two specs at once, the older one last.
+The operator's rights in a namespace come from a RoleBinding there (manifests/operator/namespaced/): where
+none is bound, the service gets a NamespaceNotServed condition (its status is the one thing the operator
+may write everywhere) and the next resync tries again.
+
+kopf runs a service's timer and its change handlers side by side, so a resync and an update could apply
+two specs at once, the older one last.
 Every reconcile of one InferenceService therefore runs under its lock and reads the object afresh
 inside it: the last one to run applies the newest spec.
 """
@@ -32,13 +36,11 @@ from stallfree.operator.reconcile.kube import Kube, KubeError, contains, load_co
 
 FINALIZER = f"{s.GROUP}/finalizer"
 SERVICE_MONITOR_API = ("monitoring.coreos.com/v1", "ServiceMonitor")
-MANAGED = {render.LABEL_MANAGED_BY: render.MANAGED_BY}
-CHILD_SELECTOR = f"{render.LABEL_MANAGED_BY}={render.MANAGED_BY}"
 # A failed reconcile (an API server hiccup) is retried after this, not kopf's default minute.
 RETRY_BACKOFF_S = 5.0
-# Children whose deletion is repaired at once. Secrets are not watched: that would need cluster-wide
-# rights on every Secret; the control loop notices a missing admin Secret instead (control_handlers.py).
-WATCHED_CHILDREN = (("apps", "v1", "deployments"), ("", "v1", "services"), ("policy", "v1", "poddisruptionbudgets"))
+# How often each service's children are read back and repaired, and its rollout reported (no child is
+# watched: that would take cluster-wide rights on them).
+RESYNC_S = 10.0
 
 
 @kopf.on.startup()
@@ -51,10 +53,6 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # Events are what the operator *does* (kopf.info/warn below), not every log line.
     settings.posting.loggers = False
     settings.posting.level = logging.INFO
-    # Watch only the operator's own children, filtered by the API server: memory and API load grow with
-    # stallfree's objects, not with the cluster's.
-    for resource in WATCHED_CHILDREN:
-        settings.watching.label_selectors[resource] = CHILD_SELECTOR
     if getattr(memo, "kube", None) is None:
         memo.kube = Kube.from_environment()
 
@@ -144,11 +142,12 @@ def apply_children(kube: Kube, owner: dict[str, Any], spec: s.InferenceServiceSp
     currents = [existing if _is_daemons(child, name) else kube.get(
         child["apiVersion"], child["kind"], namespace, child["metadata"]["name"]) for child in children]
     secret = render.admin_secret(name, namespace, secrets.token_urlsafe(32))
-    for current in [kube.get("v1", "Secret", namespace, secret["metadata"]["name"]), *currents]:
+    current_secret = kube.get("v1", "Secret", namespace, secret["metadata"]["name"])
+    for current in [current_secret, *currents]:
         _check_owned(current, owner)
 
     kopf.adopt(secret, owner=owner)
-    if kube.create_if_absent(secret):  # made once: a reconcile never rotates the token
+    if current_secret is None and kube.create_if_absent(secret):  # made once: never rotated by a reconcile
         created.append(f"Secret/{secret['metadata']['name']}")
 
     deployment = None
@@ -244,8 +243,27 @@ def reconcile_latest(kube: Kube, namespace: str, name: str,
     it is gone or being deleted (its children go with it)."""
     with _lock_of(namespace, name):
         owner = kube.get_service(namespace, name)
-        if owner is not None and not owner["metadata"].get("deletionTimestamp"):
+        if owner is None or owner["metadata"].get("deletionTimestamp"):
+            return
+        try:
             reconcile_service(kube, owner, logger)
+        except KubeError as exc:
+            if exc.status != 403:
+                raise
+            report_not_served(kube, owner, exc, logger)
+
+
+def report_not_served(kube: Kube, owner: dict[str, Any], exc: KubeError,
+                      logger: logging.Logger | logging.LoggerAdapter) -> None:
+    """No rights in this namespace: say how to grant them, in the one place the operator may always write."""
+    namespace, generation = owner["metadata"]["namespace"], owner["metadata"].get("generation")
+    message = (f"the operator may not manage objects in namespace {namespace} ({exc.message}); bind its rights "
+               f"there: kubectl -n {namespace} apply -f manifests/operator/namespaced/rolebinding.yaml")
+    logger.warning(message)
+    kube.update_status(namespace, owner["metadata"]["name"], {"observedGeneration": generation}, [
+        cond.condition(cond.DEGRADED, "True", "NamespaceNotServed", message, generation),
+        cond.condition(cond.PROGRESSING, "False", "NamespaceNotServed", "waiting for the RoleBinding", generation),
+        cond.condition(cond.READY, "False", "NamespaceNotServed", message, generation)])
 
 
 @kopf.on.resume(s.GROUP, s.VERSION, s.PLURAL, backoff=RETRY_BACKOFF_S)
@@ -255,66 +273,29 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, logger: logging.LoggerAdapter, *
     reconcile_latest(memo.kube, body["metadata"]["namespace"], body["metadata"]["name"], logger)
 
 
-# -- the Deployment reports back ------------------------------------------------------------------------
+# -- resync: children repaired and rollouts reported without watching them ----------------------------
 
-def _refused_child(owner: dict[str, Any]) -> bool:
-    """Whether this generation's children were refused (422): a rollout report must not hide that."""
+def _resync_needed(owner: dict[str, Any]) -> bool:
+    """Whether a resync may apply: not for a spec already refused (its condition stands until it changes)."""
+    spec, problems = _parse(owner)
+    return spec is not None and not problems and not _refused(owner)
+
+
+def _refused(owner: dict[str, Any]) -> bool:
+    """Whether this generation's children were refused (422) or a name is taken: the same spec would meet the
+    same answer, so that condition stands until the spec changes."""
     degraded = cond.find((owner.get("status") or {}).get("conditions"), cond.DEGRADED)
-    return bool(degraded and degraded.get("reason") == "InvalidChild"
+    return bool(degraded and degraded.get("reason") in ("InvalidChild", "ChildConflict")
                 and degraded.get("observedGeneration") == owner["metadata"].get("generation"))
 
 
-def _owner_ref(child: dict[str, Any]) -> tuple[str, str] | None:
-    """(namespace, name) of the InferenceService a child belongs to, by its label."""
-    name = (child.get("metadata", {}).get("labels") or {}).get(render.LABEL_SERVICE)
-    namespace = child.get("metadata", {}).get("namespace")
-    return (namespace, name) if name and namespace else None
-
-
-def _live_owner(kube: Kube, child: dict[str, Any]) -> dict[str, Any] | None:
-    """The InferenceService a child belongs to, unless it is gone or being deleted."""
-    if (ref := _owner_ref(child)) is None:
-        return None
-    namespace, name = ref
-    owner = kube.get_service(namespace, name)
-    if owner is None or owner["metadata"].get("deletionTimestamp"):
-        return None  # being deleted: the children go with it
-    return owner
-
-
-@kopf.on.event("", "v1", "services", labels=MANAGED)
-@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
-def child_deleted(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: logging.LoggerAdapter,
-                  **_: Any) -> None:
-    """A Service or PodDisruptionBudget deleted by hand: level-triggered, so make it again now."""
-    if type == "DELETED" and (ref := _owner_ref(dict(body))) is not None:
-        reconcile_latest(memo.kube, *ref, logger)
-
-
-@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
-def deployment_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: logging.LoggerAdapter,
-                       **_: Any) -> None:
-    child_labels = body.get("metadata", {}).get("labels") or {}
-    kube: Kube = memo.kube
-    owner = _live_owner(kube, dict(body))
-    if owner is None:
-        return
-    namespace = owner["metadata"]["namespace"]
-    if type == "DELETED":
-        # Deleted by hand: level-triggered, so make it again.
-        reconcile_latest(kube, owner["metadata"]["namespace"], owner["metadata"]["name"], logger)
-        return
-    if child_labels.get(render.LABEL_COMPONENT, "daemon") != "daemon":
-        return  # the router's Deployment: the status counts the daemons
-    spec, problems = _parse(owner)
-    if spec is None or problems or _refused_child(owner):
-        return  # the InvalidSpec or InvalidChild conditions stand until the spec is fixed
-    generation = (owner.get("status") or {}).get("observedGeneration")
-    # Events queue up; read the Deployment as it is now so a stale event never writes old counts.
-    fresh = kube.get("apps/v1", "Deployment", namespace, body["metadata"]["name"])
-    if fresh is None:
-        return  # its DELETED event follows and re-creates it
-    refresh_status(kube, owner, spec, fresh, generation)
+@kopf.timer(s.GROUP, s.VERSION, s.PLURAL, interval=RESYNC_S, initial_delay=RESYNC_S)
+def resync(body: kopf.Body, memo: kopf.Memo, logger: logging.LoggerAdapter, **_: Any) -> None:
+    """Level-triggered repair: a child deleted or changed by hand is made again, and the status follows the
+    Deployment's rollout. Children are read, not watched: a watch of Deployments or Services in every
+    namespace would need cluster-wide rights on them, which the operator does not hold."""
+    if not body["metadata"].get("deletionTimestamp") and _resync_needed(dict(body)):
+        reconcile_latest(memo.kube, body["metadata"]["namespace"], body["metadata"]["name"], logger)
 
 
 # -- delete ---------------------------------------------------------------------------------------------
