@@ -4,7 +4,11 @@ back (the family's tool-call parser) and the tools its chat template is given. E
 Built once per daemon (`StructuredOutputs.build`, at start-up): one GrammarCompiler bound to the served tokenizer,
 the family's tool-call format (`--tool-call-parser`, else detected from the chat template), and whether that
 format's markers are special tokens (then the text is detokenized with special tokens kept, so the parser sees
-them). The sim backend computes no logits: it gets no compiler, and a request that needs a grammar is refused.
+them). The sim backend computes no logits: it gets no compiler, and a request that needs a grammar is refused
+before its schema is looked at.
+
+A grammar is built, checked and compiled on grammar_work's threads within one deadline, before the request is
+admitted: checking a large schema takes seconds, and the event loop serves every other stream meanwhile.
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from stallfree.node_daemon.server.errors import APIError
 from stallfree.node_daemon.structured.compiler import CompiledGrammar, GrammarCompiler
-from stallfree.node_daemon.structured.grammar import compile_response_format
+from stallfree.node_daemon.structured.grammar import Grammar, compile_response_format
+from stallfree.node_daemon.structured.grammar_work import GrammarBusy, GrammarWork, grammar_work
 from stallfree.node_daemon.structured.request_grammar import request_grammar, special_token_lookup
 from stallfree.node_daemon.text.tokenizer import Tokenizer
 from stallfree.node_daemon.text.tool_calls.formats import ToolCallFormat, choose_format
@@ -30,6 +35,7 @@ class StructuredOutputs:
     chat_template: str | None
     special_id: Callable[[str], int | None]
     compiler: GrammarCompiler | None = None  # None: the backend cannot constrain its output (sim)
+    work: GrammarWork = grammar_work
 
     @classmethod
     def build(cls, tokenizer: Tokenizer, vocab_size: int | None, parser_name: str | None,
@@ -69,31 +75,51 @@ async def plan_chat(structured: StructuredOutputs, response_format: Mapping[str,
     with _param("parallel_tool_calls" if not isinstance(parallel_tool_calls, (bool, type(None))) else "tool_choice"):
         choice = parse_tool_choice(parsed, tool_choice, parallel_tool_calls)
     fmt = structured.format
-    with _param("tools" if choice.forces_call else "response_format"):
-        grammar = request_grammar(response_format, choice, fmt, structured.special_id)
+    param = "tools" if choice.forces_call else "response_format"
     plan = OutputPlan(choice=choice, template_tools=[dict(t) for t in tools] if parsed else None)
     if choice.mode != "none":
         plan.tool_format = fmt
         plan.keep_special_tokens = structured.keeps_special_tokens
-    if grammar is not None:
-        plan.grammar = await _compile(structured, grammar, "tools" if choice.forces_call else "response_format")
+    if choice.forces_call or _constrains(response_format):
+        plan.grammar = await _compiled(structured, param, request_grammar, response_format, choice, fmt,
+                                       structured.special_id)
     return plan
 
 
 async def plan_completion(structured: StructuredOutputs, response_format: Mapping[str, Any] | None) -> OutputPlan:
-    with _param("response_format"):
-        grammar = compile_response_format(response_format)
-    if grammar is None:
+    if not _constrains(response_format):
+        with _param("response_format"):
+            compile_response_format(response_format)  # text, or a malformed value: its 400 (cheap either way)
         return OutputPlan()
-    return OutputPlan(grammar=await _compile(structured, grammar, "response_format"))
+    return OutputPlan(grammar=await _compiled(structured, "response_format", compile_response_format,
+                                              response_format))
 
 
-async def _compile(structured: StructuredOutputs, grammar, param: str) -> CompiledGrammar:
-    if structured.compiler is None:
+def _constrains(response_format: Any) -> bool:
+    """The response_format asks for a grammar (anything but absent or text; malformed ones are refused inside)."""
+    return response_format is not None and not (isinstance(response_format, Mapping)
+                                                and response_format.get("type") == "text")
+
+
+async def _compiled(structured: StructuredOutputs, param: str, build: Callable[..., Grammar | None],
+                    *args) -> CompiledGrammar | None:
+    """build(*args) and its compilation on the grammar workers, within their deadline; APIError 400 naming
+    `param` when the grammar is refused or too slow to check, 503 when the workers stayed busy."""
+    compiler = structured.compiler
+    if compiler is None:
         raise APIError(400, f"{param} needs constrained decoding, which this backend (the simulator: no logits) "
                        "does not do; serve a real model", param=param, code="unsupported_parameter")
+
+    def build_and_compile() -> CompiledGrammar | None:
+        grammar = build(*args)
+        return None if grammar is None else compiler.compile(grammar)
+
     with _param(param):
-        return await structured.compiler.compile_async(grammar)
+        try:
+            return await structured.work.run(build_and_compile)
+        except GrammarBusy as exc:
+            raise APIError(503, f"server busy: {exc}; retry later", code="grammar_workers_busy",
+                           reason="queue_full", headers={"Retry-After": "1"}) from None
 
 
 class _param:
