@@ -27,8 +27,10 @@ def test_prompt_tokens(ids, message, code) -> None:
 @pytest.mark.parametrize("num_prompt, sampling, message, param", [
     (0, SamplingParams(), "empty", "prompt"),
     (256, SamplingParams(), "maximum context length is 256", "prompt"),
-    (10, SamplingParams(max_tokens=0), "max_tokens must be at least 1", None),
-    (10, SamplingParams(temperature=-1.0), "temperature", None),
+    (10, SamplingParams(max_tokens=0), "max_tokens must be at least 1", "max_tokens"),
+    (10, SamplingParams(temperature=-1.0), "temperature", "temperature"),
+    (10, SamplingParams(temperature=2.5), r"temperature must be in \[0, 2\]", "temperature"),
+    (10, SamplingParams(stop=["x"] * 17), "at most 16 strings", "stop"),
     (60, SamplingParams(max_tokens=50), "whole cache holds 16 blocks of 4", "max_tokens"),
 ])
 def test_the_request(num_prompt, sampling, message, param) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from stallfree.node_daemon.engine.sampling_params import SamplingParams, stop_problem
+from stallfree.node_daemon.engine.sampling_params import SamplingParams
 
 
 class InvalidRequest(ValueError):
@@ -56,13 +56,9 @@ def check_request(num_prompt_tokens: int, sampling: SamplingParams, limits: Requ
     if num_prompt_tokens == 0:
         raise InvalidRequest("the prompt is empty: at least one token is needed")
     _check_length(num_prompt_tokens, limits.max_model_len)
-    problem = stop_problem(sampling.stop)
+    problem = sampling.problem()
     if problem is not None:
-        raise InvalidRequest(problem, param="stop")
-    try:
-        sampling.check()
-    except ValueError as exc:
-        raise InvalidRequest(str(exc), param=None) from None
+        raise InvalidRequest(problem[1], param=problem[0])
     kv_tokens = kv_footprint(num_prompt_tokens, sampling.max_tokens, limits.max_model_len)
     if kv_tokens > limits.kv_capacity_tokens:
         raise InvalidRequest(f"the request needs {kv_tokens} tokens of KV cache but the whole cache holds "

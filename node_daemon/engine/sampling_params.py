@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (as vLLM's _SAMPLING_EPS).
 MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 2.0
 MAX_LOGPROBS = 20
+# A seed is a 64-bit integer (signed or unsigned), what a torch.Generator takes.
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 # Stop strings: OpenAI allows 4; these bounds are generous and keep a request's matcher small (stop_matcher.py).
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -43,36 +46,43 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "plain_greedy", self.greedy and not self.processes_logits and self.logprobs is None)
 
-    def check(self) -> None:
-        """Raise ValueError naming the bad field."""
+    def problem(self) -> tuple[str, str] | None:
+        """(field, message) for the first value outside its range, else None (NaN is never in range). The one
+        statement of the ranges (OpenAI's where it has one): the server's 400s and direct callers both use it."""
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
-            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")  # what torch.Generator takes
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            return "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}"
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            return "seed", f"seed must be a 64-bit integer, got {self.seed}"  # what torch.Generator takes
+        bounds = (("temperature", 0.0, MAX_TEMPERATURE), ("min_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0),
+                  ("frequency_penalty", -2.0, 2.0))
+        for name, low, high in bounds:
+            if not low <= getattr(self, name) <= high:
+                return name, f"{name} must be in [{low:g}, {high:g}], got {getattr(self, name)}"
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            return "top_k", f"top_k must be >= 0, got {self.top_k}"
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            return "top_p", f"top_p must be in (0, 1], got {self.top_p}"
         if not 0.0 < self.repetition_penalty <= 10.0:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
-        problem = stop_problem(self.stop)
-        if problem is not None:
-            raise ValueError(problem)
+            return "repetition_penalty", f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
+        if len(self.stop) > MAX_STOP_STRINGS:
+            return "stop", f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
+        for text in self.stop:
+            if len(text) > MAX_STOP_CHARS:
+                return "stop", f"each stop string may have at most {MAX_STOP_CHARS} characters, got one of {len(text)}"
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+            return "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
         for token, bias in (self.logit_bias or {}).items():
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+                return "logit_bias", f"logit_bias keys must be token ids, got {token!r}"
             if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+                return "logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {token}"
+        return None
+
+    def check(self) -> None:
+        """Raise ValueError naming the bad field."""
+        problem = self.problem()
+        if problem is not None:
+            raise ValueError(problem[1])
 
     @property
     def greedy(self) -> bool:
@@ -88,12 +98,3 @@ class SamplingParams:
         """True when the logits are changed before sampling (bias or a penalty): greedy is then not a plain argmax."""
         return bool(self.logit_bias) or self.needs_history
 
-
-def stop_problem(stop: list[str]) -> str | None:
-    """Why these stop strings cannot be served (too many or one too long), else None."""
-    if len(stop) > MAX_STOP_STRINGS:
-        return f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}"
-    for text in stop:
-        if len(text) > MAX_STOP_CHARS:
-            return f"each stop string may have at most {MAX_STOP_CHARS} characters, got one of {len(text)}"
-    return None

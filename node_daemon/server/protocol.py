@@ -1,11 +1,11 @@
 """OpenAI's wire format for completions and chat completions: requests, responses, stream chunks, errors.
 
-Requests are validated here once (pydantic, at the edge); the engine only sees plain SamplingParams.
-Unknown fields are ignored the way OpenAI-compatible servers do; fields we understand but cannot honour
-(best_of, suffix, vLLM's guided_*, ...) are refused with a clear 400 by `unsupported()` instead of being dropped,
-and values out of OpenAI's ranges by `invalid()` (400 invalid_request_error). Every request model is strict: a JSON
-value of the wrong type is refused, never coerced (`"max_tokens": true` is not 1, `"stream": "yes"` is not true); an
-int is still a valid float.
+Requests are parsed here (pydantic, at the edge); the engine only sees plain SamplingParams, whose problem()
+holds the sampling values' ranges. Unknown fields are ignored the way OpenAI-compatible servers do; fields we
+understand but cannot honour (best_of, suffix, vLLM's guided_*, ...) are refused with a clear 400 by `unsupported()`
+instead of being dropped, and values only the wire can judge by `invalid()` (400 invalid_request_error). Every
+request model is strict: a JSON value of the wrong type is refused, never coerced (`"max_tokens": true` is not 1,
+`"stream": "yes"` is not true); an int is still a valid float.
 """
 from __future__ import annotations
 
@@ -16,13 +16,11 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from stallfree.node_daemon.engine.sampling_params import SamplingParams, stop_problem
+from stallfree.node_daemon.engine.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from stallfree.node_daemon.server import legacy_fields
 
 # Request models: unknown fields ignored, known ones strictly typed.
 STRICT = ConfigDict(extra="ignore", strict=True)
-# A seed is a 64-bit integer (signed or unsigned), what a torch.Generator takes.
-MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 
 
 MAX_N = 128  # OpenAI's bound on choices per request
@@ -58,6 +56,11 @@ Prompt = Annotated[Union[Annotated[str, Tag("str")],
                          Annotated[list[TokenIds], _FAIL_FAST, Tag("list[list[int]]")]],
                    Discriminator(_prompt_kind)]
 
+# Bounded as sent (empty strings, dropped later, count too); one member is validated, so the error names the bound.
+StopStrings = Annotated[Union[Annotated[str, Tag("str")],
+                              Annotated[list[str], Field(max_length=MAX_STOP_STRINGS), Tag("list")]],
+                        Discriminator(lambda value: "list" if isinstance(value, list) else "str")]
+
 
 class StreamOptions(BaseModel):
     model_config = STRICT
@@ -73,16 +76,16 @@ class SamplingFields(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: StopStrings | None = None
     stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool = False  # vLLM's extension
-    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
+    seed: int | None = None
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -106,29 +109,15 @@ class SamplingFields(BaseModel):
         return None
 
     def invalid(self, vocab_size: int | None) -> tuple[str, str] | None:
-        """(param, message) for the first value outside OpenAI's range, else None (NaN is never in range)."""
+        """(param, message) for the first value only the wire can judge, else None; the sampling values' ranges are
+        SamplingParams.problem's (engine/request_rules.py applies them before admission)."""
         if not 1 <= self.n <= MAX_N:
             return "n", f"n must be between 1 and {MAX_N}, got {self.n}"
-        # The list as sent (empty strings count towards the bound too), checked before it becomes SamplingParams.
-        sent = self.stop if isinstance(self.stop, list) else [] if self.stop is None else [self.stop]
-        problem = stop_problem(sent)
-        if problem is not None:
-            return "stop", problem
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value is not None and not -2.0 <= value <= 2.0:
-                return name, f"{name} must be between -2 and 2, got {value}"
-        if self.repetition_penalty is not None and not 0.0 < self.repetition_penalty <= 10.0:
-            return "repetition_penalty", f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
-        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
-            return "min_p", f"min_p must be between 0 and 1, got {self.min_p}"
-        for key, bias in (self.logit_bias or {}).items():
+        for key in self.logit_bias or {}:
             token = _token_id(key)
             if token is None or (vocab_size is not None and token >= vocab_size):
                 bound = f" in [0, {vocab_size})" if vocab_size is not None else ""
                 return "logit_bias", f"logit_bias keys must be token ids{bound}, got {key!r}"
-            if not -100.0 <= bias <= 100.0:
-                return "logit_bias", f"logit_bias values must be between -100 and 100, got {bias} for token {key}"
         return None
 
     def logprobs_wanted(self) -> int | None:
