@@ -70,14 +70,19 @@ def ignore_patterns() -> list[str]:
 
 
 def ignored(relative: str, patterns: list[str]) -> bool:
+    """As Docker reads the ignore file: the last pattern that matches decides, `!` re-includes."""
     parts = relative.split("/")
+    out = False
     for pattern in patterns:
+        negated = pattern.startswith("!")
+        pattern = pattern[1:] if negated else pattern
         if pattern.startswith("**/"):
-            if any(fnmatch.fnmatch(part, pattern[3:]) for part in parts):
-                return True
-        elif fnmatch.fnmatch(relative, pattern) or fnmatch.fnmatch(parts[0], pattern):
-            return True
-    return False
+            matched = any(fnmatch.fnmatch(part, pattern[3:]) for part in parts)
+        else:
+            matched = fnmatch.fnmatch(relative, pattern) or fnmatch.fnmatch(parts[0], pattern)
+        if matched:
+            out = not negated
+    return out
 
 
 def rebuild_context(stage: list[tuple[str, str]], workdir: pathlib.Path, root: pathlib.Path = ROOT) -> None:

@@ -36,6 +36,7 @@ def test_the_base_names_the_default_images() -> None:
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert container["image"] == images.CONTROL_PLANE_IMAGE
     assert env[images.SERVING_IMAGE_ENV] == images.SERVING_IMAGE
+    assert env[images.SERVING_CUDA_IMAGE_ENV] == images.SERVING_CUDA_IMAGE
 
 
 def test_a_registry_overlay_moves_the_operator_and_what_it_renders() -> None:
@@ -43,11 +44,12 @@ def test_a_registry_overlay_moves_the_operator_and_what_it_renders() -> None:
     wanted = {i["name"]: f"{i['newName']}:{i['newTag']}" for i in overlay["images"]}
     container = operator_container(build(OVERLAYS / "registry"))
     env = {e["name"]: e.get("value") for e in container["env"]}
-    control_plane, serving = (wanted[image.rpartition(":")[0]]
-                              for image in (images.CONTROL_PLANE_IMAGE, images.SERVING_IMAGE))
+    control_plane, serving, cuda = (wanted[image.rpartition(":")[0]] for image in (
+        images.CONTROL_PLANE_IMAGE, images.SERVING_IMAGE, images.SERVING_CUDA_IMAGE))
     assert container["image"] == control_plane
     assert env[images.CONTROL_PLANE_IMAGE_ENV] == control_plane  # the routers it renders
     assert env[images.SERVING_IMAGE_ENV] == serving  # the daemons it renders
+    assert env[images.SERVING_CUDA_IMAGE_ENV] == cuda
     assert env["HOME"] == "/tmp"  # other values untouched
 
 

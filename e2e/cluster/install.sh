@@ -5,9 +5,9 @@
 #   e2e/cluster/install.sh [EXAMPLE] [NAMESPACE]
 #     EXAMPLE    an InferenceService manifest (default: manifests/examples/smollm2-cpu.yaml)
 #     NAMESPACE  where the example goes (default: default)
-#   env: REGISTRY, TAG    where build-images.sh pushed the two images (default: the manifests' own,
-#                         ghcr.io/stallfree and 0.1.0): REGISTRY/stallfree-control-plane:TAG runs the
-#                         operator and its routers, REGISTRY/stallfree:TAG the daemons
+#   env: REGISTRY, TAG    where build-images.sh put the images (default: the manifests' own, localhost/stallfree
+#                         and 0.1.0, loaded into the nodes): REGISTRY/stallfree-control-plane:TAG runs the
+#                         operator and its routers, REGISTRY/stallfree-serving-{cpu,cuda}:TAG the daemons
 #        TIMEOUT          how long to wait for Ready (default: 900s; the first start loads and profiles)
 set -euo pipefail
 
@@ -48,8 +48,9 @@ apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources: [../../operator]
 images:
-- {name: ghcr.io/stallfree/stallfree, newName: ${REGISTRY:-ghcr.io/stallfree}/stallfree, newTag: "${TAG:-0.1.0}"}
-- {name: ghcr.io/stallfree/stallfree-control-plane, newName: ${REGISTRY:-ghcr.io/stallfree}/stallfree-control-plane, newTag: "${TAG:-0.1.0}"}
+- {name: localhost/stallfree/stallfree-serving-cpu, newName: ${REGISTRY:-localhost/stallfree}/stallfree-serving-cpu, newTag: "${TAG:-0.1.0}"}
+- {name: localhost/stallfree/stallfree-serving-cuda, newName: ${REGISTRY:-localhost/stallfree}/stallfree-serving-cuda, newTag: "${TAG:-0.1.0}"}
+- {name: localhost/stallfree/stallfree-control-plane, newName: ${REGISTRY:-localhost/stallfree}/stallfree-control-plane, newTag: "${TAG:-0.1.0}"}
 EOF
 kubectl apply -k "$OVERLAY"
 kubectl -n "$OPERATOR_NS" rollout status deployment/stallfree-operator --timeout=300s

@@ -19,6 +19,7 @@ from typing import Any
 
 from stallfree.contracts import Tuning
 from stallfree.profile_rules import give_way
+from stallfree.operator.api import checks
 from stallfree.operator.api import spec as s
 from stallfree.operator.reconcile import images
 
@@ -140,9 +141,15 @@ def rollout_view(spec: s.InferenceServiceSpec) -> dict[str, Any]:
     data.pop("routing", None)  # the router is its own Deployment: switching it never restarts a daemon
     data.pop("objectives", None)  # read by the router only (for now): editing them never restarts a daemon
     data.pop("default_objective", None)
-    data["engine"]["image"] = images.serving_image(spec.engine.image)  # a new default image rolls the daemons
+    data["engine"]["image"] = daemon_image(spec)  # a new default image rolls the daemons
     data["render_version"] = RENDER_VERSION
     return data
+
+
+def daemon_image(spec: s.InferenceServiceSpec) -> str:
+    """The spec's image, else the serving variant its device needs (a GPU asked for: CUDA)."""
+    cuda = spec.engine.device == "cuda" or (spec.engine.device == "auto" and checks.gpu_count(spec) > 0)
+    return images.serving_image(spec.engine.image, cuda=cuda)
 
 
 def template_hash(spec: s.InferenceServiceSpec) -> str:
@@ -276,7 +283,7 @@ def pod_template(name: str, spec: s.InferenceServiceSpec, knobs: StartupKnobs) -
                  if v}
     container = {
         "name": "daemon",
-        "image": images.serving_image(spec.engine.image),
+        "image": daemon_image(spec),
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["stallfree"],
         "args": args,
