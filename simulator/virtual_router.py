@@ -6,16 +6,13 @@ oldest requests go to the replicas that can start them soon, each to the one wit
 TTFT (pick.py's slo-aware rule, without prefix affinity: simulated prompts share no prefix). A request
 keeps its router arrival time on the replica, so the replica's queue wait and TTFT count from it.
 
-Each request names an objective and a tenant (objectives.py): its priority band, its tenant's turn and its
-deadline order it in the queue (flow_control.py, as the proxy builds its `Queued`), and a request of a sheddable
-objective predicted to miss its TTFT target at every ready replica, counting the replicas starting, is refused
-at arrival (shedding.py, the proxy's 429). What became of each request is kept (request_outcomes.py): its
-objective's windows for the control loop, and the run's goodput.
-
-What a replica has queued is never read off its scheduler: each replica is the router's own `Replica`
-(replicas.py), whose `PrefillClock` is charged at dispatch and settled by each request's first token, as
-the proxy does with first bytes. First tokens and ends reach the router through an engine observer
-(`observer(name)`), and count only once the router's clock has passed them.
+Every rule is production's: arrivals, shedding, the queue's order, dispatch, the reservation on a replica,
+the objective signed to its engine and the settling by first tokens and ends are the proxy's waiting room
+(operator/router/waiting_room.py), driven here on virtual time. What a replica has queued is never read off its
+scheduler: each replica is the router's own `Replica` (replicas.py). First tokens and ends reach the router
+through an engine observer (`observer(name)`), and count only once the router's clock has passed them. What
+became of each request is also kept (request_outcomes.py): its objective's windows for the control loop, and
+the run's goodput.
 """
 from __future__ import annotations
 
@@ -27,12 +24,12 @@ from stallfree.contracts import Profile
 from stallfree.node_daemon.engine.request import Objective, Request
 from stallfree.operator.control.observe import QueueObservation
 from stallfree.operator.control.queueing import prompt_cv2
-from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
-from stallfree.operator.router.objectives import Objectives, deadline_s
+from stallfree.operator.router.flow_control import FlowConfig, Queued
+from stallfree.operator.router.objectives import Objectives
 from stallfree.operator.router.pick import ReplicaView, pick
 from stallfree.operator.router.replicas import Replica
-from stallfree.operator.router.shedding import BandArrivals, sheds
 from stallfree.operator.router.startup_times import StartupTimes
+from stallfree.operator.router.waiting_room import QueueFull, WaitingRoom
 from stallfree.simulator.request_outcomes import Outcomes
 from stallfree.simulator.virtual_replica import VirtualReplica
 
@@ -63,10 +60,9 @@ class _Replies:
 class VirtualRouter:
     def __init__(self, flow: FlowConfig, profile_of: Callable[[str], Profile], window_s: float,
                  tick_s: float = 0.05, objectives: Objectives | None = None) -> None:
-        self.queue: FlowQueue[int] = FlowQueue(flow)
-        self.objectives = objectives or Objectives.implicit()
-        self.outcomes = Outcomes(self.objectives)
-        self.bands = BandArrivals(window_s)  # what each priority band offered: the reserve shedding predicts with
+        self.room: WaitingRoom[int] = WaitingRoom(flow, objectives)  # production's rules
+        self.queue = self.room.queue
+        self.outcomes = Outcomes(self.room.objectives)
         self.startup_times = StartupTimes()  # the start-ups seen (replica_started): when a starting one is ready
         self.profile_of = profile_of
         self.window_s = window_s
@@ -76,7 +72,7 @@ class VirtualRouter:
         self._next = 0
         self.replicas: dict[str, Replica] = {}  # what the router knows of each: stats, profile, clock, in flight
         self._polled: dict[str, float] = {}  # when each one's stats were last read
-        self._sent: dict[str, set[str]] = {}  # request ids sent to each and not ended
+        self._sent: dict[str, dict[str, tuple[int, Queued[int]]]] = {}  # each one's request ids in flight: ticket
         self._replies: list[tuple[float, int, str, str, int]] = []  # heap: (time, seq, replica, request, kind)
         self._seq = itertools.count()
         self._arrived: list[tuple[float, int]] = []  # (time, prompt tokens) over the last window
@@ -90,9 +86,13 @@ class VirtualRouter:
         """A replica became ready `seconds` after it was asked for (as the router sees a start-up end)."""
         self.startup_times.observed(seconds)
 
+    @property
+    def objectives(self) -> Objectives:
+        return self.room.objectives
+
     def use_objectives(self, objectives: Objectives) -> None:
         """The service's objectives (the operator's `--objectives`); before any request arrives."""
-        self.objectives = objectives
+        self.room.objectives = objectives
         self.outcomes = Outcomes(objectives)
 
     def arrive(self, t: float, prompt_len: int, max_tokens: int, objective: str = "", tenant: str = "",
@@ -106,23 +106,13 @@ class VirtualRouter:
             raise ValueError(f"objective {objective!r} is not one of {', '.join(self.objectives.names())}")
         self._next += 1
         self._arrived.append((t, prompt_len))
-        self.bands.offered(t, named.priority, prompt_len)
-        needs_views = ready is not None and (named.sheddable or named.ttft_ms is not None)
-        views = [self._known(name, replica, t).view(t) for name, replica in (ready or {}).items()] \
-            if needs_views else []
-        if named.sheddable and ready is not None:
-            ahead = sum(q.prompt_tokens for q in self.queue if q.priority >= named.priority)
-            reserved = self.bands.reserve(named.priority, t, (named.ttft_ms or 0.0) / 1000.0)
-            starting_in_ms = [ms for ms in map(self.startup_times.ready_in_ms, starting) if ms is not None]
-            if sheds(named, views, starting_in_ms, prompt_len, ahead, reserved) is not None:
-                self.outcomes.shed(t, named.name, tenant, prompt_len)
-                return False
-        fastest = max((v.prefill_tokens_per_ms for v in views), default=None)
-        item = Queued(self._next, t, prompt_len, objective=named.name, priority=named.priority, tenant=tenant,
-                      deadline_s=deadline_s(named, prompt_len, t, fastest))
-        if not self.queue.push(item):
-            self.outcomes.refused(t, named.name, tenant, prompt_len)
-            return False  # counted by the queue (rejected), as the router answers 429
+        starting_in_ms = [ms for ms in map(self.startup_times.ready_in_ms, starting) if ms is not None]
+        views = lambda: [self._known(name, replica, t).view(t) for name, replica in (ready or {}).items()]  # noqa: E731
+        item = self.room.arrive(self._next, named, tenant, prompt_len, t, views, starting_in_ms)
+        if not isinstance(item, Queued):
+            (self.outcomes.refused if isinstance(item, QueueFull) else self.outcomes.shed)(t, named.name, tenant,
+                                                                                            prompt_len)
+            return False  # the router's 429
         self._requests[self._next] = (prompt_len, max_tokens)
         self.outcomes.arrived(self._next, t, named.name, tenant, prompt_len, max_tokens)
         return True
@@ -137,12 +127,17 @@ class VirtualRouter:
         def choose(item: Queued[int], candidates: list[ReplicaView]):
             return pick("slo-aware", candidates, item.prompt_tokens, item.key)
 
-        sent = self.queue.dispatch(views, choose)
+        sent = self.room.dispatch(views, choose, now)
         for item, choice in sent:
             prompt_len, max_tokens = self._requests.pop(item.key)
+            named = self.room.objectives.by_name[item.objective]
+            signed = self.room.signed(named, item.sent_priority, item.arrival_s)  # on the engine's (virtual) clock
+            engine_objective = None if signed is None else \
+                Objective(signed.name, signed.priority, signed.deadline_s, signed.tpot_ms)
             request_id = replicas[choice.name].submit(prompt_len, max_tokens, item.arrival_s,
-                                                      objective=self._signed(item))
-            self._reserve(choice.name, request_id, prompt_len, now, item.sent_priority, item.tenant)
+                                                      objective=engine_objective)
+            ticket = self.room.reserve(self.replicas[choice.name], prompt_len, now, item.sent_priority, item.tenant)
+            self._sent.setdefault(choice.name, {})[request_id] = (ticket, item)
             self._keys[request_id] = item.key
             self.outcomes.dispatched(item.key, now)
         return len(sent)
@@ -191,27 +186,6 @@ class VirtualRouter:
             self._polled[name] = now
         return known
 
-    def _signed(self, item: Queued[int]) -> Objective | None:
-        """What the proxy signs for the engine (proxy.py objective headers): its priority, the first token due at
-        its arrival plus the TTFT target, its TPOT target (the priority it was sent with: flow_control.py). None for the implicit objective (as without one)."""
-        if len(self.objectives.by_name) <= 1 and not item.sent_priority:
-            return None
-        named = self.objectives.named(item.objective)
-        # Sent below its band (its tenant past its share), it gives up its deadline, as the proxy signs it.
-        deadline = None if named is None or named.ttft_ms is None or item.demoted \
-            else item.arrival_s + named.ttft_ms / 1000.0
-        return Objective(item.objective, item.sent_priority, deadline, None if named is None else named.tpot_ms)
-
-    def _reserve(self, name: str, request_id: str, prompt_tokens: int, now: float, priority: int = 0,
-                 tenant: str = "") -> None:
-        """Counted at dispatch (the proxy's _reserve): in flight there (in its band), and on its prefill clock."""
-        known = self.replicas[name]
-        known.outstanding += 1
-        known.held[request_id] = priority
-        known.clock.dispatched(request_id, prompt_tokens, known.prefill_tokens_per_ms() * 1000.0, now,
-                               priority, tenant)
-        self._sent.setdefault(name, set()).add(request_id)
-
     def _heard(self, t: float, name: str, request_id: str, kind: int) -> None:
         if request_id not in self._sent.get(name, ()):
             return  # not sent by this router (or its replica restarted since)
@@ -226,12 +200,11 @@ class VirtualRouter:
             known, sent = self.replicas.get(name), self._sent.get(name)
             if known is None or sent is None or request_id not in sent:
                 continue  # its replica restarted since
+            ticket, item = sent[request_id]
             if kind == _FIRST_TOKEN:
-                known.clock.prefilled(request_id, t)
+                self.room.first_byte(known, ticket, t, self.room.objectives.by_name[item.objective], item.arrival_s)
                 self.outcomes.first_token(self._keys.get(request_id), t)
             else:
                 self.outcomes.ended(self._keys.pop(request_id, None), t)
-                sent.discard(request_id)
-                known.clock.forget(request_id, t)  # ended before its first token: its share of the clock goes
-                known.outstanding -= 1
-                known.held.pop(request_id, None)
+                del sent[request_id]
+                self.room.release(known, ticket, t)

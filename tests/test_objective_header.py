@@ -8,12 +8,14 @@ import json
 import time
 
 import httpx
+import pytest
 
 from server_helpers import ADMIN_TOKEN, running_daemon
 from stallfree.node_daemon.server.router_objective import RouterObjective
 from stallfree.operator.router.forwarding import upstream_headers
-from stallfree.operator.router.objectives import Objective as RouterObjectiveSpec
-from stallfree.operator.router.proxy import _objective_headers
+from stallfree.operator.router.objectives import Objective as RouterObjectiveSpec, Objectives
+from stallfree.operator.router.flow_control import FlowConfig
+from stallfree.operator.router.waiting_room import WaitingRoom
 from stallfree.request_objective_header import (OBJECTIVE_HEADER, SIGNATURE_HEADER, RequestObjective, decode, encode,
                                                 headers, read)
 from stallfree.router_queue_header import sign
@@ -68,14 +70,15 @@ def test_a_client_cannot_send_the_objective_header_through_the_router():
 
 def test_the_router_signs_the_deadline_from_its_arrival():
     spec = RouterObjectiveSpec("chat", priority=3, ttft_ms=2000.0, tpot_ms=50.0)
-    before = time.time()
-    sent = dict(_objective_headers(spec, waited_ms=500.0, admin_token=ADMIN_TOKEN))
+    room = WaitingRoom(FlowConfig(), Objectives({"chat": spec}, spec))
+    arrived = time.time() - 0.5  # it waited 0.5 s in the router
+    sent = dict(headers(room.signed(spec, 3, arrived), ADMIN_TOKEN, time.time()))
     objective = read(sent, ADMIN_TOKEN, time.time())
     assert objective is not None and (objective.name, objective.priority, objective.tpot_ms) == ("chat", 3, 50.0)
-    assert before + 1.5 - 0.01 <= objective.deadline_s <= time.time() + 1.5 + 0.01  # arrival (now - 0.5 s) + 2 s
-    no_target = read(dict(_objective_headers(RouterObjectiveSpec("default"), 0.0, ADMIN_TOKEN)), ADMIN_TOKEN,
-                     time.time())
-    assert no_target == RequestObjective("default", 0, None, None)
+    assert objective.deadline_s == pytest.approx(arrived + 2.0)  # its arrival + 2 s
+    assert room.signed(spec, 2, arrived) == RequestObjective("chat", 2, None, 50.0)  # sent below its band
+    implicit = WaitingRoom(FlowConfig())
+    assert implicit.signed(implicit.objectives.default, 0, arrived) is None  # nothing to tell: first come, first served
 
 
 OBJECTIVES = json.dumps([{"name": "chat", "priority": 7, "ttftP99Ms": 600000, "tpotP99Ms": 60000, "default": True},

@@ -69,7 +69,8 @@ def test_a_request_sent_below_its_band_gives_up_its_deadline():
     router, replica = _setup()
     assert router.arrive(0.0, 500, 2, "interactive", "flood", ready={"r0": replica})
     item = router.queue.ordered()[0]
-    assert router._signed(item).deadline == pytest.approx(3.0)  # arrival + the 3 s TTFT target
+    signed = router.room.signed(INTERACTIVE, item.sent_priority, item.arrival_s)  # what the engine is told
+    assert signed.deadline_s == pytest.approx(3.0)  # arrival + the 3 s TTFT target
     item.demoted = True  # its tenant past its share (flow_control): one band down, no deadline to age by
-    signed = router._signed(item)
-    assert (signed.priority, signed.deadline) == (-1, None)
+    signed = router.room.signed(INTERACTIVE, item.sent_priority, item.arrival_s)
+    assert (signed.priority, signed.deadline_s) == (-1, None)

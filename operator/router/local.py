@@ -49,7 +49,7 @@ class InProcessRouter:
 
     def set_objectives(self, objectives: Objectives) -> None:
         """The objectives each new request is judged by (queued ones keep the band and deadline they got)."""
-        self.router.config.objectives = objectives
+        self.router.use_objectives(objectives)
 
     async def wait_ready(self, timeout_s: float = 10.0) -> bool:
         """Until the router's own poll found a replica ready (its first poll follows `follow` closely)."""

@@ -10,14 +10,15 @@ From the moment its body is read until its answer is sent, a request watches its
 leaves, queued, waiting for a non-streamed answer or streaming, cancels it here, which closes the upstream
 connection (the replica aborts the request and frees its KV blocks).
 
-Generation requests (POST) first wait in the router's queue (flow_control.py) until a replica can start
-them soon; the time they waited there goes to the replica in `x-stallfree-router-queue-ms`, signed with the
-admin token (stallfree.router_queue_header), so its queue wait and TTFT count from the router's arrival. Only requests the router accepted (admission.py) count as
+Generation requests (POST) first wait in the router's waiting room (waiting_room.py: its rules, clock-free,
+which the simulator runs too) until a replica can start them soon; the time they waited there goes to the
+replica in `x-stallfree-router-queue-ms`, signed with the admin token (stallfree.router_queue_header), so its
+queue wait and TTFT count from the router's arrival. Only requests the router accepted (admission.py) count as
 demand. Each request names its objective and tenant in headers (objectives.py): they decide its place in the
-queue (flow_control.py) and, for a sheddable objective predicted to miss everywhere, a 429 at arrival
-(shedding.py); the replica gets the objective's name, priority, deadline and TPOT target, signed the same way
-(stallfree.request_objective_header), for its scheduler's order. Which paths come here, and the body's bounds,
-are the edge's (edge.py).
+queue and, for a sheddable objective predicted to miss everywhere, a 429 at arrival; the replica gets the
+objective as the waiting room signs it (stallfree.request_objective_header), for its scheduler's order. This
+file keeps the HTTP side: the wait for a dispatch, the forwarding, retries, the relay and the drain. Which paths
+come here, and the body's bounds, are the edge's (edge.py).
 """
 from __future__ import annotations
 
@@ -40,16 +41,15 @@ from stallfree.operator.router.answers import (Answer, queue_full_answer, refusa
                                                sse_error)
 from stallfree.operator.router.client_io import client_left, whole_body
 from stallfree.operator.router.affinity import DEFAULT_BLOCK_TOKENS, PrefixTable, prefix_hashes
-from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
+from stallfree.operator.router.flow_control import FlowConfig, Queued
 from stallfree.operator.router.forwarding import is_admin, response_headers, upstream_headers
 from stallfree.operator.router.metrics import RouterMetrics
-from stallfree.operator.router.objective_book import ObjectiveBook
 from stallfree.operator.router.objectives import OBJECTIVE_HEADER, Objective, Objectives, header, tenant_of
 from stallfree.operator.router.pick import AffinityMargin, Choice, ReplicaView, pick, rendezvous_home
 from stallfree.operator.router.replicas import Replica, ReplicaPool
 from stallfree.operator.router.requests import RequestInfo, read_parsed
 from stallfree.operator.router.shedding import SHED_CODE
-from stallfree.request_objective_header import RequestObjective
+from stallfree.operator.router.waiting_room import QueueFull, Shed, WaitingRoom
 from stallfree.request_objective_header import headers as objective_headers
 from stallfree.router_queue_header import QUEUE_HEADER, SIGNATURE_HEADER, sign
 
@@ -102,13 +102,10 @@ class Router:
         self.counter = 0
         self.rng = random.Random(config.seed)
         self.client: httpx.AsyncClient | None = None
-        self.queue: FlowQueue[int] = FlowQueue(config.flow)
-        self.objectives = ObjectiveBook()  # per objective: offered, shed, outcomes (objective_book.py)
+        self.room: WaitingRoom[int] = WaitingRoom(config.flow, config.objectives)  # the rules (waiting_room.py)
+        self.queue = self.room.queue
         self._waiters: dict[int, tuple[asyncio.Future, RequestInfo, list[int], int]] = {}
         self._next_key = 0
-        self._next_ticket = 0
-        self.arrived_prompt_tokens = 0  # a counter: the control loop takes its rate between two reads
-        self.arrived_prompt_tokens_sq = 0  # and of the squares: the spread of prompt lengths (queueing.py)
         self._ticker: asyncio.Task | None = None
         self._last_healthy_at = time.perf_counter()  # when some replica was last seen healthy
         pool._on_change = self._replica_changed
@@ -125,6 +122,10 @@ class Router:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         await self.pool.start()
         self._ticker = asyncio.ensure_future(self._tick())
+
+    def use_objectives(self, objectives: Objectives) -> None:
+        """The objectives each new request is judged by (queued ones keep the band and deadline they got)."""
+        self.config.objectives = self.room.objectives = objectives
 
     async def close(self) -> None:
         if self._ticker is not None:
@@ -170,13 +171,12 @@ class Router:
             return self._pick(info, hashes, candidates, names, seq)
 
         now = time.perf_counter()
-        for item, choice in self.queue.dispatch([r.view(now) for r in healthy], choose):
+        for item, choice in self.room.dispatch([r.view(now) for r in healthy], choose, now):
             future, info, hashes, _ = self._waiters.pop(item.key)
             replica = self.pool.replicas[choice.name]
             ticket = self._reserve(replica, info.prompt_tokens, now, item.sent_priority, item.tenant)
             self.metrics.queue_wait.observe(now - item.arrival_s)
             self.metrics.objective_queue_wait.labels(item.objective).observe(now - item.arrival_s)
-            self.objectives.outcomes.dispatched(item.objective, now, (now - item.arrival_s) * 1000.0)
             if item.seq > 0:  # a retry (pushed to the front) was counted on its first dispatch
                 self.metrics.objective_requests.labels(item.objective, "dispatched").inc()
             if not future.done():
@@ -186,16 +186,7 @@ class Router:
         self._queue_gauges()
 
     def queue_status(self) -> dict:
-        now = time.perf_counter()
-        oldest = self.queue.oldest_arrival_s()
-        return {"depth": len(self.queue), "queued_prompt_tokens": self.queue.queued_prompt_tokens,
-                "oldest_wait_ms": 0.0 if oldest is None else (now - oldest) * 1000.0,
-                "arrivals": self.queue.arrivals, "arrived_prompt_tokens": self.arrived_prompt_tokens,
-                "arrived_prompt_tokens_sq": self.arrived_prompt_tokens_sq,
-                "rejected": self.queue.rejected, "cancelled": self.queue.cancelled,
-                "dispatched": self.queue.dispatched, "max_queued": self.config.flow.max_queued,
-                "dispatch_wait_ms": self.config.flow.dispatch_wait_ms,
-                "objectives": self.objectives.status(self.config.objectives, self.queue.depth_by_objective(), now)}
+        return self.room.status(time.perf_counter())
 
     def _queue_gauges(self) -> None:
         self.metrics.queue_depth.set(len(self.queue))
@@ -204,54 +195,29 @@ class Router:
         for name in self.config.objectives.by_name:
             self.metrics.objective_queue_depth.labels(name).set(depths.get(name, 0))
 
-    def _deadline_s(self, objective: Objective, prompt_tokens: int, received: float) -> float | None:
-        """Arrival plus the objective's TTFT target, less the prompt's prefill at the fastest healthy replica."""
-        if objective.ttft_ms is None:
-            return None
-        rates = [r.prefill_tokens_per_ms() for r in self.pool.healthy()]
-        prefill_ms = prompt_tokens / max(rates) if rates and max(rates) > 0 else 0.0
-        return received + (objective.ttft_ms - prefill_ms) / 1000.0
-
-    def _shed(self, objective: Objective, info: RequestInfo) -> Answer | None:
-        """The 429 for a sheddable request predicted to miss its TTFT target at every replica (shedding.py)."""
-        if not objective.sheddable:
-            return None
-        now = time.perf_counter()
-        views = [r.view(now) for r in self.pool.healthy()]
-        ahead = sum(q.prompt_tokens for q in self.queue if q.priority >= objective.priority)
-        predicted = self.objectives.predicted_miss_ms(objective, views, self.pool.starting_in_ms(time.monotonic()),
-                                                      info.prompt_tokens, ahead, now)
-        if predicted is None:
-            return None
-        self.metrics.objective_requests.labels(objective.name, "shed").inc()
-        self.metrics.refused.labels(SHED_CODE).inc()
-        return shed_answer(objective.name, predicted, objective.ttft_ms or 0.0)
-
     async def _wait_in_queue(self, info: RequestInfo, received: float, seq: int, exclude: frozenset[str],
                              front: bool, objective: Objective,
                              tenant: str) -> tuple[Replica, Choice, list[int], int] | Answer:
         """Queue the request and wait for its dispatch or the queue timeout; cancelled when its client leaves."""
-        if not front:
-            self.objectives.offer(objective, info.prompt_tokens, time.perf_counter())
-            shed = self._shed(objective, info)
-            if shed is not None:
-                return shed
         key = self._next_key = self._next_key + 1
-        hashes = prefix_hashes(info.prompt_text, self.block_chars) if self.config.policy == "slo-aware" else []
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        item = Queued(key, received, info.prompt_tokens, exclude, objective=objective.name,
-                      priority=objective.priority, tenant=tenant,
-                      deadline_s=self._deadline_s(objective, info.prompt_tokens, received))
-        if not self.queue.push(item, front=front):
+        def views() -> list[ReplicaView]:
+            now = time.perf_counter()
+            return [r.view(now) for r in self.pool.healthy()]
+
+        item = self.room.arrive(key, objective, tenant, info.prompt_tokens, received, views,
+                                self.pool.starting_in_ms(time.monotonic()), exclude, front)
+        if isinstance(item, Shed):
+            self.metrics.objective_requests.labels(objective.name, "shed").inc()
+            self.metrics.refused.labels(SHED_CODE).inc()
+            return shed_answer(objective.name, item.predicted_ms, objective.ttft_ms or 0.0)
+        if not front:
             self.metrics.arrivals.inc()
+        if isinstance(item, QueueFull):
             self.metrics.queue_rejected.inc()
             self.metrics.objective_requests.labels(objective.name, "queue_full").inc()
-            whole = len(self.queue) >= self.config.flow.max_queued
-            return queue_full_answer(self.config.flow.max_queued, None if whole else self.queue.share(item))
-        if not front:
-            self.metrics.arrivals.inc()
-            self.arrived_prompt_tokens += info.prompt_tokens
-            self.arrived_prompt_tokens_sq += info.prompt_tokens ** 2
+            return queue_full_answer(self.config.flow.max_queued, item.share)
+        hashes = prefix_hashes(info.prompt_text, self.block_chars) if self.config.policy == "slo-aware" else []
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiters[key] = (future, info, hashes, seq)
         self.dispatch()
         if future.done():
@@ -296,20 +262,12 @@ class Router:
                               "in the router's queue", "queue_timeout")
 
     def _reserve(self, replica: Replica, tokens: int, now_s: float, priority: int = 0, tenant: str = "") -> int:
-        """Counted at dispatch, before any await: the next dispatch sees this request on its replica (in its band).
-        Returns the ticket its first byte (or failure) settles on the replica's prefill clock."""
-        self._next_ticket += 1
-        replica.outstanding += 1
-        replica.held[self._next_ticket] = priority
-        replica.clock.dispatched(self._next_ticket, tokens, replica.prefill_tokens_per_ms() * 1000.0, now_s,
-                                 priority, tenant)
+        """Counted at dispatch, before any await (waiting_room.reserve): the next dispatch sees it."""
         self.metrics.in_flight.inc()
-        return self._next_ticket
+        return self.room.reserve(replica, tokens, now_s, priority, tenant)
 
     def _unreserve(self, replica: Replica, ticket: int) -> None:
-        replica.outstanding -= 1
-        replica.held.pop(ticket, None)
-        replica.clock.forget(ticket, time.perf_counter())
+        self.room.release(replica, ticket, time.perf_counter())
         self.metrics.in_flight.dec()
 
     # -- the pick ---------------------------------------------------------------------------------
@@ -426,12 +384,11 @@ class Router:
                 self.prefixes.record(replica.name, hashes, info.prompt_tokens)
             waited_ms = (time.perf_counter() - received) * 1000.0
             leg_headers = headers + _queue_headers(f"{waited_ms:.1f}", self.admin_token) if queued else headers
-            if method == "POST":
-                # The priority it was sent with (one below its band past its tenant's share: flow_control.py); sent
-                # below its band, it gives up its deadline too, which would let it take budget beside the band.
+            if method == "POST":  # the priority it was sent with, and its deadline from the router's arrival
                 sent = replica.held.get(ticket, objective.priority) if queued else objective.priority
-                signed = objective if sent == objective.priority else replace(objective, priority=sent, ttft_ms=None)
-                leg_headers = leg_headers + _objective_headers(signed, waited_ms, self.admin_token)
+                signed = self.room.signed(objective, sent, time.time() - waited_ms / 1000.0)
+                if signed is not None:
+                    leg_headers = leg_headers + objective_headers(signed, self.admin_token, time.time())
             try:
                 return await self._send(replica, choice, ticket, method, path, leg_headers, body, info, received,
                                         objective)
@@ -450,23 +407,12 @@ class Router:
     async def _send(self, replica: Replica, choice: Choice, ticket: int, method: str, path: str, headers,
                     body: bytes, info: RequestInfo, received: float, objective: Objective) -> Answer:
         assert self.client is not None
-        state = {"open": True, "prefilled": False}  # reserved on the replica at dispatch (_reserve)
-
-        def prefilled() -> None:
-            if not state["prefilled"]:
-                state["prefilled"] = True
-                replica.clock.prefilled(ticket, time.perf_counter())
-                self.dispatch()  # its prefill is done: the replica may take the next one
+        state = {"open": True}  # reserved on the replica at dispatch (_reserve)
 
         def release() -> None:
             if state["open"]:
                 state["open"] = False
-                if not state["prefilled"]:  # failed before its first byte: nothing was prefilled
-                    state["prefilled"] = True
-                    replica.clock.forget(ticket, time.perf_counter())
-                replica.outstanding -= 1
-                replica.held.pop(ticket, None)
-                self.metrics.in_flight.dec()
+                self._unreserve(replica, ticket)
                 self.dispatch()  # a running slot is free
 
         try:
@@ -475,13 +421,14 @@ class Router:
         except BaseException:  # _first_byte closed what it opened
             release()
             raise
-        prefilled()
-        elapsed = time.perf_counter() - received
+        now = time.perf_counter()
+        generation = method == "POST"  # what its objective's TTFT target is about
+        self.room.first_byte(replica, ticket, now, objective if generation else None, received)
+        self.dispatch()  # its prefill is done: the replica may take the next one
+        elapsed = now - received
         self.metrics.observed_ttft.labels(self.config.policy).observe(elapsed)
-        if method == "POST":  # a generation request: what its objective's TTFT target is about
+        if generation:
             self.metrics.objective_ttft.labels(objective.name).observe(elapsed)
-            self.objectives.outcomes.first_byte(objective.name, received + elapsed, elapsed * 1000.0,
-                                                objective.ttft_ms)
             if objective.ttft_ms is not None and elapsed * 1000.0 > objective.ttft_ms:
                 self.metrics.objective_ttft_missed.labels(objective.name).inc()
         if choice.predicted_ttft_ms is not None:
@@ -660,16 +607,6 @@ def _queue_headers(waited_ms: str, admin_token: str | None) -> list[tuple[str, s
     """The ms a request waited here, signed with the admin token: a daemon believes no one else (router_queue_header)."""
     signed = [(SIGNATURE_HEADER, sign(waited_ms, admin_token, time.time()))] if admin_token else []
     return [(QUEUE_HEADER, waited_ms), *signed]
-
-
-def _objective_headers(objective: Objective, waited_ms: float, admin_token: str | None) -> list[tuple[str, str]]:
-    """The request's objective for the daemon's scheduler, signed as the queue header is (request_objective_header):
-    its deadline is the router's arrival (now less the wait here) plus the objective's TTFT target, on the wall
-    clock."""
-    now = time.time()
-    deadline = None if objective.ttft_ms is None else now + (objective.ttft_ms - waited_ms) / 1000.0
-    return objective_headers(RequestObjective(objective.name, objective.priority, deadline, objective.tpot_ms),
-                             admin_token, now)
 
 
 async def _close(response: httpx.Response) -> None:

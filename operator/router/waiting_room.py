@@ -1,0 +1,138 @@
+"""The router's waiting room: the rules a generation request meets from its arrival to its answer. Clock-free:
+every time is passed in, none is read here.
+
+- arrive: counted as offered, shed (a sheddable objective predicted to miss its TTFT target everywhere:
+  shedding.py), refused (its flow's share of the queue is full: flow_control.py) or queued with its deadline;
+- dispatch: the queue hands waiting requests to the replicas that can start them soon (flow_control.py);
+- reserve: counted on its replica at dispatch, in flight there and on its prefill clock (prefill_clock.py);
+- sign: what the replica's engine is told of the request's objective (request_objective_header);
+- settle: its first byte settles the prefill clock and its outcome (objective_outcomes.py); its end, or a
+  failure, gives the reservation back;
+- status: what `/router/queue` shows the control loop.
+
+The HTTP proxy (proxy.py) drives it on the process's clock; the simulator's router (simulator/virtual_router.py)
+on virtual time, so both run these very rules.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Callable, Generic, Sequence, TypeVar
+
+from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
+from stallfree.operator.router.objective_book import ObjectiveBook
+from stallfree.operator.router.objectives import Objective, Objectives, deadline_s
+from stallfree.operator.router.pick import Choice, ReplicaView
+from stallfree.operator.router.replicas import Replica
+from stallfree.request_objective_header import RequestObjective
+
+K = TypeVar("K")
+
+
+@dataclass(frozen=True)
+class Shed:
+    """Refused at arrival: predicted to miss its TTFT target at every replica (the 429 shed_predicted_miss)."""
+
+    predicted_ms: float
+
+
+@dataclass(frozen=True)
+class QueueFull:
+    """Refused at arrival: the queue, or its flow's share of it, is full (the 429 queue_full)."""
+
+    share: int | None  # the flow's share when that refused it; None: the whole queue was full
+
+
+class WaitingRoom(Generic[K]):
+    def __init__(self, flow: FlowConfig, objectives: Objectives | None = None) -> None:
+        self.flow = flow
+        self.queue: FlowQueue[K] = FlowQueue(flow)
+        self.objectives = objectives or Objectives.implicit()
+        self.book = ObjectiveBook()  # per objective: offered, shed, outcomes
+        self.arrived_prompt_tokens = 0  # counters: the control loop takes their rates between two reads
+        self.arrived_prompt_tokens_sq = 0  # and of the squares: the spread of prompt lengths (queueing.py)
+        self._tickets = itertools.count(1)
+
+    def arrive(self, key: K, objective: Objective, tenant: str, prompt_tokens: int, arrival_s: float,
+               views: Callable[[], Sequence[ReplicaView]], starting_in_ms: Sequence[float] = (),
+               exclude: frozenset[str] = frozenset(), front: bool = False) -> Queued[K] | Shed | QueueFull:
+        """A request at the router: queued (its `Queued`), shed or refused. `views`: the ready replicas as the router
+        sees them now (read only when the objective needs them); `starting_in_ms`: when each replica starting is
+        expected ready. `front`: a retry after a replica failed it, queued first and not counted again."""
+        seen = list(views()) if objective.sheddable or objective.ttft_ms is not None else []
+        if not front:
+            self.book.offer(objective, prompt_tokens, arrival_s)
+            if objective.sheddable:
+                ahead = sum(q.prompt_tokens for q in self.queue if q.priority >= objective.priority)
+                predicted = self.book.predicted_miss_ms(objective, seen, starting_in_ms, prompt_tokens, ahead,
+                                                        arrival_s)
+                if predicted is not None:
+                    return Shed(predicted)
+        fastest = max((v.prefill_tokens_per_ms for v in seen), default=None)
+        item = Queued(key, arrival_s, prompt_tokens, exclude, objective=objective.name, priority=objective.priority,
+                      tenant=tenant, deadline_s=deadline_s(objective, prompt_tokens, arrival_s, fastest))
+        if not self.queue.push(item, front=front):
+            whole = len(self.queue) >= self.flow.max_queued
+            return QueueFull(None if whole else self.queue.share(item))
+        if not front:
+            self.arrived_prompt_tokens += prompt_tokens
+            self.arrived_prompt_tokens_sq += prompt_tokens ** 2
+        return item
+
+    def dispatch(self, views: list[ReplicaView], choose: Callable[[Queued[K], list[ReplicaView]], Choice],
+                 now: float) -> list[tuple[Queued[K], Choice]]:
+        """The waiting requests the replicas (`views`, the healthy ones) can start soon, each with its replica."""
+        sent = self.queue.dispatch(views, choose)
+        for item, _ in sent:
+            self.book.outcomes.dispatched(item.objective, now, (now - item.arrival_s) * 1000.0)
+        return sent
+
+    def reserve(self, replica: Replica, prompt_tokens: int, now: float, priority: int = 0, tenant: str = "") -> int:
+        """Counted on `replica` at dispatch (in its band), before the request is sent: the next dispatch sees it.
+        Returns the ticket its first byte (`prefilled`) and its end (`release`) settle."""
+        ticket = next(self._tickets)
+        replica.outstanding += 1
+        replica.held[ticket] = priority
+        replica.clock.dispatched(ticket, prompt_tokens, replica.prefill_tokens_per_ms() * 1000.0, now, priority,
+                                 tenant)
+        return ticket
+
+    def signed(self, objective: Objective, sent_priority: int, arrival_s: float) -> RequestObjective | None:
+        """What the engine is told: the priority it was sent with (one below its band past its tenant's share:
+        flow_control.py), its first token due at its arrival plus the TTFT target (on the clock `arrival_s` is
+        on), its TPOT target. Sent below its band it gives up its deadline, which would let it take budget beside
+        the band. None for the implicit objective: nothing to tell, the engine keeps first come, first served."""
+        if sent_priority != objective.priority:
+            objective = replace(objective, priority=sent_priority, ttft_ms=None)
+        if len(self.objectives.by_name) == 1 and objective.priority == 0 and objective.ttft_ms is None \
+                and objective.tpot_ms is None:
+            return None
+        deadline = None if objective.ttft_ms is None else arrival_s + objective.ttft_ms / 1000.0
+        return RequestObjective(objective.name, objective.priority, deadline, objective.tpot_ms)
+
+    def first_byte(self, replica: Replica, ticket: int, now: float, objective: Objective | None = None,
+                   arrival_s: float = 0.0) -> None:
+        """Its first byte came back: its prefill is done (the replica may take the next one) and, for a generation
+        request (`objective`), its TTFT from `arrival_s` is judged."""
+        replica.clock.prefilled(ticket, now)
+        if objective is not None:
+            self.book.outcomes.first_byte(objective.name, now, (now - arrival_s) * 1000.0, objective.ttft_ms)
+
+    def release(self, replica: Replica, ticket: int, now: float) -> None:
+        """Its answer ended, or it failed, or it was given back: its slot frees (before its first byte, its share of
+        the prefill clock goes too)."""
+        replica.outstanding -= 1
+        replica.held.pop(ticket, None)
+        replica.clock.forget(ticket, now)
+
+    def status(self, now: float) -> dict:
+        """`/router/queue`: the queue now, its counters and each objective's figures (observe_router.py reads it)."""
+        oldest = self.queue.oldest_arrival_s()
+        queue = self.queue
+        return {"depth": len(queue), "queued_prompt_tokens": queue.queued_prompt_tokens,
+                "oldest_wait_ms": 0.0 if oldest is None else max(0.0, now - oldest) * 1000.0,
+                "arrivals": queue.arrivals, "arrived_prompt_tokens": self.arrived_prompt_tokens,
+                "arrived_prompt_tokens_sq": self.arrived_prompt_tokens_sq,
+                "rejected": queue.rejected, "cancelled": queue.cancelled, "dispatched": queue.dispatched,
+                "max_queued": self.flow.max_queued, "dispatch_wait_ms": self.flow.dispatch_wait_ms,
+                "objectives": self.book.status(self.objectives, queue.depth_by_objective(), now)}
