@@ -23,7 +23,7 @@ from stallfree.node_daemon.server.errors import APIError
 from stallfree.node_daemon.server.generation import Generation, admit, router_wait
 from stallfree.node_daemon.server.parsed_body import ParsedBodyRoute
 from stallfree.node_daemon.server.router_objective import router_objective
-from stallfree.node_daemon.server.streaming import ChunkRenderer, SSEResponse, stream_events
+from stallfree.node_daemon.server.streaming import ChunkRenderer, SSEResponse, stalled_streams, stream_events
 from stallfree.node_daemon.server.structured_requests import (OutputPlan, StructuredOutputs, plan_chat,
                                                               plan_completion, template_messages)
 from stallfree.node_daemon.text.tool_calls.formats import ToolCallFormat
@@ -226,7 +226,8 @@ async def _serve(daemon: Daemon, request: Request, body: protocol.SamplingFields
     if body.stream:
         render = ChunkRenderer(rid, protocol.now_s(), daemon.served_model_name, chat, body.include_usage,
                                body.continuous_usage, logprobs=sampling.logprobs is not None, echo=echo)
-        return SSEResponse(stream_events(daemon, generation, render, plan.tool_format), on_close=generation.close)
+        return SSEResponse(stream_events(daemon, generation, render, plan.tool_format), on_close=generation.close,
+                           on_stall=lambda: stalled_streams.on_stall(daemon))
     return await _complete(daemon, request, generation, chat, echo, plan.tool_format)
 
 
@@ -274,7 +275,8 @@ async def _complete(daemon: Daemon, request: Request, generation: Generation, ch
         finish.add_stop_reason(rendered[-1], r.last.finish_reason)
     build = protocol.chat_response if chat else protocol.completion_response
     return JSONResponse(build(generation.request_id, protocol.now_s(), daemon.served_model_name, "", None,
-                              protocol.usage(*choices.usage_of(lasts)), choices=rendered))
+                              choices.with_speculation(protocol.usage(*choices.usage_of(lasts)), lasts),
+                              choices=rendered))
 
 
 def _render_logprobs(entries: list, chat: bool, echo: str | None) -> dict:

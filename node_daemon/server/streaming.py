@@ -5,10 +5,17 @@ chunks, then one with finish_reason. With stream_options.include_usage every chu
 and a last chunk with no choices carries the counts (with continuous_usage_stats, vLLM's extension, every
 content chunk carries the running counts instead of null). Then `data: [DONE]`. The per-token event is a
 prebuilt string template around one json.dumps of the new text (the hot path).
+
+A client that stops reading: once the socket's buffers are full, each event's send waits for the client; the
+engine would go on generating (n choices, thousands of tokens a second) into memory with its slots held. A send
+that has waited STALL_ABORT_S is the end of the stream: the request is aborted (its KV blocks and engine slots
+freed at the next iteration), the connection closed, and the abort counted as a timeout.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from typing import AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
@@ -22,6 +29,10 @@ from stallfree.node_daemon.text.tool_calls.formats import ToolCallFormat
 from stallfree.node_daemon.text.tool_calls.parser import ParsedDelta, ToolCallStreamParser
 
 SSE_DONE = "data: [DONE]\n\n"
+# How long one event may wait for a client that does not read before the request is aborted.
+STALL_ABORT_S = 15.0
+
+log = logging.getLogger(__name__)
 
 
 class ChunkRenderer:
@@ -176,16 +187,68 @@ async def stream_events(daemon: Daemon, generation: Generation, render: ChunkRen
     yield SSE_DONE
 
 
-class SSEResponse(StreamingResponse):
-    """A StreamingResponse that always runs `on_close`, even when the client left before the first byte."""
+class StalledStreams:
+    """Streams ended because their client stopped reading: counted as timeouts, logged the first time."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_stall(self, daemon: Daemon) -> None:
+        if not self.count:
+            log.warning("a stream's client stopped reading for %g s: its request is aborted and its slots freed "
+                        "(further ones are counted only, as stallfree_request_errors{reason=\"timeout\"})",
+                        STALL_ABORT_S)
+        self.count += 1
+        daemon.metrics.record_error("timeout")
+
+
+stalled_streams = StalledStreams()
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always runs `on_close`, even when the client left before the first byte, and
+    ends the stream (on_stall, then on_close) when one send has waited `stall_abort_s` for a client that does not
+    read."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 on_stall: Callable[[], None] | None = None, stall_abort_s: float | None = None) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
+        self._on_stall = on_stall
+        self.stall_abort_s = STALL_ABORT_S if stall_abort_s is None else stall_abort_s
+        self.stalled = False
+        self._send_started: float | None = None  # loop time the pending send began; None: not sending
 
     async def __call__(self, scope, receive, send) -> None:
+        loop = asyncio.get_running_loop()
+
+        async def timed_send(message) -> None:  # two stores per event: the hot path stays lean
+            self._send_started = loop.time()
+            await send(message)
+            self._send_started = None
+
+        task = asyncio.current_task()
+        watchdog = loop.create_task(self._watch(loop, task))
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send)
+        except asyncio.CancelledError:
+            if not self.stalled:
+                raise
+            task.uncancel()  # our own cancellation: the connection is closed by the server
         finally:
+            watchdog.cancel()
+            if self.stalled and self._on_stall is not None:
+                self._on_stall()
             self._on_close()
+
+    async def _watch(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task) -> None:
+        """Cancel the response once a send has waited stall_abort_s; checks at a quarter of it."""
+        period = self.stall_abort_s / 4
+        while True:
+            await asyncio.sleep(period)
+            started = self._send_started
+            if started is not None and loop.time() - started >= self.stall_abort_s:
+                self.stalled = True
+                task.cancel()
+                return
