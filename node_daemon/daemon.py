@@ -96,15 +96,14 @@ def start_engine(opts: ServeConfig, daemon) -> None:
     # walks it while serving (a pause of the engine thread that no log would explain).
     gc.collect()
     gc.freeze()
-    retry = None
+    profile, retry = None, None
     if not opts.no_profile:
         daemon.startup.advance(Phase.PROFILING)
-        daemon.profile, retry = _startup_profile(opts, engine, device,
-                                                 defer_while_compiling=opts.tpot_slo_ms is None)
-    if opts.auto_budget and opts.tpot_slo_ms is not None and daemon.profile is not None and daemon.profile.mixed:
-        tuning = starting_tuning(daemon.profile, opts.tpot_slo_ms, engine.ceilings, engine.get_tuning())
+        profile, retry = _startup_profile(opts, engine, device, defer_while_compiling=opts.tpot_slo_ms is None)
+    if opts.auto_budget and opts.tpot_slo_ms is not None and profile is not None and profile.mixed:
+        tuning = starting_tuning(profile, opts.tpot_slo_ms, engine.ceilings, engine.get_tuning())
         engine.set_tuning(tuning)
-        predicted = daemon.profile.iteration_ms_at(tuning.token_budget)
+        predicted = profile.iteration_ms_at(tuning.token_budget)
         log.info("start-up: TPOT SLO %.1f ms: starting token budget %d, max_num_seqs %d (predicted iteration "
                  "%.1f ms)", opts.tpot_slo_ms, tuning.token_budget, tuning.max_num_seqs, predicted)
         if predicted > opts.tpot_slo_ms:
@@ -115,7 +114,9 @@ def start_engine(opts: ServeConfig, daemon) -> None:
         log.info("start-up: token budget %d (the CPU's default: --token-budget N or --tpot-slo-ms choose another)",
                  engine.get_tuning().token_budget)
     scheduler, kv_cache = engine.scheduler, engine.kv_cache
-    use_profile(opts, engine, daemon.profile)
+    use_profile(opts, engine, profile)
+    if profile is not None:
+        daemon.startup.give_profile(profile)
     num_blocks = kv_cache.num_blocks
     daemon.metrics.set_tuning(engine.get_tuning())
     ceilings = engine.ceilings
@@ -130,8 +131,12 @@ def start_engine(opts: ServeConfig, daemon) -> None:
     gc.freeze()  # the profile's leftovers too
     async_engine = AsyncEngine(engine, opts.served_model_name, watch=StallWatch(threads=compute_threads()))
     if retry is not None:
-        retry.on_profile = lambda profile: use_profile(opts, engine, profile, when="profile")
-        async_engine.when_idle(retry.delay_s, lambda eng, stop: retry(daemon, eng, stop))
+        def take(measured) -> None:  # on the engine thread: the daemon's one hand-off after start-up
+            daemon.startup.give_profile(measured)
+            use_profile(opts, engine, measured, when="profile")
+
+        retry.on_profile = take
+        async_engine.when_idle(retry.delay_s, retry)
     structured = StructuredOutputs.build(engine.tokenizer, engine.vocab_size, opts.tool_call_parser,
                                          constrained=engine.supports_grammars)
     daemon.startup.ready(Serving(
@@ -288,7 +293,7 @@ class _Remeasure:
         self.delay_s, self.tries = delay_s, tries
         self.on_profile = lambda profile: None
 
-    def __call__(self, daemon, engine, should_stop) -> float | None:
+    def __call__(self, engine, should_stop) -> float | None:
         """Runs on the engine thread; returns the delay before the next try, or None when done."""
         import dataclasses
 
@@ -303,32 +308,27 @@ class _Remeasure:
             cached, why = self.cache.load(key)
             if cached is not None:
                 log.info("profile: %s", why)
-                self._give(daemon, cached)
+                self.on_profile(cached)
                 return None
         self.tries -= 1
         settings = dataclasses.replace(self.settings, should_stop=should_stop, progress=None)
         run = run_profile(engine, self.device, settings)
         if run.trusted:
-            again = daemon.profile is not None
-            self._give(daemon, run.profile)
+            self.on_profile(run.profile)
             where = self.cache.store(key, run.profile, {"seconds": run.seconds, "cpu_share": run.cpu_share}) \
                 if self.cache is not None else None
-            log.info("profile %s while idle in %.1f s: %s%s", "re-measured" if again else "measured", run.seconds,
+            log.info("profile measured while idle in %.1f s: %s%s", run.seconds,
                      ", ".join(f"{p.tokens} tok {p.iteration_ms:.1f} ms" for p in run.profile.mixed),
                      f" (cached at {where})" if where else "")
             return None
         log.info("profile re-measure %s (%s)", "interrupted by a request" if run.stopped else "still not trusted",
                  "; ".join(run.warnings) or "stopped")
         if self.tries <= 0:
-            log.warning("profile: giving up measuring while idle; %s",
-                        "the start-up profile stays (not cached)" if daemon.profile is not None else "no profile")
+            log.warning("profile: giving up measuring while idle; the daemon keeps the profile it has, if any "
+                        "(not cached)")
             return None
         self.delay_s = max(self.delay_s, 30.0) * 2
         return self.delay_s
-
-    def _give(self, daemon, profile) -> None:
-        daemon.profile = profile
-        self.on_profile(profile)
 
 
 def build_daemon(opts: ServeConfig):

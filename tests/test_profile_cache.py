@@ -154,15 +154,16 @@ def test_serve_does_not_cache_an_untrusted_profile(tmp_path, monkeypatch) -> Non
     assert list(tmp_path.glob("profile-*.json")) == []
     # The retry runs on an idle engine later; still busy: it spends a try, asks to run again later (backing
     # off), caches nothing.
+    given = []
+    retry.on_profile = given.append
     tries, delay = retry.tries, retry.delay_s
-    again = retry(type("D", (), {"profile": profile})(), engine, lambda: False)
+    again = retry(engine, lambda: False)
     assert again is not None and again > delay and retry.tries == tries - 1
-    assert list(tmp_path.glob("profile-*.json")) == []
+    assert given == [] and list(tmp_path.glob("profile-*.json")) == []
     monkeypatch.setattr(profiler, "MIN_CPU_SHARE", 0.0)  # quiet now
     monkeypatch.setattr(profiler, "curve_problems", lambda points: [])
-    daemon = type("D", (), {"profile": profile})()
-    assert retry(daemon, engine, lambda: False) is None
-    assert daemon.profile is not profile and len(list(tmp_path.glob("profile-*.json"))) == 1
+    assert retry(engine, lambda: False) is None
+    assert len(given) == 1 and given[0] is not profile and len(list(tmp_path.glob("profile-*.json"))) == 1
 
 
 def test_a_profile_measured_while_the_compiled_forward_was_off_is_not_read_once_it_is_on(tmp_path) -> None:
@@ -219,20 +220,20 @@ def test_a_start_while_the_compiled_forward_compiles_serves_first_and_profiles_i
     assert profile is None and retry is not None and list(tmp_path.glob("profile-*.json")) == []
     given = []
     retry.on_profile = given.append
-    daemon = type("D", (), {"profile": None})()
-    assert retry(daemon, engine, lambda: False) == retry.delay_s  # still compiling: asks again soon
-    assert daemon.profile is None and given == []
+    assert retry(engine, lambda: False) == retry.delay_s  # still compiling: asks again soon
+    assert given == []
     # Loaded: measured on the idle engine, given to the daemon and its engine, cached under the key of now.
     building["now"] = False
-    assert retry(daemon, engine, lambda: False) is None
-    assert daemon.profile is not None and daemon.profile.mixed and given == [daemon.profile]
-    assert ProfileCache(tmp_path).load(profile_key(engine, device, ProfileSettings()))[0] == daemon.profile
+    assert retry(engine, lambda: False) is None
+    assert len(given) == 1 and given[0].mixed
+    assert ProfileCache(tmp_path).load(profile_key(engine, device, ProfileSettings()))[0] == given[0]
     # The next deferred start finds it in the cache: read, not measured.
     building["now"] = True
     _, retry = _startup_profile(opts, engine, device, defer_while_compiling=True)
-    building["now"], later = False, type("D", (), {"profile": None})()
+    building["now"], later = False, []
+    retry.on_profile = later.append
     monkeypatch.setattr(profiler, "run_profile", lambda *a, **k: pytest.fail("measured although cached"))
-    assert retry(later, engine, lambda: False) is None and later.profile == daemon.profile
+    assert retry(engine, lambda: False) is None and later == given
 
 
 def test_a_start_with_a_tpot_slo_measures_while_compiling_and_measures_again_once_compiled(
@@ -242,8 +243,9 @@ def test_a_start_with_a_tpot_slo_measures_while_compiling_and_measures_again_onc
     # An operator's daemon reads its profile at once (the starting budget, the operator's calibration).
     profile, retry = _startup_profile(opts, engine, device, defer_while_compiling=False)
     assert profile is not None and profile.mixed and retry is not None
-    daemon = type("D", (), {"profile": profile})()
-    assert retry(daemon, engine, lambda: False) == retry.delay_s and daemon.profile is profile
+    given = []
+    retry.on_profile = given.append
+    assert retry(engine, lambda: False) == retry.delay_s and given == []
     # Compiled: the key changes (here by a stand-in for the compiled forward's part of it), and the profile of
     # the path in use replaces the Python path's.
     from stallfree.node_daemon.measure import profile_cache
@@ -252,6 +254,6 @@ def test_a_start_with_a_tpot_slo_measures_while_compiling_and_measures_again_onc
     monkeypatch.setattr(profile_cache, "profile_key",
                         lambda *args: {**keyed(*args), "compiled_forward": not building["now"]})
     building["now"] = False
-    assert retry(daemon, engine, lambda: False) is None
-    assert daemon.profile is not profile and daemon.profile.mixed
+    assert retry(engine, lambda: False) is None
+    assert len(given) == 1 and given[0] is not profile and given[0].mixed
     assert len(list(tmp_path.glob("profile-*.json"))) == 2  # the Python path's and the compiled forward's

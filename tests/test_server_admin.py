@@ -1,6 +1,8 @@
 """The admin API the operator drives (tuning, stats, profile), health/ready/metrics, and API-key auth."""
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import openai
 import pytest
@@ -37,6 +39,10 @@ def test_starting_budget_comes_from_the_profile_and_the_tpot_slo(live: LiveDaemo
     assert profile.decode_only and profile.mixed
     assert [p.tokens for p in profile.mixed] == sorted(p.tokens for p in profile.mixed)
     assert all(p.num_decodes == p.tokens for p in profile.decode_only)
+    # The daemon's state is frozen: the profile arrives only through the start-up's hand-off.
+    assert profile == live.daemon.startup.profile
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        live.daemon.tpot_slo_ms = 1.0
     engine = live.daemon.engine
     expected = starting_tuning(profile, TPOT_SLO_MS, engine.ceilings, Tuning(max_num_seqs=64))
     tuning = Tuning(**httpx.get(live.url + "/admin/tuning", headers=live.admin_headers).json())

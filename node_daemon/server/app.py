@@ -3,8 +3,8 @@
 The engine runs its loop in its own thread (AsyncEngine); this app only validates, admits, streams and
 reports, on the HTTP event loop. Tokenizing and chat templating of large prompts run on a small bounded
 pool of worker threads (the tokenizer releases the GIL), so one huge prompt delays only itself.
-Everything a route needs hangs off one `Daemon` object on app.state; the engine comes with the start-up's
-`Serving` once it is ready (startup.py).
+Everything a route needs hangs off one frozen `Daemon` object on app.state; the engine comes with the start-up's
+`Serving` once it is ready, the profile through the start-up's hand-off (startup.py).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ DEFAULT_TEXT_WORKERS = 2
 INLINE_TEXT_CHARS = 8192
 
 
-@dataclass
+@dataclass(frozen=True)
 class Daemon:
     """What every route needs; the engine and what comes with it arrive through `startup` once it is ready."""
 
@@ -52,14 +52,17 @@ class Daemon:
     auth: Auth
     served_model_name: str
     startup: StartUp = field(default_factory=StartUp)
-    # Measured at start-up, or later on the idle engine (then replaced whole, never changed in place).
-    profile: Profile | None = None
     tpot_slo_ms: float | None = None
     text_workers: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(DEFAULT_TEXT_WORKERS, thread_name_prefix="stallfree-text"))
     created: int = field(default_factory=lambda: int(time.time()))
     # Aborts that run after a client left; kept so the tasks are not garbage-collected mid-flight.
     background: set = field(default_factory=set)
+
+    @property
+    def profile(self) -> Profile | None:
+        """Measured at start-up, or later on the idle engine (startup.give_profile)."""
+        return self.startup.profile
 
     @property
     def engine(self) -> EngineClient | None:

@@ -2,7 +2,8 @@
 
 The HTTP server answers from the first moment while a start-up thread loads the model; that thread alone moves
 the phase, only forward. What the server needs from the loaded engine arrives as one frozen `Serving`, published
-before the phase turns ready: a request never sees an engine without its vocabulary or KV capacity.
+before the phase turns ready: a request never sees an engine without its vocabulary or KV capacity. The engine's
+profile is the one thing handed over again later (`give_profile`, from the engine thread's idle re-measure).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Callable
 
+from stallfree.contracts import Profile
 from stallfree.node_daemon.engine.engine_protocol import EngineClient
 from stallfree.node_daemon.engine.request_rules import RequestLimits
 
@@ -68,6 +70,7 @@ class StartUp:
         self._phase = Phase.STARTING
         self._serving: Serving | None = None
         self._failure: str | None = None
+        self._profile: Profile | None = None
         self._lock = threading.Lock()
 
     @property
@@ -82,6 +85,16 @@ class StartUp:
     @property
     def failure(self) -> str | None:
         return self._failure
+
+    @property
+    def profile(self) -> Profile | None:
+        """The engine's profile, None until one is read or measured."""
+        return self._profile
+
+    def give_profile(self, profile: Profile) -> None:
+        """A profile replaces the last one whole (a Profile is never changed in place): the start-up thread's,
+        then each the engine thread measures while idle."""
+        self._profile = profile
 
     def advance(self, phase: Phase) -> None:
         """Move forward to `phase` (not ready nor failed: those carry what they need); a step back is a bug."""
