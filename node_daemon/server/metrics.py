@@ -160,6 +160,15 @@ class EngineMetrics:
             "stallfree_objective_goodput_requests", "Finished requests that met every SLO of their objective: "
             "served to the end, first token by the deadline, mean TPOT within the target.", [LABEL, "objective"],
             registry=reg)
+        # The latencies per objective too: the alerts judge each objective against its own targets.
+        self._objective_latency = tuple(
+            Histogram(f"stallfree_objective_{name}", f"{doc} By objective (`default`: none).", [LABEL, "objective"],
+                      buckets=buckets, registry=reg)
+            for name, doc, buckets in (
+                ("time_to_first_token_seconds", "Arrival to first output token.", REQUEST_LATENCY_BUCKETS),
+                ("time_per_output_token_seconds", "Per request: mean time per output token after the first.",
+                 TOKEN_LATENCY_BUCKETS),
+                ("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_LATENCY_BUCKETS)))
         self._objective_children: dict[str, tuple] = {}
         self.engine_config = Info("stallfree_engine_config", "The engine's configuration: ceilings, KV cache, "
                                   "dtype, backend (set once the engine runs).", [LABEL], registry=reg).labels(*m)
@@ -210,7 +219,9 @@ class EngineMetrics:
     def on_token(self, request: Request, now: float, first: bool) -> None:
         self.generation_tokens.inc()
         if first:
-            self.ttft.observe(latency.ttft_s(request.arrival_time, now))
+            ttft = latency.ttft_s(request.arrival_time, now)
+            self.ttft.observe(ttft)
+            self._of_objective(request)[2].observe(ttft)
             self.prompt_tokens.inc(request.num_prompt_tokens)
             self.prefix_cache_queries.inc(request.num_prompt_tokens)
             if request.num_cached_tokens:
@@ -218,6 +229,7 @@ class EngineMetrics:
             queue_wait = latency.queue_wait_s(request.arrival_time, request.first_scheduled_time)
             if queue_wait is not None:
                 self.queue_time.observe(queue_wait)
+                self._of_objective(request)[4].observe(queue_wait)
                 self.prefill_time.observe(now - request.first_scheduled_time)
         elif request.last_token_time is not None:
             # The engine updates last_token_time after notifying observers: it still holds the previous token.
@@ -237,13 +249,20 @@ class EngineMetrics:
             tpot = latency.tpot_s(request.first_token_time, request.last_token_time, request.num_output_tokens)
             if tpot is not None:
                 self.tpot.observe(tpot)
+                self._of_objective(request)[3].observe(tpot)
 
-    def _count_goodput(self, request: Request) -> None:
+    def _of_objective(self, request: Request) -> tuple:
+        """The request's objective's series: finished, goodput, TTFT, TPOT, queue time."""
         name = DEFAULT_OBJECTIVE if request.objective is None else request.objective.name
         children = self._objective_children.get(name)
         if children is None:
-            children = self._objective_children[name] = (self._objective_finished.labels(self._model, name),
-                                                          self._objective_goodput.labels(self._model, name))
+            children = self._objective_children[name] = (
+                self._objective_finished.labels(self._model, name), self._objective_goodput.labels(self._model, name),
+                *(family.labels(self._model, name) for family in self._objective_latency))
+        return children
+
+    def _count_goodput(self, request: Request) -> None:
+        children = self._of_objective(request)
         children[0].inc()
         if met_objective(request):
             children[1].inc()
