@@ -45,6 +45,30 @@ class FlakyActuator:
         await self.inner.record_event(reason, message, warning)
 
 
+class EventsRefused(FlakyActuator):
+    async def record_event(self, reason, message, warning=False):
+        raise ConnectionError("events are forbidden")
+
+
+class UnreadableQueue:
+    async def observe_queue(self, now):
+        raise ConnectionError("router down")
+
+
+async def test_an_unreadable_router_queue_and_a_refused_event_are_logged_and_the_loop_goes_on(caplog):
+    driver = ClosedLoopDriver(CLUSTER, POLICY, CHAT)
+    driver.loop.actuator, driver.loop.queue_source = EventsRefused(driver.actuator), UnreadableQueue()
+    with caplog.at_level("INFO", logger="stallfree.control"):
+        steps = [await driver.step() for _ in range(2)]
+        assert all(step.queue is None for step in steps) and steps[0].tuning[0].kind == "initial"
+        driver.loop.queue_source = driver.observer
+        assert (await driver.step()).queue is not None
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("queue is unreadable" in line and "router down" in line for line in lines) == 1  # once an outage
+    assert any("readable again" in line for line in lines)
+    assert any("not recorded" in line and "events are forbidden" in line for line in lines)
+
+
 async def test_tuning_reaches_the_replica_and_a_restart_is_retuned():
     driver = ClosedLoopDriver(CLUSTER, POLICY, CHAT)
     first = await driver.step()

@@ -41,6 +41,7 @@ REQUEST_LATENCY_BUCKETS = (
 ITERATION_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(0, 17))
 # Tokens per request (prompt, generation): 1, 2, 5 per decade up to a million, as vLLM's.
 REQUEST_TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(0, 6) for m in (1, 2, 5)) + (1e6,)
+SPEC_ACCEPTANCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 FINISH_REASONS = ("stop", "length", "abort", "grammar_dead_end")
 ERROR_REASONS = (
@@ -142,6 +143,15 @@ class EngineMetrics:
                                             "Prompt tokens looked up in the prefix cache.").labels(*m)
         self.prefix_cache_hits = counter("stallfree_prefix_cache_hits",
                                          "Prompt tokens served from the prefix cache.").labels(*m)
+        self.spec_draft_tokens = counter("stallfree_spec_draft_tokens",
+                                         "Speculation: n-gram draft tokens verified.").labels(*m)
+        self.spec_accepted_tokens = counter("stallfree_spec_accepted_tokens",
+                                            "Speculation: draft tokens accepted (output tokens).").labels(*m)
+        self.spec_rejected_tokens = counter("stallfree_spec_rejected_tokens",
+                                            "Speculation: draft tokens rejected (their rows computed in vain).").labels(*m)
+        self.request_spec_acceptance = hist("stallfree_request_spec_acceptance_ratio",
+                                            "Per finished request that drafted: accepted / drafted tokens.",
+                                            SPEC_ACCEPTANCE_BUCKETS).labels(*m)
         success = Counter("stallfree_request_success", "Finished requests by finish reason.",
                           [LABEL, "finished_reason"], registry=reg)
         self._success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
@@ -198,13 +208,17 @@ class EngineMetrics:
     def on_iteration(self, record: IterationRecord) -> None:
         self.iterations.inc()
         self.iteration_time.observe(record.duration_s)
-        self.iteration_tokens.observe(record.num_prefill_tokens + record.num_decode_tokens)
+        self.iteration_tokens.observe(record.num_prefill_tokens + record.num_decode_tokens + record.num_verify_tokens)
         self.iteration_prefill_tokens.observe(record.num_prefill_tokens)
         self.iteration_decode_tokens.observe(record.num_decode_tokens)
         if record.num_prefill_tokens:
             self.prefill_tokens.inc(record.num_prefill_tokens)
         if record.num_preempted:
             self.preemptions.inc(record.num_preempted)
+        if record.num_verify_tokens:
+            self.spec_draft_tokens.inc(record.num_verify_tokens)
+            self.spec_accepted_tokens.inc(record.num_accepted_tokens)
+            self.spec_rejected_tokens.inc(record.num_verify_tokens - record.num_accepted_tokens)
         if not self._live:
             self.num_running.set(record.num_running)
             self.num_waiting.set(record.num_waiting)
@@ -243,6 +257,8 @@ class EngineMetrics:
         counter.inc()
         self.request_prompt_tokens.observe(request.num_prompt_tokens)
         self.request_generation_tokens.observe(request.num_output_tokens)
+        if request.num_drafted_tokens:
+            self.request_spec_acceptance.observe(request.num_accepted_tokens / request.num_drafted_tokens)
         self.e2e.observe(now - request.arrival_time)
         if request.first_token_time is not None:
             self.decode_time.observe(now - request.first_token_time)

@@ -10,6 +10,7 @@ wants gets a PUT, so a replica that restarted with its start-up flags is re-tune
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol, Sequence
 
@@ -26,6 +27,8 @@ from stallfree.operator.control.observe import (Observer, QueueObservation, Queu
 from stallfree.operator.control.scaler import (ReplicaLoad, RouterBacklog, ScaleDecision, ScalerState,
                                                decide_replicas, removal_order, short_window_rate)
 from stallfree.operator.control.tuner import REAPPLY, ReplicaTunerState, TunerConfig, TuningDecision, decide_tuning
+
+log = logging.getLogger("stallfree.control")
 
 SLO_MET, CAPACITY_EXHAUSTED, SLO_FEASIBLE = "SLOMet", "PrefillCapacityExhausted", "SLOFeasible"
 # SLOFeasible changes only after the new verdict held this many steps (one window's demand is noisy).
@@ -180,6 +183,7 @@ class ControlLoop:
         self.actuator = actuator
         self.state = state or ControlState()
         self.tuner_config = tuner_config
+        self._queue_unreadable = False  # logged once an outage, and again when it ends
 
     async def step(self, targets: Sequence[ReplicaTarget], current_replicas: int, now: float) -> StepResult:
         """One control interval. `current_replicas`: the count the service is set to (spec.replicas)."""
@@ -283,15 +287,22 @@ class ControlLoop:
         if self.queue_source is None:
             return None
         try:
-            return await self.queue_source.observe_queue(now)
-        except Exception:  # noqa: BLE001 - an unreadable router queue is no information, not a stop
+            queue = await self.queue_source.observe_queue(now)
+        except Exception as exc:  # noqa: BLE001 - an unreadable router queue is no information, not a stop
+            if not self._queue_unreadable:
+                log.warning("the router's queue is unreadable (%r): steps go on without it until it answers", exc)
+            self._queue_unreadable = True
             return None
+        if self._queue_unreadable:
+            log.info("the router's queue is readable again")
+        self._queue_unreadable = False
+        return queue
 
     async def _event(self, reason: str, message: str, warning: bool = False) -> None:
         try:
             await self.actuator.record_event(reason, message, warning)
-        except Exception:  # noqa: BLE001 - an event that cannot be recorded must not stop the loop
-            pass
+        except Exception as exc:  # noqa: BLE001 - an event that cannot be recorded must not stop the loop
+            log.warning("event %s not recorded (%r): %s", reason, exc, message)
 
 
 def _learn_speeds(observations: Sequence[ReplicaObservation], speeds: dict[str, LearnedSpeed]
