@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stallfree.contracts import Ceilings, Tuning
+from stallfree.node_daemon.engine.speculation import SpeculativeConfig
 from stallfree.node_daemon.models.config import ModelConfig
 
 
@@ -14,6 +15,8 @@ class SchedulerConfig:
     # KV blocks kept free at admission so running decodes can grow without preempting at once.
     watermark_blocks: int = 0
     max_model_len: int = 2048
+    # n-gram drafts verified inside the token budget (speculation.py); off unless asked for.
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 @dataclass

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from stallfree.contracts import Ceilings, Tuning
 from stallfree.node_daemon.engine.config import EngineConfig, SchedulerConfig
 from stallfree.node_daemon.text.detokenizer import IncrementalDetokenizer
-from stallfree.node_daemon.engine.engine_protocol import (EngineObserver, Executor, IterationRecord, RequestOutput,
-                                                          TokenLogprob)
+from stallfree.node_daemon.engine.engine_protocol import (EngineObserver, Executor, ExecutorOutput, IterationRecord,
+                                                          RequestOutput, TokenLogprob)
 from stallfree.node_daemon.engine.kv_cache_manager import KVCacheManager
 from stallfree.node_daemon.engine.request import Objective, Request, RequestStatus
 from stallfree.node_daemon.engine.request_rules import (InvalidRequest, RequestLimits, check_prompt_tokens,
@@ -32,6 +32,7 @@ from stallfree.node_daemon.engine.request_rules import (InvalidRequest, RequestL
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.node_daemon.engine.scheduler import Scheduler
 from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
+from stallfree.node_daemon.engine.speculation import SpeculativeConfig
 from stallfree.node_daemon.text.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:  # structured/ loads llguidance and torch; the sim backend never needs them
@@ -88,6 +89,8 @@ class LLMEngine:
         self.limits = RequestLimits(self.max_model_len, self.vocab_size, num_blocks, block_size)
         scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = make_scheduler(scheduler_config, self.kv_cache)
+        if not getattr(executor, "supports_speculation", False):  # no logits to verify drafts (the sim backend)
+            self.scheduler.speculative = SpeculativeConfig()
         model_eos = tuple(loaded.eos_token_ids) if loaded is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(model_eos + tuple(tokenizer.eos_token_ids)))
         self.observer = observer
@@ -199,22 +202,26 @@ class LLMEngine:
         scheduler = self.scheduler
         start = self.clock()
         output = scheduler.schedule(start)
-        self.last_num_scheduled_tokens = output.num_prefill_tokens + output.num_decode_tokens
+        self.last_num_scheduled_tokens = output.num_tokens
         if output.is_empty:
             return []
+        verifying: dict[str, int] = {}  # request id -> its token count before a verification's tokens
         for chunk in output.chunks:
             request = chunk.request
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = start
+            if chunk.draft:
+                verifying[request.request_id] = len(request.token_ids)
         failed: list[RequestOutput] = []
         try:
             executed = self.executor.execute(output)
-            sampled, logprobs, dead_ends = executed.token_ids, executed.logprobs, executed.dead_ends
         except Exception as exc:  # noqa: BLE001 - find the request at fault; the others go on
-            dead_ends = set()
-            sampled, logprobs = self._execute_one_by_one(output, exc, failed, dead_ends)
-        # appends tokens, finishes on EOS, length, a complete grammar, and a grammar's dead end
-        scheduler.update_from_output(output, sampled, dead_ends)
+            executed = self._execute_one_by_one(output, exc, failed)
+        sampled, logprobs, dead_ends, accepted = (executed.token_ids, executed.logprobs, executed.dead_ends,
+                                                  executed.accepted)
+        # appends tokens (a verification's kept drafts too), finishes on EOS, length, a complete grammar, and a
+        # grammar's dead end
+        scheduler.update_from_output(output, sampled, dead_ends, accepted)
         now = self.clock()
         observe = getattr(scheduler.prefix_cost, "observe", None)
         if observe is not None:  # a cost model that learns from served iterations (iteration_cost.py)
@@ -231,6 +238,7 @@ class LLMEngine:
                     num_waiting=scheduler.num_waiting, num_partial_prefills=scheduler.num_partial_prefills,
                     kv_usage=self.kv_cache.usage, num_preempted=len(output.preempted),
                     kv_reserved=scheduler.kv_reserved, num_evicted_blocks=num_evicted,
+                    num_verify_tokens=output.num_verify_tokens, num_accepted_tokens=sum(accepted.values()),
                 ))
             except Exception as exc:  # noqa: BLE001 - see _observer_failed
                 self._observer_failed("on_iteration", exc)
@@ -250,7 +258,12 @@ class LLMEngine:
                 continue
             try:  # zero-cost unless it raises
                 token_logprobs = logprobs.get(request.request_id) if logprobs else None
-                outputs.append(self._process_token(request, detok, now, token_logprobs))
+                before = verifying.get(request.request_id)
+                if before is None:
+                    outputs.append(self._process_token(request, detok, now, token_logprobs))
+                else:
+                    outputs.append(self._process_tokens(request, detok, now, before, token_logprobs,
+                                                        executed.draft_logprobs.get(request.request_id)))
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 outputs.append(self._fail_request(request, f"detokenizing failed: {type(exc).__name__}: {exc}"))
         return outputs
@@ -288,7 +301,59 @@ class LLMEngine:
         return RequestOutput(
             request.request_id, [token], text, done, request.status.value if done else None,
             request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens,
-            logprobs=token_logprobs,
+            logprobs=token_logprobs, num_drafted_tokens=request.num_drafted_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
+        )
+
+    def _process_tokens(self, request: Request, detok: IncrementalDetokenizer | None, now: float, before: int,
+                        sampled_logprobs=None, draft_logprobs=None) -> RequestOutput:
+        """A verification's new tokens (its kept drafts, then the sampled token) as one update: _process_token's rules
+        token by token; a stop string inside them drops the tokens after it."""
+        tokens = request.token_ids[before:]
+        done = request.status.finished
+        wanted = sampled_logprobs is not None
+        all_logprobs = [*(draft_logprobs or ()), sampled_logprobs] if wanted else None
+        text_parts: list[str] = []
+        token_logprobs: list | None = [] if wanted and detok is not None else None
+        kept = len(tokens)
+        for i, token in enumerate(tokens):
+            last = i == len(tokens) - 1
+            if detok is None or (last and done and request.status is _STOPPED and _is_stop_token(request, token)):
+                continue
+            if token_logprobs is not None:
+                token_logprobs.append(self._token_logprob(all_logprobs[i]))
+            text_parts.append(detok.add_tokens((token,)))
+            if detok.stopped_by is not None:
+                kept = i + 1
+                if not done:
+                    self.scheduler.finish_request(request.request_id, _STOPPED)
+                request.status = _STOPPED
+                done = True
+                break
+        if kept < len(tokens):  # generated past a stop string: not part of the answer
+            del request.token_ids[before + kept:]
+            tokens = tokens[:kept]
+        text = "".join(text_parts)
+        if done and detok is not None:
+            text += detok.finish()
+        observer = self.observer
+        for i in range(len(tokens)):
+            first = request.first_token_time is None
+            if observer is not None:
+                try:
+                    observer.on_token(request, now, first)
+                except Exception as exc:  # noqa: BLE001 - see _observer_failed
+                    self._observer_failed("on_token", exc)
+            if first:
+                request.first_token_time = now
+            request.last_token_time = now
+        if done:
+            self._release(request, now)
+        return RequestOutput(
+            request.request_id, tokens, text, done, request.status.value if done else None,
+            request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens,
+            logprobs=token_logprobs or None, num_drafted_tokens=request.num_drafted_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
 
     def _finish_without_token(self, request: Request, detok: IncrementalDetokenizer | None,
@@ -312,27 +377,29 @@ class LLMEngine:
         return TokenLogprob(sampled.token_id, text(sampled.token_id), sampled.logprob,
                             [(t, text(t), lp) for t, lp in sampled.top])
 
-    def _execute_one_by_one(self, output: SchedulerOutput, batch_error: Exception, failed: list[RequestOutput],
-                            dead_ends: set[str]) -> tuple[dict[str, int], dict]:
+    def _execute_one_by_one(self, output: SchedulerOutput, batch_error: Exception,
+                            failed: list[RequestOutput]) -> ExecutorOutput:
         """The batch raised: run each chunk alone so only the requests at fault fail (rare, so no hurry).
 
         Rewriting a chunk's KV slots with the same values is harmless; the scheduler skips the failed
         requests in update_from_output (they are finished), and advances the others as usual.
         """
+        result = ExecutorOutput({})
         if len(output.chunks) == 1:
             failed.append(self._fail_request(output.chunks[0].request, _describe(batch_error)))
-            return {}, {}
-        sampled: dict[str, int] = {}
-        logprobs: dict = {}
+            return result
         for chunk in output.chunks:
             alone = SchedulerOutput(chunks=[chunk], token_budget=output.token_budget,
                                     num_prefill_tokens=chunk.num_tokens if chunk.is_prefill else 0,
-                                    num_decode_tokens=0 if chunk.is_prefill else chunk.num_tokens)
+                                    num_decode_tokens=0 if chunk.is_prefill else 1,
+                                    num_verify_tokens=len(chunk.draft))
             try:
                 executed = self.executor.execute(alone)
-                sampled.update(executed.token_ids)
-                logprobs.update(executed.logprobs)
-                dead_ends.update(executed.dead_ends)
+                result.token_ids.update(executed.token_ids)
+                result.logprobs.update(executed.logprobs)
+                result.dead_ends.update(executed.dead_ends)
+                result.accepted.update(executed.accepted)
+                result.draft_logprobs.update(executed.draft_logprobs)
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 failed.append(self._fail_request(chunk.request, _describe(exc)))
         if failed:
@@ -340,7 +407,7 @@ class LLMEngine:
                         failed[0].error)
         else:  # nothing failed alone: a fault of the batch, not of one request; the iteration is done anyway
             log.warning("an iteration failed as a batch but each request ran alone: %s", _describe(batch_error))
-        return sampled, logprobs
+        return result
 
     def _fail_request(self, request: Request, message: str) -> RequestOutput:
         """Finish one request with finish_reason "error" (KV freed at once); the others are untouched."""
@@ -393,10 +460,11 @@ def _is_stop_token(request: Request, token: int) -> bool:
 
 
 def _observe_iteration(observe: Callable[..., None], output, iteration_ms: float) -> None:
-    """Hand a cost model the iteration as it predicts one: decode context lengths, (prefix, tokens) chunks."""
+    """Hand a cost model the iteration as it predicts one: decode context lengths, (prefix, tokens) chunks. A
+    verification is a multi-row query over its cached prefix, as a prefill chunk is, and is costed as one."""
     decode_lens, prefill_chunks = [], []
     for chunk in output.chunks:
-        if chunk.is_prefill:
+        if chunk.is_prefill or chunk.draft:
             prefill_chunks.append((chunk.start, chunk.num_tokens))
         else:
             decode_lens.append(chunk.start + 1)

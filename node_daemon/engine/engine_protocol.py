@@ -28,6 +28,10 @@ class ExecutorOutput:
     token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     dead_ends: set[str] = field(default_factory=set)
+    # Verifications (a chunk with a draft): how many of the draft's tokens were kept before the sampled token, and
+    # the logprobs of those kept tokens (the sampled token's are in `logprobs`).
+    accepted: dict[str, int] = field(default_factory=dict)
+    draft_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class Executor(Protocol):
@@ -84,6 +88,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set with finish_reason "error" (e.g. the engine died mid-stream)
     logprobs: list[TokenLogprob] | None = None  # one per new token that is part of the text, when asked
+    # Speculation so far: draft tokens verified, and of those accepted (rejected = drafted - accepted).
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -103,6 +110,8 @@ class IterationRecord:
     num_preempted: int
     kv_reserved: float = 0.0  # share of KV blocks held or promised to running requests (scheduler.kv_reserved)
     num_evicted_blocks: int = 0  # cached KV blocks evicted during this iteration
+    num_verify_tokens: int = 0  # draft tokens verified beside the decodes (in the budget, like prefill tokens)
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 class EngineObserver(Protocol):

@@ -122,6 +122,15 @@ class KVCacheManager:
             cache_block(block_ids[i], hashes[i])
         num_cached[request_id] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (a verification's rejected draft slots). They hold no
+        computed KV, so none is in the prefix-cache index."""
+        keep = self.blocks_for(num_tokens)
+        block_ids = request.block_ids
+        if len(block_ids) > keep:
+            self.pool.release(block_ids[keep:][::-1])
+            del block_ids[keep:]
+
     def free(self, request: Request) -> None:
         """Release the request's blocks (tail first, so its tail is evicted first) and clear its block table.
 

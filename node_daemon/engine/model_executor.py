@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from stallfree.node_daemon.engine.config import EngineConfig
+from stallfree.node_daemon.engine.draft_verifier import verify_draft
 from stallfree.node_daemon.engine.engine_protocol import ExecutorOutput
 from stallfree.node_daemon.engine.model_runner import ModelRunner
 from stallfree.node_daemon.models.loader import LoadedModel
@@ -56,8 +57,12 @@ class ModelExecutor:
     def vocab_size(self) -> int:
         return self.runner.loaded.shape.vocab_size
 
+    supports_speculation = True  # its logits can verify drafts (engine/draft_verifier.py)
+
     def execute(self, output: SchedulerOutput) -> ExecutorOutput:
         """Sampled tokens by request id, with the logprobs of the rows that asked (and the grammars' dead ends)."""
+        if output.num_verify_tokens:
+            return self._execute_with_drafts(output)
         params: list[SamplingParams] = []
         request_ids: list[str] = []
         requests = []
@@ -95,6 +100,47 @@ class ModelExecutor:
             del result.token_ids[rid]
             result.logprobs.pop(rid, None)
         result.dead_ends = dead_ends
+        return result
+
+    def _execute_with_drafts(self, output: SchedulerOutput) -> ExecutorOutput:
+        """An iteration with verifications (never of a constrained request: speculation.can_draft): the plain sampling
+        rows go to the sampler together, each verification's rows to verify_draft."""
+        logits = self.runner.execute_model(output)
+        plain_rows: list[int] = []
+        params: list[SamplingParams] = []
+        request_ids: list[str] = []
+        requests = []
+        verifications = []  # (first row, chunk)
+        row = 0
+        for chunk in output.chunks:
+            if not chunk.samples:
+                continue
+            request = chunk.request
+            if chunk.draft:
+                verifications.append((row, chunk))
+                row += chunk.num_tokens
+                continue
+            plain_rows.append(row)
+            params.append(request.sampling)
+            request_ids.append(request.request_id)
+            requests.append(request)
+            row += 1
+        if request_ids:
+            with torch.inference_mode():
+                plain = logits.index_select(0, torch.tensor(plain_rows, dtype=torch.long, device=logits.device))
+            result = self._sample(plain, params, request_ids, requests)
+        else:
+            result = ExecutorOutput({})
+        for first, chunk in verifications:
+            request = chunk.request
+            rid = request.request_id
+            verified = verify_draft(self.sampler, logits[first:first + chunk.num_tokens], request.sampling, rid,
+                                    chunk.draft)
+            result.token_ids[rid] = verified.token
+            result.accepted[rid] = verified.num_accepted
+            if verified.logprobs is not None:
+                result.logprobs[rid] = verified.logprobs[-1]
+                result.draft_logprobs[rid] = verified.logprobs[:-1]
         return result
 
     def _sample(self, logits, params: list[SamplingParams], request_ids: list[str], requests: list) -> ExecutorOutput:

@@ -3,7 +3,7 @@
 Per iteration it lays the scheduled chunks end to end as one ragged batch (no padding), builds every
 index tensor on the host in two packed buffers (int64: token ids, positions, slot mapping, sampled
 rows; int32: query start locations, sequence lengths, block tables), copies each to the device once,
-runs the model, and projects to logits only the rows that sample.
+runs the model, and projects to logits only the rows that sample (every row of a draft's verification).
 
 Sampling is not done here (node_daemon/engine/sampler.py); the engine wires runner and sampler.
 """
@@ -39,7 +39,7 @@ class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampling_chunks] int64: the last row of each chunk that samples
+    logits_indices: torch.Tensor  # int64: the last row of each chunk that samples, every row of a verification
     is_decode_only: bool  # every chunk is one token (decode-shaped: the iterations CUDA graphs can replay)
 
 
@@ -99,7 +99,8 @@ class ModelRunner:
     # --- the per-iteration path ----------------------------------------------------------------------
 
     def execute_model(self, output: SchedulerOutput, all_logits: bool = False) -> torch.Tensor:
-        """float32 logits [num_sampling_chunks, vocab] in chunk order ([num_tokens, vocab] with all_logits)."""
+        """float32 logits [sampling rows, vocab] in chunk order ([num_tokens, vocab] with all_logits): one row per
+        chunk that samples, 1 + len(draft) for a verification."""
         inputs = self.prepare_inputs(output)
         hidden = self.run_model(inputs)
         return self.model.compute_logits(hidden if all_logits else hidden[inputs.logits_indices])
@@ -142,13 +143,16 @@ class ModelRunner:
                 positions.append(start)
                 slots.append(req.block_ids[start // bs] * bs + start % bs)
             else:
-                ids += req.token_ids[start:end]
+                draft = chunk.draft
+                ids += req.token_ids[start:end] if not draft else req.token_ids[start:start + 1] + draft
                 positions += range(start, end)
                 _append_slots(slots, req.block_ids, start, end, bs)
+                if draft:  # a verification: every row's logits
+                    sample_rows += range(query_start_loc[-1], query_start_loc[-1] + n)
             query_start_loc.append(query_start_loc[-1] + n)
             query_lens.append(n)
             seq_lens.append(end)
-            if chunk.samples:
+            if chunk.samples and not chunk.draft:
                 sample_rows.append(query_start_loc[-1] - 1)
         num_tokens, num_seqs = len(ids), len(seq_lens)
         if num_tokens > self.max_num_tokens:

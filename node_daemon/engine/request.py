@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from stallfree.node_daemon.engine.block_pool import ROOT_HASH, BlockHash, hash_block_tokens
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
+from stallfree.node_daemon.engine.speculation import DraftState
 
 if TYPE_CHECKING:  # structured/ loads torch and llguidance; the scheduler and the sim backend never need to
     from stallfree.node_daemon.structured.matcher import Matcher
@@ -65,7 +66,7 @@ class Request:
         "request_id", "token_ids", "num_prompt_tokens", "block_hashes", "hash_block_size", "sampling",
         "eos_token_ids", "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "arrival_time",
         "first_scheduled_time", "first_token_time", "last_token_time", "finished_time", "num_preemptions",
-        "max_model_len", "matcher", "objective", "arrival_seq",
+        "max_model_len", "matcher", "objective", "arrival_seq", "draft_state",
     )
 
     def __init__(
@@ -102,6 +103,19 @@ class Request:
         self.matcher = matcher
         self.objective = objective
         self.arrival_seq = 0  # its place in arrival order at the scheduler (set there): ties of urgency go by it
+        # Its n-gram drafting (speculation.py), made by the scheduler at its first decode when speculation is on and
+        # the request can be drafted for; False once found unable to (never asked again).
+        self.draft_state: DraftState | None | bool = None
+
+    @property
+    def num_drafted_tokens(self) -> int:
+        state = self.draft_state
+        return state.num_drafted if state else 0
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        state = self.draft_state
+        return state.num_accepted if state else 0
 
     @property
     def priority(self) -> int:

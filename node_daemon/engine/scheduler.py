@@ -4,6 +4,12 @@ Each `schedule()` builds one iteration under the live limits (token budget, max_
 prefills, long-prefill threshold) in this order:
 
 1. every running decode, one token each (they never lose a step to a newcomer);
+   1b. with speculation on (speculation.py), their n-gram drafts' verification tokens, from what the decodes leave
+   of the budget: a verification is a decode's own work (each accepted token is an output token of a running
+   request, the work the budget exists to protect), so it goes before prefill; every draft token counts in the
+   budget like a prefill token, so the iteration still fits the budget's time and no decode stalls; prefill gets
+   the rest (the drafts take at most max_draft per decode, and a request whose drafts are not accepted stops
+   drafting);
 2. the next chunk of each partially prefilled prompt, in admission order;
 3. new requests in the waiting queue's order, while budget, sequence slots, the partial-prefill cap and
    KV admission allow; the queue head blocks the rest.
@@ -70,6 +76,7 @@ from stallfree.node_daemon.engine.output_length import OutputLengthEstimate
 from stallfree.node_daemon.engine.request import Request, RequestStatus
 from stallfree.node_daemon.engine.request_rules import kv_footprint
 from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from stallfree.node_daemon.engine.speculation import DraftState, SpeculativeConfig, can_draft
 
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
@@ -123,6 +130,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._num_made_room = 0  # preempted in this iteration to admit a higher priority (_make_room)
         self._now: float | None = None  # this iteration's time, when the engine gives it (_due)
+        self.speculative: SpeculativeConfig = config.speculative
 
     # ---- live limits -------------------------------------------------------------------------------
 
@@ -302,6 +310,9 @@ class Scheduler:
         chunks = out.chunks
         num_decodes = len(chunks)
         budget = tuning.token_budget - num_decodes
+        # 1b. Their drafts' verification tokens, from what the decodes leave of the budget (speculation.py).
+        if self.speculative.enabled and budget > 0:
+            budget -= self._schedule_drafts(out, budget)
 
         # 2. The next chunk of every partial prefill, in admission order. A KV shortfall here preempts
         # the latest admitted partial prefill (decodes were all scheduled already).
@@ -370,7 +381,7 @@ class Scheduler:
             if n < remaining:
                 num_partial += 1
         out.num_decode_tokens = num_decodes
-        out.num_prefill_tokens = tuning.token_budget - num_decodes - budget
+        out.num_prefill_tokens = tuning.token_budget - num_decodes - out.num_verify_tokens - budget
         self._num_partial_prefills = num_partial
 
     def _due(self, request: Request) -> bool:
@@ -399,6 +410,46 @@ class Scheduler:
                 continue  # it preempted itself
             chunks.append(ScheduledChunk(request, start, 1, False, True))
         out.num_decode_tokens = len(chunks)
+
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Turn decodes into verifications of their n-gram drafts, within `budget` tokens; returns the tokens used.
+
+        Each draft is at most its request's adapted length (speculation.py), what max_tokens and the context leave,
+        and the budget left; its KV slots are taken only from free blocks (a draft never preempts). With objectives,
+        a request drafts only while no waiting or prefilling request is of a higher priority: its drafts would
+        lengthen the iteration that request's prefill needs (the band rule's reason)."""
+        config = self.speculative
+        floor = None
+        if self._num_objectives:
+            floor = max((r.priority for r in (*self.waiting, *self._prefilling)), default=None)
+        used = 0
+        for chunk in out.chunks:
+            if used >= budget:
+                break
+            request = chunk.request
+            state = request.draft_state
+            if state is None:
+                state = request.draft_state = (DraftState(config) if can_draft(request.sampling,
+                                                                                  request.matcher is not None)
+                                               else False)
+            if state is False or (floor is not None and request.priority < floor):
+                continue
+            num_tokens = len(request.token_ids)
+            room = min(budget - used, request.num_prompt_tokens + request.sampling.max_tokens - num_tokens - 1,
+                       request.max_model_len - num_tokens - 1)
+            if room <= 0:
+                continue
+            limit = state.draft_len()
+            if limit <= 0:
+                continue
+            draft = state.propose(request.token_ids, min(limit, room))
+            if not draft or not self._grow_without_preempting(request, 1 + len(draft)):
+                continue
+            chunk.draft = draft
+            chunk.num_tokens = 1 + len(draft)
+            used += len(draft)
+        out.num_verify_tokens = used
+        return used
 
     def _chunk_size(self, remaining: int, budget: int, tuning: Tuning, prefix_len: int,
                     chunks: list[ScheduledChunk]) -> int:
@@ -448,17 +499,29 @@ class Scheduler:
         """Room for a running request's next tokens, preempting if KV is short (_victim); False if it had to go
         itself."""
         kv = self.kv_cache
-        reserved = self._admitted[request.request_id][1]
         before = len(request.block_ids)
         while not kv.allocate_slots(request, num_new_tokens):
             victim = self._victim(out)
             self._preempt(victim, out)
             if victim is request:
                 return False
+        self._blocks_changed(request, before)
+        return True
+
+    def _grow_without_preempting(self, request: Request, num_new_tokens: int) -> bool:
+        """Room for a draft's slots from free blocks alone; False (nothing changed) when KV is short."""
+        before = len(request.block_ids)
+        if not self.kv_cache.allocate_slots(request, num_new_tokens):
+            return False
+        self._blocks_changed(request, before)
+        return True
+
+    def _blocks_changed(self, request: Request, before: int) -> None:
+        """Keep the growth still promised to running requests right after a request's block table changed size."""
+        reserved = self._admitted[request.request_id][1]
         after = len(request.block_ids)
         if after != before:
             self._growth_blocks -= max(0, reserved - before) - max(0, reserved - after)
-        return True
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Preempt by recompute: free its KV, queue it at its place (by urgency, then its original arrival: ahead
@@ -497,13 +560,14 @@ class Scheduler:
     # ---- after the model ran -----------------------------------------------------------------------
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
-                           dead_ends: Collection[str] = ()) -> list[Request]:
+                           dead_ends: Collection[str] = (), accepted: dict[str, int] | None = None) -> list[Request]:
         """Advance every scheduled request, append sampled tokens, finish the stopped; returns those finished.
 
         Call once per schedule(), before the next one. A prefill whose chunk sampled now decodes. A request in
         `dead_ends` (its grammar allowed no token, or refused the one sampled) finishes with grammar_dead_end and
         no token; a constrained request whose grammar is complete finishes "stop", with ignore_eos too (nothing
-        but EOS could follow).
+        but EOS could follow). A verification keeps its draft's first `accepted[request_id]` tokens (their KV is
+        computed), then the sampled token; the rejected draft tokens' slots are rolled back (_verified).
         """
         finished: list[Request] = []
         started_decoding: list[Request] = []
@@ -514,6 +578,10 @@ class Scheduler:
             request = chunk.request
             if request.status is not _RUNNING:
                 continue  # aborted or finished by the engine since schedule()
+            if chunk.draft:
+                if self._verified(request, chunk, sampled, accepted):
+                    finished.append(request)
+                continue
             start = chunk.start
             num_tokens = chunk.num_tokens
             request.num_computed_tokens = start + num_tokens
@@ -529,17 +597,7 @@ class Scheduler:
                 token = sampled[request.request_id]
             except KeyError:
                 raise KeyError(f"no sampled token for request {request.request_id!r}, whose chunk samples") from None
-            request.append_output_token(token)
-            num_tokens = len(request.token_ids)
-            sampling = request.sampling
-            if (token in request.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
-                request.status = _STOPPED
-            elif request.matcher is not None and request.matcher.is_terminated():
-                request.status = _STOPPED
-            elif (num_tokens - request.num_prompt_tokens >= sampling.max_tokens
-                  or num_tokens >= request.max_model_len):
-                request.status = _LENGTH
-            else:
+            if not _append_token(request, token):
                 if chunk.is_prefill:
                     started_decoding.append(request)
                 continue
@@ -561,6 +619,53 @@ class Scheduler:
                 kv.free(request)
                 observe(request.num_output_tokens, request.status is _STOPPED)
         return finished
+
+
+    def _verified(self, request: Request, chunk: ScheduledChunk, sampled: dict[str, int],
+                  accepted: dict[str, int] | None) -> bool:
+        """Keep a verification's accepted draft tokens and its sampled token (stopping at the first that finishes the
+        request), count the outcome for the draft's adaptation, and give back the rejected tokens' KV: the sequence's
+        computed length stops after the accepted tokens (the rejected slots are written again before they are read),
+        and blocks past it are freed. True if the request finished."""
+        draft = chunk.draft
+        num_accepted = accepted.get(request.request_id, 0) if accepted else 0
+        try:
+            token = sampled[request.request_id]
+        except KeyError:
+            raise KeyError(f"no sampled token for request {request.request_id!r}, whose chunk samples") from None
+        request.draft_state.observe(len(draft), num_accepted)
+        done = False
+        for t in (*draft[:num_accepted], token):
+            if _append_token(request, t):
+                done = True
+                break
+        # KV is computed for the newest token and the accepted drafts (fewer when one of them finished it).
+        request.num_computed_tokens = min(chunk.start + 1 + num_accepted, len(request.token_ids))
+        kv = self.kv_cache
+        if kv.enable_prefix_caching:
+            kv.cache_full_blocks(request)
+        if not done:
+            before = len(request.block_ids)
+            kv.trim(request, request.num_computed_tokens)
+            self._blocks_changed(request, before)
+        return done
+
+
+def _append_token(request: Request, token: int) -> bool:
+    """Append a sampled token; True (status set) if it finishes the request: EOS or a stop token, a complete grammar,
+    max_tokens or the context."""
+    request.append_output_token(token)
+    num_tokens = len(request.token_ids)
+    sampling = request.sampling
+    if (token in request.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
+        request.status = _STOPPED
+    elif request.matcher is not None and request.matcher.is_terminated():
+        request.status = _STOPPED
+    elif num_tokens - request.num_prompt_tokens >= sampling.max_tokens or num_tokens >= request.max_model_len:
+        request.status = _LENGTH
+    else:
+        return False
+    return True
 
 
 # A lower priority's request is due once less than this share of its time (its arrival here to its deadline) is left.

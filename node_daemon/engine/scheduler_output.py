@@ -13,6 +13,9 @@ class ScheduledChunk:
     Token ids are request.token_ids[start:start + num_tokens]; their KV goes to the slots given by
     request.block_ids. `samples` is True when the chunk reaches the request's newest token, so the
     runner must return a sampled token for it (a partial prefill chunk samples nothing).
+
+    A verification (`draft` not empty) is a decode followed by its draft tokens: num_tokens = 1 + len(draft) rows,
+    the request's newest token then the draft (which is not in request.token_ids), each row's logits returned.
     """
 
     request: Request
@@ -20,6 +23,7 @@ class ScheduledChunk:
     num_tokens: int
     is_prefill: bool
     samples: bool
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -29,11 +33,12 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
+    num_verify_tokens: int = 0  # draft tokens verified beside the decodes (speculation), in the budget too
     token_budget: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return self.num_decode_tokens + self.num_prefill_tokens
+        return self.num_decode_tokens + self.num_verify_tokens + self.num_prefill_tokens
 
     @property
     def is_empty(self) -> bool:

@@ -25,6 +25,7 @@ starts serving empty with its tuning restored.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -349,6 +350,9 @@ def run_profile(engine: LLMEngine, device: str, settings: ProfileSettings | None
     profiler = _Profiler(engine, settings)
     saved_observer, saved_tuning = engine.observer, engine.get_tuning()
     engine.observer = profiler.recorder
+    # The profile times plain decodes and prefill chunks: drafts would add verification rows to its points.
+    saved_speculative = engine.scheduler.speculative
+    engine.scheduler.speculative = dataclasses.replace(saved_speculative, method="off")
     ceilings = engine.ceilings
     decodes, budgets = profiler.mixed_plan(ceilings)
     batches = profiler.decode_plan(ceilings)
@@ -369,6 +373,7 @@ def run_profile(engine: LLMEngine, device: str, settings: ProfileSettings | None
         profiler.cleanup()
         engine.set_tuning(saved_tuning)
         engine.observer = saved_observer
+        engine.scheduler.speculative = saved_speculative
     if not mixed and not stopped:
         warnings.append("no mixed point fitted in the time budget")
     cpu_share = None

@@ -61,7 +61,9 @@ class StatsWindow:
     def on_iteration(self, record: IterationRecord) -> None:
         end = record.start + record.duration_s
         with self._lock:
-            self._iterations.append((end, record.num_prefill_tokens, record.num_decode_tokens,
+            # A verification's draft tokens are the decodes' work inside the budget: the tuner sees the budget they use.
+            self._iterations.append((end, record.num_prefill_tokens,
+                                     record.num_decode_tokens + record.num_verify_tokens,
                                      record.token_budget, record.duration_s, record.num_preempted))
             self._last = record
             self._prune(end)

@@ -21,6 +21,18 @@ def usage_of(lasts: list[RequestOutput | None]) -> tuple[int, int, int]:
     return prompt, sum(o.num_output_tokens for o in outs), sum(o.num_cached_tokens for o in outs)
 
 
+def with_speculation(usage: dict, lasts: list[RequestOutput | None]) -> dict:
+    """The usage with an extension field `speculation` when drafts were verified for the request: draft tokens
+    verified, accepted and rejected, over all choices (absent when none were, as without speculation)."""
+    outs = [o for o in lasts if o is not None]
+    drafted = sum(o.num_drafted_tokens for o in outs)
+    if drafted:
+        accepted = sum(o.num_accepted_tokens for o in outs)
+        usage["speculation"] = {"draft_tokens": drafted, "accepted_tokens": accepted,
+                                "rejected_tokens": drafted - accepted}
+    return usage
+
+
 async def collect(generation: Generation) -> list[ChoiceResult]:
     results = [ChoiceResult() for _ in range(generation.n)]
     parts: list[list[str]] = [[] for _ in range(generation.n)]
