@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--long-prefill-threshold", type=int, default=0, help="0: no per-request prefill cap")
     s.add_argument("--tpot-slo-ms", type=float, default=None,
                    help="TPOT target: picks the starting budget")
+    s.add_argument("--speculative", choices=["off", "ngram"], default="off",
+                   help="ngram: each decode proposes the tokens that followed the latest earlier occurrence of its "
+                        "last tokens (prompt lookup) and verifies them in the same iteration, inside the token budget; "
+                        "a request whose drafts are not accepted stops drafting (greedy outputs are unchanged, sampled "
+                        "ones keep their distribution)")
+    s.add_argument("--speculative-max-draft", type=int, default=8, help="draft tokens per decode at most")
     s.add_argument("--no-profile", action="store_true", help="skip the start-up profile (needs --token-budget N)")
     s.add_argument("--no-prefix-cut", action="store_true",
                    help="keep prefill chunks over a long cached prefix at the full budget (by default they are cut "

@@ -29,6 +29,7 @@ CPU_TOKEN_BUDGET = 256
 
 def engine_config(opts: ServeConfig):
     from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from stallfree.node_daemon.engine.speculation import SpeculativeConfig
     from stallfree.node_daemon.models.config import ModelConfig
 
     return EngineConfig(
@@ -38,7 +39,9 @@ def engine_config(opts: ServeConfig):
                           cpu_dense_copy=opts.cpu_dense_copy),
         cache=CacheConfig(block_size=opts.block_size, num_blocks=opts.num_kv_blocks,
                           kv_memory_fraction=opts.kv_memory_fraction, enable_prefix_caching=not opts.no_prefix_caching),
-        scheduler=SchedulerConfig(ceilings=opts.ceilings, tuning=opts.tuning, max_model_len=opts.max_model_len or 2048),
+        scheduler=SchedulerConfig(ceilings=opts.ceilings, tuning=opts.tuning, max_model_len=opts.max_model_len or 2048,
+                                  speculative=SpeculativeConfig(method=opts.speculative,
+                                                                max_draft=opts.speculative_max_draft)),
         backend=opts.backend,
     )
 

@@ -63,6 +63,8 @@ class ServeConfig:
     stats_window_s: float
     log_level: str
     tool_call_parser: str | None = None  # None: detected from the chat template (text/tool_calls/formats.py)
+    speculative: Literal["off", "ngram"] = "off"  # n-gram drafts verified inside the budget (engine/speculation.py)
+    speculative_max_draft: int = 8
     admin_token: Any = None  # a watched secret (server/auth.py), or None: the admin API is closed
     api_key: Any = None  # a watched secret, or None: the inference API is open
 
@@ -89,7 +91,7 @@ def _flag(field: str) -> str:
 def _problems(c: ServeConfig):
     """Each problem of the configuration, named by its flag (the first one is raised)."""
     for field in ("block_size", "max_token_budget", "max_num_seqs_ceiling", "max_num_seqs", "max_partial_prefills",
-                  "max_body_bytes", "max_connections", "text_workers"):
+                  "max_body_bytes", "max_connections", "text_workers", "speculative_max_draft"):
         if getattr(c, field) < 1:
             yield f"{_flag(field)} must be positive, got {getattr(c, field)}"
     for field in ("num_kv_blocks", "long_prefill_threshold", "max_queue_requests", "max_queue_tokens"):
