@@ -23,6 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--namespace", help="the Service's namespace (default: the pod's own)")
     src.add_argument("--port-name", default="http", help="EndpointSlice port name of the daemons' HTTP port")
     src.add_argument("--admin-token-file", help="file holding the daemons' admin token (else env STALLFREE_ADMIN_TOKEN)")
+    who = p.add_argument_group("who a request is (tenants and objectives from credentials)")
+    who.add_argument("--api-keys-file", default=None,
+                     help='JSON {"keys": [{"sha256", "tenant", "objectives"}]}: requests need one of these keys '
+                          "(Authorization: Bearer); read again when it changes. Without it: anonymous, one tenant")
+    who.add_argument("--trusted-upstream-secret-file", default=None,
+                     help="file holding the secret a trusted gateway sends in x-stallfree-upstream-secret: only "
+                          "its requests' tenant header (x-gateway-inference-fairness-id) is believed")
     pol = p.add_argument_group("routing")
     pol.add_argument("--policy", choices=POLICIES, default="slo-aware")
     pol.add_argument("--chars-per-token", type=float, default=4.0,
@@ -77,6 +84,8 @@ async def serve(args: argparse.Namespace, admin_token: str | None) -> None:
     import uvicorn
 
     from stallfree.http_doors.connections import limited_h11_protocol
+    from stallfree.node_daemon.server.auth import load_secret
+    from stallfree.operator.router.api_keys import KeyBook
     from stallfree.operator.router.discovery import EndpointSliceDiscovery
     from stallfree.operator.router.drain import DrainingServer
     from stallfree.operator.router.edge import Doors, create_app
@@ -93,7 +102,10 @@ async def serve(args: argparse.Namespace, admin_token: str | None) -> None:
                           flow=FlowConfig(dispatch_wait_ms(args.queue_wait_slo_ms), args.max_queued),
                           queue_timeout_s=args.queue_timeout_s, flow_control=not args.no_flow_control,
                           stream_stall_timeout_s=args.stream_stall_timeout_s,
-                          objectives=parse_objectives(args.objectives) if args.objectives else Objectives.implicit())
+                          objectives=parse_objectives(args.objectives) if args.objectives else Objectives.implicit(),
+                          api_keys=KeyBook(args.api_keys_file) if args.api_keys_file else None,
+                          upstream_secret=load_secret(args.trusted_upstream_secret_file, "")
+                          if args.trusted_upstream_secret_file else None)
     router = Router(pool, config)
     await router.start()
     tasks = []
@@ -144,6 +156,12 @@ def main(argv: list[str]) -> int:
 
             parse_objectives(args.objectives)
         admin_token = load_secret(args.admin_token_file, ADMIN_TOKEN_ENV)
+        if args.api_keys_file:
+            from stallfree.operator.router.api_keys import KeyBook
+
+            KeyBook(args.api_keys_file)  # a file that does not read stops the router here, with its reason
+        if args.trusted_upstream_secret_file:
+            load_secret(args.trusted_upstream_secret_file, "")
     except ValueError as exc:
         print(f"stallfree router: error: {exc}", file=sys.stderr)
         return 2

@@ -41,10 +41,12 @@ from stallfree.operator.router.answers import (Answer, queue_full_answer, refusa
                                                sse_error)
 from stallfree.operator.router.client_io import client_left, whole_body
 from stallfree.operator.router.affinity import DEFAULT_BLOCK_TOKENS, PrefixTable, prefix_hashes
+from stallfree.operator.router.api_keys import KeyBook
 from stallfree.operator.router.flow_control import FlowConfig, Queued
 from stallfree.operator.router.forwarding import is_admin, response_headers, upstream_headers
+from stallfree.operator.router.identity import Unauthorized, identify, objective_for
 from stallfree.operator.router.metrics import RouterMetrics
-from stallfree.operator.router.objectives import OBJECTIVE_HEADER, Objective, Objectives, header, tenant_of
+from stallfree.operator.router.objectives import OBJECTIVE_HEADER, Objective, Objectives, header
 from stallfree.operator.router.pick import AffinityMargin, Choice, ReplicaView, pick, rendezvous_home
 from stallfree.operator.router.replicas import Replica, ReplicaPool
 from stallfree.operator.router.requests import RequestInfo, read_parsed
@@ -90,6 +92,9 @@ class RouterConfig:
     stream_stall_timeout_s: float = 30.0
     # The classes of requests (--objectives); the implicit one keeps the queue first come, first served.
     objectives: Objectives = field(default_factory=Objectives.implicit)
+    # Who a request is (identity.py): API keys (None: anonymous serving, one tenant) and the trusted gateway's secret.
+    api_keys: KeyBook | None = None
+    upstream_secret: str | None = None
 
 
 class Router:
@@ -301,6 +306,12 @@ class Router:
                                                 "draining"))
             return
         body = await whole_body(receive) if method in ("POST", "PUT", "PATCH") else b""
+        caller = identify(scope["headers"], self.config.api_keys, self.admin_token, self.config.upstream_secret,
+                          time.monotonic())
+        if isinstance(caller, Unauthorized):
+            self.metrics.refused.labels(caller.code).inc()
+            await respond(send, refusal_answer(caller.status, caller.message, caller.code))
+            return
         info = RequestInfo(False, "", 0)
         objective = self.config.objectives.default
         if method == "POST":
@@ -311,19 +322,25 @@ class Router:
                 self.metrics.refused.labels(refused.code).inc()
                 await respond(send, refusal_answer(refused.status, refused.message, refused.code, refused.param))
                 return
-            named = admission.objective_or_refusal(header(scope["headers"], OBJECTIVE_HEADER), self.config.objectives)
+            asked = header(scope["headers"], OBJECTIVE_HEADER)
+            named = admission.objective_or_refusal(asked, self.config.objectives)
             if isinstance(named, admission.Refusal):
                 self.metrics.refused.labels(named.code).inc()
                 await respond(send, refusal_answer(named.status, named.message, named.code, named.param))
                 return
-            objective = named
+            allowed = objective_for(caller, named, bool(asked and asked.strip()), self.config.objectives)
+            if isinstance(allowed, Unauthorized):
+                self.metrics.refused.labels(allowed.code).inc()
+                await respond(send, refusal_answer(allowed.status, allowed.message, allowed.code, "objective"))
+                return
+            objective = allowed
             info = admission.bounded(read_parsed(parsed, self.config.chars_per_token), parsed["model"], served)
         headers = upstream_headers(scope["headers"], scope.get("client"), scope.get("scheme", "http"))
         admin = is_admin(scope["headers"], self.admin_token)
         self._enter()
         left = asyncio.ensure_future(client_left(receive))
         work = asyncio.ensure_future(self._answer(method, upstream_path, headers, body, info, received, objective,
-                                                  tenant_of(scope["headers"])))
+                                                  caller.tenant))
         cut = asyncio.ensure_future(self._cut.wait())
         answer: Answer | None = None
         try:
