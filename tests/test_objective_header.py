@@ -16,12 +16,23 @@ from stallfree.operator.router.forwarding import upstream_headers
 from stallfree.operator.router.objectives import Objective as RouterObjectiveSpec, Objectives
 from stallfree.operator.router.flow_control import FlowConfig
 from stallfree.operator.router.waiting_room import WaitingRoom
-from stallfree.request_objective_header import (OBJECTIVE_HEADER, SIGNATURE_HEADER, RequestObjective, decode, encode,
+from stallfree.request_objective_header import (OBJECTIVE_HEADER, REQUEST_ID_HEADER, SIGNATURE_HEADER, NonceBook,
+                                                RequestObjective, at_target, bind, body_digest, decode, encode,
                                                 headers, read)
 from stallfree.router_queue_header import sign
 from test_router_proxy import MODEL, SIM_ARGS, router
 
 CHAT = RequestObjective("chat", 10, 1_700_000_100.25, 40.0)
+BODY = b'{"model":"m","prompt":"hi"}'
+SERVER = ("10.0.0.7", 8000)  # the daemon's listener, as its ASGI scope says
+
+
+def _binding(body: bytes = BODY, url: str = "http://10.0.0.7:8000"):
+    return bind("router-1-ab", body_digest(body), url)
+
+
+def _read(signed, now, body: bytes = BODY, server=SERVER, nonces: NonceBook | None = None, token=ADMIN_TOKEN):
+    return read(signed, token, now, body, server, nonces if nonces is not None else NonceBook())
 
 
 def test_an_objective_survives_its_header_value():
@@ -35,9 +46,9 @@ def test_an_objective_survives_its_header_value():
 
 def test_the_daemon_believes_only_the_routers_signature():
     now = time.time()
-    signed = dict(headers(CHAT, ADMIN_TOKEN, now))
-    assert read(signed, ADMIN_TOKEN, now) == CHAT
-    value = encode(CHAT)
+    signed = dict(headers(CHAT, ADMIN_TOKEN, now, _binding()))
+    assert _read(signed, now) == CHAT
+    value = encode(CHAT, _binding())
     forged = [{OBJECTIVE_HEADER: value},  # unsigned, as a client would send it
               {OBJECTIVE_HEADER: value, SIGNATURE_HEADER: sign(value, "not-the-admin-token", now)},
               {OBJECTIVE_HEADER: value, SIGNATURE_HEADER: sign(encode(RequestObjective("chat", 0)), ADMIN_TOKEN, now)},
@@ -45,20 +56,44 @@ def test_the_daemon_believes_only_the_routers_signature():
               {OBJECTIVE_HEADER: value, SIGNATURE_HEADER: "garbage"},
               {OBJECTIVE_HEADER: "not json", SIGNATURE_HEADER: sign("not json", ADMIN_TOKEN, now)}]
     for request_headers in forged:
-        assert read(request_headers, ADMIN_TOKEN, now) is None, request_headers
-    assert read(signed, None, now) is None  # a daemon without an admin token believes no one
-    assert headers(CHAT, None, now) == []  # and a router without one sends nothing
+        assert _read({**request_headers, REQUEST_ID_HEADER: "router-1-ab"}, now) is None, request_headers
+    assert _read(signed, now, token=None) is None  # a daemon without an admin token believes no one
+    assert headers(CHAT, None, now, _binding()) == []  # and a router without one sends nothing
+
+
+def test_a_signed_objective_counts_for_its_own_request_once():
+    """Captured on the wire, the header is worth nothing: not for another body, id or replica, not twice."""
+    now = time.time()
+    signed = dict(headers(CHAT, ADMIN_TOKEN, now, _binding()))
+    assert signed[REQUEST_ID_HEADER] == "router-1-ab"
+    nonces = NonceBook()
+    assert _read(signed, now, body=BODY + b" ", nonces=nonces) is None  # another body
+    assert _read({**signed, REQUEST_ID_HEADER: "mine"}, now, nonces=nonces) is None  # another request id
+    assert _read(signed, now, server=("10.0.0.8", 8000), nonces=nonces) is None  # replayed to another daemon
+    assert _read(signed, now, nonces=nonces) == CHAT  # the request it was signed for
+    assert _read(signed, now + 1, nonces=nonces) is None  # ... once: a replay to the same daemon is ignored
+    # Each nonce is remembered until its signature expires, no longer, and the book is bounded.
+    assert len(nonces) == 1 and nonces.first_use("other", now, now + 10_000) and len(nonces) == 1
+    full = NonceBook(capacity=1)
+    assert full.first_use("a", now, now) and not full.first_use("b", now, now)
+
+
+def test_the_replica_is_judged_by_ip_and_port_or_a_host_names_port():
+    assert at_target("10.0.0.7:8000", ("10.0.0.7", 8000)) and not at_target("10.0.0.7:8000", ("10.0.0.7", 8001))
+    assert not at_target("10.0.0.7:8000", ("10.0.0.9", 8000)) and at_target("[::1]:8000", ("::1", 8000))
+    assert at_target("daemon-0.local:8000", ("10.0.0.7", 8000)) and not at_target("x:8000", None)
 
 
 def test_the_engine_gets_the_deadline_on_its_own_clock_and_forgeries_are_counted():
     reader = RouterObjective()
     now = 1_700_000_100.0  # the deadline is 0.25 s away
-    objective = reader.of(dict(headers(CHAT, ADMIN_TOKEN, now)), ADMIN_TOKEN, now_s=now, now_monotonic=50.0)
+    objective = reader.of(dict(headers(CHAT, ADMIN_TOKEN, now, _binding())), ADMIN_TOKEN, BODY, SERVER, now_s=now,
+                          now_monotonic=50.0)
     assert objective is not None
     assert (objective.name, objective.priority, objective.tpot_target_ms) == ("chat", 10, 40.0)
     assert abs(objective.deadline - 50.25) < 1e-6
-    assert reader.of({OBJECTIVE_HEADER: encode(CHAT)}, ADMIN_TOKEN) is None and reader.ignored == 1
-    assert reader.of({}, ADMIN_TOKEN) is None and reader.ignored == 1
+    assert reader.of({OBJECTIVE_HEADER: encode(CHAT)}, ADMIN_TOKEN, BODY, SERVER) is None and reader.ignored == 1
+    assert reader.of({}, ADMIN_TOKEN, BODY, SERVER) is None and reader.ignored == 1
 
 
 def test_a_client_cannot_send_the_objective_header_through_the_router():
@@ -72,8 +107,8 @@ def test_the_router_signs_the_deadline_from_its_arrival():
     spec = RouterObjectiveSpec("chat", priority=3, ttft_ms=2000.0, tpot_ms=50.0)
     room = WaitingRoom(FlowConfig(), Objectives({"chat": spec}, spec))
     arrived = time.time() - 0.5  # it waited 0.5 s in the router
-    sent = dict(headers(room.signed(spec, 3, arrived), ADMIN_TOKEN, time.time()))
-    objective = read(sent, ADMIN_TOKEN, time.time())
+    sent = dict(headers(room.signed(spec, 3, arrived), ADMIN_TOKEN, time.time(), _binding()))
+    objective = _read(sent, time.time())
     assert objective is not None and (objective.name, objective.priority, objective.tpot_ms) == ("chat", 3, 50.0)
     assert objective.deadline_s == pytest.approx(arrived + 2.0)  # its arrival + 2 s
     assert room.signed(spec, 2, arrived) == RequestObjective("chat", 2, None, 50.0)  # sent below its band

@@ -25,6 +25,7 @@ from stallfree.http_doors.json_checks import NOT_JSON, BodyRefused, check_json
 
 # The scope key under which a route finds the parsed body.
 PARSED_BODY = "stallfree.parsed_body"
+RAW_BODY = "stallfree.raw_body"  # the body's bytes as received (what a signed header's digest is checked against)
 OFF_LOOP_BYTES = 256 << 10  # bodies larger than this are parsed on a worker thread
 
 
@@ -60,6 +61,7 @@ class BodyGuardMiddleware:
                 return
             if parsed is not NOT_JSON:
                 scope[PARSED_BODY] = parsed
+        scope[RAW_BODY] = body
         await self.app(scope, _replay(body, receive), send)
 
     async def _read_body(self, receive: Receive) -> bytes:

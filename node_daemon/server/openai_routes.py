@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from stallfree.http_doors.body_guard import RAW_BODY
 from stallfree.node_daemon.engine.request_rules import InvalidRequest, check_prompt_tokens, check_request
 from stallfree.node_daemon.server import choices, finish, outcome, protocol
 from stallfree.node_daemon.server.app import Daemon, get_daemon
@@ -220,7 +221,8 @@ async def _serve(daemon: Daemon, request: Request, body: protocol.SamplingFields
     ticket = admit(daemon, len(prompt_ids))
     # n > 1: one engine request per choice, the prompt's KV shared through the prefix cache (generation.py).
     waited_s = router_wait.seconds(request.headers, daemon.auth.admin_token)
-    objective = router_objective.of(request.headers, daemon.auth.admin_token)
+    objective = router_objective.of(request.headers, daemon.auth.admin_token, request.scope.get(RAW_BODY, b""),
+                                    request.scope.get("server"))
     generation = Generation(daemon, rid, prompt_ids, sampling, ticket, waited_s, n=body.n, grammar=plan.grammar,
                             objective=objective)
     if body.stream:

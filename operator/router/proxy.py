@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
@@ -33,7 +34,7 @@ import anyio
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from stallfree.http_doors.body_guard import PARSED_BODY
+from stallfree.http_doors.body_guard import OFF_LOOP_BYTES, PARSED_BODY
 from stallfree.http_doors.json_checks import NOT_JSON
 from stallfree.operator.router import admission
 from stallfree.operator.router.edge import create_app  # noqa: F401 - callers build the app from here
@@ -52,6 +53,7 @@ from stallfree.operator.router.replicas import Replica, ReplicaPool
 from stallfree.operator.router.requests import RequestInfo, read_parsed
 from stallfree.operator.router.shedding import SHED_CODE
 from stallfree.operator.router.waiting_room import QueueFull, Shed, WaitingRoom
+from stallfree.request_objective_header import REQUEST_ID_HEADER, bind, body_digest
 from stallfree.request_objective_header import headers as objective_headers
 from stallfree.router_queue_header import QUEUE_HEADER, SIGNATURE_HEADER, sign
 
@@ -380,6 +382,8 @@ class Router:
         queued = method == "POST" and self.config.flow_control
         self.counter += 1  # once per request: a retry must not shift round-robin's order
         seq = self.counter
+        # The body's digest, for a signed objective; before any reservation (nothing to give back if cancelled).
+        digest = await _digest(body) if method == "POST" and self.admin_token else None
         for attempt in range(MAX_ATTEMPTS):
             if queued:
                 picked = await self._wait_in_queue(info, received, seq, frozenset(tried), attempt > 0, objective,
@@ -404,8 +408,10 @@ class Router:
             if method == "POST":  # the priority it was sent with, and its deadline from the router's arrival
                 sent = replica.held.get(ticket, objective.priority) if queued else objective.priority
                 signed = self.room.signed(objective, sent, time.time() - waited_ms / 1000.0)
-                if signed is not None:
-                    leg_headers = leg_headers + objective_headers(signed, self.admin_token, time.time())
+                if signed is not None and digest is not None:  # bound to this request: id, body, replica, nonce
+                    binding = bind(f"router-{seq}-{secrets.token_hex(6)}", digest, replica.url)
+                    leg_headers = [h for h in leg_headers if h[0] != REQUEST_ID_HEADER] + objective_headers(
+                        signed, self.admin_token, time.time(), binding)
             try:
                 return await self._send(replica, choice, ticket, method, path, leg_headers, body, info, received,
                                         objective)
@@ -618,6 +624,11 @@ class Router:
         except asyncio.TimeoutError:
             pass
         return left
+
+
+async def _digest(body: bytes) -> str:
+    """The body's SHA-256, off the event loop when it is large (hashlib drops the GIL)."""
+    return await asyncio.to_thread(body_digest, body) if len(body) > OFF_LOOP_BYTES else body_digest(body)
 
 
 def _queue_headers(waited_ms: str, admin_token: str | None) -> list[tuple[str, str]]:
