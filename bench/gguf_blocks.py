@@ -1,4 +1,4 @@
-"""GGUF block bytes made in numpy: Q4_0, Q4_K, Q5_K and Q6_K packed from their fields, random valid blocks of a
+"""GGUF block bytes made in numpy: Q4_K, Q5_K and Q6_K packed from their fields, random valid blocks of a
 given weight scale, and a plain Q6_K quantizer.
 
 gguf 0.19's quants module dequantizes the K-quants but cannot quantize them, so they are packed here, each the
@@ -16,12 +16,6 @@ QK_K = 256
 def _f16_bytes(values: np.ndarray) -> np.ndarray:
     """[n] -> [n, 2] uint8: float16 little-endian."""
     return np.ascontiguousarray(values.astype("<f2")).view(np.uint8).reshape(-1, 2)
-
-
-def pack_q4_0(d: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """d [n] scales, q [n, 32] codes 0..15 (w = (q - 8) d) -> [n, 18] bytes."""
-    qs = q[:, :16] | (q[:, 16:] << 4)
-    return np.concatenate([_f16_bytes(d), qs.astype(np.uint8)], axis=1)
 
 
 def pack_scale_min(sc: np.ndarray, m: np.ndarray) -> np.ndarray:

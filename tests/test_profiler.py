@@ -6,7 +6,7 @@ import torch
 
 from stallfree.contracts import Ceilings, Profile, ProfilePoint, Tuning, min_budget_for
 from stallfree.profile_rules import MIN_TOKEN_BUDGET, SLO_MARGIN
-from stallfree.node_daemon.measure.profiler import (ProfileSettings, curve_problems, measure_profile, run_profile,
+from stallfree.node_daemon.measure.profiler import (ProfileSettings, curve_problems, run_profile,
                                                   starting_tuning, suggest_token_budget, suspect_points)
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.cli.serve import parse_options
@@ -47,7 +47,7 @@ def test_profile_of_the_tiny_model_through_the_engine(one_thread) -> None:
                                         "--max-num-seqs-ceiling", "32", "--max-num-seqs", "8", "--token-budget", "128",
                                         "--num-kv-blocks", "1024"])
     tuning = engine.get_tuning()
-    profile = measure_profile(engine, device, ProfileSettings(repeats=2, max_seconds=60))
+    profile = run_profile(engine, device, ProfileSettings(repeats=2, max_seconds=60)).profile
     assert profile.device == "cpu"
     assert [p.tokens for p in profile.decode_only] == [1, 2, 4, 8, 16, 32]
     assert all(p.num_decodes == p.tokens and p.iteration_ms > 0 for p in profile.decode_only)
@@ -69,7 +69,7 @@ def test_sim_profile_follows_the_cost_model() -> None:
     engine, device, _ = _engine(["--backend", "sim", "--model", "llama-3-8b", "--hardware", "a100",
                                  "--max-token-budget", "1024", "--max-num-seqs-ceiling", "16", "--max-num-seqs", "8",
                                  "--token-budget", "256"])
-    profile = measure_profile(engine, device, ProfileSettings(repeats=1, warmup=0, max_seconds=30))
+    profile = run_profile(engine, device, ProfileSettings(repeats=1, warmup=0, max_seconds=30)).profile
     assert device == "sim:a100"
     assert [p.tokens for p in profile.mixed] == [64, 128, 256, 512, 1024]
     cost = engine.executor.cost_model
@@ -86,7 +86,7 @@ def test_profile_refuses_a_busy_engine(one_thread) -> None:
                                  "--num-kv-blocks", "256"])
     engine.add_request("busy", prompt_token_ids=[30, 31], sampling=SamplingParams(max_tokens=4))
     with pytest.raises(RuntimeError, match="idle"):
-        measure_profile(engine, device)
+        run_profile(engine, device)
 
 
 PROFILE = Profile(device="test", mixed=[ProfilePoint(64, 16, 5.0), ProfilePoint(128, 16, 8.0),
@@ -202,11 +202,12 @@ def test_a_busy_point_is_measured_again_and_the_fastest_kept(one_thread) -> None
                                  "--max-num-seqs-ceiling", "32", "--max-num-seqs", "8", "--token-budget", "128",
                                  "--num-kv-blocks", "1024"])
     # Both first runs at 256 tokens are slow: keeping the fastest of them is not enough, the repair is.
-    engine.executor = _SlowOnce(engine.executor, 256, 0.25, times=2)
+    engine.executor = _SlowOnce(engine.executor, 256, 1.0, times=2)
     lines: list[str] = []
     run = run_profile(engine, device, ProfileSettings(repeats=2, max_seconds=60, progress=lines.append))
     by_tokens = {p.tokens: p.iteration_ms for p in run.profile.mixed}
-    assert by_tokens[256] < 200.0 and any("re-measured mixed 256" in line for line in lines)
+    # A slowed run takes over 1 s, a busy machine's plain one a fraction of that: the point kept is not slowed.
+    assert by_tokens[256] < 1000.0 and any("re-measured mixed 256" in line for line in lines)
 
 
 def test_a_busy_curve_that_stays_wrong_is_not_trusted(one_thread) -> None:

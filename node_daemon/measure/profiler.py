@@ -391,11 +391,6 @@ def run_profile(engine: LLMEngine, device: str, settings: ProfileSettings | None
                       stopped=stopped, cpu_share=cpu_share)
 
 
-def measure_profile(engine: LLMEngine, device: str, settings: ProfileSettings | None = None) -> Profile:
-    """Run the bounded sweep on an idle engine and return the measured Profile."""
-    return run_profile(engine, device, settings).profile
-
-
 def suggest_token_budget(profile: Profile, tpot_slo_ms: float, ceilings: Ceilings, tuning: Tuning) -> int:
     """The budget a daemon running `tuning` would start with for this TPOT SLO (what /admin/profile suggests)."""
     if not profile.mixed:

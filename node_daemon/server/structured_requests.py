@@ -176,13 +176,3 @@ def _write_call(call: Mapping[str, Any], fmt: ToolCallFormat) -> str:
     if fmt.call_close:
         return f"{fmt.markers[0]}\n{body}\n{fmt.call_close}"
     return body
-
-
-def arguments_as_object(arguments: Any) -> Any:
-    """An assistant message's call arguments (a JSON string in OpenAI's API) as the object templates render."""
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments
-    return arguments

@@ -38,11 +38,6 @@ class Hardware:
     def bytes_per_s(self) -> float:
         return self.hbm_tbps * 1e12
 
-    @property
-    def ridge_flop_per_byte(self) -> float:
-        """Arithmetic intensity above which a kernel is compute-bound on this device."""
-        return self.flops_per_s / self.bytes_per_s
-
 
 @dataclass(frozen=True)
 class Efficiency:
