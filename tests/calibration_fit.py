@@ -1,6 +1,6 @@
 """Fit the cost model's achieved efficiencies and knee to measured linear-layer times.
 
-The data (data/measured-linear-a100.csv) is one decoder layer's non-attention time (norms, QKV and
+The data (node_daemon/sim/data/measured-linear-a100.csv) is one decoder layer's non-attention time (norms, QKV and
 output projections, RoPE, gated MLP, residual add) against tokens per forward pass, for two models on
 an A100. The cost model predicts the same quantity as
 
@@ -12,7 +12,8 @@ squares of log(predicted / measured) over every point of both models (Gauss-Newt
 three smooth parameters, a dozen steps). The elementwise work (norms, RoPE, activation, residual)
 scales with the tokens like the FLOPs do, so e_f absorbs it: it is the achieved rate of the whole
 layer's non-attention work, not of a lone GEMM. An extra per-layer fixed cost can be fitted too
-(`fixed_cost=True`); on this data it comes out at zero, so the presets carry none.
+(`fixed_cost=True`); on this data it comes out at zero, so the presets carry none. tests/test_calibration.py
+runs it and holds the presets (node_daemon/sim/hardware.py) to what it finds.
 """
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from stallfree.shapes import ModelShape, get_shape
+from stallfree.node_daemon import sim
 from stallfree.node_daemon.sim.cost_model import RooflineCostModel
 from stallfree.node_daemon.sim.hardware import Efficiency, Hardware, calibrated
 
-DATA_DIR = Path(__file__).with_name("data")
+DATA_DIR = Path(sim.__file__).with_name("data")
 LINEAR_A100_CSV = DATA_DIR / "measured-linear-a100.csv"
 
 # The measured models' shapes (Llama-2-7B is not a serving preset, so it lives here).

@@ -2,7 +2,7 @@
 
 The data (node_daemon/sim/data/measured-linear-a100.csv, from the Vidur simulator's public A100 profiles)
 is one decoder layer's non-attention time of Llama-3-8B and Llama-2-7B against tokens per forward pass.
-The fit (calibration.fit_linear: least squares of log(predicted / measured) over matrix-FLOP efficiency,
+The fit (calibration_fit.fit_linear: least squares of log(predicted / measured) over matrix-FLOP efficiency,
 bandwidth efficiency and the knee) is re-run here from the file, so the preset figures cannot drift
 from the data they claim to come from.
 """
@@ -12,12 +12,13 @@ import math
 
 import pytest
 
-from stallfree.node_daemon.sim.calibration import (
-    A100_PEAK_HBM_TBPS, A100_PEAK_TFLOPS, MEASURED_SHAPES, fit_linear, load_measurements, residuals_on,
-)
 from stallfree.node_daemon.sim.cost_model import RooflineCostModel
 from stallfree.node_daemon.sim.hardware import A100_LINEAR_FIT, HARDWARE, get_hardware
 from stallfree.shapes import get_shape
+
+from calibration_fit import (
+    A100_PEAK_HBM_TBPS, A100_PEAK_TFLOPS, MEASURED_SHAPES, fit_linear, load_measurements, residuals_on,
+)
 
 
 @pytest.fixture(scope="module")

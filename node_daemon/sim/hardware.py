@@ -3,7 +3,7 @@ between them, fixed overhead, memory.
 
 The cost model uses achieved figures, never datasheet peaks: no kernel reaches the peak. The GPU presets
 are the vendors' datasheet figures (dense BF16 tensor-core rate, no sparsity; SXM parts) times the
-efficiencies fitted to measured A100 kernel times (calibration.py, data/measured-linear-a100.csv):
+efficiencies fitted to measured A100 kernel times (data/measured-linear-a100.csv, tests/calibration_fit.py):
 the same efficiencies for every GPU, by their own datasheet figures. The fit also gives the knee: a
 linear layer near the ridge point is slower than max(compute, memory), and the measured times follow
 (compute^p + memory^p)^(1/p) with p about 2.
