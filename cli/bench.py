@@ -21,6 +21,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "grammar": ("stallfree.bench.grammar", "grammar libraries: compile time, mask time at 1/16 rows, JSON Schema support"),
     "hostile": ("stallfree.bench.hostile", "streams' gaps and /health while 1.33M token ids or 100k messages arrive"),
     "agree": ("stallfree.bench.agree", "greedy tokens and top-5 logprobs against llama.cpp's llama-server on GGUFs"),
+    "speculation": ("stallfree.bench.speculation", "output tok/s and draft acceptance, echo and open workloads, "
+                    "against any OpenAI-compatible server"),
 }
 
 
