@@ -18,7 +18,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "soak": ("stallfree.bench.soak", "thousands of requests, cancellations and a kill across local replicas"),
     "kv-estimate": ("stallfree.bench.kv_estimate", "chats without max_tokens run together; a 2-token request behind them"),
     "write-gguf": ("stallfree.bench.write_random_gguf", "a random-weight GGUF of Llama-3.2-1B's shape (q4_0, q4_k_m)"),
-    "grammar": ("stallfree.bench.grammar", "grammar libraries: compile time, mask time at 1/16 rows, JSON Schema support"),
     "hostile": ("stallfree.bench.hostile", "streams' gaps and /health while 1.33M token ids or 100k messages arrive"),
     "agree": ("stallfree.bench.agree", "greedy tokens and top-5 logprobs against llama.cpp's llama-server on GGUFs"),
     "speculation": ("stallfree.bench.speculation", "output tok/s and draft acceptance, echo and open workloads, "
