@@ -1,12 +1,12 @@
 """`stallfree bench hostile`: what large structured bodies do to everyone else, on a daemon or through a router.
 
 Streams decode and a prober asks /health every 20 ms; then each body is sent, one at a time: 1.33 M token
-ids (4 MB) and 100k short chat messages (3.5 MB), the two of issue 25, and the largest bodies the JSON
+ids (4 MB) and 100k short chat messages (3.5 MB), and the largest bodies the JSON
 bounds let through (262k token ids, 2048 messages). For each it prints the answer's status and time, the
 other streams' largest inter-token gap and /health's slowest answer while the body was in flight (and just
 after), beside a quiet window. Exits 1 when any body's gap or /health latency passes --goal-ms.
 
-Then the doors of issue 35 (hostile_doors.py): deep nesting, a 100 MB body, slowloris, paths outside the
+Then the doors (hostile_doors.py): deep nesting, a 100 MB body, slowloris, paths outside the
 OpenAI API, clients that leave, what a client learns of the replicas, and with --target router the demand
 counted from refused requests and a replica hung with SIGSTOP.
 
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", choices=["daemon", "router"], default="daemon",
                    help="router: two daemons and `stallfree router` in front, every request through the router")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeatable)")
-    p.add_argument("--no-doors", action="store_true", help="only the body table, not the doors of issue 35")
+    p.add_argument("--no-doors", action="store_true", help="only the body table, not the doors")
     p.add_argument("--model", default="llama-3-8b", help="model of the daemon started here (also the request model)")
     p.add_argument("--backend", choices=["model", "sim"], default="sim")
     p.add_argument("--serve-arg", action="append", default=[], help="extra flag for the daemon (repeatable)")

@@ -1,4 +1,4 @@
-"""The doors of issue 35, tried as a hostile or careless client would, against a daemon or a router.
+"""The doors, tried as a hostile or careless client would, against a daemon or a router.
 
 Each check sends one kind of request and says what came back: deep nesting, a body far past the size limit,
 headers that never finish (slowloris), paths outside the OpenAI API, clients that leave non-streamed requests
@@ -125,10 +125,11 @@ async def check_doors(target: Target) -> list[dict]:
         row("information", "no admin token; X-Forwarded-For: 6.6.6.6", info)
 
         if target.router:
-            before_q = (await client.get("/router/queue")).json()
+            queue_auth = {"Authorization": f"Bearer {target.admin_token}"} if target.admin_token else {}
+            before_q = (await client.get("/router/queue", headers=queue_auth)).json()
             await client.post("/v1/completions", json={"model": "no-such-model", "prompt": "x" * 4_000_000})
             await client.post("/v1/completions", json=["not", "an", "object"])
-            after_q = (await client.get("/router/queue")).json()
+            after_q = (await client.get("/router/queue", headers=queue_auth)).json()
             row("demand from refused requests", "4 MB prompt for an unknown model (404), a JSON array (400)",
                 f"arrived_prompt_tokens +{after_q['arrived_prompt_tokens'] - before_q['arrived_prompt_tokens']:.0f}")
         rows += await check_fields(client, model, target.replica_urls, target.admin_token)

@@ -1,4 +1,4 @@
-"""Request fields of issue 35 a daemon must not simply take from a client, tried against a daemon or a router.
+"""Request fields a daemon must not simply take from a client, tried against a daemon or a router.
 
 Stop strings by the hundred thousand (and 16 long ones, the bound), a queue-time header the router did not sign
 (what the replicas' window then reports as the largest queue wait), and the legacy function-calling and

@@ -232,7 +232,8 @@ def daemon_figures(before: list[dict[str, float]], after: list[dict[str, float]]
 
 def router_picks(url: str) -> dict[str, float]:
     picks: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    admin = {"Authorization": f"Bearer {TOKEN}"}  # the replica label is shown to the admin token only
+    for line in httpx.get(url + "/metrics", timeout=10, headers=admin).text.splitlines():
         if line.startswith("stallfree_router_picks_total{"):
             replica = line.split('replica="', 1)[1].split('"', 1)[0]
             picks[replica] = picks.get(replica, 0.0) + float(line.rpartition(" ")[2])

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="0.0.0.0")
     h.add_argument("--port", type=int, default=8080)
+    h.add_argument("--probe-port", type=int, default=0,
+                   help="also serve /health and /ready on this port, with no connection cap (0: off); point the "
+                        "liveness and startup probes at it")
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     d = p.add_argument_group("doors (as the daemon's: `stallfree serve --help`)")
     add_door_flags(d)
@@ -92,6 +95,7 @@ async def serve(args: argparse.Namespace, admin_token: str | None) -> None:
     from stallfree.operator.router.flow_control import FlowConfig, dispatch_wait_ms
     from stallfree.operator.router.objectives import Objectives, parse_objectives
     from stallfree.operator.router.pick import AffinityMargin
+    from stallfree.operator.router.probes import probe_server
     from stallfree.operator.router.proxy import Router, RouterConfig
     from stallfree.operator.router.replicas import ReplicaPool
 
@@ -122,7 +126,9 @@ async def serve(args: argparse.Namespace, admin_token: str | None) -> None:
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, http=protocol, proxy_headers=False,
                                            timeout_keep_alive=args.idle_timeout_s, log_level=args.log_level,
                                            access_log=False, lifespan="off", timeout_graceful_shutdown=3),
-                            router, args.drain_timeout_s)
+                            router, args.drain_timeout_s,
+                            companions=[probe_server(router, args.host, args.probe_port, args.log_level)]
+                            if args.probe_port else [])
     try:
         await server.serve()
     finally:
@@ -151,6 +157,8 @@ def main(argv: list[str]) -> int:
             raise ValueError("--affinity-block-tokens must be positive and --affinity-margin-ms >= 0")
         if not 0 < args.port < 65536:
             raise ValueError(f"--port must be 1..65535, got {args.port}")
+        if not 0 <= args.probe_port < 65536 or args.probe_port == args.port:
+            raise ValueError(f"--probe-port must be 0 (off) or a port other than --port, got {args.probe_port}")
         if args.objectives is not None:
             from stallfree.operator.router.objectives import parse_objectives
 

@@ -473,7 +473,7 @@ async def run_scenario(name: str, seed: int | None = None) -> ScenarioResult:
 
 
 def judge_run(scenario: Scenario, run: ClosedLoopRun) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Every SLO judged over the run, beside the oracle's replica-minutes (issue 17's goals)."""
+    """Every SLO judged over the run, beside the oracle's replica-minutes."""
     reference = oracle(scenario)
     slo = scenario.policy.slo
     changes = scenario.load_changes if scenario.load_changes is not None else len(scenario.phases) - 1

@@ -1,4 +1,4 @@
-"""Closed-loop scenarios with objectives and tenants (issue 33): each request names its class and its sender.
+"""Closed-loop scenarios with objectives and tenants: each request names its class and its sender.
 
 - mixed-objectives: interactive requests at 60% of maxReplicas' prefill capacity, then a batch flood (a sheddable
   objective) at 3x that capacity, on a fleet at maxReplicas (what batch may use is then the whole fleet's spare

@@ -1,4 +1,4 @@
-"""Closed-loop scenarios on predictable load (issue 33: scaling ahead of it), and the goals they add.
+"""Closed-loop scenarios on predictable load (scaling ahead of it), and the goals they add.
 
 - sinusoid: 1x <-> 24x the base rate over a 10-minute period, as Dynamo #10528's 1 <-> 24 req/s; goal: goodput
   (the share of the simulated requests that met every SLO: TTFT, TPOT and queue wait) >= 95% at <= 1.15x the

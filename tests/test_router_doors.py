@@ -37,7 +37,7 @@ class LiveRouter:
             return f.read()
 
     def queue(self) -> dict:
-        return httpx.get(self.url + "/router/queue", timeout=5).json()
+        return httpx.get(self.url + "/router/queue", headers=ADMIN, timeout=5).json()
 
 
 @contextlib.contextmanager

@@ -96,7 +96,7 @@ def test_streams_usage_and_errors_pass_through(two_daemons):
                          headers={"content-type": "application/json"})
         assert bad.status_code == 400 and "error" in bad.json()
         assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == MODEL
-        metrics = httpx.get(url + "/metrics", timeout=10).text
+        metrics = httpx.get(url + "/metrics", timeout=10, headers=ADMIN).text  # picks name replicas: admin only
         assert 'stallfree_router_picks_total{policy="round-robin"' in metrics
         assert "stallfree_router_replicas_healthy 2.0" in metrics
 

@@ -23,7 +23,7 @@ def _replicas(url: str) -> dict:
 
 
 def _queue(url: str) -> dict:
-    return httpx.get(url + "/router/queue", timeout=5).json()
+    return httpx.get(url + "/router/queue", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=5).json()
 
 
 def test_requests_wait_in_the_router_past_the_bound_429_and_run_when_the_slot_frees():

@@ -11,7 +11,7 @@ Sections, in this order, each bounded by the time budget and reported even if an
                against the matrix rate
   attention    one layer's attention, Triton against flashinfer, by CUDA-graph replay past the L2; a launch sweep
   fused_ops    flashinfer's RMSNorm, add+RMSNorm, SiLU-and-mul, RoPE and sampling against the torch paths
-Targets (issue 4): decode step at batch 64 within 1.3x of (weight + KV bytes) / bandwidth; the 2,048-token
+Targets: decode step at batch 64 within 1.3x of (weight + KV bytes) / bandwidth; the 2,048-token
 iteration at >= 55% of the measured matrix rate; Triton attention within 1.5x of flashinfer.
 
 It prints one table (row, figure, target, verdict), writes the JSON, and exits 0 only when every correctness row

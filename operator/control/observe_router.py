@@ -142,11 +142,15 @@ def _summed_objectives(per_router: list[dict[str, Any]]) -> dict[str, dict[str, 
     return out
 
 
-def http_queue_reader(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> Reader:
-    """Reads `base_url`/router/queue; None when the router cannot be reached or answers oddly."""
+def http_queue_reader(client: httpx.AsyncClient, base_url: str, timeout_s: float,
+                      admin_token: str | None = None) -> Reader:
+    """Reads `base_url`/router/queue (with the admin token: a router shows its queue to no one else); None when
+    the router cannot be reached or answers oddly."""
+    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+
     async def read() -> dict[str, Any] | None:
         try:
-            response = await client.get(base_url.rstrip("/") + "/router/queue", timeout=timeout_s)
+            response = await client.get(base_url.rstrip("/") + "/router/queue", timeout=timeout_s, headers=headers)
             response.raise_for_status()
             body = response.json()
             return body if isinstance(body, dict) and "depth" in body else None

@@ -109,7 +109,7 @@ async def control_step(memo: kopf.Memo, owner: dict[str, Any], spec: s.Inference
         raise kopf.TemporaryError("operator stopping", delay=TICK_S)
     loop = ControlLoop(policy, observer_for(client, token, namespace, name, spec, policy),
                        KubernetesActuator(kube, owner, client, token, targets, SCRAPE_TIMEOUT_S), state,
-                       queue_source=queue_source_for(memo, client, namespace, name, spec, policy))
+                       queue_source=queue_source_for(memo, client, namespace, name, spec, policy, token))
     result = await loop.step(targets, spec.replicas, now)
     memo.control_state = loop.state
     generation = owner["metadata"].get("generation")
@@ -130,19 +130,23 @@ def repair_children(kube: Kube, owner: dict[str, Any]) -> None:
 
 
 def queue_source_for(memo: kopf.Memo, client: httpx.AsyncClient, namespace: str, name: str,
-                     spec: s.InferenceServiceSpec, policy: ControlPolicy) -> RouterQueueSource | None:
+                     spec: s.InferenceServiceSpec, policy: ControlPolicy,
+                     token: str | None = None) -> RouterQueueSource | None:
     """The routers' queues (flow control) when the operator runs routers for this service, summed over their
-    pods (found afresh at each reading); kept across steps (arrival rates come from two readings)."""
+    pods (found afresh at each reading, with this step's admin token); kept across steps (arrival rates come from
+    two readings)."""
     if spec.routing.mode != "slo-aware":
         return None
     sources = memo.setdefault("queue_sources", {})  # kopf.Memo is a dict
+    tokens = memo.setdefault("queue_tokens", {})
     key = (namespace, name)
+    tokens[key] = token
     if key not in sources:
         kube: Kube = memo.kube
 
         async def readers() -> list:
             urls = await asyncio.to_thread(router_urls, kube, namespace, name)
-            return [http_queue_reader(client, url, SCRAPE_TIMEOUT_S) for url in urls]
+            return [http_queue_reader(client, url, SCRAPE_TIMEOUT_S, tokens.get(key)) for url in urls]
 
         sources[key] = RouterQueueSource(summed_reader(readers), policy.window_s)
     return sources[key]

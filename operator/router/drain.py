@@ -24,8 +24,9 @@ log = logging.getLogger("stallfree.router")
 class DrainingServer(DrainOnSignalServer):
     log = log
 
-    def __init__(self, config: uvicorn.Config, router: Router, drain_timeout_s: float) -> None:
-        super().__init__(config)
+    def __init__(self, config: uvicorn.Config, router: Router, drain_timeout_s: float,
+                 companions: list[uvicorn.Server] = ()) -> None:
+        super().__init__(config, companions)
         self.router = router
         self.drain_timeout_s = drain_timeout_s
 

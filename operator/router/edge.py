@@ -9,8 +9,9 @@ http_doors/connections.py, set up by `stallfree router`):
   large bodies parsed on a worker thread (400s in OpenAI's shape); the parse is left for proxy.py;
 - then proxy.Router.serve. No traceback reaches a client: a bug is a 500 with a message only.
 
-Replica addresses (`/router/replicas`, the `x-stallfree-replica` header) are shown only to a request with the
-admin token; /ready says how many replicas are healthy, not which.
+Replica addresses (`/router/replicas`, the `x-stallfree-replica` header, the `replica` label in `/metrics`) and the
+queue's state (`/router/queue`) are shown only to a request with the admin token; /ready says how many replicas
+are healthy, not which.
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("stallfree.router")
 
 UPSTREAM_PATH = "stallfree.upstream_path"  # the scope key: the path paths.route built for the replica
+# More request headers than this is a 431 before anything else: real clients send a few dozen, and the cost of a
+# request must stay linear in what it sends.
+MAX_HEADERS = 128
 # A refused request's body is read and dropped up to this, so that the client reads the answer.
 _REFUSED_DRAIN_BYTES, _REFUSED_DRAIN_S = 1 << 20, 2.0
 
@@ -68,7 +72,11 @@ def create_app(router: Router, doors: Doors = Doors()) -> ASGIApp:
             return
         method, path = scope["method"], scope["path"]
         where = route(method, path)
-        if where is None:
+        if len(scope["headers"]) > MAX_HEADERS:
+            refused.labels("too_many_headers").inc()
+            await _refuse(receive, send, 431, f"{len(scope['headers'])} request headers; at most {MAX_HEADERS} are "
+                          "accepted", "too_many_headers")
+        elif where is None:
             refused.labels("not_found").inc()
             await _refuse(receive, send, 404, f"no route {method} {path[:200]}", "not_found")
         elif where.kind == "method":
@@ -82,6 +90,11 @@ def create_app(router: Router, doors: Doors = Doors()) -> ASGIApp:
             await _no_trace(guarded, scope, receive, send)
 
     return app
+
+
+def without_replicas(exposition: bytes) -> bytes:
+    """A Prometheus text exposition less every sample that carries a `replica` label."""
+    return b"\n".join(line for line in exposition.split(b"\n") if b'replica="' not in line or line.startswith(b"#"))
 
 
 async def _no_trace(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
@@ -137,8 +150,13 @@ def _own_endpoints(router: Router) -> FastAPI:
         return JSONResponse({"ready": True, "replicas_healthy": len(healthy)})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        """Every series to a scraper with the admin token; to anyone else, none that names a replica (its
+        address)."""
+        text = generate_latest(router.metrics.registry)
+        if not is_admin(request.scope["headers"], router.admin_token):
+            text = without_replicas(text)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/router/replicas")
     async def replicas(request: Request) -> JSONResponse:
@@ -160,8 +178,13 @@ def _own_endpoints(router: Router) -> FastAPI:
         return JSONResponse(out)
 
     @app.get("/router/queue")
-    async def queue() -> JSONResponse:
-        """The flow-control queue, as the control loop reads it (observe_router.py)."""
+    async def queue(request: Request) -> JSONResponse:
+        """The flow-control queue, as the control loop reads it (observe_router.py, with the admin token): a router
+        with an admin token shows it to no one else."""
+        if router.admin_token and not is_admin(request.scope["headers"], router.admin_token):
+            return JSONResponse(error_body(401, "/router/queue needs the admin token (Authorization: Bearer)",
+                                           code="unauthorized"), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
         return JSONResponse(router.queue_status())
 
     return app

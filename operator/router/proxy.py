@@ -44,7 +44,7 @@ from stallfree.operator.router.client_io import client_left, whole_body
 from stallfree.operator.router.affinity import DEFAULT_BLOCK_TOKENS, PrefixTable, prefix_hashes
 from stallfree.operator.router.api_keys import KeyBook
 from stallfree.operator.router.flow_control import FlowConfig, Queued
-from stallfree.operator.router.forwarding import is_admin, response_headers, upstream_headers
+from stallfree.operator.router.forwarding import NoCookies, is_admin, response_headers, upstream_headers
 from stallfree.operator.router.identity import Unauthorized, identify, objective_for
 from stallfree.operator.router.metrics import RouterMetrics
 from stallfree.operator.router.objectives import OBJECTIVE_HEADER, Objective, Objectives, header
@@ -127,6 +127,7 @@ class Router:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=self.config.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self.client._cookies = NoCookies()  # httpx has no switch for it: see forwarding.NoCookies
         await self.pool.start()
         self._ticker = asyncio.ensure_future(self._tick())
 
