@@ -71,8 +71,8 @@ def test_every_rendered_child_validates(example: pathlib.Path, mode: str, with_m
     for manifest in (d for d in yaml.safe_load_all(example.read_text()) if d and d.get("kind") == "InferenceService"):
         objects += preview(manifest, "serving", routing_mode=mode, with_service_monitor=with_monitor)
     kinds = {o["kind"] for o in objects}
-    assert {"Secret", "Service", "Deployment", "PodDisruptionBudget"} <= kinds
-    assert ("ServiceMonitor" in kinds) == with_monitor
+    assert {"Service", "Deployment", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    assert ("ServiceMonitor" in kinds) == ("PrometheusRule" in kinds) == with_monitor
     assert check(objects) == len([o for o in objects if o["kind"] not in CUSTOM])
 
 

@@ -56,9 +56,12 @@ def test_a_registry_overlay_moves_the_operator_and_what_it_renders() -> None:
 def test_kube_prometheus_stack_overlay_labels_the_monitoring_for_the_release() -> None:
     objects = build(OVERLAYS / "kube-prometheus-stack")
     kinds = {o["kind"] for o in objects}
-    assert {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap", "Deployment"} <= kinds
+    assert {"PodMonitor", "PrometheusRule", "ConfigMap", "Deployment"} <= kinds
+    # The daemons and routers are scraped by the ServiceMonitor the operator renders per service: a
+    # cluster-wide one beside it would scrape every pod twice.
+    assert "ServiceMonitor" not in kinds
     for obj in objects:
-        if obj["kind"] in ("ServiceMonitor", "PodMonitor", "PrometheusRule"):
+        if obj["kind"] in ("PodMonitor", "PrometheusRule"):
             assert obj["metadata"]["labels"]["release"] == "kube-prometheus-stack", obj["kind"]
             assert obj["metadata"]["namespace"] == "stallfree-system"
     (dashboard,) = [o for o in objects if o["kind"] == "ConfigMap"]

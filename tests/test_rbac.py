@@ -121,11 +121,13 @@ async def delete_and_wait_for_repair(kmock: BridgedEmulator, path: str, resource
 
 
 async def test_the_rules_are_what_the_operator_calls(kmock: BridgedEmulator) -> None:
-    kmock.resources["monitoring.coreos.com/v1/servicemonitors"] = kmock.ResourceInfo(
-        kind="ServiceMonitor", namespaced=True, verbs={"get", "list", "create", "patch", "delete"})
+    for kind in ("ServiceMonitor", "PrometheusRule"):
+        kmock.resources[f"monitoring.coreos.com/v1/{kind.lower()}s"] = kmock.ResourceInfo(
+            kind=kind, namespaced=True, verbs={"get", "list", "create", "patch", "delete"})
     async with Operator():
         await create(kmock, manifest(tuning={"intervalSeconds": 1}))
         await eventually(lambda: exists(kmock, "monitoring.coreos.com/v1/servicemonitors", "chat")
+                         and exists(kmock, "monitoring.coreos.com/v1/prometheusrules", "chat")
                          and exists(kmock, "rbac.authorization.k8s.io/v1/rolebindings", "chat-router"))
         await asyncio.to_thread(control_loop_calls, obj(kmock, IS_RESOURCE, "chat"))
         # Children deleted by hand come back without a spec change (the admin Secret is not watched: that

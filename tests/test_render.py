@@ -229,7 +229,7 @@ def test_service_pdb_monitor_and_secret_select_the_daemons() -> None:
     plain = spec_with(routing__mode="service")
     kinds = [c["kind"] for c in render.children("chat", "ns", plain, render.StartupKnobs.from_spec(plain),
                                                  with_service_monitor=False)]
-    assert kinds == ["Service", "PodDisruptionBudget", "Deployment"]
+    assert kinds == ["Service", "NetworkPolicy", "PodDisruptionBudget", "Deployment"]
     for child in render.children("chat", "ns", spec_with(), render.StartupKnobs.from_spec(spec_with()), True):
         assert child["metadata"]["namespace"] == "ns"
         assert child["metadata"]["labels"][render.LABEL_MANAGED_BY] == render.MANAGED_BY

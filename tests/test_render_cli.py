@@ -22,19 +22,26 @@ def test_prints_what_the_reconciler_applies(capsys) -> None:
     assert code == 0
     name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
     assert [(o["kind"], o["metadata"]["name"]) for o in objects] == [
-        ("Secret", render.admin_secret_name(name)), ("Service", name), ("Service", f"{name}-daemons"),
+        ("Service", name), ("Service", f"{name}-daemons"),
         ("ServiceAccount", f"{name}-router"), ("Role", f"{name}-router"), ("RoleBinding", f"{name}-router"),
-        ("PodDisruptionBudget", name), ("Deployment", name), ("PodDisruptionBudget", f"{name}-router"),
-        ("Deployment", f"{name}-router"),
-        ("ServiceMonitor", name)]
+        ("NetworkPolicy", name), ("PodDisruptionBudget", name), ("Deployment", name),
+        ("PodDisruptionBudget", f"{name}-router"), ("Deployment", f"{name}-router"),
+        ("ServiceMonitor", name), ("PrometheusRule", name)]
     assert {o["metadata"]["namespace"] for o in objects} == {"serving"}
-    assert "made-by-the-operator" in objects[0]["stringData"]["token"]  # never a usable token
+
+
+def test_prints_no_secret_so_no_known_token_can_be_applied(capsys) -> None:
+    """Piped into `kubectl apply`, the output must not deploy an admin token anyone can read: the operator makes
+    the Secret itself, with a random token."""
+    code, objects, _ = run(capsys, "-f", str(EXAMPLE))
+    assert code == 0 and objects
+    assert not [o for o in objects if o["kind"] == "Secret"]
 
 
 def test_service_mode_without_a_monitor(capsys) -> None:
     code, objects, _ = run(capsys, "-f", str(EXAMPLE), "--routing-mode", "service", "--no-service-monitor")
     assert code == 0
-    assert [o["kind"] for o in objects] == ["Secret", "Service", "PodDisruptionBudget", "Deployment"]
+    assert [o["kind"] for o in objects] == ["Service", "NetworkPolicy", "PodDisruptionBudget", "Deployment"]
 
 
 def test_a_spec_the_operator_would_refuse_is_an_error(capsys, tmp_path) -> None:

@@ -36,6 +36,7 @@ from stallfree.operator.reconcile.kube import Kube, KubeError, contains, load_co
 
 FINALIZER = f"{s.GROUP}/finalizer"
 SERVICE_MONITOR_API = ("monitoring.coreos.com/v1", "ServiceMonitor")
+PROMETHEUS_RULE_API = ("monitoring.coreos.com/v1", "PrometheusRule")
 # A failed reconcile (an API server hiccup) is retried after this, not kopf's default minute.
 RETRY_BACKOFF_S = 5.0
 # How often each service's children are read back and repaired, and its rollout reported (no child is
@@ -137,8 +138,9 @@ def apply_children(kube: Kube, owner: dict[str, Any], spec: s.InferenceServiceSp
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     created: list[str] = []
     knobs = render.startup_knobs(spec, existing)
-    with_monitor = kube.has_api(*SERVICE_MONITOR_API)
-    children = render.children(name, namespace, spec, knobs, with_service_monitor=with_monitor)
+    with_monitor, with_rule = kube.has_api(*SERVICE_MONITOR_API), kube.has_api(*PROMETHEUS_RULE_API)
+    children = render.children(name, namespace, spec, knobs, with_service_monitor=with_monitor,
+                               with_slo_rule=with_rule)
     currents = [existing if _is_daemons(child, name) else kube.get(
         child["apiVersion"], child["kind"], namespace, child["metadata"]["name"]) for child in children]
     secret = render.admin_secret(name, namespace, secrets.token_urlsafe(32))
@@ -308,10 +310,10 @@ def delete(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, logger: 
     kube: Kube = memo.kube
     deleted = []
     for api_version, kind, child in (("apps/v1", "Deployment", name), ("policy/v1", "PodDisruptionBudget", name),
-                                     ("v1", "Service", name), (*SERVICE_MONITOR_API, name),
-                                     *render.router_children_refs(name),
+                                     ("v1", "Service", name), ("networking.k8s.io/v1", "NetworkPolicy", name), (*SERVICE_MONITOR_API, name),
+                                     (*PROMETHEUS_RULE_API, name), *render.router_children_refs(name),
                                      ("v1", "Secret", render.admin_secret_name(name))):
-        if kind == "ServiceMonitor" and not kube.has_api(api_version, kind):
+        if kind in ("ServiceMonitor", "PrometheusRule") and not kube.has_api(api_version, kind):
             continue
         if kube.delete(api_version, kind, namespace, child):
             deleted.append(f"{kind}/{child}")

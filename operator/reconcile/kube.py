@@ -20,7 +20,7 @@ from stallfree.operator.api import spec as s
 
 FIELD_MANAGER = "stallfree-operator"
 _TIMEOUT = (5.0, 30.0)  # connect, read
-_PLURALS = {"Endpoints": "endpoints"}  # kinds whose plural is not lowercase + "s"
+_PLURALS = {"Endpoints": "endpoints", "NetworkPolicy": "networkpolicies"}  # not lowercase + "s"
 
 
 class KubeError(Exception):

@@ -1,9 +1,11 @@
 """Every object the operator would make for an InferenceService manifest, as `helm template` shows a chart's.
 
 The same rendering the reconciler applies (render.py), from the same validation (spec.py, checks.py),
-with what only a cluster knows made explicit: the namespace, whether the ServiceMonitor API exists,
-and the admin token (a placeholder here: the operator makes a random one, once). Owner references
-need the InferenceService's uid, which only the API server gives: they are left out.
+with what only a cluster knows made explicit: the namespace and whether the Prometheus Operator's API exists
+(the ServiceMonitor and the SLO targets' PrometheusRule). The admin-token Secret is not shown: the operator
+makes it with a random token, once, and the output piped into `kubectl apply` must not deploy a token that
+anyone can read here. Owner references need the InferenceService's uid, which only the API server gives:
+they are left out.
 """
 from __future__ import annotations
 
@@ -13,16 +15,13 @@ from stallfree.operator.api import checks
 from stallfree.operator.api import spec as s
 from stallfree.operator.reconcile import render
 
-TOKEN_PLACEHOLDER = "made-by-the-operator-at-apply"
-
-
 class InvalidManifest(ValueError):
     """A manifest the operator would refuse (its InvalidSpec condition says the same)."""
 
 
 def preview(manifest: dict[str, Any], namespace: str | None = None, *, routing_mode: str | None = None,
             with_service_monitor: bool = True) -> list[dict[str, Any]]:
-    """The admin Secret, then the children in the order the reconciler applies them."""
+    """The children in the order the reconciler applies them (the admin Secret, made by the operator, aside)."""
     if manifest.get("kind") != s.KIND:
         raise InvalidManifest(f"not an {s.KIND}: kind {manifest.get('kind')!r}")
     meta = manifest.get("metadata") or {}
@@ -41,5 +40,5 @@ def preview(manifest: dict[str, Any], namespace: str | None = None, *, routing_m
     if problems:
         raise InvalidManifest(f"{s.KIND} {name} cannot be served: " + "; ".join(problems))
     knobs = render.StartupKnobs.from_spec(spec)
-    return [render.admin_secret(name, namespace, TOKEN_PLACEHOLDER),
-            *render.children(name, namespace, spec, knobs, with_service_monitor=with_service_monitor)]
+    return render.children(name, namespace, spec, knobs, with_service_monitor=with_service_monitor,
+                           with_slo_rule=with_service_monitor)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -387,6 +388,52 @@ def service_monitor(name: str, namespace: str, interval_s: int = 15) -> dict[str
                                     "relabelings": relabelings}]}}
 
 
+# Who may reach the daemons' port besides the service's routers: the operator (its control loop's admin API
+# calls; the namespace it runs in, from its Deployment) and Prometheus (kube-prometheus-stack's pods carry
+# this label).
+OPERATOR_NAMESPACE_ENV = "STALLFREE_OPERATOR_NAMESPACE"
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "stallfree-operator"}
+SCRAPER_POD_LABELS = {"app.kubernetes.io/name": "prometheus"}
+
+
+def network_policy(name: str, namespace: str, spec: s.InferenceServiceSpec) -> dict[str, Any]:
+    """The daemons' ingress. In slo-aware routing their port takes only the service's routers, the operator and
+    the scraper, so no pod gets past the router's doors, shedding and fairness; in service routing the daemons
+    are the front door, so their port stays open. Nothing else reaches any daemon port (kubelet probes come
+    from the node, which NetworkPolicy implementations let through)."""
+    operator_ns = os.environ.get(OPERATOR_NAMESPACE_ENV) or "stallfree-system"
+    port = [{"protocol": "TCP", "port": DAEMON_PORT}]
+    if spec.routing.mode == "slo-aware":
+        peers = [{"podSelector": {"matchLabels": router_selector_labels(name)}},
+                 {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_ns}},
+                  "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}},
+                 {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(SCRAPER_POD_LABELS)}}]
+        ingress = [{"from": peers, "ports": port}]
+    else:
+        ingress = [{"ports": port}]
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(name, namespace, name),
+            "spec": {"podSelector": {"matchLabels": selector_labels(name)}, "policyTypes": ["Ingress"],
+                     "ingress": ingress}}
+
+
+SLO_RECORD = "stallfree:slo_p99_seconds"
+
+
+def slo_rule(name: str, namespace: str, spec: s.InferenceServiceSpec) -> dict[str, Any]:
+    """The service's p99 targets as Prometheus series, one per objective and metric (`default`: requests without
+    one, or spec.slos where no objectives are declared). The shipped alerts compare the daemons' per-objective
+    histograms with these, so they hold while the operator is down: the targets live in Prometheus' rules."""
+    rules = [{"record": SLO_RECORD, "expr": f"vector({target_ms / 1000.0:g})",
+              "labels": {"namespace": namespace, "service": name, "objective": o.name, "metric": metric}}
+             for o in spec.resolved_objectives()
+             for metric, target_ms in (("ttft", o.ttft_p99_ms), ("tpot", o.tpot_p99_ms),
+                                       ("queue_wait", o.queue_wait_p99_ms))]
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+            "metadata": _meta(name, namespace, name),
+            "spec": {"groups": [{"name": f"stallfree-slo.{namespace}.{name}", "interval": "30s", "rules": rules}]}}
+
+
 # -- the router (spec.routing.mode slo-aware) ----------------------------------------------------------
 
 def objectives_json(objectives: list[s.Objective]) -> str:
@@ -499,15 +546,18 @@ def router_children_refs(name: str) -> list[tuple[str, str, str]]:
 
 
 def children(name: str, namespace: str, spec: s.InferenceServiceSpec, knobs: StartupKnobs,
-             with_service_monitor: bool) -> list[dict[str, Any]]:
+             with_service_monitor: bool, with_slo_rule: bool = False) -> list[dict[str, Any]]:
     """Every child but the Secret (made once, separately), in the order they are applied."""
     routed = spec.routing.mode == "slo-aware"
     out = [router_service(name, namespace) if routed else service(name, namespace)]
     if routed:
         out += [daemons_service(name, namespace), *router_rbac(name, namespace)]
-    out += [pod_disruption_budget(name, namespace), deployment(name, namespace, spec, knobs)]
+    out += [network_policy(name, namespace, spec), pod_disruption_budget(name, namespace),
+            deployment(name, namespace, spec, knobs)]
     if routed:
         out += [router_pod_disruption_budget(name, namespace), router_deployment(name, namespace, spec)]
     if with_service_monitor:
         out.append(service_monitor(name, namespace))
+    if with_slo_rule:
+        out.append(slo_rule(name, namespace, spec))
     return out
