@@ -70,7 +70,7 @@ def test_the_queue_is_bounded_and_a_leaving_client_is_removed():
     queue: FlowQueue[int] = FlowQueue(FlowConfig(max_queued=2))
     assert queue.push(Queued(0, 0.0, 1)) and queue.push(Queued(1, 0.0, 1))
     assert not queue.push(Queued(2, 0.0, 1))
-    assert queue.rejected == 1 and queue.arrivals == 3
+    assert queue.rejected == 1 and queue.arrivals == 2  # a refused request is no arrival (no demand)
     assert queue.cancel(0) and not queue.cancel(0)
     assert queue.cancelled == 1 and [q.key for q in queue] == [1]
     assert queue.queued_prompt_tokens == 1

@@ -33,6 +33,7 @@ class RouterQueueSource:
     def __init__(self, read: Reader, window_s: float) -> None:
         self.read = read
         self.window_s = window_s
+        self._raw: tuple[int, float] | None = None  # the last reading's arrival counters as the router gave them
         # (time, arrivals, arrived prompt tokens, their squares, per objective as the router gave it)
         self._readings: deque[tuple[float, int, float, float, dict[str, dict[str, Any]]]] = deque()
 
@@ -40,10 +41,15 @@ class RouterQueueSource:
         status = await self.read()
         if status is None:
             return None
-        arrivals, tokens = int(status["arrivals"]), float(status["arrived_prompt_tokens"])
+        raw_arrivals, raw_tokens = int(status["arrivals"]), float(status["arrived_prompt_tokens"])
         squares = float(status.get("arrived_prompt_tokens_sq", 0.0))  # a router of an earlier release lacks it
-        if self._readings and (arrivals < self._readings[-1][1] or tokens < self._readings[-1][2]):
+        if self._raw is not None and (raw_arrivals < self._raw[0] or raw_tokens < self._raw[1]):
             self._readings.clear()  # the router restarted: its counters began again
+        self._raw = (raw_arrivals, raw_tokens)
+        # Demand is what the replicas accepted: arrivals a replica refused at once (junk) are taken out.
+        arrivals = raw_arrivals - int(status.get("refused_by_replica", 0))
+        tokens = raw_tokens - float(status.get("refused_prompt_tokens", 0.0))
+        squares -= float(status.get("refused_prompt_tokens_sq", 0.0))
         per_objective = status.get("objectives")
         per_objective = per_objective if isinstance(per_objective, dict) else {}
         self._readings.append((now, arrivals, tokens, squares, per_objective))
@@ -51,13 +57,14 @@ class RouterQueueSource:
             self._readings.popleft()
         first, last = self._readings[0], self._readings[-1]
         span = last[0] - first[0]
-        rate = (last[2] - first[2]) / span if span > 0 else 0.0
+        rate = max(0.0, last[2] - first[2]) / span if span > 0 else 0.0  # refusals may trail their arrivals
         previous = self._readings[-2] if len(self._readings) > 1 else last
-        count = last[1] - first[1]
+        count = max(0, last[1] - first[1])
         cv2 = prompt_cv2(count, last[2] - first[2], last[3] - first[3]) if last[3] > 0 else None
         return QueueObservation(depth=int(status["depth"]), queued_prompt_tokens=float(status["queued_prompt_tokens"]),
                                 oldest_wait_ms=float(status["oldest_wait_ms"]), arrival_prompt_tokens_per_s=rate,
-                                recent_prompt_tokens=last[2] - previous[2], recent_requests=last[1] - previous[1],
+                                recent_prompt_tokens=max(0.0, last[2] - previous[2]),
+                                recent_requests=max(0, last[1] - previous[1]),
                                 recent_s=last[0] - previous[0], arrival_requests_per_s=count / span if span > 0 else 0.0,
                                 prompt_cv2=cv2, objectives=objective_windows(first[4], previous[4], last[4], span))
 
@@ -90,7 +97,8 @@ def objective_windows(first: dict[str, dict[str, Any]], previous: dict[str, dict
     return tuple(out)
 
 
-_SUMMED = ("depth", "queued_prompt_tokens", "arrivals", "arrived_prompt_tokens", "arrived_prompt_tokens_sq")
+_SUMMED = ("depth", "queued_prompt_tokens", "arrivals", "arrived_prompt_tokens", "arrived_prompt_tokens_sq",
+           "refused_by_replica", "refused_prompt_tokens", "refused_prompt_tokens_sq")
 
 
 def summed_reader(readers: Callable[[], Awaitable[list[Reader]]]) -> Reader:

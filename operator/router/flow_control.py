@@ -143,14 +143,14 @@ class FlowQueue(Generic[K]):
     def push(self, item: Queued[K], front: bool = False) -> bool:
         """Queue a request; False (refused) when the queue is full or its flow holds its share of it (`share`).
         `front`: a retry keeps its place."""
-        if not front:
-            self.arrivals += 1
-            if item.tenant or self._offers:
-                self._offer(item)
+        if not front and (item.tenant or self._offers):
+            self._offer(item)
         if not front and (len(self._waiting) >= self.config.max_queued
                           or self._held.get(_flow(item), 0) >= self.share(item)):
             self.rejected += 1
             return False
+        if not front:
+            self.arrivals += 1  # a refused one is no arrival: demand counts what was taken in
         self._pushes += 1
         item.seq = -self._pushes if front else self._pushes
         self._waiting[item.key] = item

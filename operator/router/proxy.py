@@ -218,12 +218,12 @@ class Router:
             self.metrics.objective_requests.labels(objective.name, "shed").inc()
             self.metrics.refused.labels(SHED_CODE).inc()
             return shed_answer(objective.name, item.predicted_ms, objective.ttft_ms or 0.0)
-        if not front:
-            self.metrics.arrivals.inc()
         if isinstance(item, QueueFull):
             self.metrics.queue_rejected.inc()
             self.metrics.objective_requests.labels(objective.name, "queue_full").inc()
             return queue_full_answer(self.config.flow.max_queued, item.share)
+        if not front:
+            self.metrics.arrivals.inc()
         hashes = prefix_hashes(info.prompt_text, self.block_chars) if self.config.policy == "slo-aware" else []
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiters[key] = (future, info, hashes, seq)
@@ -449,6 +449,8 @@ class Router:
         generation = method == "POST"  # what its objective's TTFT target is about
         self.room.first_byte(replica, ticket, now, objective if generation else None, received)
         self.dispatch()  # its prefill is done: the replica may take the next one
+        if generation and 400 <= response.status_code < 500 and response.status_code != 429:
+            self.room.refused_by_replica(info.prompt_tokens)  # junk (a 4xx): no demand
         elapsed = now - received
         self.metrics.observed_ttft.labels(self.config.policy).observe(elapsed)
         if generation:

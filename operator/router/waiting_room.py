@@ -51,6 +51,11 @@ class WaitingRoom(Generic[K]):
         self.book = ObjectiveBook()  # per objective: offered, shed, outcomes
         self.arrived_prompt_tokens = 0  # counters: the control loop takes their rates between two reads
         self.arrived_prompt_tokens_sq = 0  # and of the squares: the spread of prompt lengths (queueing.py)
+        # Arrivals a replica then refused at once (a 4xx other than 429: a prompt past the context, a value out of
+        # range): counted apart, so demand is what the replicas accepted and junk buys no replica.
+        self.refused = 0
+        self.refused_prompt_tokens = 0
+        self.refused_prompt_tokens_sq = 0
         self._tickets = itertools.count(1)
 
     def arrive(self, key: K, objective: Objective, tenant: str, prompt_tokens: int, arrival_s: float,
@@ -118,6 +123,12 @@ class WaitingRoom(Generic[K]):
         if objective is not None:
             self.book.outcomes.first_byte(objective.name, now, (now - arrival_s) * 1000.0, objective.ttft_ms)
 
+    def refused_by_replica(self, prompt_tokens: int) -> None:
+        """A request counted at its arrival that its replica refused at once: taken back out of demand."""
+        self.refused += 1
+        self.refused_prompt_tokens += prompt_tokens
+        self.refused_prompt_tokens_sq += prompt_tokens ** 2
+
     def release(self, replica: Replica, ticket: int, now: float) -> None:
         """Its answer ended, or it failed, or it was given back: its slot frees (before its first byte, its share of
         the prefill clock goes too)."""
@@ -132,7 +143,9 @@ class WaitingRoom(Generic[K]):
         return {"depth": len(queue), "queued_prompt_tokens": queue.queued_prompt_tokens,
                 "oldest_wait_ms": 0.0 if oldest is None else max(0.0, now - oldest) * 1000.0,
                 "arrivals": queue.arrivals, "arrived_prompt_tokens": self.arrived_prompt_tokens,
-                "arrived_prompt_tokens_sq": self.arrived_prompt_tokens_sq,
+                "arrived_prompt_tokens_sq": self.arrived_prompt_tokens_sq, "refused_by_replica": self.refused,
+                "refused_prompt_tokens": self.refused_prompt_tokens,
+                "refused_prompt_tokens_sq": self.refused_prompt_tokens_sq,
                 "rejected": queue.rejected, "cancelled": queue.cancelled, "dispatched": queue.dispatched,
                 "max_queued": self.flow.max_queued, "dispatch_wait_ms": self.flow.dispatch_wait_ms,
                 "objectives": self.book.status(self.objectives, queue.depth_by_objective(), now)}
