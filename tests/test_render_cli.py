@@ -51,5 +51,9 @@ def test_a_spec_the_operator_would_refuse_is_an_error(capsys, tmp_path) -> None:
                                    "spec": {"model": {"source": "hf-folder", "path": "models/llama"}}}))
     code, _, err = run(capsys, "-f", str(bad))
     assert code == 1 and "must be an absolute path" in err
+    bad.write_text(yaml.safe_dump({"apiVersion": "serving.stallfree.io/v1alpha1", "kind": "InferenceService",
+                                   "metadata": {"name": "llama.3"}, "spec": {}}))
+    code, _, err = run(capsys, "-f", str(bad))
+    assert code == 1 and "DNS-1035" in err
     code, _, err = run(capsys, "-f", str(tmp_path / "missing.yaml"))
     assert code == 2 and "cannot read" in err

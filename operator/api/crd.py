@@ -36,6 +36,9 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], where: str) -> dict[
             return _structural({**branches[0], **rest}, defs, where)
         if sorted(b.get("type") for b in branches) == ["integer", "string"]:
             out = {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}]}
+            # Each branch's own limits (a quantity's pattern, an integer's minimum) apply to values of its type.
+            for branch in branches:
+                out.update({k: v for k, v in branch.items() if k in ("pattern", "minimum", "maxLength")})
             out.update({k: v for k, v in rest.items() if k not in _DROP})
             return out
         raise ValueError(f"{where}: no structural form for anyOf {branches}")
@@ -135,6 +138,7 @@ def openapi_schema() -> dict[str, Any]:
         "description": "An LLM served under latency SLOs by stall-free chunked-prefill daemons, "
                        "re-tuned live and scaled by the stallfree operator.",
         "required": ["spec"],
+        "x-kubernetes-validations": [{"rule": s.NAME_CEL, "message": s.NAME_MESSAGE}],
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},

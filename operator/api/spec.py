@@ -8,10 +8,11 @@ Python twin that `model_validate` enforces, side by side so they cannot drift.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from stallfree.contracts import MIN_PREFILL_HEADROOM_TOKENS, min_budget_for
@@ -153,7 +154,40 @@ RULES: list[CrossFieldRule] = [
         "(has(self.objectives) && self.objectives.exists(o, o.name == self.defaultObjective))",
         "defaultObjective must name one of spec.objectives",
         lambda sp: sp.default_objective is None or any(o.name == sp.default_objective for o in sp.objectives)),
+    # Kubernetes' rule for extended resources: a GPU request needs the same limit (else a 422 on the Deployment).
+    CrossFieldRule(
+        "spec.resources",
+        "['nvidia.com/gpu', 'amd.com/gpu'].all(r, !has(self.requests) || !(r in self.requests) || "
+        "(has(self.limits) && r in self.limits && string(self.limits[r]) == string(self.requests[r])))",
+        "a GPU in resources.requests needs the same count in resources.limits",
+        lambda r: all(g not in r.requests or (g in r.limits and str(r.limits[g]) == str(r.requests[g]))
+                      for g in ("nvidia.com/gpu", "amd.com/gpu"))),
 ]
+
+# The InferenceService's name becomes Service names (NAME, NAME-daemons: DNS-1035 labels of at most 63
+# characters) and label values: a name the children cannot take is refused at apply (a rule on the root).
+NAME_MAX_LENGTH = 63 - len("-daemons")
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_CEL = f"size(self.metadata.name) <= {NAME_MAX_LENGTH} && self.metadata.name.matches('{NAME_PATTERN}')"
+NAME_MESSAGE = (f"metadata.name must be a DNS-1035 label (lower-case letters, digits and '-', starting with a "
+                f"letter) of at most {NAME_MAX_LENGTH} characters: the Services it names need one")
+
+
+def name_problem(name: str) -> str | None:
+    """The Python twin of NAME_CEL (the local runtime's and `stallfree render`'s door)."""
+    ok = len(name) <= NAME_MAX_LENGTH and re.match(NAME_PATTERN, name) is not None
+    return None if ok else f"{name!r}: {NAME_MESSAGE}"
+
+
+# A resource quantity as Kubernetes writes it (its own CRDs' pattern), and label values: refused at apply.
+QUANTITY_PATTERN = (r"^(\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+"
+                    r"(\.[0-9]*)?)|(\.[0-9]+))))?$")
+Quantity = Annotated[int, Field(ge=0)] | Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN)]
+LABEL_VALUE = Annotated[str, StringConstraints(max_length=63, pattern=r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")]
+# A label key: an optional DNS-subdomain prefix and '/', then a name of at most 63 characters. Checked by the
+# Python twin only: a CEL rule over a map's keys costs too much for the API server's estimate to admit the CRD.
+LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                       r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 # The one rule on an int-or-string field ("auto" or a positive integer): attached to the field itself.
 AUTO_OR_POSITIVE_CEL = "(type(self) == string && self == 'auto') || (type(self) == int && self >= 1)"
@@ -382,6 +416,7 @@ class SLOSpec(_Model):
     window_seconds: float = Field(30.0, ge=5, le=3600, description="the window the p99s are taken over")
     priority: list[Literal["tpot", "queueWait", "ttft"]] = Field(
         default_factory=lambda: ["tpot", "queueWait", "ttft"], min_length=3, max_length=3,
+        json_schema_extra={"x-kubernetes-list-type": "set"},  # the API server refuses a duplicate
         description="which SLO the control loop holds first when they conflict (each of the three once)")
 
     @model_validator(mode="after")
@@ -461,8 +496,13 @@ class RoutingSpec(_Model):
 class ResourcesSpec(_Model):
     """Container resources, as in a Pod (quantities as integers or strings)."""
 
-    limits: dict[str, int | str] = Field(default_factory=dict, json_schema_extra={"quantities": True})
-    requests: dict[str, int | str] = Field(default_factory=dict, json_schema_extra={"quantities": True})
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _rules(self) -> "ResourcesSpec":
+        _check_rules(self, "spec.resources")
+        return self
 
 
 class InferenceServiceSpec(_Model):
@@ -473,7 +513,7 @@ class InferenceServiceSpec(_Model):
     tuning: TuningSpec = Field(default_factory=TuningSpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    node_selector: dict[str, str] = Field(default_factory=dict)
+    node_selector: dict[str, LABEL_VALUE] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     affinity: Affinity | None = None
@@ -485,6 +525,15 @@ class InferenceServiceSpec(_Model):
     default_objective: str | None = Field(
         None, min_length=1, max_length=63,
         description="the objective of a request that names none; default: the first of spec.objectives")
+
+    @field_validator("node_selector")
+    @classmethod
+    def _label_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = [key for key in value if len(key) > 317 or not LABEL_KEY.match(key)]
+        if bad:
+            raise ValueError(f"nodeSelector keys must be label keys ([prefix/]name, name of at most 63 "
+                             f"characters): {bad}")
+        return value
 
     @model_validator(mode="after")
     def _rules(self) -> "InferenceServiceSpec":

@@ -28,6 +28,8 @@ def preview(manifest: dict[str, Any], namespace: str | None = None, *, routing_m
     name = meta.get("name")
     if not name:
         raise InvalidManifest(f"{s.KIND} without metadata.name")
+    if (problem := s.name_problem(name)) is not None:
+        raise InvalidManifest(f"{s.KIND} {problem}")
     namespace = namespace or meta.get("namespace") or "default"
     data = dict(manifest.get("spec") or {})
     if routing_mode:
