@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -31,12 +32,15 @@ def refusal_answer(status: int, message: str, code: str, param: str | None = Non
     return Answer(status, headers, body)
 
 
-def shed_answer(objective: str, predicted_ms: float, target_ms: float) -> Answer:
-    """The 429 for a request of a sheddable objective predicted to miss its TTFT target at every replica; the
-    client may retry once the predicted overrun has passed (1-60 s)."""
-    retry_s = max(1, min(60, round((predicted_ms - target_ms) / 1000.0)))
+def shed_answer(objective: str, predicted_ms: float, target_ms: float, backlog_drain_ms: float = 0.0) -> Answer:
+    """The 429 for a request of a sheddable objective predicted to miss its TTFT target at every replica. Retry
+    after the backlog there is now has drained (shedding.backlog_drain_ms, 1-60 s): the prediction itself may rest
+    on higher bands' arrivals still to come, or on rates not known yet, and says nothing of when a retry fares
+    better."""
+    retry_s = max(1, min(60, math.ceil(backlog_drain_ms / 1000.0)))
+    predicted = f"{predicted_ms:.0f} ms" if predicted_ms < 3.6e6 else "over an hour: the higher priorities take it all"
     return refusal_answer(429, f"objective `{objective}` is sheddable and its predicted time to first token "
-                          f"({predicted_ms:.0f} ms) misses its target ({target_ms:g} ms) at every replica; retry "
+                          f"({predicted}) misses its target ({target_ms:g} ms) at every replica; retry "
                           "later", SHED_CODE, retry_after_s=retry_s)
 
 

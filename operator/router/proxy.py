@@ -217,7 +217,7 @@ class Router:
         if isinstance(item, Shed):
             self.metrics.objective_requests.labels(objective.name, "shed").inc()
             self.metrics.refused.labels(SHED_CODE).inc()
-            return shed_answer(objective.name, item.predicted_ms, objective.ttft_ms or 0.0)
+            return shed_answer(objective.name, item.predicted_ms, objective.ttft_ms or 0.0, item.backlog_drain_ms)
         if isinstance(item, QueueFull):
             self.metrics.queue_rejected.inc()
             self.metrics.objective_requests.labels(objective.name, "queue_full").inc()

@@ -118,6 +118,17 @@ def predicted_ttft_ms(views: list[ReplicaView], prompt_tokens: int, tokens_ahead
     return soonest
 
 
+def backlog_drain_ms(views: list[ReplicaView], tokens_ahead: int) -> float:
+    """How long the backlog there is now takes to drain at the ready replicas' full rates: the router's queue ahead
+    over all of them, then the least-loaded replica's queued prefill. A shed request retried after this meets
+    none of today's backlog (0 with no ready replica: nothing is known, a retry soon is as good as any)."""
+    if not views:
+        return 0.0
+    total = sum(max(v.prefill_tokens_per_ms, 1e-6) for v in views)
+    return max(0, tokens_ahead) / total + min(v.queued_prefill_tokens / max(v.prefill_tokens_per_ms, 1e-6)
+                                              for v in views)
+
+
 def drain_ms(tokens: float, rate: float, joining: Sequence[tuple[float, float]]) -> float:
     """How long `tokens` take at `rate` tokens/ms, plus each (at ms, rate) of `joining` from its time on."""
     t, left = 0.0, max(0.0, tokens)

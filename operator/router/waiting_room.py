@@ -24,6 +24,7 @@ from stallfree.operator.router.objective_book import ObjectiveBook
 from stallfree.operator.router.objectives import Objective, Objectives, deadline_s
 from stallfree.operator.router.pick import Choice, ReplicaView
 from stallfree.operator.router.replicas import Replica
+from stallfree.operator.router.shedding import backlog_drain_ms
 from stallfree.request_objective_header import RequestObjective
 
 K = TypeVar("K")
@@ -34,6 +35,7 @@ class Shed:
     """Refused at arrival: predicted to miss its TTFT target at every replica (the 429 shed_predicted_miss)."""
 
     predicted_ms: float
+    backlog_drain_ms: float = 0.0  # when the backlog there is now will have drained: its Retry-After
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ class WaitingRoom(Generic[K]):
                 predicted = self.book.predicted_miss_ms(objective, seen, starting_in_ms, prompt_tokens, ahead,
                                                         arrival_s)
                 if predicted is not None:
-                    return Shed(predicted)
+                    return Shed(predicted, backlog_drain_ms(seen, ahead))
         fastest = max((v.prefill_tokens_per_ms for v in seen), default=None)
         item = Queued(key, arrival_s, prompt_tokens, exclude, objective=objective.name, priority=objective.priority,
                       tenant=tenant, deadline_s=deadline_s(objective, prompt_tokens, arrival_s, fastest))
