@@ -1,7 +1,8 @@
 """Replicas from the daemons' EndpointSlices (in a cluster): every address the Service selects, by pod.
 
 Read with the pod's service-account token (RBAC: list endpointslices in its own namespace, nothing
-else). Addresses Kubernetes marks terminating are left out; readiness is the router's own poll, which
+else), read from its file at every poll: the kubelet rotates a projected token (bound tokens last about an
+hour where their lifetime is not extended), and a token read once would stop discovery then. Addresses Kubernetes marks terminating are left out; readiness is the router's own poll, which
 also catches the hung processes a readiness probe sees only after its failure threshold.
 """
 from __future__ import annotations
@@ -45,7 +46,8 @@ class EndpointSliceDiscovery:
 
     def __init__(self, service: str, namespace: str | None, apply: Callable[[dict[str, str]], None],
                  interval_s: float = 2.0, port_name: str = "http", api_server: str | None = None,
-                 token: str | None = None, ca_file: str | bool | None = None) -> None:
+                 token: str | None = None, ca_file: str | bool | None = None,
+                 token_file: Path = SA_DIR / "token") -> None:
         self.service = service
         self.namespace = namespace or _read(SA_DIR / "namespace") or "default"
         self.apply = apply
@@ -55,19 +57,23 @@ class EndpointSliceDiscovery:
         self.api_server = api_server or (f"https://{host}:{port}" if host else None)
         if self.api_server is None:
             raise ValueError("not in a cluster (no KUBERNETES_SERVICE_HOST): pass --replicas or --api-server")
-        self.token = token if token is not None else _read(SA_DIR / "token")
+        self.token, self.token_file = token, token_file  # a token given is used as it is; else the file's
         self.verify = ca_file if ca_file is not None else (str(SA_DIR / "ca.crt") if (SA_DIR / "ca.crt").exists()
                                                             else True)
         self.last: dict[str, str] | None = None
 
-    async def run(self) -> None:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+    def headers(self) -> dict[str, str]:
+        """The Authorization header with the token as it is now."""
+        token = self.token if self.token is not None else _read(self.token_file)
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    async def run(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
         url = f"{self.api_server}/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices"
         params = {"labelSelector": f"kubernetes.io/service-name={self.service}"}
-        async with httpx.AsyncClient(headers=headers, verify=self.verify, timeout=5.0) as client:
+        async with httpx.AsyncClient(verify=self.verify, timeout=5.0, transport=transport) as client:
             while True:
                 try:
-                    response = await client.get(url, params=params)
+                    response = await client.get(url, params=params, headers=self.headers())
                     response.raise_for_status()
                     replicas = replicas_from_slices(response.json().get("items") or [], self.port_name)
                     if replicas != self.last:
