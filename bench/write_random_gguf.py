@@ -17,7 +17,7 @@ are random codes either way, so the file is valid as written. Nothing is downloa
 models/random_weights.py for a shape of the family (tiny_family_shape: small enough for tests; its output layer
 untied), written as
 llama.cpp's converter writes that architecture (its tensor names, Gemma's norms with the 1 of (1 + weight) added),
-in F32, Q8_0 or Q4_0 (`--type f32|q8_0|q4_0`), with the embedded SmolLM2 tokenizer (its vocabulary sets the
+in F32, F16, Q8_0, Q5_0, Q5_1 or Q4_0 (`--type f32|f16|q8_0|q5_0|q5_1|q4_0`), with the embedded SmolLM2 tokenizer (its vocabulary sets the
 shape's) unless asked not to: a file llama.cpp's server loads as well as stallfree does.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ ROPE_THETA = 500000.0
 RMS_NORM_EPS = 1e-5
 WEIGHT_STD = 0.02
 TYPES = ("q4_0", "q4_k_m")
-FAMILY_TYPES = ("f32", "q8_0", "q4_0")
+FAMILY_TYPES = ("f32", "f16", "q8_0", "q5_0", "q5_1", "q4_0")
 FAMILY_ARCHES = ("qwen3", "gemma3")
 
 
@@ -205,8 +205,7 @@ def write_family(path: str, model, kind: str = "f32", tokenizer: bool = True) ->
     if arch == "gemma3" and shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
     qtype = gguf.GGMLQuantizationType[kind.upper()]
-    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                          "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[kind])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if kind == "f32" else gguf.LlamaFileType[f"MOSTLY_{kind.upper()}"])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     params = 0
     for name, tensor in model.hf_weights():
@@ -216,6 +215,8 @@ def write_family(path: str, model, kind: str = "f32", tokenizer: bool = True) ->
         params += array.size
         if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_tensor_name(name, arch), array.astype(np.float32))
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(gguf_tensor_name(name, arch), array.astype(np.float16))
         else:
             writer.add_tensor(gguf_tensor_name(name, arch), quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
@@ -228,8 +229,8 @@ def write_family(path: str, model, kind: str = "f32", tokenizer: bool = True) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stallfree bench write-gguf", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--type", choices=(*TYPES, "f32", "q8_0"), default="q4_0",
-                        help="q4_0 or q4_k_m for llama; f32, q8_0 or q4_0 with --arch")
+    parser.add_argument("--type", choices=tuple(dict.fromkeys((*TYPES, *FAMILY_TYPES))), default="q4_0",
+                        help=f"q4_0 or q4_k_m for llama; {', '.join(FAMILY_TYPES)} with --arch")
     parser.add_argument("--out", help="default: runs/llama-3.2-1b-shape-<type>.gguf")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=LLAMA_3_2_1B["hidden"],
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=LLAMA_3_2_1B["layers"])
     parser.add_argument("--arch", choices=("llama", *FAMILY_ARCHES), default="llama",
                         help="qwen3 or gemma3: a random model of that family's tiny test shape with the SmolLM2 "
-                             "vocabulary (--type f32, q8_0 or q4_0)")
+                             f"vocabulary (--type {', '.join(FAMILY_TYPES)})")
     args = parser.parse_args(argv)
     if args.arch != "llama":
         return _main_family(args)

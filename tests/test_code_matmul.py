@@ -121,3 +121,40 @@ def test_every_tier_gives_the_same_sums():
     outs = [_matmul(t, weight, x, float_out=True) for t in have]
     for other in outs[1:]:
         torch.testing.assert_close(other, outs[0], rtol=1e-5, atol=1e-4)
+
+
+def _gguf_blocks(qtype: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(block bytes [rows, bytes per row], gguf's own dequantization [rows, cols]) of random weights: quantized by
+    gguf where it can (Q5_0, Q5_1), else random codes under sane float16 scales (IQ4_NL, IQ4_XS)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from stallfree.node_daemon.models.small_block_codes import BLOCK_BYTES, BLOCK_WEIGHTS
+
+    kind = GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(seed)
+    if qtype.startswith("Q5"):
+        raw = quantize(rng.standard_normal((rows, cols)).astype(np.float32), kind).reshape(rows, -1)
+    else:
+        raw = rng.integers(0, 256, (rows, cols // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]), dtype=np.uint8)
+        blocks = raw.reshape(rows, -1, BLOCK_BYTES[qtype])
+        d = rng.uniform(0.001, 0.01, blocks.shape[:2]).astype(np.float16)
+        blocks[..., 0:2] = d.view(np.uint8).reshape(*d.shape, 2)
+    return raw, dequantize(raw, kind).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("qtype,bits", [("Q5_0", 5), ("Q5_1", 5), ("IQ4_NL", 8), ("IQ4_XS", 8)])
+def test_q5_and_iq4_blocks_are_served_from_their_codes(tier, qtype, bits):
+    """Gemma 3's and other Q4_K_M files' fallbacks (Q5_0, Q5_1; rows not a multiple of 256) and the IQ4 types: their
+    codes exactly as gguf dequantizes them (IQ4_XS within the float16 rounding of its scale d * (ls - 32)), 5-bit tiles
+    for the 5-bit types, and the matmul of those weights."""
+    raw, want = _gguf_blocks(qtype, 48, 512, seed=len(qtype))
+    codes = decode_blocks(raw, qtype, 48, 512)
+    np.testing.assert_array_equal(codes.dequantize(), want)
+    weight = TiledCodes.from_codes(codes)
+    assert weight.bits == bits
+    np.testing.assert_allclose(weight.dequantize().numpy(), want, rtol=2 ** -10, atol=1e-7)
+    for rows in (1, 5, 11):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        exact = _matmul(tier, weight, x, float_out=True)
+        assert relative_error(exact, x.double() @ weight.dequantize().double().T) < FLOAT_OUT_TOLERANCE

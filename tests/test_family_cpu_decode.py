@@ -33,11 +33,11 @@ def _no_weight_cache(monkeypatch):
 
 
 @functools.lru_cache(maxsize=None)
-def _gguf(family: str, root: str) -> str:
+def _gguf(family: str, root: str, kind: str = "q8_0") -> str:
     model = LlamaForCausalLM(tiny_family_shape(family), torch.float32)
     init_random_weights(model, seed=5, norm_std=0.1)
-    path = f"{root}/{family}-q8_0.gguf"
-    write_family(path, model, "q8_0", tokenizer=False)
+    path = f"{root}/{family}-{kind}.gguf"
+    write_family(path, model, kind, tokenizer=False)
     return path
 
 
@@ -63,9 +63,11 @@ def _python_path(runner: ModelRunner):
     return Off()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_compiled_forward_follows_the_python_forward(family, root):
-    runner = _runner(_gguf(family, root))
+# Q8_0 (8-bit tiles), Q5_0 (5-bit tiles: the Q4_K_M fallback of rows not a multiple of 256) and F16 (float
+# projections: oneDNN's copy or ATen's linear inside the compiled forward).
+@pytest.mark.parametrize("family,kind", [("qwen3", "q8_0"), ("gemma3", "q8_0"), ("gemma3", "q5_0"), ("qwen3", "f16")])
+def test_compiled_forward_follows_the_python_forward(family, kind, root):
+    runner = _runner(_gguf(family, root, kind))
     assert runner.cpu_decode is not None, cpu_decode.unsupported(runner.model)
     decodes = []
     for i, n in enumerate((5, 9, 30)):  # Gemma's tiny window is 8: the first decode sees all its keys

@@ -110,7 +110,7 @@ def test_tiled_codes_match_within_float16_scales(qtype):
     want = _gguf_dequantize(raw, qtype).reshape(rows, cols // 32, 32)
     codes = decode_blocks(raw, qtype, rows, cols)
     tiles = TiledCodes.from_codes(codes)
-    assert tiles.bits == (4 if qtype == "Q4_K" else 8)
+    assert tiles.bits == {"Q4_K": 4, "Q5_K": 5, "Q6_K": 8}[qtype]
     got = tiles.dequantize().numpy().reshape(rows, cols // 32, 32)
     exact = codes.dequantize().reshape(rows, cols // 32, 32)
     # w = f16(s) * u + f16(z), u < 2^bits, |z| = |w - s*u|: each of s and z rounded by a half ulp of float16

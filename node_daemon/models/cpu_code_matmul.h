@@ -14,6 +14,9 @@
 // Layout: 16 output columns a tile; per tile and block one record: 8 chunks of 32 bytes of codes (4-bit; 16 chunks
 // 8-bit), then the 16 columns' float16 scales, then their zeros. Chunk q's byte pair 2c, 2c + 1 holds column c's codes
 // at k = 2q, 2q + 1; with 4-bit codes those are the low nibbles, and the high nibbles hold k = 2q + 16, 2q + 17.
+// 5-bit codes (Q5_0, Q5_1, Q5_K: 6 bits a weight with scale and zero, where 8-bit codes took 9) are the 4-bit record
+// with 64 bytes more before the scales: per chunk q two little-endian uint32 masks, the low nibbles' fifth bits then
+// the high nibbles', bit i for byte i of the chunk.
 //
 // On AVX2 and portable CPUs the same kernel also takes many-row iterations (prefill chunks): there is no oneDNN
 // bfloat16 GEMM below AVX-512, and codes read once per tile serve up to kMaxRowsAtOnce rows from registers.
@@ -24,7 +27,7 @@ constexpr int64_t kPrefetchBytes = 1024;  // about 4 blocks ahead: the stream pr
 
 template <int BITS>
 constexpr int64_t record_bytes() {
-  return BITS * kQBlock * 16 / 8 + 2 * 16 * 2;  // codes, then 16 float16 scales and 16 zeros
+  return BITS * kQBlock * 16 / 8 + 2 * 16 * 2;  // codes (and fifth bits), then 16 float16 scales and 16 zeros
 }
 
 // Each row's blocks of 32 as int16 codes with their scale and exact sum.
@@ -74,13 +77,21 @@ constexpr int kMaxRowsAtOnce = 4;  // rows sharing one pass over a tile's codes 
 template <int BITS, int R>
 inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int64_t blocks, float* out) {
   constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS>();
-  constexpr int chunks = BITS == 4 ? 8 : 16;
+  constexpr int chunks = BITS == 8 ? 16 : 8;
   const int64_t blocks_per_row = x.k / kQBlock;
   for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(out + 16 * r, _mm256_setzero_ps());
     _mm256_storeu_ps(out + 16 * r + 8, _mm256_setzero_ps());
   }
   const __m256i nibble = _mm256_set1_epi16(0x0f);
+  // 5-bit codes: 16 where bit i of a 16-bit mask is set, in int16 lane i
+  const __m256i lane_bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                             static_cast<int16_t>(0x8000));
+  const auto fifth_bits = [&](uint32_t mask) {
+    const __m256i hit = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(mask)), lane_bit),
+                                           lane_bit);
+    return _mm256_and_si256(hit, _mm256_set1_epi16(16));
+  };
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = w + b * block_bytes;
     for (int64_t line = 0; line < block_bytes; line += 64)
@@ -95,9 +106,14 @@ inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
       // columns 0-7 and 8-15, each lane pair one column's two codes
       const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(chunk));
       const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(chunk + 1));
-      if constexpr (BITS == 4) {
-        const __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_srli_epi16(v0, 4);
-        const __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_srli_epi16(v1, 4);
+      if constexpr (BITS != 8) {
+        __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_srli_epi16(v0, 4);
+        __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_srli_epi16(v1, 4);
+        if constexpr (BITS == 5) {
+          const uint32_t* fifth = reinterpret_cast<const uint32_t*>(wb + 256) + 2 * q;
+          lo0 = _mm256_add_epi16(lo0, fifth_bits(fifth[0])), lo1 = _mm256_add_epi16(lo1, fifth_bits(fifth[0] >> 16));
+          hi0 = _mm256_add_epi16(hi0, fifth_bits(fifth[1])), hi1 = _mm256_add_epi16(hi1, fifth_bits(fifth[1] >> 16));
+        }
         for (int r = 0; r < R; ++r) {
           const __m256i xa = _mm256_set1_epi32(xq[r * row_pairs + q]), xb = _mm256_set1_epi32(xq[r * row_pairs + q + 8]);
           dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_add_epi32(_mm256_madd_epi16(lo0, xa), _mm256_madd_epi16(hi0, xb)));
@@ -154,12 +170,15 @@ void code_tile_rows(const uint8_t* w, const QuantizedRows& x, int64_t r0, int ro
     const uint8_t* wb = w + b * block_bytes;
     int32_t dot[kMaxRowsAtOnce][16] = {};
     for (int p = 0; p < 16; ++p) {
-      const uint8_t* chunk = wb + 32 * (BITS == 4 ? p % 8 : p);
+      const uint8_t* chunk = wb + 32 * (BITS == 8 ? p : p % 8);
+      uint32_t fifth = 0;  // 5-bit codes: this half chunk's mask
+      if (BITS == 5) std::memcpy(&fifth, wb + 256 + 4 * (2 * (p % 8) + (p >= 8)), 4);
       for (int r = 0; r < rows; ++r) {
         const int16_t* xq = x.codes.data() + (r0 + r) * x.k + b * kQBlock + 2 * p;
         for (int c = 0; c < 16; ++c) {
           int32_t u0 = chunk[2 * c], u1 = chunk[2 * c + 1];
-          if (BITS == 4) u0 = p < 8 ? u0 & 15 : u0 >> 4, u1 = p < 8 ? u1 & 15 : u1 >> 4;
+          if (BITS != 8) u0 = p < 8 ? u0 & 15 : u0 >> 4, u1 = p < 8 ? u1 & 15 : u1 >> 4;
+          if (BITS == 5) u0 += 16 * ((fifth >> (2 * c)) & 1), u1 += 16 * ((fifth >> (2 * c + 1)) & 1);
           dot[r][c] += u0 * xq[0] + u1 * xq[1];
         }
       }
@@ -183,13 +202,13 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
 // float_out (an LM head's logits). blocks: uint8 [N / 16, K / 32, record bytes].
 at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t bits, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "code_matmul: x [rows, K] bfloat16");
-  TORCH_CHECK(bits == 4 || bits == 8, "code_matmul: 4- or 8-bit codes");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "code_matmul: 4-, 5- or 8-bit codes");
   TORCH_CHECK(blocks_t.dim() == 3 && blocks_t.scalar_type() == at::kByte && blocks_t.is_contiguous(),
               "code_matmul: weight blocks [N / 16, K / 32, bytes] uint8, contiguous");
   const at::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0), k = xc.size(1), tiles = blocks_t.size(0), blocks = k / kQBlock;
   TORCH_CHECK(k % kQBlock == 0 && blocks_t.size(1) == blocks &&
-                  blocks_t.size(2) == (bits == 4 ? record_bytes<4>() : record_bytes<8>()),
+                  blocks_t.size(2) == (bits == 4 ? record_bytes<4>() : bits == 5 ? record_bytes<5>() : record_bytes<8>()),
               "code_matmul: weight blocks do not match x's width");
   at::Tensor out = at::empty({rows, tiles * 16}, xc.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0) return out;
@@ -206,6 +225,8 @@ at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t 
         const int r = static_cast<int>(std::min<int64_t>(kMaxRowsAtOnce, rows - r0));
         if (bits == 4)
           code_tile_rows<4>(w + t * tile_bytes, q, r0, r, blocks, partial);
+        else if (bits == 5)
+          code_tile_rows<5>(w + t * tile_bytes, q, r0, r, blocks, partial);
         else
           code_tile_rows<8>(w + t * tile_bytes, q, r0, r, blocks, partial);
         for (int i = 0; i < r; ++i) {

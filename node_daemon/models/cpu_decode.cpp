@@ -205,8 +205,10 @@ struct RowLimits {
 // any number where there is no oneDNN copy (tiers below AVX-512); else torch's int4 for a few rows and the
 // prepacked bfloat16 weight for more. w: packed int4, its scales, oneDNN (empty when the model was not prepacked),
 // the code kernel's tiles (empty when bits is 0).
+// planes 0: a float weight (F16, BF16, F32 files), w[1] the bfloat16 weight itself where there is no oneDNN copy.
 at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t planes, int64_t bits, const RowLimits& limits) {
   const int64_t rows = x.size(0);
+  if (planes == 0) return w[2].numel() != 0 ? packed_mm(x, w[2]) : at::linear(x, w[1]);
   if (bits != 0 && (rows <= limits.code || w[2].numel() == 0)) return code_matmul(x, w[3], bits, false);
   return rows <= limits.int4 || w[2].numel() == 0 ? int4_mm(x, w[0], w[1], planes) : packed_mm(x, w[2]);
 }

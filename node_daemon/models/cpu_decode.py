@@ -4,12 +4,13 @@ A decode step of a small model run op by op is bound by the ops' count and the P
 arithmetic (`stallfree bench iteration --breakdown`). cpu_decode.cpp runs a whole forward in C++: the projections
 straight from the GGUF codes (cpu_code_matmul.h: AVX512-VNNI, AVX2 or portable loops) for up to CODE_MAX_ROWS rows
 on AVX-512 and for every row count below it, the oneDNN-prepacked bfloat16 copies past CODE_MAX_ROWS on AVX-512
-(the Python path's choice), plain loops for the norms, RoPE with the KV write and SiLU-and-mul, and attention:
+(the Python path's choice; a float projection of an F16/BF16/F32 file takes its oneDNN copy or ATen's linear at
+every row count), plain loops for the norms, RoPE with the KV write and SiLU-and-mul, and attention:
 AVX512-BF16 kernels for decode rows (cpu_decode_attention.h) and prefill chunks (cpu_chunk_attention.h) where the
 tier has them, else a float32 loop (AVX2 or portable) and ATen's scaled_dot_product_attention (the Python path's
 call). It takes decode-only iterations of up to MAX_ROWS rows and iterations with prefill chunks of any size
 (a serving load's mixed iterations: the decodes plus a chunk). Decode-only batches past MAX_ROWS and models it
-does not cover (a dense projection, a bias) stay on the Python path.
+does not cover (q/k/v biases) stay on the Python path.
 
 The extension is compiled once per source, torch build, CPU and tier (models/cpu_tier.py; the key of its folder in
 $STALLFREE_EXT_CACHE, else $XDG_CACHE_HOME/stallfree/ext), its ops in a namespace of the tier's
@@ -338,10 +339,6 @@ def unsupported(model: "LlamaForCausalLM") -> str | None:
         return "needs bfloat16 weights on the CPU"
     if model.shape.qkv_bias:
         return "q/k/v biases are not covered"
-    for layer in model.layers:
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if linear.int4 is None:
-                return "a projection has no int4 weight"
     return None
 
 
@@ -364,6 +361,12 @@ class CpuDecode:
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj):
                 packed = linear.packed if linear.packed is not None else torch.empty(0, dtype=model.dtype)
+                if linear.int4 is None:  # a float weight (F16, BF16 or F32 in the file): planes 0, the weight itself
+                    dense = linear.weight if linear.weight.device.type != "meta" else none
+                    self.weights += [none, dense, packed, none]
+                    self.planes.append(0)
+                    self.bits.append(0)
+                    continue
                 tiles = linear.int4.tiles if code_on else None
                 # torch's int4 pack is read only where there are no tiles (the model may release it: release_int4_packs)
                 int4 = (linear.int4.packed, linear.int4.scales_and_zeros) if tiles is None else (none, none)
@@ -385,7 +388,8 @@ class CpuDecode:
                             float(model.embed_scale) if model.embed_scale is not None else 0.0)
         # Past INT4_MAX_ROWS the projections take the oneDNN copies, or the code kernel where there are none:
         # only when every projection has one or the other.
-        self.packed = all(w.numel() or bits for w, bits in zip(self.weights[2::4], self.bits))
+        self.packed = all(w.numel() or bits or not planes
+                          for w, bits, planes in zip(self.weights[2::4], self.bits, self.planes))
         self.max_rows = MAX_ROWS if self.packed else INT4_MAX_ROWS
         self.mixed = enabled(MIXED_SWITCH)
 

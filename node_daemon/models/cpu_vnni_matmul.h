@@ -1,5 +1,6 @@
 // The AVX512-VNNI kernel of cpu_code_matmul.h (which says the math and the layout): VPDPWSSD multiplies two codes
 // by two int16 activations a lane and adds, 16 columns to a register, up to 8 rows a pass over a tile's codes.
+// 5-bit codes add their fifth bit from a 32-bit mask per half chunk (one masked add).
 // Included by cpu_code_matmul.h where the compiler targets AVX512-VNNI.
 //
 // int16 activations, not llama.cpp's int8: int8 moved SmolLM2's logits 7% off the float32 reference and changed a
@@ -42,7 +43,7 @@ inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
   const int64_t blocks_per_row = x.k / kQBlock;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i nibble = _mm512_set1_epi16(0x0f);
+  const __m512i nibble = _mm512_set1_epi16(0x0f), sixteen = _mm512_set1_epi16(16);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = w + b * block_bytes;
     for (int64_t line = 0; line < block_bytes; line += 64)
@@ -51,10 +52,15 @@ inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     const int32_t* xq[R];  // the rows' block as int16 pairs
     for (int r = 0; r < R; ++r) xq[r] = reinterpret_cast<const int32_t*>(x.codes.data() + (r0 + r) * x.k + b * kQBlock);
-    if constexpr (BITS == 4) {
+    if constexpr (BITS != 8) {
+      const uint32_t* fifth = reinterpret_cast<const uint32_t*>(wb + 256);  // BITS 5: the codes' fifth bits
       for (int q = 0; q < 8; ++q) {
         const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * q)));
-        const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_srli_epi16(v, 4);
+        __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_srli_epi16(v, 4);
+        if constexpr (BITS == 5) {  // lane i's code gains 16 where bit i of its half's mask is set
+          lo = _mm512_mask_add_epi16(lo, fifth[2 * q], lo, sixteen);
+          hi = _mm512_mask_add_epi16(hi, fifth[2 * q + 1], hi, sixteen);
+        }
         for (int r = 0; r < R; ++r) {
           dot[r] = _mm512_dpwssd_epi32(dot[r], lo, _mm512_set1_epi32(xq[r][q]));
           dot[r] = _mm512_dpwssd_epi32(dot[r], hi, _mm512_set1_epi32(xq[r][q + 8]));

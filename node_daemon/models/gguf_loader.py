@@ -1,9 +1,9 @@
 """Load a Llama-family GGUF file (llama.cpp's format) into LlamaForCausalLM; quantised weights stay quantised.
 
-Serving in bfloat16 on the CPU, Q4_0, Q4_1, Q8_0, Q4_K and Q5_K tensors are also packed for torch's int4
-weight-only matmul (models/quantized.py: the mapping is exact up to bfloat16 rounding of the block scales), and
-Q6_K re-coded to 8-bit codes per 32 weights (models/kquant_codes.py: within 1/8 of its own step), which
-iterations of a few rows take; every other type is dequantized, and start-up says which. Each layer keeps
+Serving in bfloat16 on the CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, IQ4_NL and IQ4_XS tensors are served
+from their codes (models/quantized.py, small_block_codes.py, kquant_codes.py: exact up to the rounding of the block
+scales), and Q6_K re-coded to 8-bit codes per 32 weights (within 1/8 of its own step); every other type is
+dequantized, and start-up says which (models/serving_paths.py). Each layer keeps
 a dequantized copy in the serving dtype for larger iterations (compute-bound there) and for float32,
 the reference path. llama.cpp's converter permutes the rows of Q and K of `llama` models so its
 RoPE can rotate adjacent pairs; our RoPE rotates halves (Hugging Face's convention), so those rows
@@ -126,7 +126,27 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
     return LoadedModel(model=model, shape=shape, eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
                        bos_token_id=_int_or_none(fields.get("tokenizer.ggml.bos_token_id")),
                        max_model_len=context, source=path, source_kind="gguf",
-                       tokenizer_metadata={k: v for k, v in reader.fields.items() if k.startswith("tokenizer.")})
+                       tokenizer_metadata={k: v for k, v in reader.fields.items() if k.startswith("tokenizer.")},
+                       dequantized=_dequantized_types(reader, int4))
+
+
+# Types whose values are the weights themselves: served as the model's dtype, never counted as dequantized.
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def _dequantized_types(reader, int4: bool) -> dict[str, int]:
+    """The quantized matrices of the file that no code mapping serves (models/quantized.decode_blocks answers None
+    for their type or width): their type -> how many. Empty where codes are not used at all (float32, CUDA)."""
+    if not int4:
+        return {}
+    from stallfree.node_daemon.models.quantized import code_mappable
+
+    found: dict[str, int] = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if len(t.shape) > 1 and kind not in _FLOAT_TYPES and not code_mappable(kind, int(t.shape[0])):
+            found[kind] = found.get(kind, 0) + 1
+    return found
 
 
 def gguf_shape(fields: dict, tensor_names: set[str], name: str) -> ModelShape:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,8 @@ class LoadedModel:
     source_kind: str  # "hf" | "gguf" | "random"
     # A GGUF file's tokenizer.* metadata, read with the weights so the file is parsed once at start-up.
     tokenizer_metadata: dict | None = None
+    # A GGUF file's matrices that are not served from their codes: their type -> how many (models/serving_paths.py)
+    dequantized: dict[str, int] = field(default_factory=dict)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -12,8 +12,9 @@ blocks map onto it exactly, up to the rounding of scale and zero to the activati
                                       the activations are repeated once along K ([x, x]) to meet both.
 
 The K-quants (Q4_K, Q5_K exactly; Q6_K re-coded to 8-bit codes per 32 weights, within 1/8 of its own 6-bit
-step) map the same way: models/kquant_codes.py. Other types (Q5_0, Q2_K, IQ*, ...) have no such mapping here; their
-tensors are dequantized and the loader says so at start-up.
+step) map the same way (models/kquant_codes.py), and so do Q5_0, Q5_1, IQ4_NL and IQ4_XS, exactly
+(models/small_block_codes.py). Other types (Q2_K, Q3_K, the IQ1-IQ3 types) have no such mapping here; their tensors
+are dequantized and the daemon names them at start-up, in /metrics and in the stats the operator reads.
 
 Every weight with codes also keeps them as TiledCodes, the layout of the compiled extension's code kernel
 (models/cpu_code_matmul.h): activations quantized to int16 per 32-wide block and the codes multiplied as they are
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stallfree.node_daemon.models import kquant_codes
+from stallfree.node_daemon.models import kquant_codes, small_block_codes
 
 GROUP_SIZE = 32
 # Rows (tokens in an iteration) up to which a linear layer takes its int4 weight (measured crossover on
@@ -96,14 +97,23 @@ class BlockCodes:
         return BlockCodes(self.codes[order], self.scale[order], self.zero[order], self.planes, self.qtype)
 
 
+def code_mappable(qtype: str, cols: int) -> bool:
+    """Whether decode_blocks maps a tensor of this type and row width to codes."""
+    if qtype in kquant_codes.BLOCK_BYTES:
+        return cols % kquant_codes.QK_K == 0
+    if qtype in small_block_codes.BLOCK_BYTES:
+        return cols % small_block_codes.BLOCK_WEIGHTS[qtype] == 0
+    return qtype in INT4_MAPPABLE and cols % GROUP_SIZE == 0
+
+
 def decode_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> BlockCodes | None:
     """GGUF block bytes [rows, bytes_per_row] -> BlockCodes, or None for a type without an int4 mapping."""
-    if qtype in kquant_codes.BLOCK_BYTES:
-        if cols % kquant_codes.QK_K:
-            return None
-        return BlockCodes(*kquant_codes.decode(raw, qtype, rows, cols), qtype)
-    if qtype not in INT4_MAPPABLE or cols % GROUP_SIZE:
+    if not code_mappable(qtype, cols):
         return None
+    if qtype in kquant_codes.BLOCK_BYTES:
+        return BlockCodes(*kquant_codes.decode(raw, qtype, rows, cols), qtype)
+    if qtype in small_block_codes.BLOCK_BYTES:
+        return BlockCodes(*small_block_codes.decode(raw, qtype, rows, cols), qtype)
     block_bytes, planes = INT4_MAPPABLE[qtype]
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // GROUP_SIZE, block_bytes)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -125,11 +135,12 @@ def decode_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> BlockCod
 @dataclass
 class TiledCodes:
     """The same codes laid out for the compiled code kernel (models/cpu_code_matmul.h): an unsigned code per weight
-    (4 bits, or 8 for Q8_0's two planes joined), value = scale * code + zero per 32-weight block, scale and zero
+    (4 bits; two planes joined: 5 bits where the high plane is one bit, as Q5_0's, else 8), value = scale * code +
+    zero per 32-weight block, scale and zero
     float16 (GGUF's own precision), 16 output rows to a tile, and per tile and block one record: the codes, then
     the 16 rows' scales, then their zeros."""
 
-    blocks: torch.Tensor  # uint8 [N / 16, K / 32, bits * 64 + 64]
+    blocks: torch.Tensor  # uint8 [N / 16, K / 32, bits * 64 + 64] (5 bits: 256 bytes of nibbles, 64 of fifth bits)
     bits: int
 
     @classmethod
@@ -142,8 +153,10 @@ class TiledCodes:
         if block.planes == 1:
             bits = 4
             scale, zero = block.scale, block.zero - 8.0 * block.scale
-        else:  # Q8_0: the two nibble planes join into one byte, plane 1's scale is 16x plane 0's
-            codes, bits = codes[:, :k] | (codes[:, k:] << 4), 8
+        else:  # two nibble planes join into one code, plane 1's scale is 16x plane 0's: 5 bits where every hi
+            # code is 0 or 1 (Q5_0, Q5_1, Q5_K), else 8 (Q8_0, Q6_K, IQ4)
+            hi = codes[:, k:]
+            codes, bits = codes[:, :k] | (hi << 4), 5 if int(hi.max()) <= 1 else 8
             s0, s1 = block.scale[:, :groups], block.scale[:, groups:]
             if not np.array_equal(s1, 16.0 * s0):
                 raise ValueError("two code planes whose scales are not 1 : 16")
@@ -151,14 +164,21 @@ class TiledCodes:
             zero = block.zero[:, :groups] - 8.0 * s0 + block.zero[:, groups:] - 8.0 * s1
         # [tile, column, block, pair of k, k in pair] -> [tile, block, pair, column, k in pair]
         tiled = codes.reshape(n // 16, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
-        if bits == 4:  # pair q in the low nibbles, q + 8 in the high ones
+        fifth = None
+        if bits == 5:  # per chunk q a 32-bit mask of pair q's fifth bits, then one of pair q + 8's (bit 2c + j)
+            bit_values = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+            masks = ((tiled >> 4) & 1).reshape(n // 16, groups, 16, 4, 8).mul(bit_values).sum(-1, dtype=torch.uint8)
+            fifth = masks.reshape(n // 16, groups, 2, 8, 4).transpose(2, 3).reshape(n // 16, groups, 64)
+            tiled = tiled & 15
+        if bits != 8:  # pair q in the low nibbles, q + 8 in the high ones
             tiled = tiled[:, :, :8] | (tiled[:, :, 8:] << 4)
 
         def per_tile(values: np.ndarray) -> torch.Tensor:  # [tile, block, 16 columns] float16 as bytes
             half = torch.from_numpy(values).to(torch.float16).view(n // 16, 16, groups).transpose(1, 2)
             return half.contiguous().view(torch.uint8)
 
-        record = torch.cat([tiled.reshape(n // 16, groups, -1), per_tile(scale), per_tile(zero)], dim=-1)
+        parts = [tiled.reshape(n // 16, groups, -1)] + ([fifth] if fifth is not None else [])
+        record = torch.cat([*parts, per_tile(scale), per_tile(zero)], dim=-1)
         return cls(record, bits)
 
     @property
@@ -169,9 +189,13 @@ class TiledCodes:
         """(unsigned codes [N, K] uint8, scale and zero [N, K / 32] float32): value = scale * code + zero."""
         tiles, groups, _ = self.blocks.shape
         code_bytes = self.bits * 64
-        raw = self.blocks[..., :code_bytes].reshape(tiles, groups, -1, 16, 2)
-        if self.bits == 4:
+        raw = self.blocks[..., :512 if self.bits == 8 else 256].reshape(tiles, groups, -1, 16, 2)
+        if self.bits != 8:
             raw = torch.cat([raw & 15, raw >> 4], dim=2)
+        if self.bits == 5:  # [tile, block, q, lo|hi, 4 bytes] masks -> [tile, block, pair, column, k in pair] bits
+            masks = self.blocks[..., 256:320].reshape(tiles, groups, 8, 2, 4).transpose(2, 3).reshape(tiles, groups, 16, 4)
+            bits = (masks[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
+            raw = raw | (bits.reshape(tiles, groups, 16, 16, 2) << 4)
         codes = raw.permute(0, 3, 1, 2, 4).reshape(tiles * 16, groups * GROUP_SIZE)
         scale, zero = (self.blocks[..., at:at + 32].contiguous().view(torch.float16).float().transpose(1, 2)
                        .reshape(tiles * 16, groups) for at in (code_bytes, code_bytes + 32))
@@ -194,15 +218,10 @@ class TiledCodes:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: what the kernel multiplies by (tests)."""
-        tiles, groups, _ = self.blocks.shape
-        code_bytes = self.bits * 64
-        raw = self.blocks[..., :code_bytes].reshape(tiles, groups, -1, 16, 2)
-        if self.bits == 4:
-            raw = torch.cat([raw & 15, raw >> 4], dim=2)
-        codes = raw.permute(0, 3, 1, 2, 4).reshape(tiles * 16, groups, GROUP_SIZE).float()
-        scale, zero = (self.blocks[..., at:at + 32].contiguous().view(torch.float16).float().transpose(1, 2)
-                       .reshape(tiles * 16, groups, 1) for at in (code_bytes, code_bytes + 32))
-        return (codes * scale + zero).reshape(tiles * 16, -1)
+        codes, scale, zero = self._codes_and_affine()
+        n = codes.shape[0]
+        values = codes.view(n, -1, GROUP_SIZE).float() * scale[..., None] + zero[..., None]
+        return values.reshape(n, -1)
 
 
 class Int4Weight:

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 FORMAT = 4  # 3: the code kernel's tiles on every tier (TiledCodes); 4: the tiles alone (torch's int4 pack made at use),
 # and no dense copy of a projection that its codes alone serve
 ENV = "STALLFREE_WEIGHT_CACHE"
-_VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "kquant_codes.py", "llama.py")
+_VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "kquant_codes.py", "small_block_codes.py", "llama.py")
 _TIED_HEAD = "tied_lm_head_int4"
 
 
