@@ -283,7 +283,7 @@ def test_shutdown_drains_ready_first_then_cuts_streams_with_an_error_and_done(fa
         _wait_until(lambda: got["short"] and got["long"] and len(fake.inference()) >= reached + 3, 10,
                     "all three reached the replica")
         live.process.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        _wait_until(lambda: httpx.get(live.url + "/ready", timeout=5).status_code == 503, 5, "unready once draining")
         ready = httpx.get(live.url + "/ready", timeout=5)
         assert ready.status_code == 503 and ready.json()["reason"] == "draining"
         refused = httpx.post(live.url + "/v1/completions", json=short, timeout=5)
