@@ -81,7 +81,8 @@ class VirtualCluster:
         self._profiles: dict[str, Profile] = {}
         if spec.router not in ("queue", "immediate"):
             raise ValueError(f"unknown router {spec.router!r}: queue or immediate")
-        self.router = VirtualRouter(FlowConfig(dispatch_wait_ms(spec.queue_wait_slo_ms)), self.profile, window_s)
+        self.router = VirtualRouter(FlowConfig(dispatch_wait_ms(spec.queue_wait_slo_ms)), self.profile, window_s,
+                                    now=now)
         self._router_t = now
         self.scale_to(replicas, now, ready_now=True)
 

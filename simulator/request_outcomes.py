@@ -1,20 +1,19 @@
-"""What became of each request the virtual router took in: served (with its TTFT, TPOT and wait), shed at arrival,
-refused (the queue was full) or lost (its replica went away), judged against its objective's targets.
+"""What became of each request the virtual router took in, as its client saw it: served (with its TTFT, TPOT and
+wait), shed at arrival, refused (the queue was full) or lost (its replica went away), judged against its objective's
+targets by the router's rule (objective_outcomes.good) with the TPOT the client measures too.
 
-Goodput is the share of requests that met every target of their objective (TTFT, TPOT, queue wait where the
-objective sets one); a shed, refused or lost request met none. The queue wait is the router's (arrival to
-dispatch), as the router's per-objective metric has it. Two readings: `windows` (per objective over the stats
-window, what the router reports to the control loop) and `summary` (the whole run, per objective and tenant).
+Goodput is the share of requests that met every target of their objective; a shed, refused or lost request met
+none. The queue wait is the router's (arrival to dispatch), as the router's per-objective metric has it. `summary`
+reads the whole run (or a span of it), per objective and tenant; the control loop reads the router itself.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from stallfree.contracts import percentile
-from stallfree.latency import within_targets
-from stallfree.operator.control.observe import ObjectiveWindow
-from stallfree.operator.router.flow_control import Queued
+from stallfree.latency import tpot_s, ttft_s
+from stallfree.operator.router.objective_outcomes import good
 from stallfree.operator.router.objectives import Objective, Objectives
 
 SERVED, SHED, REFUSED, LOST = "served", "shed", "refused", "lost"
@@ -34,16 +33,14 @@ class Outcome:
 
     @property
     def ttft_ms(self) -> float | None:
-        if self.kind != SERVED:
+        if self.kind != SERVED or self.first_token_s is None:
             return None
-        first = self.first_token_s if self.first_token_s is not None else self.done_s
-        return (first - self.arrival_s) * 1000.0 if first is not None else None
+        return ttft_s(self.arrival_s, self.first_token_s) * 1000.0
 
     @property
     def tpot_ms(self) -> float | None:
-        if self.kind != SERVED or self.first_token_s is None or self.done_s is None or self.max_tokens < 2:
-            return None
-        return (self.done_s - self.first_token_s) * 1000.0 / (self.max_tokens - 1)
+        tpot = tpot_s(self.first_token_s, self.done_s, self.max_tokens) if self.kind == SERVED else None
+        return None if tpot is None else tpot * 1000.0  # every output token is generated (ignore_eos)
 
     @property
     def wait_ms(self) -> float | None:
@@ -51,9 +48,7 @@ class Outcome:
 
     def good(self, objective: Objective) -> bool:
         """Served, and within every target its objective sets."""
-        return self.kind == SERVED and within_targets(
-            self.ttft_ms, self.tpot_ms, self.wait_ms, ttft_target_ms=objective.ttft_ms,
-            tpot_target_ms=objective.tpot_ms, queue_wait_target_ms=objective.queue_wait_ms)
+        return self.kind == SERVED and good(objective, self.ttft_ms, self.wait_ms, self.tpot_ms)
 
 
 class Outcomes:
@@ -106,32 +101,6 @@ class Outcomes:
         self.done.append(outcome)
 
     # -- readings -----------------------------------------------------------------------------------------
-    def windows(self, now: float, window_s: float, last_s: float | None,
-                queued: Sequence[Queued[int]]) -> tuple[ObjectiveWindow, ...]:
-        """Each objective over the last `window_s` (arrivals since `last_s`: the last interval's)."""
-        horizon = now - window_s
-        span = min(window_s, max(now, 1e-9))
-        out = []
-        ended = _recent(self.done, horizon, lambda o: o.done_s or 0.0)
-        arrived = _recent(self.offered, horizon, lambda o: o.arrival_s)
-        for name, objective in sorted(self.objectives.by_name.items()):
-            mine = [o for o in ended if o.objective == name]
-            offered = [o for o in arrived if o.objective == name]
-            recent = [o for o in offered if last_s is not None and o.arrival_s > last_s]
-            waiting = [q for q in queued if q.objective == name]
-            served = [o for o in mine if o.kind == SERVED]
-            out.append(ObjectiveWindow(
-                name, objective.priority, arrival_prompt_tokens_per_s=sum(o.prompt_tokens for o in offered) / span,
-                recent_prompt_tokens=float(sum(o.prompt_tokens for o in recent)), recent_requests=len(recent),
-                arrival_requests_per_s=len(offered) / span, depth=len(waiting),
-                queued_prompt_tokens=float(sum(q.prompt_tokens for q in waiting)),
-                oldest_wait_ms=max((now - q.arrival_s) * 1000.0 for q in waiting) if waiting else 0.0,
-                shed=sum(1 for o in mine if o.kind == SHED), completed=sum(1 for o in mine if o.kind != SHED),
-                good=sum(1 for o in mine if o.good(objective)),
-                ttft_p99_ms=_p99(o.ttft_ms for o in served), tpot_p99_ms=_p99(o.tpot_ms for o in served),
-                queue_wait_p99_ms=_p99(o.wait_ms for o in served)))
-        return tuple(out)
-
     def summary(self, start_s: float = 0.0, end_s: float = float("inf"), tenant: str | None = None,
                 objective: str | None = None) -> dict[str, Any]:
         """Requests that arrived in [start_s, end_s) and are done, by objective: counts, goodput and p99s."""
@@ -159,16 +128,6 @@ class Outcomes:
 
     def tenants(self) -> list[str]:
         return sorted({o.tenant for o in self.offered})
-
-
-def _recent(items: list[Outcome], horizon: float, when) -> list[Outcome]:
-    """The items after `horizon`, read from the end (the lists grow in time order)."""
-    out = []
-    for item in reversed(items):
-        if when(item) <= horizon:
-            break
-        out.append(item)
-    return out
 
 
 def _p99(values: Iterable[float | None]) -> float | None:

@@ -11,8 +11,9 @@ the objective signed to its engine and the settling by first tokens and ends are
 (operator/router/waiting_room.py), driven here on virtual time. What a replica has queued is never read off its
 scheduler: each replica is the router's own `Replica` (replicas.py). First tokens and ends reach the router
 through an engine observer (`observer(name)`), and count only once the router's clock has passed them. What
-became of each request is also kept (request_outcomes.py): its objective's windows for the control loop, and
-the run's goodput.
+became of each request is also kept (request_outcomes.py): the run's goodput, as its clients saw it. The control
+loop reads the router as the operator reads production's: `/router/queue` (the waiting room's status) through
+observe_router.py.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Callable, Sequence
 from stallfree.contracts import Profile
 from stallfree.node_daemon.engine.request import Objective, Request
 from stallfree.operator.control.observe import QueueObservation
-from stallfree.operator.control.queueing import prompt_cv2
+from stallfree.operator.control.observe_router import RouterQueueSource
 from stallfree.operator.router.flow_control import FlowConfig, Queued
 from stallfree.operator.router.objectives import Objectives
 from stallfree.operator.router.pick import ReplicaView, pick
@@ -59,24 +60,23 @@ class _Replies:
 
 class VirtualRouter:
     def __init__(self, flow: FlowConfig, profile_of: Callable[[str], Profile], window_s: float,
-                 tick_s: float = 0.05, objectives: Objectives | None = None) -> None:
+                 tick_s: float = 0.05, objectives: Objectives | None = None, now: float = 0.0) -> None:
         self.room: WaitingRoom[int] = WaitingRoom(flow, objectives)  # production's rules
         self.queue = self.room.queue
         self.outcomes = Outcomes(self.room.objectives)
         self.startup_times = StartupTimes()  # the start-ups seen (replica_started): when a starting one is ready
         self.profile_of = profile_of
-        self.window_s = window_s
         self.tick_s = tick_s
         self._requests: dict[int, tuple[int, int]] = {}  # key -> (prompt_len, max_tokens)
         self._keys: dict[str, int] = {}  # request id on its replica -> the router's key
         self._next = 0
         self.replicas: dict[str, Replica] = {}  # what the router knows of each: stats, profile, clock, in flight
         self._polled: dict[str, float] = {}  # when each one's stats were last read
-        self._sent: dict[str, dict[str, tuple[int, Queued[int]]]] = {}  # each one's request ids in flight: ticket
+        self._sent: dict[str, dict[str, int]] = {}  # each one's request ids in flight -> their waiting-room ticket
         self._replies: list[tuple[float, int, str, str, int]] = []  # heap: (time, seq, replica, request, kind)
         self._seq = itertools.count()
-        self._arrived: list[tuple[float, int]] = []  # (time, prompt tokens) over the last window
-        self._last_snapshot: float | None = None
+        self._readings = RouterQueueSource(None, window_s)  # the operator's reading of /router/queue
+        self._readings.take(self.room.status(now), now)  # read since the router started, as the operator does
 
     def observer(self, name: str) -> _Replies:
         """The engine observer a replica named `name` reports its first tokens and ends to (pass it at build)."""
@@ -105,7 +105,6 @@ class VirtualRouter:
         if named is None:
             raise ValueError(f"objective {objective!r} is not one of {', '.join(self.objectives.names())}")
         self._next += 1
-        self._arrived.append((t, prompt_len))
         starting_in_ms = [ms for ms in map(self.startup_times.ready_in_ms, starting) if ms is not None]
         views = lambda: [self._known(name, replica, t).view(t) for name, replica in (ready or {}).items()]  # noqa: E731
         item = self.room.arrive(self._next, named, tenant, prompt_len, t, views, starting_in_ms)
@@ -136,29 +135,16 @@ class VirtualRouter:
                 Objective(signed.name, signed.priority, signed.deadline_s, signed.tpot_ms)
             request_id = replicas[choice.name].submit(prompt_len, max_tokens, item.arrival_s,
                                                       objective=engine_objective)
-            ticket = self.room.reserve(self.replicas[choice.name], prompt_len, now, item.sent_priority, item.tenant)
-            self._sent.setdefault(choice.name, {})[request_id] = (ticket, item)
+            ticket = self.room.reserve(self.replicas[choice.name], prompt_len, now, item.sent_priority, item.tenant,
+                                       named, item.arrival_s)
+            self._sent.setdefault(choice.name, {})[request_id] = ticket
             self._keys[request_id] = item.key
             self.outcomes.dispatched(item.key, now)
         return len(sent)
 
     def snapshot(self, now: float) -> QueueObservation:
-        """What the router's queue shows the control loop (the real router's /router/queue, read as rates)."""
-        horizon = now - self.window_s
-        self._arrived = [(t, n) for t, n in self._arrived if t > horizon]
-        oldest = self.queue.oldest_arrival_s()
-        last, self._last_snapshot = self._last_snapshot, now
-        recent = [n for t, n in self._arrived if last is not None and t > last]
-        span = min(self.window_s, max(now, 1e-9))
-        lengths = [n for _, n in self._arrived]
-        several = len(self.objectives.by_name) > 1  # one objective: the queue's own figures say it all
-        windows = self.outcomes.windows(now, self.window_s, last, list(self.queue)) if several else ()
-        return QueueObservation(len(self.queue), self.queue.queued_prompt_tokens,
-                                0.0 if oldest is None else max(0.0, now - oldest) * 1000.0,
-                                sum(lengths) / span, sum(recent), len(recent), 0.0 if last is None else now - last,
-                                arrival_requests_per_s=len(lengths) / span,
-                                prompt_cv2=prompt_cv2(len(lengths), sum(lengths), sum(n * n for n in lengths)),
-                                objectives=windows)
+        """What the router's queue shows the control loop: its `/router/queue` as the operator reads it."""
+        return self._readings.take(self.room.status(now), now)
 
     def forget(self, names: Sequence[str]) -> None:
         """Replicas that left or restarted: what was in flight there failed, and a new process starts afresh."""
@@ -166,7 +152,8 @@ class VirtualRouter:
         for name in gone:
             self.replicas.pop(name, None)
             self._polled.pop(name, None)
-            for request_id in self._sent.pop(name, ()):
+            for request_id, ticket in self._sent.pop(name, {}).items():
+                self.room.lost(ticket)
                 key = self._keys.pop(request_id, None)
                 if key is not None:
                     self.outcomes.lost(key)
@@ -200,9 +187,9 @@ class VirtualRouter:
             known, sent = self.replicas.get(name), self._sent.get(name)
             if known is None or sent is None or request_id not in sent:
                 continue  # its replica restarted since
-            ticket, item = sent[request_id]
+            ticket = sent[request_id]
             if kind == _FIRST_TOKEN:
-                self.room.first_byte(known, ticket, t, self.room.objectives.by_name[item.objective], item.arrival_s)
+                self.room.first_byte(known, ticket, t)
                 self.outcomes.first_token(self._keys.get(request_id), t)
             else:
                 self.outcomes.ended(self._keys.pop(request_id, None), t)

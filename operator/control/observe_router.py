@@ -30,7 +30,7 @@ Reader = Callable[[], Awaitable[dict[str, Any] | None]]
 
 
 class RouterQueueSource:
-    def __init__(self, read: Reader, window_s: float) -> None:
+    def __init__(self, read: Reader | None, window_s: float) -> None:  # None: readings are handed to `take`
         self.read = read
         self.window_s = window_s
         self._raw: tuple[int, float] | None = None  # the last reading's arrival counters as the router gave them
@@ -39,8 +39,10 @@ class RouterQueueSource:
 
     async def observe_queue(self, now: float) -> QueueObservation | None:
         status = await self.read()
-        if status is None:
-            return None
+        return None if status is None else self.take(status, now)
+
+    def take(self, status: dict[str, Any], now: float) -> QueueObservation:
+        """One reading of `/router/queue` at `now`, with the earlier ones: what the control loop sees."""
         raw_arrivals, raw_tokens = int(status["arrivals"]), float(status["arrived_prompt_tokens"])
         squares = float(status.get("arrived_prompt_tokens_sq", 0.0))  # a router of an earlier release lacks it
         if self._raw is not None and (raw_arrivals < self._raw[0] or raw_tokens < self._raw[1]):

@@ -182,7 +182,8 @@ class Router:
         for item, choice in self.room.dispatch([r.view(now) for r in healthy], choose, now):
             future, info, hashes, _ = self._waiters.pop(item.key)
             replica = self.pool.replicas[choice.name]
-            ticket = self._reserve(replica, info.prompt_tokens, now, item.sent_priority, item.tenant)
+            ticket = self._reserve(replica, info.prompt_tokens, now, item.sent_priority, item.tenant,
+                                   self.room.objectives.by_name.get(item.objective), item.arrival_s)
             self.metrics.queue_wait.observe(now - item.arrival_s)
             self.metrics.objective_queue_wait.labels(item.objective).observe(now - item.arrival_s)
             if item.seq > 0:  # a retry (pushed to the front) was counted on its first dispatch
@@ -262,6 +263,7 @@ class Router:
             self.queue.cancelled -= 1  # not a client leaving
         self._queue_gauges()
         self.metrics.objective_requests.labels(objective.name, outcome).inc()
+        self.room.unserved(objective)
         if outcome == "no_replica":
             self.metrics.unroutable.inc()
             return refusal_answer(503, "no replica is ready to take requests; retry shortly", "no_ready_replica")
@@ -269,10 +271,11 @@ class Router:
         return refusal_answer(503, f"no replica could start the request within {self.config.queue_timeout_s:g}s "
                               "in the router's queue", "queue_timeout")
 
-    def _reserve(self, replica: Replica, tokens: int, now_s: float, priority: int = 0, tenant: str = "") -> int:
+    def _reserve(self, replica: Replica, tokens: int, now_s: float, priority: int = 0, tenant: str = "",
+                 objective: Objective | None = None, arrival_s: float | None = None) -> int:
         """Counted at dispatch, before any await (waiting_room.reserve): the next dispatch sees it."""
         self.metrics.in_flight.inc()
-        return self.room.reserve(replica, tokens, now_s, priority, tenant)
+        return self.room.reserve(replica, tokens, now_s, priority, tenant, objective, arrival_s)
 
     def _unreserve(self, replica: Replica, ticket: int) -> None:
         self.room.release(replica, ticket, time.perf_counter())
@@ -288,8 +291,10 @@ class Router:
                                   home=v.name == home) for v in candidates]
         return pick(self.config.policy, candidates, info.prompt_tokens, seq, self.rng, self.config.margin)
 
-    def choose(self, info: RequestInfo, exclude: set[str], seq: int) -> tuple[Replica, Choice, list[int], int] | None:
-        """An immediate pick (requests that do not queue: GETs), among the healthy replicas not excluded."""
+    def choose(self, info: RequestInfo, exclude: set[str], seq: int, objective: Objective | None = None,
+               arrival_s: float | None = None) -> tuple[Replica, Choice, list[int], int] | None:
+        """An immediate pick (requests that do not queue: GETs), among the healthy replicas not excluded; a
+        generation request's `objective` judges its first byte."""
         healthy = [r for r in self.pool.healthy() if r.name not in exclude]
         if not healthy:
             return None
@@ -297,7 +302,8 @@ class Router:
         now = time.perf_counter()
         choice = self._pick(info, hashes, [r.view(now) for r in healthy], [r.name for r in healthy], seq)
         replica = self.pool.replicas[choice.name]
-        return replica, choice, hashes, self._reserve(replica, info.prompt_tokens, now)
+        return replica, choice, hashes, self._reserve(replica, info.prompt_tokens, now, objective=objective,
+                                                      arrival_s=arrival_s)
 
     # -- one request ------------------------------------------------------------------------------
     async def serve(self, scope: Scope, receive: Receive, send: Send, upstream_path: str) -> None:
@@ -392,7 +398,7 @@ class Router:
                 if isinstance(picked, Answer):
                     return picked
             else:
-                picked = self.choose(info, tried, seq)
+                picked = self.choose(info, tried, seq, objective if method == "POST" else None, received)
                 if picked is None:
                     break
             replica, choice, hashes, ticket = picked
@@ -419,6 +425,8 @@ class Router:
             except RetryElsewhere as exc:
                 last_refusal = exc
                 log.info("retrying %s elsewhere: %s on %s", path, exc.reason, replica.name)
+        if method == "POST":
+            self.room.unserved(objective)
         if last_refusal is not None and last_refusal.response is not None:
             refused = last_refusal.response
             return Answer(refused.status_code, response_headers(refused.headers.multi_items()), last_refusal.body)
@@ -447,7 +455,7 @@ class Router:
             raise
         now = time.perf_counter()
         generation = method == "POST"  # what its objective's TTFT target is about
-        self.room.first_byte(replica, ticket, now, objective if generation else None, received)
+        self.room.first_byte(replica, ticket, now)
         self.dispatch()  # its prefill is done: the replica may take the next one
         if generation and 400 <= response.status_code < 500 and response.status_code != 429:
             self.room.refused_by_replica(info.prompt_tokens)  # junk (a 4xx): no demand

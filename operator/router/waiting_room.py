@@ -59,6 +59,7 @@ class WaitingRoom(Generic[K]):
         self.refused_prompt_tokens = 0
         self.refused_prompt_tokens_sq = 0
         self._tickets = itertools.count(1)
+        self._judged: dict[int, tuple[Objective, float, float]] = {}  # ticket -> (objective, arrival, dispatch)
 
     def arrive(self, key: K, objective: Objective, tenant: str, prompt_tokens: int, arrival_s: float,
                views: Callable[[], Sequence[ReplicaView]], starting_in_ms: Sequence[float] = (),
@@ -79,6 +80,7 @@ class WaitingRoom(Generic[K]):
         item = Queued(key, arrival_s, prompt_tokens, exclude, objective=objective.name, priority=objective.priority,
                       tenant=tenant, deadline_s=deadline_s(objective, prompt_tokens, arrival_s, fastest))
         if not self.queue.push(item, front=front):
+            self.book.outcomes.unserved(objective.name)
             whole = len(self.queue) >= self.flow.max_queued
             return QueueFull(None if whole else self.queue.share(item))
         if not front:
@@ -94,10 +96,14 @@ class WaitingRoom(Generic[K]):
             self.book.outcomes.dispatched(item.objective, now, (now - item.arrival_s) * 1000.0)
         return sent
 
-    def reserve(self, replica: Replica, prompt_tokens: int, now: float, priority: int = 0, tenant: str = "") -> int:
+    def reserve(self, replica: Replica, prompt_tokens: int, now: float, priority: int = 0, tenant: str = "",
+                objective: Objective | None = None, arrival_s: float | None = None) -> int:
         """Counted on `replica` at dispatch (in its band), before the request is sent: the next dispatch sees it.
-        Returns the ticket its first byte (`prefilled`) and its end (`release`) settle."""
+        A generation request names its `objective` and router arrival: its first byte is judged by them. Returns
+        the ticket its first byte (`first_byte`) and its end (`release`) settle."""
         ticket = next(self._tickets)
+        if objective is not None:
+            self._judged[ticket] = (objective, now if arrival_s is None else arrival_s, now)
         replica.outstanding += 1
         replica.held[ticket] = priority
         replica.clock.dispatched(ticket, prompt_tokens, replica.prefill_tokens_per_ms() * 1000.0, now, priority,
@@ -117,13 +123,15 @@ class WaitingRoom(Generic[K]):
         deadline = None if objective.ttft_ms is None else arrival_s + objective.ttft_ms / 1000.0
         return RequestObjective(objective.name, objective.priority, deadline, objective.tpot_ms)
 
-    def first_byte(self, replica: Replica, ticket: int, now: float, objective: Objective | None = None,
-                   arrival_s: float = 0.0) -> None:
-        """Its first byte came back: its prefill is done (the replica may take the next one) and, for a generation
-        request (`objective`), its TTFT from `arrival_s` is judged."""
+    def first_byte(self, replica: Replica, ticket: int, now: float) -> None:
+        """Its first byte came back: its prefill is done (the replica may take the next one) and a generation
+        request is judged (objective_outcomes.good: its TTFT and queue wait, from its arrival here)."""
         replica.clock.prefilled(ticket, now)
-        if objective is not None:
-            self.book.outcomes.first_byte(objective.name, now, (now - arrival_s) * 1000.0, objective.ttft_ms)
+        judged = self._judged.pop(ticket, None)
+        if judged is not None:
+            objective, arrival_s, dispatched_s = judged
+            self.book.outcomes.first_byte(objective, now, (now - arrival_s) * 1000.0,
+                                          (dispatched_s - arrival_s) * 1000.0)
 
     def refused_by_replica(self, prompt_tokens: int) -> None:
         """A request counted at its arrival that its replica refused at once: taken back out of demand."""
@@ -131,12 +139,24 @@ class WaitingRoom(Generic[K]):
         self.refused_prompt_tokens += prompt_tokens
         self.refused_prompt_tokens_sq += prompt_tokens ** 2
 
+    def unserved(self, objective: Objective) -> None:
+        """A request queued here and answered without a replica (timed out, none could take it): judged, not
+        good."""
+        self.book.outcomes.unserved(objective.name)
+
+    def lost(self, ticket: int) -> None:
+        """Its replica went away (the reservation goes with it): before its first byte it is judged, not good."""
+        judged = self._judged.pop(ticket, None)
+        if judged is not None:
+            self.book.outcomes.unserved(judged[0].name)
+
     def release(self, replica: Replica, ticket: int, now: float) -> None:
         """Its answer ended, or it failed, or it was given back: its slot frees (before its first byte, its share of
         the prefill clock goes too)."""
         replica.outstanding -= 1
         replica.held.pop(ticket, None)
         replica.clock.forget(ticket, now)
+        self._judged.pop(ticket, None)  # failed before its first byte: a retry, or `unserved`, judges it
 
     def status(self, now: float) -> dict:
         """`/router/queue`: the queue now, its counters and each objective's figures (observe_router.py reads it)."""
