@@ -557,6 +557,8 @@ class Router:
                     if not chunk_task.done():
                         chunk_task.cancel()
                         await asyncio.gather(chunk_task, return_exceptions=True)
+                    elif not chunk_task.cancelled():
+                        chunk_task.exception()  # read: it may have ended (StopAsyncIteration) as the client left
                 if chunk_task.done() and not chunk_task.cancelled():
                     try:
                         chunk = chunk_task.result()
