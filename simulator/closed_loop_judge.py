@@ -1,7 +1,10 @@
-"""Every SLO judged over a closed-loop run's timeline: windows within, breach-to-restore times, reversals.
+"""Every SLO judged over a closed-loop run's timeline: windows within, breach-to-restore times, reversals. The one
+judge of breach and restore: the scenarios' goals and `up --demo`'s verdict (operator/local/verdict.py) both read
+the timeline's rows through `breaches`.
 
 Works on the timeline rows (operator/control/timeline.py) so a saved JSON can be judged again. A window
-whose p99 is unknown (no known replica) counts neither for nor against. The goals of issues 17 and 33:
+whose p99 is unknown (no known replica) counts neither for nor against; a breach is restored by the first window
+back within the SLO with every replica known (a replica unknown may be the worst). The goals:
 - after a load step the backlog is drained within 3 control intervals of the new replicas being ready (what
   the loop controls); for queue wait and TTFT the window's clear-out (the p99 window still holds requests
   that waited through the breach, `window_s` longer) is printed beside it, not counted against it. TPOT,
@@ -13,6 +16,7 @@ whose p99 is unknown (no known replica) counts neither for nor against. The goal
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 # (name, timeline column, SLO key, label)
@@ -20,6 +24,46 @@ SLOS = (("tpot", "p99_tpot_ms", "tpot_p99_ms", "TPOT"),
         ("queue_wait", "p99_queue_wait_ms", "queue_wait_p99_ms", "queue wait"),
         ("ttft", "p99_ttft_ms", "ttft_p99_ms", "TTFT"))
 RESTORE_INTERVALS, WINDOW_FRACTION, OVER_ORACLE = 3, 0.95, 1.15
+
+
+@dataclass(frozen=True)
+class Breach:
+    """A run of windows over an SLO: from the first over it to the first back within it (None: never)."""
+
+    start_s: float
+    restored_s: float | None
+    worst_ms: float
+
+
+def breaches(rows: Sequence[dict[str, Any]], column: str, limit: float) -> list[Breach]:
+    """Each breach of `limit` in the timeline's `column`, in time order. Unknown windows (None) are skipped; a
+    window within the limit restores only when every replica of it was known (`all_known`)."""
+    out: list[Breach] = []
+    start, worst = None, 0.0
+    for row in rows:
+        value = row.get(column)
+        if value is None:
+            continue
+        if value > limit:
+            start, worst = (row["t"], value) if start is None else (start, max(worst, value))
+        elif start is not None and all_known(row):
+            out.append(Breach(start, row["t"], worst))
+            start = None
+    if start is not None:
+        out.append(Breach(start, None, worst))
+    return out
+
+
+def within_share(values: Sequence[float], limit: float) -> float | None:
+    """The share of known windows within `limit` (None: none known)."""
+    return sum(1 for v in values if v <= limit) / len(values) if values else None
+
+
+def all_known(row: dict[str, Any]) -> bool:
+    """Every replica of the window was known (rows without replica detail: taken as known). A replica read with
+    nothing waiting counts as known though its window had too few samples to judge: an idle replica hides no
+    backlog (after a scale-out, light load may leave one idle and it would never let a restore count)."""
+    return all(d.get("known", True) or d.get("num_waiting") == 0 for d in row.get("replica_detail", ()))
 
 
 def judge(rows: Sequence[dict[str, Any]], slo: dict[str, float], interval_s: float, load_changes: int,
@@ -40,9 +84,9 @@ def judge(rows: Sequence[dict[str, Any]], slo: dict[str, float], interval_s: flo
         known = [(r["t"], r[col]) for r in rows if r[col] is not None]
         after = [(t, v) for t, v in known if first_breach is not None and t > first_breach]
         within = sum(1 for _, v in after if v <= limit)
-        episodes = _episodes(known, limit)
+        episodes = breaches(rows, col, limit)
         restores = []
-        for start, end in episodes:
+        for start, end in ((b.start_s, b.restored_s) for b in episodes):
             ready = max([t for t in ready_at if t <= (end if end is not None else float("inf"))] + [start])
             base = max(start, ready)
             drained = _drained_at(rows, base) if name != "tpot" else None
@@ -62,7 +106,7 @@ def judge(rows: Sequence[dict[str, Any]], slo: dict[str, float], interval_s: flo
         per_slo[name] = {
             "label": label, "slo_ms": limit, "feasible": name not in infeasible,
             "windows": len(known),
-            "window_fraction": round(sum(1 for _, v in known if v <= limit) / len(known), 3) if known else None,
+            "window_fraction": round(within_share([v for _, v in known], limit), 3) if known else None,
             "window_fraction_after_first_breach": round(within / len(after), 3) if after else 1.0,
             "breaches": len(episodes),
             "restores": restores,
@@ -89,21 +133,6 @@ def judge(rows: Sequence[dict[str, Any]], slo: dict[str, float], interval_s: flo
 def replica_minutes(rows: Sequence[dict[str, Any]], interval_s: float) -> float:
     """Replicas paid for (asked for: starting or serving) over the run, in replica-minutes."""
     return round(sum(r["replicas"] for r in rows) * interval_s / 60.0, 2)
-
-
-def _episodes(known: list[tuple[float, float]], limit: float) -> list[tuple[float, float | None]]:
-    """(first window over, first window back under) for each run of windows over the SLO."""
-    out: list[tuple[float, float | None]] = []
-    start = None
-    for t, v in known:
-        if v > limit and start is None:
-            start = t
-        elif v <= limit and start is not None:
-            out.append((start, t))
-            start = None
-    if start is not None:
-        out.append((start, None))
-    return out
 
 
 def _drained_at(rows: Sequence[dict[str, Any]], since: float) -> float | None:

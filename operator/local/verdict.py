@@ -2,8 +2,8 @@
 intervals until it was back under, the budget path and the replica count; and whether every SLO was met at
 the end. Pure: timeline rows (operator/control/timeline.step_row) in, a verdict out.
 
-A window p99 that is unknown (no replica had enough samples) neither breaches nor restores an SLO, and a window
-with a replica unknown cannot restore one (the worst known replica may not be the worst). A breach
+Breaches and restores are the scenarios' judge's (simulator/closed_loop_judge.breaches): a window p99 that is
+unknown neither breaches nor restores an SLO, and a window with a replica unknown cannot restore one. A breach
 that lasts into a later phase is counted once, where it began. An unrestored breach is excused only when the
 control loop itself judged that SLO infeasible (SLOFeasible=False) at the last step it could judge, the
 run's end: a loop that thought an SLO reachable and did not reach it failed.
@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from stallfree.simulator.closed_loop_judge import SLOS, breaches, within_share
+
 # SLO name -> the timeline row's key, in the order the tuner protects them (TPOT first).
-SLO_KEYS = {"tpot": "p99_tpot_ms", "queue_wait": "p99_queue_wait_ms", "ttft": "p99_ttft_ms"}
+SLO_KEYS = {name: column for name, column, _, _ in SLOS}
 
 
 @dataclass(frozen=True)
@@ -77,9 +79,12 @@ def judge(rows: Sequence[dict[str, Any]], phases: Sequence[Phase], slos_ms: dict
     judgement in `infeasible` holds for the whole run."""
     infeasible = dict(infeasible or {})
     judged_end = _judged_at_end(rows, infeasible)
+    times = [r["t"] for r in rows]
+    found = {slo: [Breach(slo, slos_ms[slo], b.start_s, b.worst_ms, b.restored_s,
+                          None if b.restored_s is None else sum(1 for t in times if b.start_s < t <= b.restored_s),
+                          slo not in judged_end) for b in breaches(rows, key, slos_ms[slo])]
+             for slo, key in SLO_KEYS.items()}
     verdicts = []
-    open_until = {slo: -1.0 for slo in SLO_KEYS}  # an SLO's latest breach ends (is restored) at this time
-    latest: dict[str, Breach] = {}
     for phase in phases:
         in_phase = [r for r in rows if phase.start_s <= r["t"] < phase.end_s]
         verdict = PhaseVerdict(phase)
@@ -89,25 +94,11 @@ def judge(rows: Sequence[dict[str, Any]], phases: Sequence[Phase], slos_ms: dict
             verdict.replicas_max = max(r["desired_replicas"] for r in in_phase)
             verdict.budget_path = _budget_path(in_phase)
         for slo, key in SLO_KEYS.items():
-            target = slos_ms[slo]
-            known = [r[key] for r in in_phase if r.get(key) is not None]
-            verdict.within[slo] = (sum(v <= target for v in known) / len(known)) if known else None
-            if slo in latest and in_phase and open_until[slo] > in_phase[0]["t"]:
-                verdict.carried.append(latest[slo])  # still over the SLO past this phase's first window
-            for row in in_phase:  # every breach that starts in this phase, each followed to its restore
-                if row["t"] <= open_until[slo] or not _above(row.get(key), target):
-                    continue
-                breach = Breach(slo, target, row["t"], row[key], feasible=slo not in judged_end)
-                for count, later in enumerate((r for r in rows if r["t"] > row["t"]), start=1):
-                    value = later.get(key)
-                    if value is not None and value > target:
-                        breach.worst_ms = max(breach.worst_ms, value)
-                    elif value is not None and _all_known(later):
-                        breach.restored_at_s, breach.intervals_to_restore = later["t"], count
-                        break
-                verdict.breaches.append(breach)
-                latest[slo] = breach
-                open_until[slo] = breach.restored_at_s if breach.restored else float("inf")
+            verdict.within[slo] = within_share([r[key] for r in in_phase if r.get(key) is not None], slos_ms[slo])
+            earlier = [b for b in found[slo] if b.at_s < phase.start_s]
+            if earlier and in_phase and (not earlier[-1].restored or earlier[-1].restored_at_s > in_phase[0]["t"]):
+                verdict.carried.append(earlier[-1])  # still over the SLO past this phase's first window
+            verdict.breaches += [b for b in found[slo] if phase.start_s <= b.at_s < phase.end_s]
         verdicts.append(verdict)
     last = rows[-end_windows:]
     met_at_end: dict[str, bool | None] = {}
@@ -173,17 +164,6 @@ def verdict_text(verdict: Verdict, interval_s: float) -> list[str]:
                                  f"FAILED: {len(verdict.failed)} breach(es) of a feasible SLO not restored"
                                  if verdict.failed else "FAILED: an SLO was missed at the end"))
     return lines
-
-
-def _all_known(row: dict[str, Any]) -> bool:
-    """Every replica of the window was known (rows without replica detail: taken as known). A replica read with
-    nothing waiting counts as known though its window had too few samples to judge: an idle replica hides no
-    backlog (after a scale-out, light load may leave one idle and it would never let a restore count)."""
-    return all(d.get("known", True) or d.get("num_waiting") == 0 for d in row.get("replica_detail", ()))
-
-
-def _above(value: float | None, target: float) -> bool:
-    return value is not None and value > target
 
 
 def _budget_path(rows: Sequence[dict[str, Any]]) -> list[int]:
