@@ -19,6 +19,7 @@ import itertools
 from dataclasses import dataclass, field
 from functools import partial
 
+from stallfree import latency
 from stallfree.contracts import Ceilings, Profile, Tuning, WindowStats, validate_tuning
 from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stallfree.node_daemon.engine.engine import LLMEngine
@@ -56,17 +57,15 @@ class RequestRecord:
 
     @property
     def ttft_s(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+        return None if self.first_token_s is None else latency.ttft_s(self.arrival_s, self.first_token_s)
 
     @property
     def queue_wait_s(self) -> float | None:
-        return None if self.first_scheduled_s is None else self.first_scheduled_s - self.arrival_s
+        return latency.queue_wait_s(self.arrival_s, self.first_scheduled_s)
 
     @property
     def tpot_s(self) -> float | None:
-        if self.finished_s is None or self.first_token_s is None or self.num_output_tokens < 2:
-            return None
-        return (self.finished_s - self.first_token_s) / (self.num_output_tokens - 1)
+        return latency.tpot_s(self.first_token_s, self.finished_s, self.num_output_tokens)
 
 
 class _RecordKeeper:
@@ -279,11 +278,6 @@ class VirtualReplica:
     def num_pending(self) -> int:
         """Submitted requests whose arrival time has not come yet."""
         return len(self._arrivals)
-
-    @property
-    def pending_prompt_tokens(self) -> int:
-        """Prompt tokens of submitted requests whose arrival time has not come yet."""
-        return sum(len(arrival[3]) for arrival in self._arrivals)
 
     @property
     def num_iterations(self) -> int:

@@ -36,10 +36,6 @@ class ReplicaView:
     # outstanding split by priority, given when its engine preempts a lower priority for a higher one's slot.
     outstanding_by_priority: Mapping[int, int] | None = None
 
-    def queued_of(self, priority: int, tenant: str) -> int:
-        """Queued prefill tokens of one tenant in one band."""
-        return 0 if self.queued_by_class is None else self.queued_by_class.get((priority, tenant), 0)
-
     def seen_by(self, priority: int) -> "ReplicaView":
         """This replica as a request of `priority` meets it: the engine prefills higher bands first and preempts
         lower ones for a running slot, so only the queued prefill and slots of bands >= `priority` are ahead."""
