@@ -1,7 +1,8 @@
 """A tiny fake replica for the router's tests: answers the polls as a daemon does and records what reaches it.
 
 `/v1/completions` streams `events` SSE events `gap_s` apart (then `[DONE]`), or with `"hang": true` stops
-after two events and sends nothing more; non-streamed it answers after `delay_s`. Every request's path and
+after two events and sends nothing more; non-streamed it answers after `delay_s` (with `freeze_s` its whole
+event loop first stops that long, as a daemon choking on a request). Every request's path and
 headers are recorded, and so is each client that left before its answer was complete (`left`).
 """
 from __future__ import annotations
@@ -91,6 +92,9 @@ def _stream(fake: FakeReplica, body: dict, receive) -> Response:
 
 
 async def _whole(fake: FakeReplica, body: dict, receive) -> Response:
+    if body.get("freeze_s"):  # a request the replica chokes on: its event loop (and its /ready) stops this long
+        time.sleep(float(body["freeze_s"]))
+
     async def disconnected() -> None:
         while (await receive())["type"] != "http.disconnect":
             pass

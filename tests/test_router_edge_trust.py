@@ -83,3 +83,12 @@ def test_the_probe_port_answers_with_every_serving_connection_taken():
         assert health.status_code == 200 and health.json() == {"status": "ok"}
         assert ready.status_code == 200 and ready.json() == {"ready": True, "replicas_healthy": 1}
         assert httpx.get(f"http://127.0.0.1:{probe}/v1/models", timeout=10).status_code == 404  # probes only
+
+
+def test_a_request_that_stalled_its_replica_is_not_sent_on_to_stall_the_next():
+    with fake_replica() as a, fake_replica() as b, router([a.url, b.url]) as url:
+        answer = httpx.post(url + "/v1/completions", json={**BODY, "freeze_s": 3}, timeout=30)
+        assert answer.status_code == 503 and "stopped answering" in answer.json()["error"]["message"]
+        assert len(a.inference()) + len(b.inference()) == 1  # one replica stalled, not both
+        # Other requests are still served (and retried) as before.
+        assert httpx.post(url + "/v1/completions", json=BODY, timeout=30).status_code == 200

@@ -70,11 +70,13 @@ _CUT_GRACE_S = 2.0  # after a drain's timeout, how long cut streams get to send 
 class RetryElsewhere(Exception):
     """This replica failed before the first byte; the request may go to another."""
 
-    def __init__(self, reason: str, response: httpx.Response | None = None, body: bytes = b"") -> None:
+    def __init__(self, reason: str, response: httpx.Response | None = None, body: bytes = b"",
+                 retry: bool = True) -> None:
         super().__init__(reason)
         self.reason = reason
         self.response = response  # a refusal to pass on if no other replica is left
         self.body = body
+        self.retry = retry  # False: this request may be what stalled the replica; sent nowhere else
 
 
 @dataclass
@@ -424,6 +426,9 @@ class Router:
                                         objective)
             except RetryElsewhere as exc:
                 last_refusal = exc
+                if not exc.retry:
+                    log.warning("not retrying %s: %s on %s", path, exc.reason, replica.name)
+                    break
                 log.info("retrying %s elsewhere: %s on %s", path, exc.reason, replica.name)
         if method == "POST":
             self.room.unserved(objective)
@@ -449,7 +454,8 @@ class Router:
 
         try:
             upstream = self.client.build_request(method, replica.url + path, headers=headers, content=body)
-            response, first = await self._first_byte(replica, upstream)
+            replica.last_sent = ticket
+            response, first = await self._first_byte(replica, upstream, ticket)
         except BaseException:  # _first_byte closed what it opened
             release()
             raise
@@ -486,8 +492,11 @@ class Router:
         return Answer(response.status_code, out_headers, chunks=self._relay(replica, iterator, first),
                       replica=replica.name, close=close)
 
-    async def _first_byte(self, replica: Replica, upstream: httpx.Request) -> tuple[httpx.Response, bytes | None]:
-        """Send and wait for the first body chunk, or give up as soon as the replica turns unhealthy."""
+    async def _first_byte(self, replica: Replica, upstream: httpx.Request,
+                          ticket: int = 0) -> tuple[httpx.Response, bytes | None]:
+        """Send and wait for the first body chunk, or give up as soon as the replica turns unhealthy. A replica
+        that stopped answering (its polls time out) while this request was the newest sent there may have been
+        stalled by it (a request the daemon chokes on): it is not sent to another, which it could stall too."""
         assert self.client is not None
         down = replica.down_event
         if down.is_set():
@@ -523,6 +532,9 @@ class Router:
         waiter.cancel()
         if not task.done():
             await abandon()
+            if ticket and replica.last_sent == ticket and "Timeout" in replica.reason:
+                raise RetryElsewhere("the replica stopped answering right after this request reached it",
+                                     retry=False)
             raise RetryElsewhere("replica went unhealthy")
         try:
             chunk = task.result()

@@ -38,6 +38,7 @@ class Replica:
     outstanding: int = 0
     # In flight there by the router's key (ticket) -> its priority: the running slots each band holds.
     held: dict = field(default_factory=dict)
+    last_sent: int = 0  # the ticket of the request sent there last: the suspect when it stops answering
     down_event: asyncio.Event = field(default_factory=asyncio.Event)
     removed: bool = False
     # From its first sight until its first ready poll (time.monotonic), and whether it was seen loading its model
