@@ -17,10 +17,11 @@ from stallfree.loadgen.prompts import PromptBuilder
 pytestmark = pytest.mark.slow
 
 
-async def _stream(client: httpx.AsyncClient, url: str, max_tokens: int) -> dict:
+async def _stream(client: httpx.AsyncClient, url: str, max_tokens: int, started: list | None = None) -> dict:
     """One streaming completion: its token count, and how it ended (done / error with the reason).
 
-    The count is the server's usage once the stream completes, else the content events seen so far.
+    The count is the server's usage once the stream completes, else the content events seen so far. `started` gets
+    the url once the first token came.
     """
     tokens = 0
     body = {"model": "llama-3-8b", "prompt": "tell me a long story", "max_tokens": max_tokens,
@@ -40,9 +41,19 @@ async def _stream(client: httpx.AsyncClient, url: str, max_tokens: int) -> dict:
                         tokens = event["usage"]["completion_tokens"]
                     elif event["choices"] and event["choices"][0].get("text"):
                         tokens += 1
+                        if tokens == 1 and started is not None:
+                            started.append(url)
         return {"end": "error", "reason": "closed without [DONE]", "tokens": tokens}
     except httpx.HTTPError as exc:
         return {"end": "error", "reason": type(exc).__name__, "tokens": tokens}
+
+
+async def _until(check, what: str, timeout_s: float = 30.0) -> None:
+    """Poll `check` (a function or a coroutine function) until it is true; fail naming `what` past the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not (await check() if asyncio.iscoroutinefunction(check) else check()):
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.05)
 
 
 def test_a_killed_daemon_fails_only_its_own_streams_explicitly_and_is_restarted(tmp_path):
@@ -51,8 +62,10 @@ def test_a_killed_daemon_fails_only_its_own_streams_explicitly_and_is_restarted(
 
         async def scenario():
             async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=3.0)) as client:
-                tasks = [asyncio.create_task(_stream(client, r.url, 300)) for r in (victim, survivor) for _ in range(6)]
-                await asyncio.sleep(1.0)  # every stream is mid-flight
+                started: list[str] = []
+                tasks = [asyncio.create_task(_stream(client, r.url, 300, started))
+                         for r in (victim, survivor) for _ in range(6)]
+                await _until(lambda: len(started) == 12, "every stream mid-flight")
                 daemons.kill(victim.name)
                 return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
 
@@ -79,10 +92,18 @@ def test_scale_in_drains_in_flight_requests_and_refuses_new_ones(tmp_path):
 
         async def scenario():
             async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=3.0)) as client:
-                tasks = [asyncio.create_task(_stream(client, leaving.url, 200)) for _ in range(6)]
-                await asyncio.sleep(0.5)
+                started: list[str] = []
+                tasks = [asyncio.create_task(_stream(client, leaving.url, 200, started)) for _ in range(6)]
+                await _until(lambda: len(started) == 6, "every stream mid-flight")
                 daemons.scale_to(1)  # SIGTERM: the newest replica drains
-                await asyncio.sleep(0.3)
+
+                async def unready() -> bool:
+                    try:
+                        return (await client.get(f"{leaving.url}/ready")).status_code != 200
+                    except httpx.HTTPError:  # its port already closed
+                        return True
+
+                await _until(unready, "the leaving replica unready")
                 late = await _stream(client, leaving.url, 5)
                 return await asyncio.gather(*tasks), late
 
