@@ -49,8 +49,8 @@ class ObjectiveWindow:
     """One objective's requests at the router over the stats window (the router measures them per objective).
 
     Figures the router does not report stay None (or 0): a router of an earlier release reports depth and shed
-    counts per objective alone. `completed` requests were answered within the window, `good` of them met every
-    target of their objective; shed ones (refused at arrival) are not good either.
+    counts per objective alone. `completed` requests were judged within the window (answered, or refused once
+    queued), `good` of them were answered within their objective's targets; shed ones are not good either.
     """
 
     name: str

@@ -11,7 +11,7 @@ restart (the rates start afresh), never as a burst.
 
 Per objective (`objectives` in the router's answer) the same readings give each one's depth, its shed count over
 the window and, where the router counts them per objective (`offered`, `offered_prompt_tokens`: shed ones
-included), its arrival rates, its requests answered and within their TTFT target (`completed`, `good`) and its p99
+included), its arrival rates, its requests judged and good (`completed`, `good`: objective_outcomes.py) and its p99
 TTFT and queue wait over the router's own window (objective_outcomes.py; several routers: the worst one's), which
 the breach verdict then judges per objective; a figure the router does not give stays unknown (None), and the loop
 then sizes as without objectives.

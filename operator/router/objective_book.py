@@ -4,7 +4,7 @@
   the non-sheddable ones and a share of the sheddable: operator/control/objective_demand.py);
 - shed: refused at arrival, predicted to miss their TTFT target at every replica (shedding.py), with the reserve
   each band's recent arrivals give (`BandArrivals`);
-- outcomes: p99 TTFT and queue wait, answered and good counts (objective_outcomes.py).
+- outcomes: p99 TTFT and queue wait, judged and good counts (objective_outcomes.py).
 """
 from __future__ import annotations
 
