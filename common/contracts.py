@@ -129,6 +129,8 @@ class WindowStats:
     # Live, for the router: accepted prompt tokens without a first token yet, and the whole KV cache's size.
     queued_prompt_tokens: int = 0
     kv_capacity_tokens: int = 0
+    # What the replica serves on a slower path than its compiled forward over the model's codes (empty: none).
+    slow_paths: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,6 +142,7 @@ class WindowStats:
             data[key] = Percentiles(**data[key])
         data["tuning"] = Tuning(**data["tuning"])
         data["ceilings"] = Ceilings(**data["ceilings"])
+        data["slow_paths"] = tuple(data.get("slow_paths", ()))
         return cls(**data)
 
 

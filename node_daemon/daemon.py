@@ -155,17 +155,26 @@ def start_engine(opts: ServeConfig, daemon) -> None:
 
 
 def _report_cpu_paths(daemon, engine, engine_info: dict) -> None:
-    """The CPU's tier and the kernel each part of the forward takes, in the log and in /metrics' engine info: now,
-    and again once a background compile of the compiled forward has loaded."""
+    """The CPU's tier and the kernel each part of the forward takes, in the log and in /metrics' engine info, and
+    each slow path (models/serving_paths.py) as a warning, in /metrics and in /admin/stats: now, and again once a
+    background compile of the compiled forward has loaded."""
     from stallfree.node_daemon.models import cpu_decode
+    from stallfree.node_daemon.models.serving_paths import slow_paths
 
     def report() -> None:
-        model = engine.executor.runner.model
+        runner = engine.executor.runner
+        model = runner.model
         paths = cpu_decode.paths_taken(dense_copy=any(
             getattr(m, "packed", None) is not None for m in model.modules() if getattr(m, "int4", None) is not None))
         log.info("CPU paths: %s", ", ".join(f"{k} {v}" for k, v in paths.items()))
         daemon.metrics.set_engine_config({**engine_info, **{f"cpu_{k.removeprefix('cpu_')}": v
                                                             for k, v in paths.items()}})
+        compiled = runner.cpu_decode is not None and cpu_decode.is_loaded()
+        why = cpu_decode.unsupported(model) or cpu_decode.why_not() or (None if runner.cpu_decode else "switched off")
+        slow = slow_paths(runner.loaded, compiled, why)
+        for line in slow:
+            log.warning("serving on a slow path: %s", line)
+        daemon.metrics.set_slow_paths(slow)
 
     report()
     cpu_decode.when_loaded(report)

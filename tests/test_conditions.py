@@ -64,4 +64,5 @@ def test_invalid_spec_keeps_a_serving_previous_spec_ready() -> None:
     assert by_type(cond.invalid_spec("bad", 3, serving_previous=False))["Ready"] == ("False", "InvalidSpec")
     assert by_type(cond.awaiting_observation()) == {"SLOMet": ("Unknown", "AwaitingObservation"),
                                                     "PrefillCapacityExhausted": ("Unknown", "AwaitingObservation"),
-                                                    "SLOFeasible": ("Unknown", "AwaitingObservation")}
+                                                    "SLOFeasible": ("Unknown", "AwaitingObservation"),
+                                                    "ServingPath": ("Unknown", "AwaitingObservation")}

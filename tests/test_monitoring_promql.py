@@ -262,7 +262,7 @@ def test_every_dashboard_and_rule_expression_returns_data(tmp_path):
             # The loop saw what the alerts say: exhausted prefill, an unknown replica, a scale-up wanted.
             last = results[-1]
             assert {c.type: c.status for c in last.conditions if c.type != "SLOFeasible"} == {
-                "SLOMet": "False", "PrefillCapacityExhausted": "True"}
+                "SLOMet": "False", "PrefillCapacityExhausted": "True", "ServingPath": "True"}
             assert [o.name for o in last.unknown] == ["chat-1"]
             assert actuator.replicas and any("no cluster" in f for r in results for f in r.failures)
 

@@ -61,7 +61,7 @@ async def get_stats(request: Request) -> JSONResponse:
     # Sorting a busy window's samples takes milliseconds; numpy's sort releases the GIL in a worker thread.
     stats = await asyncio.to_thread(daemon.stats.snapshot, tuning, ceilings, **kwargs)
     stats = replace(stats, queued_prompt_tokens=daemon.admission.queued_tokens,
-                    kv_capacity_tokens=daemon.kv_capacity_tokens or 0)
+                    kv_capacity_tokens=daemon.kv_capacity_tokens or 0, slow_paths=daemon.metrics.slow_paths)
     return JSONResponse(stats.to_dict())
 
 

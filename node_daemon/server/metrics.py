@@ -182,6 +182,11 @@ class EngineMetrics:
         self._objective_children: dict[str, tuple] = {}
         self.engine_config = Info("stallfree_engine_config", "The engine's configuration: ceilings, KV cache, "
                                   "dtype, backend (set once the engine runs).", [LABEL], registry=reg).labels(*m)
+        self._slow_path = Gauge("stallfree_slow_path", "1 for each part served on a slower path than the compiled "
+                                "forward over the file's codes (models/serving_paths.py); none: the fast path.",
+                                [LABEL, "path"], registry=reg)
+        self._model_name = model_name
+        self.slow_paths: tuple[str, ...] = ()  # what /admin/stats reports to the operator
         self._live = False
 
     def bind_live(self, counts: Callable[[], object | None]) -> None:
@@ -202,6 +207,13 @@ class EngineMetrics:
 
     def set_engine_config(self, config: dict[str, object]) -> None:
         self.engine_config.info({key: str(value) for key, value in config.items()})
+
+    def set_slow_paths(self, paths: list[str]) -> None:
+        """Replace the slow-path series (start-up, and again once a background compile has loaded)."""
+        self._slow_path.clear()
+        for path in paths:
+            self._slow_path.labels(self._model_name, path).set(1)
+        self.slow_paths = tuple(paths)
 
     # --- EngineObserver (engine thread) ---
 

@@ -2,7 +2,7 @@
 
 Conditions are plain dicts in the API's shape ({type, status, reason, message, lastTransitionTime,
 observedGeneration}). Two writers share the list: the reconciler owns Ready, Progressing and Degraded;
-the control loop owns SLOMet, PrefillCapacityExhausted and SLOFeasible. Each merges only its own types (the CRD
+the control loop owns SLOMet, PrefillCapacityExhausted, SLOFeasible and ServingPath. Each merges only its own types (the CRD
 declares the list a map keyed by type), and a condition keeps its lastTransitionTime while its status
 does not change.
 """
@@ -18,9 +18,10 @@ PROGRESSING = "Progressing"
 SLO_MET = "SLOMet"
 PREFILL_CAPACITY_EXHAUSTED = "PrefillCapacityExhausted"
 SLO_FEASIBLE = "SLOFeasible"
+SERVING_PATH = "ServingPath"  # False: a replica serves on a slower path than its compiled forward over the codes
 DEGRADED = "Degraded"
 RECONCILER_TYPES = (READY, PROGRESSING, DEGRADED)
-CONTROL_LOOP_TYPES = (SLO_MET, PREFILL_CAPACITY_EXHAUSTED, SLO_FEASIBLE)
+CONTROL_LOOP_TYPES = (SLO_MET, PREFILL_CAPACITY_EXHAUSTED, SLO_FEASIBLE, SERVING_PATH)
 
 
 def now_iso() -> str:
@@ -72,7 +73,8 @@ def awaiting_observation(generation: int | None = None) -> list[dict[str, Any]]:
     message = "the control loop has not observed a replica's window yet"
     return [condition(SLO_MET, "Unknown", "AwaitingObservation", message, generation),
             condition(PREFILL_CAPACITY_EXHAUSTED, "Unknown", "AwaitingObservation", message, generation),
-            condition(SLO_FEASIBLE, "Unknown", "AwaitingObservation", message, generation)]
+            condition(SLO_FEASIBLE, "Unknown", "AwaitingObservation", message, generation),
+            condition(SERVING_PATH, "Unknown", "AwaitingObservation", message, generation)]
 
 
 def _not_deployed(reason: str, waiting: str, message: str, generation: int | None,

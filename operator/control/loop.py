@@ -31,6 +31,7 @@ from stallfree.operator.control.tuner import REAPPLY, ReplicaTunerState, TunerCo
 log = logging.getLogger("stallfree.control")
 
 SLO_MET, CAPACITY_EXHAUSTED, SLO_FEASIBLE = "SLOMet", "PrefillCapacityExhausted", "SLOFeasible"
+SERVING_PATH = "ServingPath"
 # SLOFeasible changes only after the new verdict held this many steps (one window's demand is noisy).
 FEASIBILITY_FLIP_STEPS = 2
 
@@ -279,7 +280,8 @@ class ControlLoop:
                                   feasible_pending_steps=pending_steps,
                                   demand_smoothed=feasibility.demand_tokens_per_s if feasibility.known
                                   else state.demand_smoothed, speeds=speeds, forecast=forecast_state)
-        conditions = [slo_condition(observations, policy), capacity_condition(scale), feasible]
+        conditions = [slo_condition(observations, policy), capacity_condition(scale), feasible,
+                      serving_path_condition(observations)]
         return StepResult(now, observations, decisions, scale, conditions, failures, self.state, feasibility, queue,
                           forecast, objectives=tuple(objective_statuses(queue, policy, capacity)))
 
@@ -360,6 +362,18 @@ def slo_condition(observations: Sequence[ReplicaObservation], policy: ControlPol
         return Condition(SLO_MET, "Unknown", "ReplicasUnknown",
                          f"{len(known)} replica(s) within SLO; unknown: " + _names_with_reasons(unknown))
     return Condition(SLO_MET, "True", "WithinSLO", f"all {len(known)} replica(s) within their p99 SLOs")
+
+
+def serving_path_condition(observations: Sequence[ReplicaObservation]) -> Condition:
+    """ServingPath: False, naming each replica's slow paths, while any replica serves on a slower path than its
+    compiled forward over the model's codes (models/serving_paths.py: a Python forward, dequantized weights)."""
+    read = [o for o in observations if o.stats is not None]
+    slow = [f"{o.name}: {'; '.join(o.stats.slow_paths)}" for o in read if o.stats.slow_paths]
+    if slow:
+        return Condition(SERVING_PATH, "False", "SlowPath", " | ".join(slow))
+    if not read:
+        return Condition(SERVING_PATH, "Unknown", "NoReadableReplicas", "no replica's stats could be read")
+    return Condition(SERVING_PATH, "True", "FastPath", f"all {len(read)} replica(s) serve on their compiled forward")
 
 
 def feasibility_condition(feasibility: Feasibility, observations: Sequence[ReplicaObservation],
@@ -494,6 +508,8 @@ def _replica_status(obs: ReplicaObservation, decision: TuningDecision | None) ->
         row.update(p99TtftMs=s.ttft_ms.p99, p99TpotMs=s.tpot_ms.p99, p99QueueWaitMs=s.queue_wait_ms.p99,
                    tokenBudget=s.tuning.token_budget, maxNumSeqs=s.tuning.max_num_seqs, kvUsage=s.kv_usage,
                    promptTokensPerS=s.prompt_tokens_per_s)
+        if s.slow_paths:
+            row["slowPaths"] = list(s.slow_paths)
     if decision is not None and decision.tuning is not None:
         row.update(desiredTokenBudget=decision.tuning.token_budget, desiredMaxNumSeqs=decision.tuning.max_num_seqs)
     return row

@@ -103,10 +103,16 @@ def window_queries(selector: str, window_s: float, by: str) -> dict[str, str]:
         "max_partial_prefills": gauge("stallfree_max_partial_prefills"),
         "long_prefill_threshold": gauge("stallfree_long_prefill_threshold"),
         "iterations": increase("stallfree_iterations_total"),
+        "slow_paths": f"count by ({by}) (stallfree_slow_path{{{selector}}})",
         "mean_iteration_ms": (f"1000 * {rate('stallfree_iteration_time_seconds_sum')} / "
                               f"{rate('stallfree_iteration_time_seconds_count')}"),
     })
     return queries
+
+
+def _slow_paths(count: int) -> tuple[str, ...]:
+    """Prometheus gives how many stallfree_slow_path series a replica has; their `path` labels say which."""
+    return (f"{count} slow path(s): the stallfree_slow_path series name them",) if count else ()
 
 
 def _matchers(*parts: str) -> str:
@@ -189,5 +195,6 @@ class PrometheusObserver:
             kv_usage=get("kv_usage"), preemptions=int(round(get("preemptions"))),
             num_waiting=int(get("num_waiting")), num_running=int(get("num_running")), tuning=tuning,
             ceilings=self.ceilings, iterations=int(round(get("iterations"))),
-            mean_iteration_ms=values["mean_iteration_ms"].get(name))
+            mean_iteration_ms=values["mean_iteration_ms"].get(name),
+            slow_paths=_slow_paths(int(get("slow_paths"))))
         return classify(target, stats, None, self.min_samples)
