@@ -76,7 +76,7 @@ def test_a_breach_the_smallest_budget_restores_stays_feasible():
     # decodes; at budget 64 the same share costs far less. Feasible: the tuner must restore it by cutting.
     obs = observe(window(512, 314.0, 1.5, prefill_tps=300.0, utilisation=0.6, waiting=1))
     f = assess([obs], POLICY)
-    assert f.tpot_feasible and f.tpot_reachable_ms < 264.0 and f.tpot_target_ms == 264.0
+    assert TPOT not in f.infeasible and f.tpot_reachable_ms < 264.0 and f.tpot_target_ms == 264.0
     state = ReplicaTunerState(tuning=Tuning(512, 16))
     decision, _ = decide_tuning(obs, state, POLICY, now=100.0, feasibility=f)
     assert decision.kind == BUDGET_LOWERED

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from control_helpers import observation, stats
 from stallfree.contracts import Ceilings, Percentiles, Profile, ProfilePoint, Tuning, min_budget_for
 from stallfree.node_daemon.measure.profiler import starting_tuning, suggest_token_budget
-from stallfree.operator.control.feasibility import assess
+from stallfree.operator.control.feasibility import TPOT, assess
 from stallfree.operator.control.policy import ControlPolicy, SLOTargets
 from stallfree.operator.control.tuner import HOLD, decide_tuning
 
@@ -49,6 +49,6 @@ def test_the_daemon_admin_profile_feasibility_and_the_tuner_agree_under_the_defa
                                     policy, 10.0, feasibility=feasibility)
     assert decision.reason == "start_from_profile"
     assert state.tuning.token_budget == feasibility.tpot_budget  # always: one rule at the target the tuner aims at
-    if feasibility.tpot_feasible:  # else the tuner aims at the closest reachable TPOT, which the daemon cannot know
+    if TPOT not in feasibility.infeasible:  # else the tuner aims at the closest reachable TPOT, which the daemon cannot know
         assert state.tuning == daemon
         assert decision.kind == HOLD  # nothing to PUT: the daemon already runs the tuner's start

@@ -55,10 +55,6 @@ class Feasibility:
     def feasible(self) -> bool:
         return not self.infeasible
 
-    @property
-    def tpot_feasible(self) -> bool:
-        return TPOT not in self.infeasible
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
