@@ -69,6 +69,7 @@ class Queued(Generic[K]):
     deadline_s: float | None = None  # None: arrival order within the tenant
     seq: int = 0  # set by push: arrival order; a retry (front) keeps a place before every arrival
     demoted: bool = False  # set by dispatch: its tenant is flooding its band, sent one below it (`sent_priority`)
+    sequences: int = 1  # `n`: the running slots it takes on its replica
 
     @property
     def sent_priority(self) -> int:
@@ -76,12 +77,12 @@ class Queued(Generic[K]):
         return self.priority - 1 if self.demoted else self.priority
 
 
-def admits(view: ReplicaView, config: FlowConfig, priority: int | None = None) -> bool:
-    """Can this replica start one more request (of `priority`: only what is ahead of that band counts) soon?
-    An idle replica always can."""
+def admits(view: ReplicaView, config: FlowConfig, priority: int | None = None, sequences: int = 1) -> bool:
+    """Can this replica start one more request (of `priority`: only what is ahead of that band counts; running
+    `sequences` choices) soon? An idle replica always can."""
     if priority is not None:
         view = view.seen_by(priority)
-    if view.max_num_seqs is not None and view.outstanding >= view.max_num_seqs:
+    if not view.has_slots(sequences):
         return False
     if view.queued_prefill_tokens <= 0:
         return True
@@ -210,17 +211,17 @@ class FlowQueue(Generic[K]):
             p = item.sent_priority
             if blocked_at is not None and p <= blocked_at:
                 continue
-            if not any(admits(v, self.config, p) for v in real.values()):
+            if not any(admits(v, self.config, p, item.sequences) for v in real.values()):
                 blocked_at = p if blocked_at is None else max(blocked_at, p)
                 continue  # nothing more of this band can go anywhere
 
             def admitted(v: ReplicaView) -> bool:
-                return admits(v, self.config, p)
+                return admits(v, self.config, p, item.sequences)
 
             # A replica whose running slots (those of this band or higher) are all taken starts nothing until one
             # frees, which its queued prefill does not show: it is chosen only when every replica is so.
             seen = {name: v.seen_by(p) for name, v in placed.items()}
-            open_slots = [v for v in seen.values() if v.max_num_seqs is None or v.outstanding < v.max_num_seqs]
+            open_slots = [v for v in seen.values() if v.has_slots(item.sequences)]
             pool = open_slots or list(seen.values())
             preferred = [v for v in pool if v.name not in item.exclude]
             candidates = preferred or pool
@@ -233,8 +234,8 @@ class FlowQueue(Generic[K]):
                 self.dispatched += 1
                 self._served_at[item.tenant] = self.dispatched
                 out.append((item, choice))
-                real[choice.name] = real[choice.name].plus(item.prompt_tokens, p, item.tenant)
-            placed[choice.name] = placed[choice.name].plus(item.prompt_tokens, p, item.tenant)
+                real[choice.name] = real[choice.name].plus(item.prompt_tokens, p, item.tenant, item.sequences)
+            placed[choice.name] = placed[choice.name].plus(item.prompt_tokens, p, item.tenant, item.sequences)
         waiting_tenants = {q.tenant for q in self._waiting.values()}
         for tenant in [t for t in self._served_at if t not in waiting_tenants]:
             del self._served_at[tenant]  # bounded by the tenants waiting; one who returns starts afresh

@@ -27,7 +27,7 @@ class ReplicaView:
     queued_prefill_tokens: int  # accepted prompt tokens not yet prefilled (its stats + what the router sent since)
     prefill_tokens_per_ms: float  # at its live budget
     step_ms: float  # current iteration time
-    outstanding: int  # requests the router has in flight on it
+    outstanding: int  # sequences the router has in flight on it (a request of n choices counts n)
     cached_prefix_tokens: int = 0  # leading tokens of this prompt it recently took (likely in its prefix cache)
     home: bool = False  # rendezvous home of this prompt's first block
     max_num_seqs: int | None = None  # its live running-set cap (flow control keeps outstanding below it)
@@ -49,17 +49,23 @@ class ReplicaView:
             outstanding = sum(n for p, n in self.outstanding_by_priority.items() if p >= priority)
         return replace(self, queued_prefill_tokens=queued, outstanding=outstanding)
 
-    def plus(self, prompt_tokens: int, priority: int = 0, tenant: str = "") -> "ReplicaView":
-        """As it is once one more request of this class is sent to it."""
+    def plus(self, prompt_tokens: int, priority: int = 0, tenant: str = "", sequences: int = 1) -> "ReplicaView":
+        """As it is once one more request of this class (running `sequences` choices) is sent to it."""
         by_class = by_priority = None
         if self.queued_by_class is not None:
             by_class = dict(self.queued_by_class)
             by_class[(priority, tenant)] = by_class.get((priority, tenant), 0) + prompt_tokens
         if self.outstanding_by_priority is not None:
             by_priority = dict(self.outstanding_by_priority)
-            by_priority[priority] = by_priority.get(priority, 0) + 1
+            by_priority[priority] = by_priority.get(priority, 0) + sequences
         return replace(self, queued_prefill_tokens=self.queued_prefill_tokens + prompt_tokens,
-                       outstanding=self.outstanding + 1, queued_by_class=by_class, outstanding_by_priority=by_priority)
+                       outstanding=self.outstanding + sequences, queued_by_class=by_class,
+                       outstanding_by_priority=by_priority)
+
+    def has_slots(self, sequences: int = 1) -> bool:
+        """Its running set takes `sequences` more now (an idle replica takes any request: n past max_num_seqs
+        would otherwise wait forever)."""
+        return self.max_num_seqs is None or self.outstanding == 0 or self.outstanding + sequences <= self.max_num_seqs
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,7 @@ class Router:
         for item, choice in self.room.dispatch([r.view(now) for r in healthy], choose, now):
             future, info, hashes, _ = self._waiters.pop(item.key)
             replica = self.pool.replicas[choice.name]
-            ticket = self._reserve(replica, info.prompt_tokens, now, item.sent_priority, item.tenant,
+            ticket = self._reserve(replica, info.prompt_tokens, now, item.sent_priority, item.tenant, info.sequences,
                                    self.room.objectives.by_name.get(item.objective), item.arrival_s)
             self.metrics.queue_wait.observe(now - item.arrival_s)
             self.metrics.objective_queue_wait.labels(item.objective).observe(now - item.arrival_s)
@@ -216,7 +216,7 @@ class Router:
             return [r.view(now) for r in self.pool.healthy()]
 
         item = self.room.arrive(key, objective, tenant, info.prompt_tokens, received, views,
-                                self.pool.starting_in_ms(time.monotonic()), exclude, front)
+                                self.pool.starting_in_ms(time.monotonic()), exclude, front, info.sequences)
         if isinstance(item, Shed):
             self.metrics.objective_requests.labels(objective.name, "shed").inc()
             self.metrics.refused.labels(SHED_CODE).inc()
@@ -274,10 +274,10 @@ class Router:
                               "in the router's queue", "queue_timeout")
 
     def _reserve(self, replica: Replica, tokens: int, now_s: float, priority: int = 0, tenant: str = "",
-                 objective: Objective | None = None, arrival_s: float | None = None) -> int:
+                 sequences: int = 1, objective: Objective | None = None, arrival_s: float | None = None) -> int:
         """Counted at dispatch, before any await (waiting_room.reserve): the next dispatch sees it."""
         self.metrics.in_flight.inc()
-        return self.room.reserve(replica, tokens, now_s, priority, tenant, objective, arrival_s)
+        return self.room.reserve(replica, tokens, now_s, priority, tenant, objective, arrival_s, sequences)
 
     def _unreserve(self, replica: Replica, ticket: int) -> None:
         self.room.release(replica, ticket, time.perf_counter())
@@ -304,7 +304,8 @@ class Router:
         now = time.perf_counter()
         choice = self._pick(info, hashes, [r.view(now) for r in healthy], [r.name for r in healthy], seq)
         replica = self.pool.replicas[choice.name]
-        return replica, choice, hashes, self._reserve(replica, info.prompt_tokens, now, objective=objective,
+        return replica, choice, hashes, self._reserve(replica, info.prompt_tokens, now, sequences=info.sequences,
+                                                      objective=objective,
                                                       arrival_s=arrival_s)
 
     # -- one request ------------------------------------------------------------------------------

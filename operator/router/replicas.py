@@ -39,6 +39,7 @@ class Replica:
     # In flight there by the router's key (ticket) -> its priority: the running slots each band holds.
     held: dict = field(default_factory=dict)
     last_sent: int = 0  # the ticket of the request sent there last: the suspect when it stops answering
+    sequences: dict = field(default_factory=dict)  # ticket -> its n, for the requests of more than one choice
     down_event: asyncio.Event = field(default_factory=asyncio.Event)
     removed: bool = False
     # From its first sight until its first ready poll (time.monotonic), and whether it was seen loading its model
@@ -69,14 +70,14 @@ class Replica:
         stats = self.stats
         rate = self.prefill_tokens_per_ms()
         by_priority: dict[int, int] = {}
-        for priority in self.held.values():
-            by_priority[priority] = by_priority.get(priority, 0) + 1
+        for ticket, priority in self.held.items():
+            by_priority[priority] = by_priority.get(priority, 0) + self.sequences.get(ticket, 1)
         return ReplicaView(
             name=self.name,
             queued_prefill_tokens=self.clock.queued_tokens(rate * 1000.0, now_s),
             queued_by_class=self.clock.queued_by_class(rate * 1000.0, now_s),
             # The engine preempts a lower band for a higher one's slot (scheduler.py): slots counted per band.
-            outstanding_by_priority=by_priority if len(self.held) == self.outstanding else None,
+            outstanding_by_priority=by_priority if sum(by_priority.values()) == self.outstanding else None,
             prefill_tokens_per_ms=rate,
             step_ms=decode_step_ms(self.profile, stats),
             outstanding=self.outstanding,

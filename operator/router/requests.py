@@ -1,8 +1,11 @@
-"""What the router reads of an OpenAI request body: whether it streams, and its prompt's leading text."""
+"""What the router reads of an OpenAI request body: whether it streams, its prompt's leading text, and how many
+sequences it runs (`n`: each choice holds a running slot on its replica)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+
+MAX_SEQUENCES = 128  # the daemon's bound on n: past it the replica refuses the request anyway
 
 
 @dataclass(frozen=True)
@@ -10,6 +13,7 @@ class RequestInfo:
     stream: bool
     prompt_text: str  # what prefix affinity hashes ("" when there is no text prompt)
     prompt_tokens: int  # estimated (the router never tokenizes)
+    sequences: int = 1  # `n`: the running slots it takes on its replica (a malformed n: 1, the replica refuses it)
 
 
 def _message_text(messages: list) -> str:
@@ -40,16 +44,18 @@ def read_parsed(data: object, chars_per_token: float) -> RequestInfo:
     if not isinstance(data, dict):
         return RequestInfo(False, "", 0)
     stream = data.get("stream") is True
+    n = data.get("n")
+    sequences = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_SEQUENCES else 1
     prompt = data.get("prompt")
     messages = data.get("messages")
     if isinstance(prompt, str):
         text = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return RequestInfo(stream, ",".join(map(str, prompt[:4096])), len(prompt))
+        return RequestInfo(stream, ",".join(map(str, prompt[:4096])), len(prompt), sequences)
     elif isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         text = prompt[0]
     elif isinstance(messages, list):
         text = _message_text(messages)
     else:
         text = ""
-    return RequestInfo(stream, text, round(len(text) / chars_per_token))
+    return RequestInfo(stream, text, round(len(text) / chars_per_token), sequences)

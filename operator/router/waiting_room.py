@@ -63,7 +63,8 @@ class WaitingRoom(Generic[K]):
 
     def arrive(self, key: K, objective: Objective, tenant: str, prompt_tokens: int, arrival_s: float,
                views: Callable[[], Sequence[ReplicaView]], starting_in_ms: Sequence[float] = (),
-               exclude: frozenset[str] = frozenset(), front: bool = False) -> Queued[K] | Shed | QueueFull:
+               exclude: frozenset[str] = frozenset(), front: bool = False,
+               sequences: int = 1) -> Queued[K] | Shed | QueueFull:
         """A request at the router: queued (its `Queued`), shed or refused. `views`: the ready replicas as the router
         sees them now (read only when the objective needs them); `starting_in_ms`: when each replica starting is
         expected ready. `front`: a retry after a replica failed it, queued first and not counted again."""
@@ -78,7 +79,8 @@ class WaitingRoom(Generic[K]):
                     return Shed(predicted, backlog_drain_ms(seen, ahead))
         fastest = max((v.prefill_tokens_per_ms for v in seen), default=None)
         item = Queued(key, arrival_s, prompt_tokens, exclude, objective=objective.name, priority=objective.priority,
-                      tenant=tenant, deadline_s=deadline_s(objective, prompt_tokens, arrival_s, fastest))
+                      tenant=tenant, deadline_s=deadline_s(objective, prompt_tokens, arrival_s, fastest),
+                      sequences=sequences)
         if not self.queue.push(item, front=front):
             self.book.outcomes.unserved(objective.name)
             whole = len(self.queue) >= self.flow.max_queued
@@ -97,15 +99,17 @@ class WaitingRoom(Generic[K]):
         return sent
 
     def reserve(self, replica: Replica, prompt_tokens: int, now: float, priority: int = 0, tenant: str = "",
-                objective: Objective | None = None, arrival_s: float | None = None) -> int:
+                objective: Objective | None = None, arrival_s: float | None = None, sequences: int = 1) -> int:
         """Counted on `replica` at dispatch (in its band), before the request is sent: the next dispatch sees it.
         A generation request names its `objective` and router arrival: its first byte is judged by them. Returns
         the ticket its first byte (`first_byte`) and its end (`release`) settle."""
         ticket = next(self._tickets)
         if objective is not None:
             self._judged[ticket] = (objective, now if arrival_s is None else arrival_s, now)
-        replica.outstanding += 1
+        replica.outstanding += sequences  # n choices hold n running slots
         replica.held[ticket] = priority
+        if sequences != 1:
+            replica.sequences[ticket] = sequences
         replica.clock.dispatched(ticket, prompt_tokens, replica.prefill_tokens_per_ms() * 1000.0, now, priority,
                                  tenant)
         return ticket
@@ -153,7 +157,7 @@ class WaitingRoom(Generic[K]):
     def release(self, replica: Replica, ticket: int, now: float) -> None:
         """Its answer ended, or it failed, or it was given back: its slot frees (before its first byte, its share of
         the prefill clock goes too)."""
-        replica.outstanding -= 1
+        replica.outstanding -= replica.sequences.pop(ticket, 1)
         replica.held.pop(ticket, None)
         replica.clock.forget(ticket, now)
         self._judged.pop(ticket, None)  # failed before its first byte: a retry, or `unserved`, judges it
