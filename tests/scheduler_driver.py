@@ -74,7 +74,7 @@ class ShadowKV:
             request = chunk.request
             tokens = request.token_ids
             end = chunk.start + chunk.num_tokens
-            assert end <= len(tokens), "a chunk runs past the request's tokens"
+            assert end <= len(tokens) + len(chunk.draft), "a chunk runs past the request's tokens (and its draft)"
             assert len(request.block_ids) * self.block_size >= end, "block table too short for the chunk"
             for position in range(chunk.start):
                 assert self.slots.get(self.slot(request, position)) == tokens[position], (
@@ -82,7 +82,7 @@ class ShadowKV:
                 )
         for chunk in output.chunks:  # the model writes after every read of the step is planned
             request = chunk.request
-            tokens = request.token_ids
+            tokens = request.token_ids + list(chunk.draft)  # a verification writes its draft's KV too
             for position in range(chunk.start, chunk.start + chunk.num_tokens):
                 self.slots[self.slot(request, position)] = tokens[position]
 
@@ -125,12 +125,15 @@ def shadow_for(scheduler: Scheduler) -> ShadowKV:
 
 
 def checked_step(scheduler: Scheduler, token_of=lambda request: 7,
-                 now: float | None = None) -> tuple[SchedulerOutput, list[Request]]:
+                 now: float | None = None, accept_of=None) -> tuple[SchedulerOutput, list[Request]]:
     """One engine iteration (at `now`, as the engine's clock gives it): schedule, check and write the shadow KV,
-    sample, update, check the blocks."""
+    sample, update, check the blocks. `accept_of(request, draft)`: how many of a verification's draft tokens the
+    synthetic model accepts (speculation; none when not given)."""
     output = scheduler.schedule(now)
     shadow_for(scheduler).check_and_write(output)
-    finished = scheduler.update_from_output(output, sample_tokens(output, token_of))
+    accepted = ({c.request.request_id: accept_of(c.request, c.draft) for c in output.chunks if c.draft}
+                if accept_of is not None else None)
+    finished = scheduler.update_from_output(output, sample_tokens(output, token_of), accepted=accepted)
     check_blocks_conserved(scheduler)
     return output, finished
 

@@ -3,12 +3,14 @@ the exactness of the verifier's rejection sampling (a chi-square test over seede
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
-from scheduler_driver import make_request, make_scheduler
+from scheduler_driver import checked_step, make_request, make_scheduler
 
 from stallfree.node_daemon.engine.draft_verifier import verify_draft
+from stallfree.node_daemon.engine.request import Objective
 from stallfree.node_daemon.engine.sampler import Sampler
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.node_daemon.engine.speculation import (FIRST_COOLDOWN, PROBE_LEN, DraftState, SpeculativeConfig,
@@ -151,6 +153,64 @@ def test_an_accepted_draft_token_that_stops_the_request_ends_it_there():
     assert out.chunks[0].draft[:2] == PATTERN[1:3]
     finished = s.update_from_output(out, {"d": 5}, accepted={"d": len(out.chunks[0].draft)})
     assert finished == [d] and d.status.value == "stop" and d.output_token_ids == (11, 12, 13)
+    assert s.kv_cache.num_used_blocks == 0
+
+
+def test_a_lower_priority_does_not_draft_while_a_higher_one_waits_to_prefill():
+    s = speculating_scheduler(token_budget=34, max_num_seqs=2, num_blocks=64)
+    low = make_request("low", PATTERN * 4, max_tokens=50)
+    low.objective = Objective("batch", priority=0)
+    s.add_request(low)
+    while not low.num_output_tokens:
+        out = s.schedule()
+        s.update_from_output(out, {c.request.request_id: PATTERN[0] for c in out.chunks if c.samples})
+    high = make_request("high", 60, max_tokens=4)
+    high.objective = Objective("chat", priority=5)
+    s.add_request(high)
+    out = s.schedule()
+    assert out.num_verify_tokens == 0 and out.chunks[0].draft == ()
+    assert out.chunks[1].request is high and out.chunks[1].num_tokens == 33
+    while high.num_computed_tokens < high.num_prompt_tokens:
+        out = s.schedule()
+        s.update_from_output(out, {c.request.request_id: PATTERN[0] for c in out.chunks if c.samples})
+    assert s.schedule().num_verify_tokens > 0  # nothing of a higher priority prefills: the drafts resume
+
+
+def test_the_cost_model_sees_a_verification_as_a_chunk_over_its_prefix():
+    from stallfree.node_daemon.engine.engine import _observe_iteration
+
+    s = speculating_scheduler(token_budget=34, max_num_seqs=2, num_blocks=64)
+    d = decode_ready(s)
+    out = s.schedule()
+    seen = []
+    _observe_iteration(lambda decodes, chunks, ms: seen.append((decodes, chunks)), out, 5.0)
+    assert seen == [([], [(d.num_computed_tokens, 5)])]
+
+
+def test_random_workloads_with_drafts_keep_every_kv_and_block_invariant():
+    """Requests of repeating prompts, KV tight enough to preempt, prefix caching on, drafts accepted at random: every
+    position a chunk attends to holds its own token (rejected slots are written again before they are read), blocks
+    are conserved, and everything finishes."""
+    rng = random.Random(45)
+    s = make_scheduler(num_blocks=40, block_size=4, token_budget=40, max_num_seqs=6, max_partial_prefills=2)
+    s.speculative = SpeculativeConfig(method="ngram", max_draft=6, ngram_min=1)
+    for i in range(24):
+        unit = [10 + rng.randrange(8) for _ in range(rng.randrange(2, 6))]
+        s.add_request(make_request(f"q{i}", (unit * 12)[:rng.randrange(6, 40)], max_tokens=rng.randrange(4, 30)))
+    drafted = accepted_total = 0
+
+    def accept(request, draft):
+        nonlocal drafted, accepted_total
+        n = rng.randrange(len(draft) + 1)
+        drafted, accepted_total = drafted + len(draft), accepted_total + n
+        return n
+
+    for _ in range(3000):
+        if not s.has_unfinished():
+            break
+        output, _ = checked_step(s, lambda r: 10 + rng.randrange(8), accept_of=accept)
+        assert output.num_tokens <= output.token_budget
+    assert not s.has_unfinished() and drafted > 50 and 0 < accepted_total < drafted
     assert s.kv_cache.num_used_blocks == 0
 
 

@@ -420,8 +420,9 @@ class Scheduler:
         lengthen the iteration that request's prefill needs (the band rule's reason)."""
         config = self.speculative
         floor = None
-        if self._num_objectives:
-            floor = max((r.priority for r in (*self.waiting, *self._prefilling)), default=None)
+        if self._num_objectives:  # the waiting queue's head has its highest priority
+            head = (self.waiting[0],) if self.waiting else ()
+            floor = max((r.priority for r in (*head, *self._prefilling)), default=None)
         used = 0
         for chunk in out.chunks:
             if used >= budget:

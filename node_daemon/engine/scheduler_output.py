@@ -23,7 +23,7 @@ class ScheduledChunk:
     num_tokens: int
     is_prefill: bool
     samples: bool
-    draft: list[int] = field(default_factory=list)
+    draft: list[int] | tuple[()] = ()  # a list once the scheduler gives it a draft
 
 
 @dataclass(slots=True)
