@@ -159,7 +159,7 @@ def test_deployment_is_one_hardened_daemon_per_node() -> None:
         resources={"limits": {"cpu": "2", "memory": "4Gi"}}, engine__drainTimeoutSeconds=45))
     spec = deployment["spec"]
     assert spec["replicas"] == 2 and spec["selector"]["matchLabels"] == render.selector_labels("chat")
-    assert spec["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert spec["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}  # CPU: a new one first
     pod = spec["template"]["spec"]
     labels = spec["template"]["metadata"]["labels"]
     assert render.selector_labels("chat").items() <= labels.items()
@@ -218,7 +218,7 @@ def test_service_pdb_monitor_and_secret_select_the_daemons() -> None:
     service = render.service("chat", "ns")
     assert service["spec"]["selector"] == render.selector_labels("chat")
     assert service["spec"]["ports"][0]["targetPort"] == "http"
-    pdb = render.pod_disruption_budget("chat", "ns")
+    pdb = render.pod_disruption_budget("chat", "ns", spec_with(replicas=2))
     assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": render.selector_labels("chat")}}
     monitor = render.service_monitor("chat", "ns")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
@@ -278,3 +278,40 @@ def test_slo_aware_routing_puts_the_router_in_front_and_the_daemons_behind_a_hea
 def test_routing_mode_never_rolls_the_daemons() -> None:
     assert render.template_hash(spec_with(routing__mode="service")) == render.template_hash(spec_with())
     assert render.template_hash(spec_with(routing__policy="round-robin")) == render.template_hash(spec_with())
+
+
+def test_a_one_replica_service_keeps_serving_through_a_roll_and_a_drain() -> None:
+    """A new daemon comes up before the old one goes, and no eviction takes the only one."""
+    for spec in (spec_with(replicas=1), spec_with(replicas=1, resources={"limits": {"nvidia.com/gpu": 1}},
+                                                  engine__device="cuda")):
+        children = render.children("chat", "ns", spec, render.StartupKnobs.from_spec(spec), False)
+        (deployment,) = [c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"] == "chat"]
+        assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+        (pdb,) = [c for c in children if c["kind"] == "PodDisruptionBudget" and c["metadata"]["name"] == "chat"]
+        assert pdb["spec"]["minAvailable"] == 1 and "maxUnavailable" not in pdb["spec"]
+    # Several GPU replicas: no surge (no spare accelerator), one at a time; drains one at a time.
+    gpus = spec_with(replicas=3, resources={"limits": {"nvidia.com/gpu": 1}}, engine__device="cuda")
+    assert render.rolling_update(gpus) == {"maxSurge": 0, "maxUnavailable": 1}
+    assert render.pod_disruption_budget("chat", "ns", gpus)["spec"]["maxUnavailable"] == 1
+
+
+def test_routers_take_no_gpu_toleration() -> None:
+    spec = spec_with(tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                                  {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}])
+    router = render.router_deployment("chat", "ns", spec)["spec"]["template"]["spec"]
+    assert [t["key"] for t in router["tolerations"]] == ["dedicated"]
+    daemon = render.deployment("chat", "ns", spec, render.StartupKnobs.from_spec(spec))["spec"]["template"]["spec"]
+    assert [t["key"] for t in daemon["tolerations"]] == ["nvidia.com/gpu", "dedicated"]
+
+
+def test_a_daemon_without_resources_is_not_best_effort_and_its_tmp_is_bounded() -> None:
+    for backend in ("sim", "model"):
+        spec = spec_with(engine__backend=backend, **({"engine__hardware": "h100"} if backend == "sim" else {}))
+        pod = render.deployment("chat", "ns", spec, render.StartupKnobs.from_spec(spec))["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"], backend
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["tmp"]["emptyDir"]["sizeLimit"] == render.TMP_SIZE_LIMIT
+    asked = spec_with(resources={"requests": {"cpu": "3"}})
+    container = render.deployment("chat", "ns", asked, render.StartupKnobs.from_spec(asked))["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"] == {"requests": {"cpu": "3"}}  # the spec's own, untouched

@@ -11,6 +11,7 @@ of the rollout-relevant fields only, and its hash (`template_hash`) says so.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -35,7 +36,13 @@ API_KEY_DIR = "/etc/stallfree/api-key"
 API_KEY_KEY = "api-key"
 PRESTOP_SLEEP_S = 5  # lets the endpoints controller take the pod out of the Service before SIGTERM
 RUN_AS_USER = 1000
-RENDER_VERSION = 1  # bump when rendering changes in a way running pods must pick up
+RENDER_VERSION = 2  # bump when rendering changes in a way running pods must pick up
+# What a daemon asks for when its spec asks for nothing: never BestEffort (the first evicted under pressure).
+DEFAULT_DAEMON_RESOURCES = {
+    "sim": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+    "model": {"requests": {"cpu": "1", "memory": "2Gi"}},
+}
+TMP_SIZE_LIMIT = "4Gi"  # /tmp: compiled kernels (CPU extension, Triton) and caches
 
 LABEL_SERVICE = f"{s.GROUP}/inferenceservice"
 LABEL_COMPONENT = "app.kubernetes.io/component"
@@ -250,7 +257,7 @@ def spread(selector: dict[str, str]) -> list[dict[str, Any]]:
 def _volumes(spec: s.InferenceServiceSpec, name: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         {"name": "admin-token", "secret": {"secretName": admin_secret_name(name), "defaultMode": 0o440}},
-        {"name": "tmp", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
     ]
     mounts: list[dict[str, Any]] = [
@@ -281,7 +288,7 @@ def pod_template(name: str, spec: s.InferenceServiceSpec, knobs: StartupKnobs) -
                                   api_key_file=api_key_file),
             "--host", "0.0.0.0", "--port", str(DAEMON_PORT), "--probe-port", str(PROBE_PORT)]
     resources = {k: dict(v) for k, v in (("limits", spec.resources.limits), ("requests", spec.resources.requests))
-                 if v}
+                 if v} or copy.deepcopy(DEFAULT_DAEMON_RESOURCES[spec.engine.backend])
     container = {
         "name": "daemon",
         "image": daemon_image(spec),
@@ -344,8 +351,7 @@ def deployment(name: str, namespace: str, spec: s.InferenceServiceSpec, knobs: S
         "spec": {
             "replicas": spec.desired_replicas(),
             "selector": {"matchLabels": selector_labels(name)},
-            # No surge: scarce accelerators leave no room for an extra pod during a roll.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling_update(spec)},
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": 1200,
             "template": pod_template(name, spec, knobs),
@@ -359,10 +365,21 @@ def service(name: str, namespace: str) -> dict[str, Any]:
                      "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}]}}
 
 
-def pod_disruption_budget(name: str, namespace: str) -> dict[str, Any]:
-    # One daemon at a time: a node drain never takes more than one replica's capacity away.
+def rolling_update(spec: s.InferenceServiceSpec) -> dict[str, int]:
+    """A new daemon first, then the old one goes, so a roll never leaves the service with fewer replicas; except
+    for GPU services of several replicas, where scarce accelerators leave no room for an extra pod (one at a
+    time goes, the others serve). A one-replica GPU service waits for a free GPU rather than going down."""
+    if checks.gpu_count(spec) > 0 and spec.desired_replicas() > 1:
+        return {"maxSurge": 0, "maxUnavailable": 1}
+    return {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def pod_disruption_budget(name: str, namespace: str, spec: s.InferenceServiceSpec) -> dict[str, Any]:
+    """One daemon at a time: a node drain never takes more than one replica's capacity away, and never the only
+    one (a drain waits until the service has another, say after a scale-up or with scaling.minReplicas: 2)."""
+    budget = {"minAvailable": 1} if spec.desired_replicas() <= 1 else {"maxUnavailable": 1}
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(name, namespace, name),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}}}
+            "spec": {**budget, "selector": {"matchLabels": selector_labels(name)}}}
 
 
 def prometheus_label(label: str) -> str:
@@ -482,8 +499,11 @@ def router_deployment(name: str, namespace: str, spec: s.InferenceServiceSpec) -
         # In-flight requests (streams included) finish after the preStop pause; queued ones are sent on.
         "terminationGracePeriodSeconds": math.ceil(spec.engine.drain_timeout_seconds) + PRESTOP_SLEEP_S + 10,
     }
-    if spec.tolerations:
-        pod_spec["tolerations"] = [t.to_manifest() for t in spec.tolerations]
+    # The daemons' tolerations, but none for GPU taints: a router needs no accelerator and must not take a
+    # GPU node's room.
+    router_tolerations = [t.to_manifest() for t in spec.tolerations if "gpu" not in (t.key or "").lower()]
+    if router_tolerations:
+        pod_spec["tolerations"] = router_tolerations
     meta = {"name": router_name(name), "namespace": namespace, "labels": router_labels(name)}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
@@ -552,7 +572,7 @@ def children(name: str, namespace: str, spec: s.InferenceServiceSpec, knobs: Sta
     out = [router_service(name, namespace) if routed else service(name, namespace)]
     if routed:
         out += [daemons_service(name, namespace), *router_rbac(name, namespace)]
-    out += [network_policy(name, namespace, spec), pod_disruption_budget(name, namespace),
+    out += [network_policy(name, namespace, spec), pod_disruption_budget(name, namespace, spec),
             deployment(name, namespace, spec, knobs)]
     if routed:
         out += [router_pod_disruption_budget(name, namespace), router_deployment(name, namespace, spec)]
