@@ -56,7 +56,8 @@ def test_a_request_refused_by_a_full_queue_or_timed_out_is_judged_not_good():
     room, replica = _room(max_queued=1)
     views = lambda: [replica.view(0.0)]  # noqa: E731
     assert isinstance(room.arrive(1, INTERACTIVE, "", 100, 0.0, views), Queued)
-    assert room.arrive(2, INTERACTIVE, "", 100, 0.0, views) == QueueFull(None)
+    full = room.arrive(2, INTERACTIVE, "", 100, 0.0, views)
+    assert isinstance(full, QueueFull) and full.share is None
     room.unserved(INTERACTIVE)  # the first timed out in the queue
     figures = room.status(1.0)["objectives"]["interactive"]
     assert (figures["completed"], figures["good"]) == (2, 0)

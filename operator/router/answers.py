@@ -44,14 +44,16 @@ def shed_answer(objective: str, predicted_ms: float, target_ms: float, backlog_d
                           "later", SHED_CODE, retry_after_s=retry_s)
 
 
-def queue_full_answer(max_queued: int, share: int | None) -> Answer:
-    """The 429 for a request the router's queue has no room for: the whole queue, or its flow's `share` of it."""
+def queue_full_answer(max_queued: int, share: int | None, backlog_drain_ms: float = 0.0) -> Answer:
+    """The 429 for a request the router's queue has no room for: the whole queue, or its flow's `share` of it.
+    Retry after the queue there is now has drained (1-60 s)."""
+    retry_s = max(1, min(60, math.ceil(backlog_drain_ms / 1000.0)))
     if share is not None:
         return refusal_answer(429, f"this tenant's share of the router's queue is full ({share} of {max_queued} "
-                              "requests, shared by the tenants and objectives sending lately); retry shortly",
-                              "queue_full")
-    return refusal_answer(429, f"the router's queue is full ({max_queued} requests waiting); retry shortly",
-                          "queue_full")
+                              "requests, shared by the tenants and objectives sending lately); retry later",
+                              "queue_full", retry_after_s=retry_s)
+    return refusal_answer(429, f"the router's queue is full ({max_queued} requests waiting); retry later",
+                          "queue_full", retry_after_s=retry_s)
 
 
 def sse_error(message: str, code: str) -> bytes:

@@ -103,6 +103,9 @@ class FlowQueue(Generic[K]):
     _offers: "deque[tuple[float, int, str, int]]" = field(default_factory=deque)  # (arrival, band, tenant, tokens)
     _offered: dict[tuple[int, str], int] = field(default_factory=dict)  # (band, tenant) -> tokens in _offers
     _held: dict[tuple[int, str], int] = field(default_factory=dict)  # (band, tenant) -> requests waiting here
+    # Kept as requests come and go, so that the gauges read per arrival cost nothing with thousands waiting.
+    _tokens: int = 0
+    _by_objective: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -112,16 +115,13 @@ class FlowQueue(Generic[K]):
 
     @property
     def queued_prompt_tokens(self) -> int:
-        return sum(q.prompt_tokens for q in self._waiting.values())
+        return self._tokens
 
     def oldest_arrival_s(self) -> float | None:
         return min((q.arrival_s for q in self._waiting.values()), default=None)
 
     def depth_by_objective(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for q in self._waiting.values():
-            out[q.objective] = out.get(q.objective, 0) + 1
-        return out
+        return dict(self._by_objective)
 
     def ordered(self) -> list[Queued[K]]:
         """The waiting requests in the order they are offered to the replicas (the module's docstring)."""
@@ -156,6 +156,8 @@ class FlowQueue(Generic[K]):
         item.seq = -self._pushes if front else self._pushes
         self._waiting[item.key] = item
         self._held[_flow(item)] = self._held.get(_flow(item), 0) + 1
+        self._tokens += item.prompt_tokens
+        self._by_objective[item.objective] = self._by_objective.get(item.objective, 0) + 1
         if front:
             self._waiting.move_to_end(item.key, last=False)
         return True
@@ -183,6 +185,12 @@ class FlowQueue(Generic[K]):
             self._held[flow] = left
         else:
             del self._held[flow]
+        self._tokens -= item.prompt_tokens
+        left = self._by_objective[item.objective] - 1
+        if left:
+            self._by_objective[item.objective] = left
+        else:
+            del self._by_objective[item.objective]
 
     def dispatch(self, views: list[ReplicaView],
                  choose: Callable[[Queued[K], list[ReplicaView]], Choice]) -> list[tuple[Queued[K], Choice]]:
@@ -201,6 +209,8 @@ class FlowQueue(Generic[K]):
         a backlog over the replicas as their state would be after each send.
         """
         out: list[tuple[Queued[K], Choice]] = []
+        if not self._waiting or not self._any_admits(views):
+            return out  # the common case under a flood: every replica full, the queue is not walked at all
         real = {v.name: v for v in views}  # what each replica holds: decides whether it admits now
         placed = dict(real)  # plus what waits here for it: what the policy sees
         flooding = self._flooding()
@@ -240,6 +250,12 @@ class FlowQueue(Generic[K]):
         for tenant in [t for t in self._served_at if t not in waiting_tenants]:
             del self._served_at[tenant]  # bounded by the tenants waiting; one who returns starts afresh
         return out
+
+    def _any_admits(self, views: list[ReplicaView]) -> bool:
+        """Whether some replica admits a one-sequence request of the highest band waiting (none admitting it, none
+        admits anything waiting: a lower band sees more ahead of it). O(replicas + flows)."""
+        top = max(priority for priority, _ in self._held)
+        return any(admits(v, self.config, top) for v in views)
 
     def _offer(self, item: Queued[K]) -> None:
         """Count its prompt in its tenant's offer over the last TENANT_MEMORY_S (by arrival times)."""

@@ -117,6 +117,9 @@ class Router:
         self._next_key = 0
         self._ticker: asyncio.Task | None = None
         self._last_healthy_at = time.perf_counter()  # when some replica was last seen healthy
+        # Done once no replica has been healthy for no_replica_wait_s: every queued request wakes on it, so none
+        # polls (thousands waiting woke 4 times a second each, and the loop had no time left to refuse).
+        self._none_ready: asyncio.Future | None = None
         pool._on_change = self._replica_changed
         self.admin_token = getattr(pool, "admin_token", None)
         self.draining = False  # set by drain(): /ready 503, new requests 503
@@ -160,8 +163,19 @@ class Router:
             await asyncio.sleep(self.config.dispatch_tick_s)
             if self.pool.healthy():
                 self._last_healthy_at = time.perf_counter()
+            elif self._none_ready_for_long() and self._none_ready is not None and not self._none_ready.done():
+                self._none_ready.set_result(None)
             if len(self.queue):
                 self.dispatch()
+
+    def _none_ready_future(self) -> asyncio.Future:
+        """The future every queued request waits on beside its own dispatch (see _none_ready)."""
+        if self._none_ready is None or (self._none_ready.done() and not self._none_ready_for_long()):
+            self._none_ready = asyncio.get_running_loop().create_future()
+        return self._none_ready
+
+    def _none_ready_for_long(self) -> bool:
+        return not self.pool.healthy() and time.perf_counter() - self._last_healthy_at >= self.config.no_replica_wait_s
 
     def dispatch(self) -> None:
         """Hand waiting requests, oldest first, to replicas that can start them soon (flow_control.py)."""
@@ -224,7 +238,7 @@ class Router:
         if isinstance(item, QueueFull):
             self.metrics.queue_rejected.inc()
             self.metrics.objective_requests.labels(objective.name, "queue_full").inc()
-            return queue_full_answer(self.config.flow.max_queued, item.share)
+            return queue_full_answer(self.config.flow.max_queued, item.share, item.backlog_drain_ms)
         if not front:
             self.metrics.arrivals.inc()
         hashes = prefix_hashes(info.prompt_text, self.block_chars) if self.config.policy == "slo-aware" else []
@@ -241,10 +255,12 @@ class Router:
                 if now - received >= self.config.queue_timeout_s:
                     outcome = "timeout"
                     break
-                if not self.pool.healthy() and now - self._last_healthy_at >= self.config.no_replica_wait_s:
+                if self._none_ready_for_long():
                     outcome = "no_replica"  # every replica down for a while: say so rather than hold the client
                     break
-                await asyncio.wait((future,), timeout=min(0.25, self.config.queue_timeout_s - (now - received)))
+                await asyncio.wait((future, self._none_ready_future()),
+                                   timeout=self.config.queue_timeout_s - (now - received),
+                                   return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # the client left
             self._waiters.pop(key, None)
             if future.done() and not future.cancelled():

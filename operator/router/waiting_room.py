@@ -43,6 +43,7 @@ class QueueFull:
     """Refused at arrival: the queue, or its flow's share of it, is full (the 429 queue_full)."""
 
     share: int | None  # the flow's share when that refused it; None: the whole queue was full
+    backlog_drain_ms: float = 0.0  # when the queue there is now will have drained: its Retry-After
 
 
 class WaitingRoom(Generic[K]):
@@ -84,7 +85,8 @@ class WaitingRoom(Generic[K]):
         if not self.queue.push(item, front=front):
             self.book.outcomes.unserved(objective.name)
             whole = len(self.queue) >= self.flow.max_queued
-            return QueueFull(None if whole else self.queue.share(item))
+            drain = backlog_drain_ms(list(seen or views()), self.queue.queued_prompt_tokens)
+            return QueueFull(None if whole else self.queue.share(item), drain)
         if not front:
             self.arrived_prompt_tokens += prompt_tokens
             self.arrived_prompt_tokens_sq += prompt_tokens ** 2
