@@ -256,6 +256,11 @@ def test_slo_aware_routing_puts_the_router_in_front_and_the_daemons_behind_a_hea
     assert args[:3] == ["router", "--service", "chat-daemons"]
     assert args[args.index("--policy") + 1] == "slo-aware"
     assert args[args.index("--admin-token-file") + 1] == f"{render.ADMIN_TOKEN_DIR}/{render.ADMIN_TOKEN_KEY}"
+    # Liveness and start-up on the probe port, which no client connection reaches; readiness on the serving port.
+    container = pod["containers"][0]
+    assert args[args.index("--probe-port") + 1] == str(render.PROBE_PORT)
+    assert container["livenessProbe"]["httpGet"]["port"] == container["startupProbe"]["httpGet"]["port"] == "probes"
+    assert container["readinessProbe"]["httpGet"]["port"] == "http"
     assert pod["serviceAccountName"] == "chat-router" and pod["automountServiceAccountToken"] is True
     assert router["spec"]["selector"]["matchLabels"] == render.router_selector_labels("chat")
     assert router["spec"]["template"]["metadata"]["labels"].items() >= render.router_selector_labels("chat").items()

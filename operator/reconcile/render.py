@@ -463,7 +463,8 @@ def objectives_json(objectives: list[s.Objective]) -> str:
 def router_args(name: str, spec: s.InferenceServiceSpec) -> list[str]:
     return ["router", "--service", daemons_service_name(name), "--policy", spec.routing.policy,
             "--admin-token-file", f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}", "--host", "0.0.0.0",
-            "--port", str(ROUTER_PORT), "--queue-wait-slo-ms", f"{spec.slos.queue_wait_p99_ms:g}",
+            "--port", str(ROUTER_PORT), "--probe-port", str(PROBE_PORT),
+            "--queue-wait-slo-ms", f"{spec.slos.queue_wait_p99_ms:g}",
             "--drain-timeout-s", f"{spec.engine.drain_timeout_seconds:g}",
             *(["--objectives", objectives_json(spec.resolved_objectives())] if spec.objectives else [])]
 
@@ -475,11 +476,14 @@ def router_deployment(name: str, namespace: str, spec: s.InferenceServiceSpec) -
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["stallfree"],
         "args": router_args(name, spec),
-        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"},
+                  {"name": "probes", "containerPort": PROBE_PORT, "protocol": "TCP"}],
         "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
         "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
         "volumeMounts": [{"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True}],
-        "livenessProbe": _probe("/health", 10, 3),
+        # Liveness on the probe port: a connection flood on the serving port is not a reason to restart it.
+        "startupProbe": _probe("/health", 2, 30, port="probes"),
+        "livenessProbe": _probe("/health", 10, 3, port="probes"),
         "readinessProbe": _probe("/ready", 2, 2, timeout_s=2),
         # As the daemons': the endpoints controller takes the pod out of the Service before SIGTERM.
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
