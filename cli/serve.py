@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "a request whose drafts are not accepted stops drafting (greedy outputs are unchanged, sampled "
                         "ones keep their distribution)")
     s.add_argument("--speculative-max-draft", type=int, default=8, help="draft tokens per decode at most")
+    s.add_argument("--speculative-max-rows", type=int, default=0,
+                   help="drafts only while an iteration's decodes and draft tokens stay within this many rows (0: "
+                        "where the device's projections stay bound by reading the weights: 8 on the CPU, 64 on a GPU)")
     s.add_argument("--no-profile", action="store_true", help="skip the start-up profile (needs --token-budget N)")
     s.add_argument("--no-prefix-cut", action="store_true",
                    help="keep prefill chunks over a long cached prefix at the full budget (by default they are cut "

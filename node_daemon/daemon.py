@@ -41,7 +41,8 @@ def engine_config(opts: ServeConfig):
                           kv_memory_fraction=opts.kv_memory_fraction, enable_prefix_caching=not opts.no_prefix_caching),
         scheduler=SchedulerConfig(ceilings=opts.ceilings, tuning=opts.tuning, max_model_len=opts.max_model_len or 2048,
                                   speculative=SpeculativeConfig(method=opts.speculative,
-                                                                max_draft=opts.speculative_max_draft)),
+                                                                max_draft=opts.speculative_max_draft,
+                                                                max_rows=opts.speculative_max_rows)),
         backend=opts.backend,
     )
 

@@ -65,6 +65,7 @@ class ServeConfig:
     tool_call_parser: str | None = None  # None: detected from the chat template (text/tool_calls/formats.py)
     speculative: Literal["off", "ngram"] = "off"  # n-gram drafts verified inside the budget (engine/speculation.py)
     speculative_max_draft: int = 8
+    speculative_max_rows: int = 0  # 0: the executor's (engine/model_executor.py speculation_rows)
     admin_token: Any = None  # a watched secret (server/auth.py), or None: the admin API is closed
     api_key: Any = None  # a watched secret, or None: the inference API is open
 
@@ -94,7 +95,8 @@ def _problems(c: ServeConfig):
                   "max_body_bytes", "max_connections", "text_workers", "speculative_max_draft"):
         if getattr(c, field) < 1:
             yield f"{_flag(field)} must be positive, got {getattr(c, field)}"
-    for field in ("num_kv_blocks", "long_prefill_threshold", "max_queue_requests", "max_queue_tokens"):
+    for field in ("num_kv_blocks", "long_prefill_threshold", "max_queue_requests", "max_queue_tokens",
+                  "speculative_max_rows"):
         if getattr(c, field) < 0:
             yield f"{_flag(field)} must be >= 0, got {getattr(c, field)}"
     for field in ("drain_timeout_s", "stats_window_s", "profile_max_seconds", "header_timeout_s", "body_timeout_s"):

@@ -123,6 +123,20 @@ def test_drafts_take_only_what_the_decodes_leave_and_respect_max_tokens():
     assert len(out.chunks[0].draft) == 1 and r.num_output_tokens == 1
 
 
+def test_drafts_stop_where_the_iterations_rows_stop_being_cheap():
+    def decodes(n):
+        s = make_scheduler(block_size=4, prefix_caching=False, token_budget=64, max_num_seqs=8, num_blocks=256)
+        for i in range(n):  # without speculation, so no draft state is cooling down
+            decode_ready(s, f"r{i}")
+        s.speculative = SpeculativeConfig(method="ngram", max_draft=4, max_rows=8)
+        return s.schedule()
+
+    out = decodes(3)
+    assert out.num_decode_tokens == 3 and out.num_verify_tokens == 8 - 3  # 4 for the first, 1 for the second
+    out = decodes(8)
+    assert out.num_decode_tokens == 8 and out.num_verify_tokens == 0  # no cheap row left
+
+
 def test_rejected_draft_tokens_are_rolled_back():
     s = speculating_scheduler(token_budget=64, num_blocks=64)
     d = decode_ready(s)

@@ -31,7 +31,9 @@ def engine(speculative: bool) -> LLMEngine:
         cache=CacheConfig(block_size=16, num_blocks=runner.num_blocks),
         scheduler=SchedulerConfig(ceilings=Ceilings(max_token_budget=512, max_num_seqs=8),
                                   tuning=Tuning(token_budget=256, max_num_seqs=8),
-                                  speculative=SpeculativeConfig(method="ngram" if speculative else "off")),
+                                  # Drafts for every request of the batch, past the CPU's cheap rows.
+                                  speculative=SpeculativeConfig(method="ngram" if speculative else "off",
+                                                                max_rows=256)),
     )
     return LLMEngine(config, executor=ModelExecutor(runner))
 

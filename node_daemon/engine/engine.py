@@ -89,8 +89,11 @@ class LLMEngine:
         self.limits = RequestLimits(self.max_model_len, self.vocab_size, num_blocks, block_size)
         scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = make_scheduler(scheduler_config, self.kv_cache)
+        speculative = self.scheduler.speculative
         if not getattr(executor, "supports_speculation", False):  # no logits to verify drafts (the sim backend)
             self.scheduler.speculative = SpeculativeConfig()
+        elif speculative.enabled and not speculative.max_rows:
+            self.scheduler.speculative = dataclasses.replace(speculative, max_rows=executor.speculation_rows)
         model_eos = tuple(loaded.eos_token_ids) if loaded is not None else ()
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(model_eos + tuple(tokenizer.eos_token_ids)))
         self.observer = observer

@@ -19,6 +19,11 @@ from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
 from stallfree.node_daemon.structured.masks import MaskFiller, apply_masks
 
 
+# A GPU's decode stays bound by reading the weights up to tens of rows for the models served here; an estimate, not
+# measured on this project's GPUs yet.
+GPU_SPECULATION_ROWS = 64
+
+
 class ModelExecutor:
     """Runs one iteration on the model and returns the sampled token of every chunk that samples."""
 
@@ -58,6 +63,17 @@ class ModelExecutor:
         return self.runner.loaded.shape.vocab_size
 
     supports_speculation = True  # its logits can verify drafts (engine/draft_verifier.py)
+
+    @property
+    def speculation_rows(self) -> int:
+        """Rows an iteration may have with drafts in it (speculation.py max_rows): on the CPU, the rows up to which
+        the quantized projections read each weight once for all rows (models/quantized.py CODE_MAX_ROWS; past it they
+        turn compute-bound); on a GPU, GPU_SPECULATION_ROWS."""
+        if self.runner.device.type == "cuda":
+            return GPU_SPECULATION_ROWS
+        from stallfree.node_daemon.models.quantized import CODE_MAX_ROWS
+
+        return CODE_MAX_ROWS
 
     def execute(self, output: SchedulerOutput) -> ExecutorOutput:
         """Sampled tokens by request id, with the logprobs of the rows that asked (and the grammars' dead ends)."""

@@ -310,9 +310,13 @@ class Scheduler:
         chunks = out.chunks
         num_decodes = len(chunks)
         budget = tuning.token_budget - num_decodes
-        # 1b. Their drafts' verification tokens, from what the decodes leave of the budget (speculation.py).
-        if self.speculative.enabled and budget > 0:
-            budget -= self._schedule_drafts(out, budget)
+        # 1b. Their drafts' verification tokens, from what the decodes leave of the budget, while the iteration's
+        # rows stay where a row is cheap (speculation.py: max_rows).
+        speculative = self.speculative
+        if speculative.enabled and budget > 0:
+            room = budget if not speculative.max_rows else min(budget, speculative.max_rows - num_decodes)
+            if room > 0:
+                budget -= self._schedule_drafts(out, room)
 
         # 2. The next chunk of every partial prefill, in admission order. A KV shortfall here preempts
         # the latest admitted partial prefill (decodes were all scheduled already).

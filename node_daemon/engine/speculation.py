@@ -31,13 +31,17 @@ MIN_VERIFICATIONS = 2  # verifications before the average may switch drafting of
 class SpeculativeConfig:
     """`method`: "ngram" (prompt lookup) or "off". `max_draft`: tokens a draft proposes at most; `ngram_max` down to
     `ngram_min`: the suffix lengths looked up, longest first; `min_acceptance`: the share of drafted tokens accepted
-    under which a request stops drafting (for a cooldown, then probes again)."""
+    under which a request stops drafting (for a cooldown, then probes again). `max_rows`: drafts only while the
+    iteration's decodes and draft tokens stay within this many rows, where its projections are still bound by
+    reading the weights, so a verified token costs a fraction of a decode (past it, about what a decode row costs,
+    and a draft pays only at near-perfect acceptance); 0: the executor's (`speculation_rows`)."""
 
     method: str = "off"
     max_draft: int = 8
     ngram_max: int = 3
     ngram_min: int = 2
     min_acceptance: float = 0.3
+    max_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in ("off", "ngram"):
@@ -48,6 +52,8 @@ class SpeculativeConfig:
             raise ValueError(f"n-gram sizes need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if not 0.0 <= self.min_acceptance < 1.0:
             raise ValueError(f"min_acceptance must be in [0, 1), got {self.min_acceptance}")
+        if self.max_rows < 0:
+            raise ValueError(f"max_rows must be >= 0 (0: the executor's), got {self.max_rows}")
 
     @property
     def enabled(self) -> bool:
