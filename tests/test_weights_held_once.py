@@ -64,3 +64,22 @@ def test_a_cpu_runner_allocates_its_kv_cache_lazily():
     k, v = runner.kv_caches[0]
     cache_bytes = k.numel() * k.element_size() * 2 * len(runner.kv_caches)
     assert cache_bytes > 64 << 20 and _rss_bytes() - before < cache_bytes // 2
+
+
+def test_a_tied_embedding_is_looked_up_in_its_codes_once_its_table_is_released(monkeypatch):
+    """SmolLM2's tied embedding (Q8_0 in its file): released, its rows come from the head's code tiles (the Python
+    path's TiledCodes.rows and the compiled forward's code_rows alike), the same bfloat16 values the table held, and
+    the weight cache keeps no table either."""
+    monkeypatch.setenv("STALLFREE_WEIGHT_CACHE", "off")
+    kept = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16")).model
+    released = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16", release_dense_weights=True)).model
+    assert released.embed_tokens.weight.device.type == "meta" and released.device.type == "cpu"
+    ids = torch.tensor([0, 1, 17, 4095, 49151, 17])
+    want = kept.embed_tokens(ids)
+    assert torch.equal(released.embed(ids), want)
+    from stallfree.node_daemon.models import cpu_decode
+
+    if cpu_decode.ensure_built(background=False):
+        assert torch.equal(cpu_decode.ops().code_rows(released.embed_codes.blocks, ids), want)
+    hidden = torch.randn(3, kept.shape.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert torch.equal(kept.compute_logits(hidden).argmax(-1), released.compute_logits(hidden).argmax(-1))

@@ -240,3 +240,51 @@ at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t 
   });
   return out;
 }
+
+// Rows of a coded matrix as bfloat16 (an embedding looked up in its GGUF codes, rounded once from the float32
+// value scale * u + zero): out [n, K] for the token ids. The record size says the bits (320: 4, 384: 5, 576: 8).
+at::Tensor code_rows(const at::Tensor& blocks_t, const at::Tensor& ids_t) {
+  TORCH_CHECK(blocks_t.dim() == 3 && blocks_t.scalar_type() == at::kByte && blocks_t.is_contiguous(),
+              "code_rows: weight blocks [N / 16, K / 32, bytes] uint8, contiguous");
+  const int64_t rec = blocks_t.size(2), blocks = blocks_t.size(1), k = blocks * kQBlock, n_rows = blocks_t.size(0) * 16;
+  TORCH_CHECK(rec == record_bytes<4>() || rec == record_bytes<5>() || rec == record_bytes<8>(),
+              "code_rows: unknown record size");
+  const int bits = rec == record_bytes<4>() ? 4 : rec == record_bytes<5>() ? 5 : 8;
+  const int64_t code_bytes = bits * kQBlock * 16 / 8;
+  const at::Tensor ids = ids_t.to(at::kLong).contiguous();
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n_rows, "code_rows: token id out of range");
+  at::Tensor out = at::empty({n, k}, at::TensorOptions().dtype(at::kBFloat16));
+  uint16_t* o = bf16_mut(out);
+  const uint8_t* w = blocks_t.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = id[i] / 16, c = id[i] % 16;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* rb = w + (t * blocks + b) * rec;
+        const uint16_t* sz = reinterpret_cast<const uint16_t*>(rb + code_bytes);
+        const float scale = half_to_float(sz[c]), zero = half_to_float(sz[16 + c]);
+        uint16_t* dst = o + i * k + b * kQBlock;
+        for (int p = 0; p < 16; ++p) {  // k = 2p + j
+          for (int j = 0; j < 2; ++j) {
+            int u;
+            if (bits == 8) {
+              u = rb[32 * p + 2 * c + j];
+            } else {
+              const uint8_t byte = rb[32 * (p % 8) + 2 * c + j];
+              u = p < 8 ? byte & 15 : byte >> 4;
+              if (bits == 5) {
+                uint32_t mask;
+                std::memcpy(&mask, rb + 256 + 4 * (2 * (p % 8) + (p >= 8)), 4);
+                u += 16 * ((mask >> (2 * c + j)) & 1);
+              }
+            }
+            dst[2 * p + j] = f2bf(scale * static_cast<float>(u) + zero);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}

@@ -508,9 +508,11 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
                    const at::Tensor& cos_sin_local, at::IntArrayRef sliding, int64_t window, double attn_scale,
                    double embed_scale) {
   at::NoGradGuard no_grad;
-  const int64_t rows = input_ids.size(0), hidden = embed.size(1), layers = static_cast<int64_t>(kv.size()) / 2;
+  const int64_t rows = input_ids.size(0), layers = static_cast<int64_t>(kv.size()) / 2;
+  const int64_t hidden = embed.scalar_type() == at::kByte ? embed.size(1) * kQBlock : embed.size(1);
   const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(embed.scalar_type() == at::kBFloat16, "forward: bfloat16 weights only");
+  TORCH_CHECK(embed.scalar_type() == at::kBFloat16 || embed.scalar_type() == at::kByte,
+              "forward: bfloat16 weights only (or the embedding's code tiles)");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 16 * layers &&
                   static_cast<int64_t>(planes.size()) == 4 * layers && static_cast<int64_t>(bits.size()) == 4 * layers,
               "forward: 4 projections a layer");
@@ -529,8 +531,10 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
   const float scale = attn_scale > 0 ? static_cast<float>(attn_scale) : 1.f / std::sqrt(static_cast<float>(head_dim));
   // the Python path's (a Python float)
   const double chunk_scale = attn_scale > 0 ? attn_scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
-  const auto bf16 = embed.options();
-  at::Tensor embedded = embed.index_select(0, input_ids);
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+  // embed: the bfloat16 table, or the tied head's code tiles (uint8 [N / 16, K / 32, record]) where its dense copy
+  // was released: rows looked up in the codes.
+  at::Tensor embedded = embed.scalar_type() == at::kByte ? code_rows(embed, input_ids) : embed.index_select(0, input_ids);
   if (embed_scale > 0) embedded = embedded * at::scalar_tensor(embed_scale, bf16);  // rounded as the Python path's
   at::Tensor residual = embedded.to(at::kFloat);
   at::Tensor x = at::empty({rows, hidden}, bf16);
@@ -669,6 +673,7 @@ TORCH_LIBRARY(STALLFREE_OPS_NS, m) {
   m.def("chunk_attention_kernel() -> str", &chunk_attention_kernel);
   m.def("phase_seconds() -> float[]", &phase_seconds);
   m.def("code_matmul(Tensor x, Tensor blocks, int bits, bool float_out=False) -> Tensor", &code_matmul);
+  m.def("code_rows(Tensor blocks, Tensor ids) -> Tensor", &code_rows);
   m.def("set_chunk_kernel(bool on) -> bool", &set_chunk_kernel);
   m.def("chunk_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor", &chunk_attention_only);

@@ -347,7 +347,9 @@ class CpuDecode:
 
     def __init__(self, model: "LlamaForCausalLM", kv_caches: list["KVCache"]) -> None:
         self.model = model
-        self.embed = model.embed_tokens.weight
+        # The table, or the tied head's tiles where it was released (the forward looks rows up in the codes)
+        self.embed = model.embed_tokens.weight if model.embed_tokens.weight.device.type != "meta" \
+            else model.embed_codes.blocks
         self.cos_sin = model.rotary.cos_sin_cache
         self.norms, self.weights, self.planes, self.bits = [], [], [], []
         code_on = enabled(CODE_KERNEL_SWITCH)

@@ -117,6 +117,8 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
             _log_int4(model, reader, coded)
         if skipped:
             model.release_coded_dense_weights()
+        if release_dense:  # lookups from the tied head's codes: the table is neither kept nor cached
+            model.release_dense_embedding()
         how = "decoded from the file"
         if cached is not None:
             weight_cache.save(model, cached, background=True)  # later starts map these instead of decoding again
@@ -219,12 +221,14 @@ def _hf_named_tensors(reader, shape: ModelShape, permute_qk: bool, model: LlamaF
                       skipped: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 weight) of every tensor; with `model`, mappable tensors' codes are attached to
     it as they come (model.add_codes; `coded` records them) and, with `skipped`, a projection's dense weight is
-    then not decoded at all (recorded there). The embedding and an untied head are always decoded (lookups, and
-    the logits' float32 refinement)."""
+    then not decoded at all (recorded there), nor a tied embedding's (its lookups take the codes). An untied head
+    and embedding are always decoded (lookups, and the logits' float32 refinement)."""
     from gguf.quants import dequantize
 
-    always_dense = ("model.embed_tokens.weight", "lm_head.weight")
     gemma = shape.family == "gemma3"
+    # A tied embedding whose codes make the head looks its rows up in them when dense copies are not wanted.
+    tied_codes = skipped is not None and shape.tie_word_embeddings and shape.vocab_size % 16 == 0
+    always_dense = ("lm_head.weight",) if tied_codes else ("model.embed_tokens.weight", "lm_head.weight")
 
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, shape.family)

@@ -35,7 +35,7 @@ from stallfree.kernels.attention import AttentionBackend, AttentionMetadata
 from stallfree.kernels.fused_ops import fused_add_rms_norm, rms_norm
 from stallfree.node_daemon.models.layers import GeluTanhGLU, Linear, RMSNorm, SwiGLU, can_prepack, packed_linear, \
     prepack_weight
-from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS, BlockCodes, Int4Weight, stack_parts
+from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS, BlockCodes, Int4Weight, TiledCodes, stack_parts
 from stallfree.node_daemon.models.rope import RotaryEmbedding, apply_rope
 from stallfree.node_daemon.models.sliding_window import windowed_attention
 from stallfree.shapes import ModelShape
@@ -202,7 +202,30 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device  # the embedding's table may be released (release_dense_embedding)
+
+    @property
+    def embed_codes(self) -> TiledCodes | None:
+        """The embedding's code tiles where it has them (a tied head's): lookups take them once the dense table is
+        released."""
+        return self.tied_lm_head_int4.tiles if self.tied_lm_head_int4 is not None else None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of input_ids in the model's dtype: the table's, else looked up in the codes."""
+        if self.embed_tokens.weight.device.type != "meta":
+            return self.embed_tokens(input_ids)
+        return self.embed_codes.rows(input_ids).to(self.dtype)
+
+    def release_dense_embedding(self) -> int:
+        """Drop the dense embedding table where its codes serve both the lookups and the tied head (the compiled
+        forward looks rows up in the tiles: models/cpu_code_matmul.h code_rows). Gemma 3 270M: 335 MB of 262k x 640
+        bfloat16 beside the head's 189 MB of codes. Returns the bytes freed."""
+        weight = self.embed_tokens.weight
+        if self.embed_codes is None or self.lm_head is not None or weight.device.type == "meta":
+            return 0
+        self.embed_tokens.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+        self.dense_released = True
+        return weight.numel() * weight.element_size()
 
     @property
     def graph_capturable(self) -> bool:
@@ -214,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 metadata: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final-norm hidden states [num_tokens, hidden_size]."""
-        residual = self.embed_tokens(input_ids)
+        residual = self.embed(input_ids)
         if self.embed_scale is not None:
             residual = residual * self.embed_scale
         if residual.dtype != self.residual_dtype:
@@ -239,15 +262,19 @@ class LlamaForCausalLM(nn.Module):
             any_rows = self.tied_lm_head_packed is None
             if head is not None and hidden.shape[0] > 0 and head.code_kernel_applies(hidden.shape[0], any_rows):
                 return head.matmul(hidden, float_out=True, any_rows=any_rows)  # the codes' float32 sums: exact
-            if head is not None and hidden.shape[0] > 0 and (hidden.shape[0] <= INT4_MAX_ROWS or any_rows):
+            if not hidden.shape[0]:
+                return torch.empty(0, self.shape.vocab_size, dtype=torch.float32, device=hidden.device)
+            if head is not None and (hidden.shape[0] <= INT4_MAX_ROWS or any_rows):
                 logits = head.matmul(hidden)
-            elif self.tied_lm_head_packed is not None and hidden.shape[0] > 0:
+            elif self.tied_lm_head_packed is not None:
                 logits = packed_linear(hidden, self.tied_lm_head_packed, None)
             else:
                 logits = F.linear(hidden, weight)
+            if weight.device.type == "meta":  # released: the rows to refine come from the codes
+                return _refine_top_logits(logits.float(), hidden, self.embed)
         if logits.dtype == torch.float32 or not logits.numel():
             return logits.float()
-        return _refine_top_logits(logits.float(), hidden, weight)
+        return _refine_top_logits(logits.float(), hidden, lambda ids: weight.index_select(0, ids))
 
     def prepack_for_cpu(self, release: bool = False, coded: bool = True) -> bool:
         """Prepack every dense projection (and a tied output layer) for oneDNN when that pays (CPU, bfloat16);
@@ -255,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
         at a time as it is packed, so the two copies never coexist for the whole model (the load's peak RSS).
         `coded` False: only the projections without GGUF codes (the code kernel serves the others at every row
         count, with no copy beside the codes)."""
-        if not can_prepack(self.embed_tokens.weight):
+        if not can_prepack(torch.empty(0, dtype=self.dtype, device=self.device)):
             return False
         packed = 0
         for module in self.modules():
@@ -265,7 +292,9 @@ class LlamaForCausalLM(nn.Module):
                 if release and module is not self.lm_head:
                     _release(module)
                     self.dense_released = True
-        if self.lm_head is None and (coded or self.tied_lm_head_int4 is None):
+        # A tied head with codes takes the code kernel at every row count (its rows are the sampling rows: few), so
+        # no oneDNN copy of it (335 MB for Gemma 3 270M's 262k x 640).
+        if self.lm_head is None and self.tied_lm_head_int4 is None:
             self.tied_lm_head_packed = prepack_weight(self.embed_tokens.weight)
             packed += 1
         return packed > 0
@@ -488,11 +517,12 @@ def _release(linear: Linear) -> int:
 REFINED_LOGITS = 16
 
 
-def _refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, rows_of) -> torch.Tensor:
     """logits [rows, vocab] float32 from a half-precision GEMM; the REFINED_LOGITS largest of each row redone
-    as float32 dot products of hidden [rows, hidden_size] with their rows of weight [vocab, hidden_size]."""
+    as float32 dot products of hidden [rows, hidden_size] with their rows of the weight [vocab, hidden_size]
+    (`rows_of(ids)`: the weight's rows, or the embedding's lookup in its codes)."""
     top = logits.topk(min(REFINED_LOGITS, logits.shape[-1]), dim=-1).indices  # [rows, k]
-    rows = weight.index_select(0, top.view(-1)).view(*top.shape, -1).float()  # [rows, k, hidden]
+    rows = rows_of(top.view(-1)).view(*top.shape, -1).float()  # [rows, k, hidden]
     exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)
     return logits.scatter_(1, top, exact)
 

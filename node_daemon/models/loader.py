@@ -70,6 +70,8 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
         # Without oneDNN copies (below AVX-512, or a large model) every iteration reads the codes: the dense
         # copies would only hold memory.
         log.info("projections served from their GGUF codes alone; %.0f MB of dense copies released", freed / 1e6)
+    if model_config.release_dense_weights and (freed := loaded.model.release_dense_embedding()):
+        log.info("embedding looked up in its GGUF codes (the tied head's); %.0f MB dense table released", freed / 1e6)
     return loaded
 
 

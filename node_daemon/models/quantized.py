@@ -216,6 +216,15 @@ class TiledCodes:
         return BlockCodes(np.concatenate([codes & 15, codes >> 4], axis=1), np.concatenate([scale, 16.0 * scale], 1),
                           np.concatenate([lo_zero, hi_zero], 1), 2, "tiles")
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), K]: the rows of these ids (an embedding lookup in its codes; the compiled forward's
+        code_rows computes the same values)."""
+        ids = ids.reshape(-1).long()
+        codes, scale, zero = TiledCodes(self.blocks.index_select(0, ids // 16), self.bits)._codes_and_affine()
+        pick = torch.arange(ids.numel()) * 16 + ids % 16
+        values = codes[pick].view(ids.numel(), -1, GROUP_SIZE).float() * scale[pick][..., None] + zero[pick][..., None]
+        return values.view(ids.numel(), -1)
+
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: what the kernel multiplies by (tests)."""
         codes, scale, zero = self._codes_and_affine()

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORMAT = 4  # 3: the code kernel's tiles on every tier (TiledCodes); 4: the tiles alone (torch's int4 pack made at use),
-# and no dense copy of a projection that its codes alone serve
+FORMAT = 5  # 3: the code kernel's tiles on every tier (TiledCodes); 4: the tiles alone (torch's int4 pack made at use),
+# and no dense copy of a projection that its codes alone serve; 5: nor of a tied embedding (looked up in its codes)
 ENV = "STALLFREE_WEIGHT_CACHE"
 _VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "kquant_codes.py", "small_block_codes.py", "llama.py")
 _TIED_HEAD = "tied_lm_head_int4"
@@ -131,7 +131,10 @@ def load(model: "LlamaForCausalLM", path: Path) -> bool:
     modules = dict(model.named_modules())
     # A projection served from its codes alone was saved without its dense weight: it comes back released.
     codes_only = {f"{n}.weight" for n in planes if n != _TIED_HEAD and f"{n}.weight" not in tensors}
-    if any(name not in codes_only and (name not in tensors or tensors[name].shape != p.shape
+    # An embedding looked up in the tied head's codes was saved without its table (release_dense_embedding).
+    embed_from_codes = _TIED_HEAD in planes and "embed_tokens.weight" not in tensors
+    absent = codes_only | ({"embed_tokens.weight"} if embed_from_codes else set())
+    if any(name not in absent and (name not in tensors or tensors[name].shape != p.shape
                                        or tensors[name].dtype != p.dtype) for name, p in params.items()) \
             or any(f"{n}.tiles.blocks" not in tensors for n in planes) or set(bits) != set(planes):
         log.warning("weight cache: %s does not match this model: loading the GGUF file", path)
@@ -141,7 +144,7 @@ def load(model: "LlamaForCausalLM", path: Path) -> bool:
     # prepacking touched them all) leave the RSS with it.
     transient = {f"{n}.weight" for n, m in modules.items() if isinstance(m, Linear) and m is not model.lm_head}
     for name, p in params.items():
-        if name not in codes_only:
+        if name not in absent:
             p.data = tensors[name] if name in transient else tensors[name].clone()
     for name, count in planes.items():
         tiles = TiledCodes(tensors[f"{name}.tiles.blocks"].clone(), bits[name])
@@ -152,4 +155,6 @@ def load(model: "LlamaForCausalLM", path: Path) -> bool:
             modules[name].int4 = weight
     if codes_only:
         model.release_coded_dense_weights()
+    if embed_from_codes:
+        model.release_dense_embedding()
     return True
