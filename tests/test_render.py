@@ -280,6 +280,26 @@ def test_slo_aware_routing_puts_the_router_in_front_and_the_daemons_behind_a_hea
         if c["metadata"]["name"] in ("chat-router", "chat-daemons")}
 
 
+def test_the_router_mounts_its_api_keys_and_the_gateways_secret_whole_so_they_rotate_in_place() -> None:
+    spec = spec_with(routing__apiKeysSecret="chat-keys", routing__trustedUpstreamSecret="gateway")
+    router = next(c for c in render.children("chat", "ns", spec, render.StartupKnobs.from_spec(spec), False)
+                  if c["kind"] == "Deployment" and c["metadata"]["name"] == "chat-router")
+    pod = router["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = container["args"]
+    assert args[args.index("--api-keys-file") + 1] == f"{render.ROUTER_KEYS_DIR}/{render.ROUTER_KEYS_KEY}"
+    assert args[args.index("--trusted-upstream-secret-file") + 1] == \
+        f"{render.UPSTREAM_SECRET_DIR}/{render.UPSTREAM_SECRET_KEY}"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["api-keys"]["secret"]["secretName"] == "chat-keys"
+    assert volumes["upstream-secret"]["secret"]["secretName"] == "gateway"
+    assert all("subPath" not in m for m in container["volumeMounts"])  # a subPath mount is never updated
+    plain = spec_with()
+    plain_args = next(c for c in render.children("chat", "ns", plain, render.StartupKnobs.from_spec(plain), False)
+                      if c["kind"] == "Deployment" and c["metadata"]["name"] == "chat-router")
+    assert "--api-keys-file" not in plain_args["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
 def test_routing_mode_never_rolls_the_daemons() -> None:
     assert render.template_hash(spec_with(routing__mode="service")) == render.template_hash(spec_with())
     assert render.template_hash(spec_with(routing__policy="round-robin")) == render.template_hash(spec_with())

@@ -491,6 +491,15 @@ class RoutingSpec(_Model):
         "slo-aware", description="the router's policy (the others are baselines)")
     replicas: int = Field(2, ge=1, le=16, description="router pods (each polls every daemon and keeps its own "
                           "queue; 2 by default, with a PodDisruptionBudget, so none is a single point of failure)")
+    api_keys_secret: str | None = Field(
+        None, min_length=1, max_length=253,
+        description="Secret (key keys.json) of the router's API keys: {\"keys\": [{\"sha256\", \"tenant\", "
+        "\"objectives\"}]}, SHA-256 hashes of keys mapped to a tenant and the objectives it may use; requests "
+        "without one of them are refused. Read again when the Secret changes. Unset: anonymous, one tenant")
+    trusted_upstream_secret: str | None = Field(
+        None, min_length=1, max_length=253,
+        description="Secret (key secret) shared with a gateway in front of the router: only requests carrying it "
+        "in x-stallfree-upstream-secret have their tenant header (x-gateway-inference-fairness-id) believed")
 
 
 class ResourcesSpec(_Model):

@@ -34,6 +34,10 @@ ADMIN_TOKEN_DIR = "/etc/stallfree/admin"
 ADMIN_TOKEN_KEY = "token"
 API_KEY_DIR = "/etc/stallfree/api-key"
 API_KEY_KEY = "api-key"
+ROUTER_KEYS_DIR = "/etc/stallfree/router-keys"  # the router's API keys (spec.routing.apiKeysSecret, key keys.json)
+ROUTER_KEYS_KEY = "keys.json"
+UPSTREAM_SECRET_DIR = "/etc/stallfree/upstream"  # the trusted gateway's secret (spec.routing.trustedUpstreamSecret)
+UPSTREAM_SECRET_KEY = "secret"
 PRESTOP_SLEEP_S = 5  # lets the endpoints controller take the pod out of the Service before SIGTERM
 RUN_AS_USER = 1000
 RENDER_VERSION = 2  # bump when rendering changes in a way running pods must pick up
@@ -466,7 +470,25 @@ def router_args(name: str, spec: s.InferenceServiceSpec) -> list[str]:
             "--port", str(ROUTER_PORT), "--probe-port", str(PROBE_PORT),
             "--queue-wait-slo-ms", f"{spec.slos.queue_wait_p99_ms:g}",
             "--drain-timeout-s", f"{spec.engine.drain_timeout_seconds:g}",
-            *(["--objectives", objectives_json(spec.resolved_objectives())] if spec.objectives else [])]
+            *(["--objectives", objectives_json(spec.resolved_objectives())] if spec.objectives else []),
+            *(["--api-keys-file", f"{ROUTER_KEYS_DIR}/{ROUTER_KEYS_KEY}"] if spec.routing.api_keys_secret else []),
+            *(["--trusted-upstream-secret-file", f"{UPSTREAM_SECRET_DIR}/{UPSTREAM_SECRET_KEY}"]
+              if spec.routing.trusted_upstream_secret else [])]
+
+
+def _router_secrets(spec: s.InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The router's API keys and trusted gateway secret, mounted whole (never by subPath: a mounted Secret is
+    updated in place, so keys rotate without a restart)."""
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    for secret, volume, key, path in ((spec.routing.api_keys_secret, "api-keys", ROUTER_KEYS_KEY, ROUTER_KEYS_DIR),
+                                      (spec.routing.trusted_upstream_secret, "upstream-secret", UPSTREAM_SECRET_KEY,
+                                       UPSTREAM_SECRET_DIR)):
+        if secret:
+            volumes.append({"name": volume, "secret": {"secretName": secret, "defaultMode": 0o440,
+                                                       "items": [{"key": key, "path": key}]}})
+            mounts.append({"name": volume, "mountPath": path, "readOnly": True})
+    return volumes, mounts
 
 
 def router_deployment(name: str, namespace: str, spec: s.InferenceServiceSpec) -> dict[str, Any]:
@@ -480,7 +502,8 @@ def router_deployment(name: str, namespace: str, spec: s.InferenceServiceSpec) -
                   {"name": "probes", "containerPort": PROBE_PORT, "protocol": "TCP"}],
         "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
         "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-        "volumeMounts": [{"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True}],
+        "volumeMounts": [{"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
+                         *_router_secrets(spec)[1]],
         # Liveness on the probe port: a connection flood on the serving port is not a reason to restart it.
         "startupProbe": _probe("/health", 2, 30, port="probes"),
         "livenessProbe": _probe("/health", 10, 3, port="probes"),
@@ -496,7 +519,8 @@ def router_deployment(name: str, namespace: str, spec: s.InferenceServiceSpec) -
         "automountServiceAccountToken": True,  # it lists its daemons' EndpointSlices, nothing else
         "enableServiceLinks": False,
         "containers": [container],
-        "volumes": [{"name": "admin-token", "secret": {"secretName": admin_secret_name(name), "defaultMode": 0o440}}],
+        "volumes": [{"name": "admin-token", "secret": {"secretName": admin_secret_name(name), "defaultMode": 0o440}},
+                    *_router_secrets(spec)[0]],
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "fsGroup": RUN_AS_USER,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "topologySpreadConstraints": spread(router_selector_labels(name)),  # two routers, two nodes
