@@ -40,7 +40,7 @@ BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 
 STEPS, EVAL = 120, "55m"
 LONG_STEPS, LONG_EVAL = 600, "4h50m"
 SLO_ALERTS = ("StallfreeTPOTP99AboveSLO", "StallfreeTTFTP99AboveSLO", "StallfreeQueueWaitP99AboveSLO")
-ROUTER_ALERTS = ("StallfreeRouterDown", "StallfreeRouterNoHealthyReplica")
+ROUTER_ALERTS = ("StallfreeRouterDown", "StallfreeRouterNoHealthyReplica", "StallfreeRouterTTFTP99AboveSLO")
 DAEMON_ALERTS = (*SLO_ALERTS, "StallfreePrefillSaturated", "StallfreeReplicaScrapeDown", *ROUTER_ALERTS)
 OPERATOR_ALERTS = ("StallfreeSLOBreach", "StallfreeSLOBurnRateFast", "StallfreeSLOBurnRateSlow",
                    "StallfreePrefillCapacityExhausted", "StallfreeReplicaUnobservable", "StallfreeActuationFailing",
@@ -154,13 +154,18 @@ def daemon_series(target: dict[str, str], bad: bool, objectives: dict[str, dict[
     return out
 
 
-def router_series(target: dict[str, str], bad: bool, steps: int = STEPS) -> list[dict[str, str]]:
+def router_series(target: dict[str, str], bad: bool, steps: int = STEPS,
+                  objectives: dict[str, float] | None = None) -> list[dict[str, str]]:
     """A router: the bad service's first router stops answering scrapes after 10 minutes, and its routers see no
-    healthy replica."""
+    healthy replica; `objectives` maps an objective to the TTFT its requests see (default: 3x or 0.3x the SLO)."""
     down = bad and target["pod"].endswith("-0")
-    return [series("up", series_labels(target, {}), f"1x20 0x{steps - 20}" if down else f"1x{steps}"),
-            series("stallfree_router_replicas_healthy", series_labels(target, {}),
-                   (f"2x20 _x{steps - 20}" if down else f"0x{steps}") if bad else f"2x{steps}")]
+    out = [series("up", series_labels(target, {}), f"1x20 0x{steps - 20}" if down else f"1x{steps}"),
+           series("stallfree_router_replicas_healthy", series_labels(target, {}),
+                  (f"2x20 _x{steps - 20}" if down else f"0x{steps}") if bad else f"2x{steps}")]
+    for objective, ttft_s in (objectives or {"default": SLO_S["ttft"] * (3 if bad else 0.3)}).items():
+        out += histogram("stallfree_router_objective_observed_ttft_seconds",
+                         series_labels(target, {"objective": objective}), ttft_s, steps)
+    return out
 
 
 def operator_series(target: dict[str, str], name: str, bad: bool, since_step: int = 0,
@@ -194,6 +199,8 @@ def expected(alert: str, daemons: list[dict[str, str]], operator: dict[str, str]
                 "StallfreeRouterNoHealthyReplica": "critical"}.get(alert, "warning")
     chat = [t for t in daemons if t["service"] == "chat" and t.get("component") != "router"]
     routers = [t for t in daemons if t["service"] == "chat" and t.get("component") == "router"]
+    if alert == "StallfreeRouterTTFTP99AboveSLO":  # none under service routing: no router
+        return [{"namespace": NS, "service": "chat", "objective": "default", "severity": severity}] if routers else []
     if alert.endswith("AboveSLO"):
         return [{"namespace": NS, "service": "chat", "objective": "default", "severity": severity}]
     if alert == "StallfreePrefillSaturated":
@@ -312,12 +319,15 @@ def test_each_objective_is_judged_against_its_own_targets(tmp_path, mode: str) -
     spec = spec_of(mode, objectives=[{"name": "interactive", "priority": 10, "ttftP99Ms": 800},
                                      {"name": "batch", "priority": -1, "ttftP99Ms": 20000, "tpotP99Ms": 500}])
     daemons = [t for t in daemon_targets(mode, "rendered") if t["service"] == "chat" and t.get("component") != "router"]
+    routers = [t for t in daemon_targets(mode, "rendered") if t["service"] == "chat" and t.get("component") == "router"]
     good = {metric: SLO_S[metric] * 0.3 for metric in SLO_S}
     objectives = {"interactive": {**good, "ttft": 1.0}, "batch": {**good, "ttft": 5.0}}
     inputs = [item for t in daemons for item in daemon_series(t, bad=False, objectives=objectives)]
+    inputs += [item for t in routers for item in router_series(t, bad=False, objectives={
+        name: seconds["ttft"] for name, seconds in objectives.items()})]
     labels = {"namespace": NS, "service": "chat", "objective": "interactive", "severity": "warning"}
     alerts = {"StallfreeTTFTP99AboveSLO": [labels], "StallfreeTPOTP99AboveSLO": [],
-              "StallfreeQueueWaitP99AboveSLO": []}
+              "StallfreeQueueWaitP99AboveSLO": [], "StallfreeRouterTTFTP99AboveSLO": [labels] if routers else []}
     assert "SUCCESS" in promtool(tmp_path, slo_groups({"chat": spec}), inputs, alerts)
 
 
