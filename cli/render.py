@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--namespace", help="namespace of the objects (default: the manifest's, else default)")
     p.add_argument("--routing-mode", choices=["slo-aware", "service"], help="override spec.routing.mode")
     p.add_argument("--no-service-monitor", action="store_true",
-                   help="as in a cluster without the Prometheus Operator's ServiceMonitor API")
+                   help="as in a cluster without the Prometheus Operator's API (no ServiceMonitor, no SLO PrometheusRule)")
     return p
 
 
