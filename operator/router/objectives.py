@@ -1,8 +1,9 @@
 """Objectives: the classes of requests the router serves (spec.objectives), and which one a request names (pure).
 
-A request names its objective in `x-stallfree-objective` and its tenant in `x-gateway-inference-fairness-id`
-(the Gateway API Inference Extension's header). No header: the default objective. A name the service does not
-define is refused (400) before the request is queued or counted as demand. The operator hands the router the
+A request names its objective in `x-stallfree-objective`; its tenant is who its credentials say (identity.py),
+and only a trusted gateway's `x-gateway-inference-fairness-id` (the Gateway API Inference Extension's header)
+names one. No objective header: the default objective. A name the service does not define is refused (400) before
+the request is queued or counted as demand. The operator hands the router the
 objectives with their targets already resolved against spec.slos (`--objectives JSON`); without them the router
 has one implicit objective at priority 0 with no TTFT target, so its queue stays first come, first served
 (tenants, when requests name them, still take turns).
@@ -106,7 +107,3 @@ def header(headers: Iterable[tuple[bytes, bytes]], name: str) -> str | None:
         if k == key:
             return v.decode("latin-1")
     return None
-
-
-def tenant_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
-    return (header(headers, TENANT_HEADER) or "").strip()[:MAX_TENANT_CHARS]
