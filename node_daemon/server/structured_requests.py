@@ -12,6 +12,7 @@ admitted: checking a large schema takes seconds, and the event loop serves every
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from dataclasses import dataclass, field
@@ -114,6 +115,8 @@ async def _compiled(structured: StructuredOutputs, param: str, build: Callable[.
         grammar = build(*args)
         return None if grammar is None else compiler.compile(grammar)
 
+    if not compiler.has_vocabulary:  # built once per daemon (about a second): not this request's time
+        await asyncio.to_thread(compiler.ll_tokenizer)
     with _param(param):
         try:
             return await structured.work.run(build_and_compile)

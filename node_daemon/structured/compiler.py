@@ -50,6 +50,11 @@ class GrammarCompiler:
         self._tokenizer_lock = threading.Lock()
         self.compiles = 0  # library compiles so far (cache misses), for metrics and tests
 
+    @property
+    def has_vocabulary(self) -> bool:
+        """The library's view of the vocabulary is built (ll_tokenizer() returns at once)."""
+        return self._ll_tokenizer is not None
+
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:
             if self._ll_tokenizer is None:
