@@ -106,7 +106,9 @@ def quiet_rule(monkeypatch):
 
 
 def _serve_engine(tmp_path, *extra: str):
-    opts = parse_options(["--model", "tiny", "--device", "cpu", "--max-token-budget", "256", "--max-num-seqs-ceiling",
+    # float32: a Python-path engine (no compiled forward), whose compile the tests stand in for where they need one
+    opts = parse_options(["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--max-token-budget", "256",
+                          "--max-num-seqs-ceiling",
                           "16", "--max-num-seqs", "8", "--token-budget", "128", "--num-kv-blocks", "512",
                           "--profile-cache-dir", str(tmp_path), "--profile-max-seconds", "20", "--threads", "1", *extra])
     engine, device = build_llm_engine(opts, None)
@@ -170,7 +172,7 @@ def test_a_profile_measured_while_the_compiled_forward_was_off_is_not_read_once_
     opts, engine, device = _serve_engine(tmp_path)
     settings = ProfileSettings()
     before = profile_key(engine, device, settings)
-    assert before["compiled_forward"] is False  # the tiny float32 engine has none
+    assert before["compiled_forward"] is False  # a float32 engine has none
 
     class Loaded:
         @staticmethod

@@ -214,6 +214,14 @@ def _load_or_build(build: bool, publish: bool = True) -> bool:
         return True
 
 
+def dequantize_tiles(tiles, dtype: torch.dtype) -> torch.Tensor:
+    """A coded weight's dense values [N, K] in `dtype` (a oneDNN copy made from the codes): the compiled library's
+    code_rows where it is already built for this tier (one pass, all threads), else torch's ops (TiledCodes)."""
+    if dtype == torch.bfloat16 and enabled() and _load_or_build(build=False, publish=False):
+        return ops().code_rows(tiles.blocks, torch.arange(tiles.blocks.shape[0] * 16))
+    return tiles.dequantize().to(dtype)
+
+
 def publish_code_kernel() -> None:
     """Matmuls of quantized weights, here and on the Python path (Int4Weight.matmul), take the loaded library's code
     kernel: a few rows where a oneDNN copy takes the rest (AVX-512), every row count where there is none. A runner

@@ -82,9 +82,9 @@ def embedded_gguf_path() -> str:
 
 def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
               name: str | None = None, dense_copy: str = "auto", release_dense: bool = False) -> LoadedModel:
-    """`dense_copy` (loader.dense_copy_wanted): whether the coded projections also get oneDNN copies, for which
-    their dense values are decoded; where they do not and `release_dense` allows, a projection served by its codes
-    never has its dense weight written (its pages are never resident; released after the load)."""
+    """`dense_copy` (loader.dense_copy_wanted): whether the coded projections also get oneDNN copies; with
+    `release_dense` a projection served by its codes never has its dense weight written (its pages are never
+    resident; released after the load), and its oneDNN copy, if any, is made from the codes."""
     from stallfree.node_daemon.models.gguf_file import GGUFFile
 
     started = time.monotonic()
@@ -100,8 +100,11 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
     model = LlamaForCausalLM(shape, dtype, device, context)
     permute_qk = fields["general.architecture"] == "llama"
     int4 = int4_supported(dtype, device)
-    model.dense_copy_wanted = not int4 or dense_copy_wanted(dense_copy, 2 * shape.num_parameters)
-    keep_dense = model.dense_copy_wanted or not release_dense
+    # The copies are the projections' (a tied head with codes takes the code kernel alone: llama.py)
+    copied = shape.num_parameters - (shape.vocab_size * shape.hidden_size if shape.tie_word_embeddings else 0)
+    model.dense_copy_wanted = not int4 or dense_copy_wanted(dense_copy, 2 * copied)
+    # Released dense weights are never decoded: oneDNN copies, where wanted, are made from the codes (layers.py).
+    keep_dense = not int4 or not release_dense
     cached = weight_cache.cache_file(path, dtype, dense=keep_dense) if int4 else None
     if cached is not None and cached.exists() and weight_cache.load(model, cached):
         how = f"from the weight cache {cached}"

@@ -40,7 +40,13 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def prepack_for_cpu(self) -> None:
-        self.packed = prepack_weight(self.weight)
+        """The oneDNN copy, from the dense weight, or from the codes where the dense weight was never decoded."""
+        if self.weight.device.type == "meta" and self.int4 is not None:
+            from stallfree.node_daemon.models.cpu_decode import dequantize_tiles
+
+            self.packed = prepack_weight(dequantize_tiles(self.int4.tiles, self.weight.dtype))
+        else:
+            self.packed = prepack_weight(self.weight)
 
 
 def can_prepack(weight: torch.Tensor) -> bool:

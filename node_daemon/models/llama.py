@@ -286,7 +286,8 @@ class LlamaForCausalLM(nn.Module):
             return False
         packed = 0
         for module in self.modules():
-            if isinstance(module, Linear) and (coded or module.int4 is None) and module.weight.device.type != "meta":
+            if isinstance(module, Linear) and (coded or module.int4 is None) and \
+                    (module.weight.device.type != "meta" or module.int4 is not None):
                 module.prepack_for_cpu()
                 packed += 1
                 if release and module is not self.lm_head:
@@ -300,10 +301,8 @@ class LlamaForCausalLM(nn.Module):
         return packed > 0
 
     def dense_copy_bytes(self) -> int:
-        """What oneDNN copies of the coded projections (and a coded tied head) would hold: bfloat16 weights."""
+        """What oneDNN copies of the coded projections would hold: bfloat16 weights (a coded tied head has none)."""
         weights = [m.weight for m in self.modules() if isinstance(m, Linear) and m.int4 is not None]
-        if self.lm_head is None and self.tied_lm_head_int4 is not None:
-            weights.append(self.embed_tokens.weight)
         return sum(w.numel() * 2 for w in weights)
 
     def release_int4_packs(self) -> int:

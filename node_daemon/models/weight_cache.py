@@ -2,8 +2,9 @@
 
 Loading SmolLM2's GGUF decodes 4-bit blocks and lays them out again for the code kernel: 2.5 s of a start on a busy
 2-core machine. The result (every parameter held, and every coded weight's tiles; torch's int4 pack is made from
-the tiles if the Python path ever needs it) is written once as a safetensors file; later starts map it (safetensors
-loads lazily: pages are read as touched) and copy out what they keep. The file's key is the GGUF file's identity
+the tiles if the Python path ever needs it) is written once as a safetensors file; later starts map it privately
+and serve from the mapping (pages read as first touched, shared with the page cache; nothing copied). With the
+dense weights released (a daemon) it holds the tiles and norms alone: about the GGUF file's size. The file's key is the GGUF file's identity
 (path, size, mtime), the dtype, whether dense copies of the coded projections are kept, torch's version and CPU
 capability, the tier, FORMAT and the source of the modules that decide the tensors' values, so a change in any of
 them is a new file. $STALLFREE_WEIGHT_CACHE is the folder (0/off: no cache), else $XDG_CACHE_HOME/stallfree/weights.
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORMAT = 5  # 3: the code kernel's tiles on every tier (TiledCodes); 4: the tiles alone (torch's int4 pack made at use),
-# and no dense copy of a projection that its codes alone serve; 5: nor of a tied embedding (looked up in its codes)
+# and no dense copy of a projection that its codes alone serve; 5: nor of a tied embedding (looked up in its codes),
+# nor of a projection with a oneDNN copy (made from the codes at load)
 ENV = "STALLFREE_WEIGHT_CACHE"
 _VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "kquant_codes.py", "small_block_codes.py", "llama.py")
 _TIED_HEAD = "tied_lm_head_int4"
@@ -110,24 +112,53 @@ def _write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Pat
     return True
 
 
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8,
+                       "I8": torch.int8, "I32": torch.int32, "I64": torch.int64}
+
+
+def mapped_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors as views of one private (copy-on-write) mapping of it: safetensors' own
+    loader copies each tensor into fresh memory, which doubled a cached start's peak RSS."""
+    import mmap
+    import warnings
+
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    header_len = int.from_bytes(mapping[:8], "little")
+    header = json.loads(mapping[8:8 + header_len])
+    start = 8 + header_len
+    tensors = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer's note on non-resizable buffers
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise ValueError(f"tensor {name}: dtype {entry['dtype']} is not one the cache writes")
+            begin, end = entry["data_offsets"]
+            count = (end - begin) // torch.empty(0, dtype=dtype).element_size()
+            flat = torch.frombuffer(mapping, dtype=dtype, count=count, offset=start + begin) if count else \
+                torch.empty(0, dtype=dtype)
+            tensors[name] = flat.view(entry["shape"])
+    return tensors
+
+
 def load(model: "LlamaForCausalLM", path: Path) -> bool:
     """Fill `model` from the cached file (its tensors become the parameters: no copy); False, model untouched,
     when the file does not hold what this model needs."""
     from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
 
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata()
             planes = json.loads(metadata.get("planes", "{}"))
             bits = json.loads(metadata.get("tile_bits", "{}"))
-        tensors = load_file(str(path))
+        tensors = mapped_tensors(path)
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         log.warning("weight cache: %s unreadable (%s): loading the GGUF file", path, exc)
         return False
     params = dict(model.named_parameters())
-    from stallfree.node_daemon.models.layers import Linear
-
     modules = dict(model.named_modules())
     # A projection served from its codes alone was saved without its dense weight: it comes back released.
     codes_only = {f"{n}.weight" for n in planes if n != _TIED_HEAD and f"{n}.weight" not in tensors}
@@ -139,15 +170,13 @@ def load(model: "LlamaForCausalLM", path: Path) -> bool:
             or any(f"{n}.tiles.blocks" not in tensors for n in planes) or set(bits) != set(planes):
         log.warning("weight cache: %s does not match this model: loading the GGUF file", path)
         return False
-    # The projections' dense weights are read once, by the prepacking, and then released: they stay views of
-    # the mapping. Everything kept is copied out, so no tensor holds the mapping afterwards and its pages (the
-    # prepacking touched them all) leave the RSS with it.
-    transient = {f"{n}.weight" for n, m in modules.items() if isinstance(m, Linear) and m is not model.lm_head}
+    # Every tensor stays a view of the file's private mapping: nothing is copied, pages are read as first touched
+    # (and shared with the page cache: a restart finds them there), and the load never holds a tensor twice.
     for name, p in params.items():
         if name not in absent:
-            p.data = tensors[name] if name in transient else tensors[name].clone()
+            p.data = tensors[name]
     for name, count in planes.items():
-        tiles = TiledCodes(tensors[f"{name}.tiles.blocks"].clone(), bits[name])
+        tiles = TiledCodes(tensors[f"{name}.tiles.blocks"], bits[name])
         weight = Int4Weight.from_tiles(tiles, count, model.dtype)
         if name == _TIED_HEAD:
             model.tied_lm_head_int4 = weight
