@@ -1,8 +1,8 @@
 """`stallfree bench hostile`: what large structured bodies do to everyone else, on a daemon or through a router.
 
 Streams decode and a prober asks /health every 20 ms; then each body is sent, one at a time: 1.33 M token
-ids (4 MB) and 100k short chat messages (3.5 MB), and the largest bodies the JSON
-bounds let through (262k token ids, 2048 messages). For each it prints the answer's status and time, the
+ids (4 MB) and 100k short chat messages (3.5 MB), the largest bodies the JSON
+bounds let through (262k token ids, 2048 messages), and response_format schemas of 16,000 and 7,000 properties. For each it prints the answer's status and time, the
 other streams' largest inter-token gap and /health's slowest answer while the body was in flight (and just
 after), beside a quiet window. Exits 1 when any body's gap or /health latency passes --goal-ms.
 
@@ -69,8 +69,18 @@ def hostile_bodies(model: str) -> list[tuple[str, str, bytes]]:
          {"model": model, "prompt": [rng.randrange(1000, 30000) for _ in range(MAX_JSON_VALUES - 16)], "max_tokens": 2}),
         (f"{MAX_MESSAGES} messages (within bounds)", chat_completion,
          {"model": model, "messages": [chat] * MAX_MESSAGES, "max_tokens": 2}),
+        # A schema is checked in more than linear time (16,000 properties: ~14 s): past the grammar bound it is a
+        # 400 at once; within it, it is checked on the grammar workers while the streams go on.
+        ("json_schema of 16,000 properties", chat_completion, _schema_body(model, chat, 16_000)),
+        ("json_schema of 7,000 properties (within bounds)", chat_completion, _schema_body(model, chat, 7_000)),
     ]
     return [(name, path, json.dumps(body).encode()) for name, path, body in bodies]
+
+
+def _schema_body(model: str, chat: dict, num_properties: int) -> dict:
+    schema = {"type": "object", "properties": {f"p{i:05d}": {"type": "string"} for i in range(num_properties)}}
+    return {"model": model, "messages": [chat], "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}}
 
 
 async def _stream(client: httpx.AsyncClient, model: str, index: int, stop_: asyncio.Event,
