@@ -46,6 +46,7 @@ from stallfree.bench.cpu_record import cpu_record, paths_from_logs
 from stallfree.bench.engine_streams import (Target, all_gaps, median, rank, run_landing, run_streams,
                                             steady_gaps)
 from stallfree.loadgen.prompts import PromptBuilder
+from stallfree.bench.weight_bytes import bandwidth_row, describe, gguf_bytes_per_token, gguf_of, read_bandwidth_gb_s
 
 
 @dataclass
@@ -99,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     u = p.add_argument_group("any OpenAI-compatible server (instead of starting stallfree daemons)")
     u.add_argument("--url", default=None, help="measure the server at this base URL (e.g. http://127.0.0.1:18101)")
     u.add_argument("--label", default=None, help="its name in the printed table and the JSON (default: --model)")
+    p.add_argument("--gguf", default=None, help="the GGUF file the server serves (default: --model or --tokenizer "
+                   "where it names one): the one-stream row's bytes a token and GB/s")
     u.add_argument("--tokenizer", default=None,
                    help="builds prompts of exact token counts: a model folder, .gguf or shape name, smollm2-135m "
                         "(embedded; the default unless --model names a tokenizer)")
@@ -225,6 +228,8 @@ def measure(args: argparse.Namespace, sizes: Sizes, work: Path) -> dict[str, Any
     rows: dict[str, Any] = {}
     seed = 10_000
 
+    machine_gb_s = read_bandwidth_gb_s()  # before any daemon: the machine alone
+    print(f"  the machine's read bandwidth: {machine_gb_s:.1f} GB/s", flush=True)
     # Default flags, empty cache: the cold start, then single stream, 16 streams (RSS), prefill alone.
     daemon = start_daemon(args, "default", cache_dir, work, [])
     cold = [daemon.first_answer_s]
@@ -239,6 +244,9 @@ def measure(args: argparse.Namespace, sizes: Sizes, work: Path) -> dict[str, Any
             print(f"  single stream {r + 1}/{sizes.repeats}: {single[-1]:.1f} tok/s", flush=True)
         rows["single_stream_decode_tok_s"] = {"value": median(single), "unit": "tok/s", "runs": single,
                                               "tokens": sizes.decode_tokens}
+        path = gguf_of(args.gguf or args.model)
+        rows["single_stream_bandwidth"] = bandwidth_row(median(single), gguf_bytes_per_token(path) if path else None,
+                                                        machine_gb_s)
         totals, p99s, maxes, steady_p99s, steady_maxes = [], [], [], [], []
         for r in range(sizes.repeats):
             streams, wall = asyncio.run(run_streams(target,
@@ -391,6 +399,8 @@ def report(rows: dict[str, Any], sizes: Sizes, verdict: dict[str, str]) -> str:
     lines = ["| figure | stallfree | goal | verdict |", "|---|---|---|---|"]
     for key, label in LABELS.items():
         lines.append(f"| {label.format(**sizes.__dict__)} | {_fmt(rows[key])} | {GOALS[key]} | {verdict[key]} |")
+    if rows.get("single_stream_bandwidth"):
+        lines.append(f"\none stream reads {describe(rows['single_stream_bandwidth'])}")
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from stallfree.bench.engine_serving import run_serving_load
 from stallfree.bench.engine_streams import Target, all_gaps, median, rank, run_landing, run_streams
 from stallfree.bench.launch import Launched, answers, launch
 from stallfree.loadgen.prompts import PromptBuilder
+from stallfree.bench.weight_bytes import bandwidth_row, describe, gguf_bytes_per_token, gguf_of, read_bandwidth_gb_s
 
 URL_LABELS = {
     "single_stream_decode_tok_s": "one stream, {decode_tokens} tokens",
@@ -170,6 +171,8 @@ def measure(args: argparse.Namespace, sizes: Any, work: Path, say=print) -> dict
     url, cmd = args.url.rstrip("/"), args.launch
     builder, source = prompt_builder(args.tokenizer, args.model)
     say(f"  prompts built with the {source} tokenizer")
+    machine_gb_s = read_bandwidth_gb_s()  # before the server starts: the machine alone
+    say(f"  the machine's read bandwidth: {machine_gb_s:.1f} GB/s")
     launched, starts = None, []
     if cmd:
         with httpx.Client(timeout=5.0) as client:
@@ -196,6 +199,9 @@ def measure(args: argparse.Namespace, sizes: Any, work: Path, say=print) -> dict
     rows["startup_s"] = ({"value": median(starts), "unit": "s", "runs": starts} if cmd else
                          {"value": None, "unit": "s", "note": "needs --launch"})
     rows["ignore_eos"] = target.ignore_eos
+    path = gguf_of(args.gguf or args.tokenizer or args.model)
+    rows["single_stream_bandwidth"] = bandwidth_row(rows.get("single_stream_decode_tok_s", {}).get("value"),
+                                                    gguf_bytes_per_token(path) if path else None, machine_gb_s)
     return rows
 
 
@@ -225,6 +231,8 @@ def report(rows: dict[str, Any], sizes: Any, label: str) -> str:
     lines = [f"| figure | {label} |", "|---|---|"]
     for key, text in URL_LABELS.items():
         lines.append(f"| {text.format(**sizes.__dict__)} | {fmt(rows.get(key, NOT_MEASURED))} |")
+    if rows.get("single_stream_bandwidth"):
+        lines.append(f"\none stream reads {describe(rows['single_stream_bandwidth'])}")
     if not rows.get("ignore_eos", True):
         lines.append("\nignore_eos was not taken: figures count the tokens the server actually produced.")
     return "\n".join(lines)
