@@ -422,6 +422,10 @@ class LLMEngine:
 
     def _release(self, request: Request, now: float) -> None:
         request.finished_time = now
+        if request.draft_state and log.isEnabledFor(logging.DEBUG):
+            drafted, accepted = request.num_drafted_tokens, request.num_accepted_tokens
+            log.debug("request %s speculation: %d draft tokens, %d accepted, %d rejected, %d outputs",
+                      request.request_id, drafted, accepted, drafted - accepted, request.num_output_tokens)
         self._detokenizers.pop(request.request_id, None)
         self._free_executor_state(request.request_id)
         if self.observer is not None:
