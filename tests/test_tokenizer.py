@@ -185,3 +185,20 @@ def test_a_loaded_gguf_model_gives_its_tokenizer_without_parsing_the_file_again(
     text = "What is the capital of France? <|im_end|> 2024"
     assert tk.encode(text) == smollm2_tokenizer.encode(text)
     assert tk.eos_token_ids == smollm2_tokenizer.eos_token_ids
+
+
+def test_a_gguf_tokenizer_is_built_once_then_read_from_its_cache(tmp_path, monkeypatch):
+    """The GGUF file's tokenizer is written beside the weight cache on first use and read back on the next (the file
+    is not written again): the same ids for the same text; a damaged cache file is rebuilt, never a failed start."""
+    from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path
+
+    monkeypatch.setenv("STALLFREE_WEIGHT_CACHE", str(tmp_path))
+    text = "Water is made of hydrogen and oxygen; 12345 <|im_start|>"
+    built = load_tokenizer(embedded_gguf_path())
+    (cached,) = tmp_path.glob("*.tokenizer.json")
+    written = cached.stat().st_mtime_ns
+    assert load_tokenizer(embedded_gguf_path()).encode(text) == built.encode(text)
+    assert cached.stat().st_mtime_ns == written
+    cached.write_text("{not json")
+    assert load_tokenizer(embedded_gguf_path()).encode(text) == built.encode(text)
+    json.loads(cached.read_text())  # written again, whole

@@ -19,6 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from stallfree.node_daemon.text.chat_template import render_chat
+from stallfree.node_daemon.text.tokenizer_cache import cached_backend
 
 log = logging.getLogger(__name__)
 
@@ -243,20 +244,27 @@ def from_gguf_metadata(meta: dict[str, Any], path: str) -> Tokenizer:
     if not tokens:
         raise ValueError(f"{path} carries no tokenizer (tokenizer.ggml.tokens is missing)")
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if kind == "gpt2":
-        backend = _gguf_byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], meta.get("tokenizer.ggml.pre", "default"))
-        add_bos_default = False
-    elif kind == "llama":
-        backend = _gguf_sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types,
-                                          meta.get("tokenizer.ggml.add_space_prefix", True))
-        add_bos_default = True
-    else:
+    if kind not in ("gpt2", "llama"):
         raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported (gpt2 and llama are)")
-    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_USER_DEFINED]
-    backend.add_special_tokens(specials)
-    if user:
-        backend.add_tokens(user)
+    add_bos_default = kind == "llama"
+
+    def build() -> HFTokenizer:
+        if kind == "gpt2":
+            backend = _gguf_byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [],
+                                           meta.get("tokenizer.ggml.pre", "default"))
+        else:
+            backend = _gguf_sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens),
+                                              types, meta.get("tokenizer.ggml.add_space_prefix", True))
+        specials = [AddedToken(t, special=True, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL]
+        user = [AddedToken(t, special=False, normalized=False)
+                for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_USER_DEFINED]
+        backend.add_special_tokens(specials)
+        if user:
+            backend.add_tokens(user)
+        return backend
+
+    backend = cached_backend(path, build)
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     eos_id = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = [eos_id] if eos_id is not None else []
