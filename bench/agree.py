@@ -153,7 +153,7 @@ def _top(logits) -> dict[int, float]:
     return {int(i): float(v) for i, v in zip(ids, values)}
 
 
-def stallfree_traces(runner, prompts: list[list[int]], steps: int = STEPS) -> list[Trace]:
+def stallfree_traces(runner, prompts: list[list[int]], steps: int = STEPS, chunk: int = PREFILL_CHUNK) -> list[Trace]:
     """Greedy continuations through runner.execute_model, as the engine drives it: chunked prefill, then decodes."""
     from stallfree.node_daemon.engine.request import Request
     from stallfree.node_daemon.engine.sampling_params import SamplingParams
@@ -167,8 +167,8 @@ def stallfree_traces(runner, prompts: list[list[int]], steps: int = STEPS) -> li
     for i, prompt in enumerate(prompts):
         req = Request(f"agree-{i}", list(prompt), SamplingParams(max_tokens=steps))
         req.block_ids = list(range(-(-(len(prompt) + steps) // runner.block_size)))
-        for pos in range(0, len(prompt), PREFILL_CHUNK):
-            n = min(PREFILL_CHUNK, len(prompt) - pos)
+        for pos in range(0, len(prompt), chunk):
+            n = min(chunk, len(prompt) - pos)
             logits = run(ScheduledChunk(req, pos, n, is_prefill=True, samples=pos + n == len(prompt)))
         req.num_computed_tokens = len(prompt)
         trace = Trace([], [])
@@ -218,13 +218,13 @@ def llama_server(binary: str, gguf: str, log_path: str, threads: int, extra: lis
         daemon_process.stop(process, timeout_s=10)
 
 
-def llama_traces(url: str, prompts: list[list[int]], steps: int = STEPS) -> list[Trace]:
+def llama_traces(url: str, prompts: list[list[int]], steps: int = STEPS, ignore_eos: bool = False) -> list[Trace]:
     """Greedy continuations from /completion: top_k 1 as the only sampler; n_probs gives the TOP_K logprobs of the
-    distribution before sampling."""
+    distribution before sampling. ignore_eos: `steps` tokens even past an end of generation, as stallfree's traces."""
     traces = []
     for prompt in prompts:
         body = {"prompt": prompt, "n_predict": steps, "temperature": 0, "top_k": 1, "samplers": ["top_k"],
-                "n_probs": TOP_K, "cache_prompt": False}
+                "n_probs": TOP_K, "cache_prompt": False, "ignore_eos": ignore_eos}
         request = urllib.request.Request(f"{url}/completion", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=300) as r:

@@ -20,6 +20,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "write-gguf": ("stallfree.bench.write_random_gguf", "a random-weight GGUF of Llama-3.2-1B's shape (q4_0, q4_k_m)"),
     "hostile": ("stallfree.bench.hostile", "streams' gaps and /health while 1.33M token ids or 100k messages arrive"),
     "agree": ("stallfree.bench.agree", "greedy tokens and top-5 logprobs against llama.cpp's llama-server on GGUFs"),
+    "agree-rate": ("stallfree.bench.agree_rate", "greedy agreement with the float32 reference on 120 prompts: "
+                   "the serving path beside llama.cpp"),
     "speculation": ("stallfree.bench.speculation", "output tok/s and draft acceptance, echo and open workloads, "
                     "against any OpenAI-compatible server"),
 }
