@@ -118,8 +118,8 @@ def decode_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> BlockCod
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // GROUP_SIZE, block_bytes)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if qtype == "Q8_0":
-        u = blocks[..., 2:].view(np.int8).astype(np.int16) + 128  # 0..255
-        lo, hi = (u & 15).astype(np.uint8), (u >> 4).astype(np.uint8)
+        u = blocks[..., 2:] ^ np.uint8(0x80)  # q + 128 (0..255): the int8's sign bit flipped, no widening
+        lo, hi = u & np.uint8(15), u >> np.uint8(4)
         codes = np.concatenate([lo.reshape(rows, cols), hi.reshape(rows, cols)], axis=1)
         scale = np.concatenate([d, 16.0 * d], axis=1)
         zero = np.concatenate([8.0 * d, np.zeros_like(d)], axis=1)

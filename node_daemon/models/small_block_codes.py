@@ -21,6 +21,7 @@ BLOCK_BYTES = {"Q5_0": 22, "Q5_1": 24, "IQ4_NL": 18, "IQ4_XS": 136}
 BLOCK_WEIGHTS = {"Q5_0": 32, "Q5_1": 32, "IQ4_NL": 32, "IQ4_XS": 256}
 # llama.cpp's kvalues_iq4nl
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
+_IQ4_CODES = (IQ4_LEVELS + 128).astype(np.uint8)  # the levels as unsigned codes
 
 
 def decode(raw: np.ndarray, qtype: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -62,7 +63,7 @@ def _q5_1(blocks: np.ndarray):
 
 def _iq4_nl(blocks: np.ndarray):
     d = _f16(blocks[:, 0:2])
-    return (IQ4_LEVELS[_nibbles(blocks[:, 2:18])] + 128).astype(np.uint8), d, -128.0 * d
+    return _IQ4_CODES[_nibbles(blocks[:, 2:18])], d, -128.0 * d
 
 
 def _iq4_xs(blocks: np.ndarray):
@@ -73,8 +74,7 @@ def _iq4_xs(blocks: np.ndarray):
     low = np.stack([scales_l & 15, scales_l >> 4], axis=2).reshape(n, 8)
     high = ((scales_h >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
     scale = (d[:, None] * ((low | (high << 4)).astype(np.float32) - 32.0)).reshape(-1)  # one per 32 weights
-    codes = IQ4_LEVELS[_nibbles(blocks[:, 8:136].reshape(n * 8, 16))] + 128
-    return codes.astype(np.uint8), scale, -128.0 * scale
+    return _IQ4_CODES[_nibbles(blocks[:, 8:136].reshape(n * 8, 16))], scale, -128.0 * scale
 
 
 _DECODERS = {"Q5_0": _q5_0, "Q5_1": _q5_1, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
