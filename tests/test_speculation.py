@@ -190,7 +190,7 @@ def test_a_lower_priority_does_not_draft_while_a_higher_one_waits_to_prefill():
     assert s.schedule().num_verify_tokens > 0  # nothing of a higher priority prefills: the drafts resume
 
 
-def test_the_cost_model_sees_a_verification_as_a_chunk_over_its_prefix():
+def test_the_cost_model_sees_a_verification_as_the_decode_rows_it_runs_as():
     from stallfree.node_daemon.engine.engine import _observe_iteration
 
     s = speculating_scheduler(token_budget=34, max_num_seqs=2, num_blocks=64)
@@ -198,7 +198,8 @@ def test_the_cost_model_sees_a_verification_as_a_chunk_over_its_prefix():
     out = s.schedule()
     seen = []
     _observe_iteration(lambda decodes, chunks, ms: seen.append((decodes, chunks)), out, 5.0)
-    assert seen == [([], [(d.num_computed_tokens, 5)])]
+    start = d.num_computed_tokens
+    assert seen == [([start + 1, start + 2, start + 3, start + 4, start + 5], [])]
 
 
 def test_random_workloads_with_drafts_keep_every_kv_and_block_invariant():

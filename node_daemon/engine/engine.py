@@ -468,11 +468,13 @@ def _is_stop_token(request: Request, token: int) -> bool:
 
 def _observe_iteration(observe: Callable[..., None], output, iteration_ms: float) -> None:
     """Hand a cost model the iteration as it predicts one: decode context lengths, (prefix, tokens) chunks. A
-    verification is a multi-row query over its cached prefix, as a prefill chunk is, and is costed as one."""
+    verification runs as decode rows of its sequence (model_runner.py), one per token, and is costed as them."""
     decode_lens, prefill_chunks = [], []
     for chunk in output.chunks:
-        if chunk.is_prefill or chunk.draft:
+        if chunk.is_prefill:
             prefill_chunks.append((chunk.start, chunk.num_tokens))
+        elif chunk.draft:
+            decode_lens += range(chunk.start + 1, chunk.start + chunk.num_tokens + 1)
         else:
             decode_lens.append(chunk.start + 1)
     observe(decode_lens, prefill_chunks, iteration_ms)

@@ -3,7 +3,8 @@
 Per iteration it lays the scheduled chunks end to end as one ragged batch (no padding), builds every
 index tensor on the host in two packed buffers (int64: token ids, positions, slot mapping, sampled
 rows; int32: query start locations, sequence lengths, block tables), copies each to the device once,
-runs the model, and projects to logits only the rows that sample (every row of a draft's verification).
+runs the model, and projects to logits only the rows that sample (every row of a draft's verification, which runs
+as decode rows of its sequence).
 
 Sampling is not done here (node_daemon/engine/sampler.py); the engine wires runner and sampler.
 """
@@ -132,27 +133,44 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         sample_rows: list[int] = []
+        verifying = output.num_verify_tokens > 0
+        seq_blocks: list[list[int]] | None = [] if verifying else None  # each sequence's block table
         for chunk in output.chunks:
             req, start, n = chunk.request, chunk.start, chunk.num_tokens
             end = start + n
             if end > self.max_model_len or end > len(req.block_ids) * bs:
                 raise ValueError(f"request {req.request_id} reaches position {end}: past max_model_len "
                                  f"{self.max_model_len} or its {len(req.block_ids)} KV blocks")
+            if chunk.draft:
+                # A verification runs as 1 + len(draft) decode rows of one sequence, row i over the first
+                # start + i + 1 positions: each row's logits are computed as a decode's would be (the same attention
+                # kernel), so greedy outputs do not change with speculation. Every layer writes all rows' KV before
+                # its attention, so each row sees the rows before it.
+                ids.append(req.token_ids[start])
+                ids += chunk.draft
+                for pos in range(start, end):
+                    positions.append(pos)
+                    slots.append(req.block_ids[pos // bs] * bs + pos % bs)
+                    query_start_loc.append(query_start_loc[-1] + 1)
+                    query_lens.append(1)
+                    seq_lens.append(pos + 1)
+                    sample_rows.append(query_start_loc[-1] - 1)
+                    seq_blocks.append(req.block_ids)
+                continue
             if n == 1:  # a decode: the common case, kept to scalar arithmetic
                 ids.append(req.token_ids[start])
                 positions.append(start)
                 slots.append(req.block_ids[start // bs] * bs + start % bs)
             else:
-                draft = chunk.draft
-                ids += req.token_ids[start:end] if not draft else req.token_ids[start:start + 1] + draft
+                ids += req.token_ids[start:end]
                 positions += range(start, end)
                 _append_slots(slots, req.block_ids, start, end, bs)
-                if draft:  # a verification: every row's logits
-                    sample_rows += range(query_start_loc[-1], query_start_loc[-1] + n)
             query_start_loc.append(query_start_loc[-1] + n)
             query_lens.append(n)
             seq_lens.append(end)
-            if chunk.samples and not chunk.draft:
+            if seq_blocks is not None:
+                seq_blocks.append(req.block_ids)
+            if chunk.samples:
                 sample_rows.append(query_start_loc[-1] - 1)
         num_tokens, num_seqs = len(ids), len(seq_lens)
         if num_tokens > self.max_num_tokens:
@@ -161,8 +179,9 @@ class ModelRunner:
         width = -(-max_seq_len // bs)
         block_tables: list[int] = []
         pad = [0] * width
-        for chunk, seq_len in zip(output.chunks, seq_lens):
-            used = chunk.request.block_ids[:-(-seq_len // bs)]
+        tables = seq_blocks if seq_blocks is not None else (chunk.request.block_ids for chunk in output.chunks)
+        for blocks, seq_len in zip(tables, seq_lens):
+            used = blocks[:-(-seq_len // bs)]
             block_tables += used
             block_tables += pad[len(used):]
 
