@@ -210,6 +210,7 @@ class FlowQueue(Generic[K]):
         """
         out: list[tuple[Queued[K], Choice]] = []
         if not self._waiting or not self._any_admits(views):
+            self._forget_served()
             return out  # the common case under a flood: every replica full, the queue is not walked at all
         real = {v.name: v for v in views}  # what each replica holds: decides whether it admits now
         placed = dict(real)  # plus what waits here for it: what the policy sees
@@ -246,10 +247,14 @@ class FlowQueue(Generic[K]):
                 out.append((item, choice))
                 real[choice.name] = real[choice.name].plus(item.prompt_tokens, p, item.tenant, item.sequences)
             placed[choice.name] = placed[choice.name].plus(item.prompt_tokens, p, item.tenant, item.sequences)
-        waiting_tenants = {q.tenant for q in self._waiting.values()}
-        for tenant in [t for t in self._served_at if t not in waiting_tenants]:
-            del self._served_at[tenant]  # bounded by the tenants waiting; one who returns starts afresh
+        self._forget_served()
         return out
+
+    def _forget_served(self) -> None:
+        """The fairness memory holds only tenants still waiting (bounded by them); one who returns starts afresh."""
+        waiting_tenants = {tenant for _, tenant in self._held}
+        for tenant in [t for t in self._served_at if t not in waiting_tenants]:
+            del self._served_at[tenant]
 
     def _any_admits(self, views: list[ReplicaView]) -> bool:
         """Whether some replica admits a one-sequence request of the highest band waiting (none admitting it, none
