@@ -112,8 +112,10 @@ def test_the_router_signs_the_deadline_from_its_arrival():
     assert objective is not None and (objective.name, objective.priority, objective.tpot_ms) == ("chat", 3, 50.0)
     assert objective.deadline_s == pytest.approx(arrived + 2.0)  # its arrival + 2 s
     assert room.signed(spec, 2, arrived) == RequestObjective("chat", 2, None, 50.0)  # sent below its band
-    implicit = WaitingRoom(FlowConfig())
-    assert implicit.signed(implicit.objectives.default, 0, arrived) is None  # nothing to tell: first come, first served
+    alone = WaitingRoom(FlowConfig(), Objectives({"chat": RouterObjectiveSpec("chat", 0, 2000.0)},
+                                                 RouterObjectiveSpec("chat", 0, 2000.0)))
+    assert alone.signed(alone.objectives.default, 0, arrived) is None  # one objective: first come, first served
+    assert alone.signed(alone.objectives.default, -1, arrived) == RequestObjective("chat", -1)  # below its band
 
 
 OBJECTIVES = json.dumps([{"name": "chat", "priority": 7, "ttftP99Ms": 600000, "tpotP99Ms": 60000, "default": True},

@@ -120,12 +120,14 @@ class WaitingRoom(Generic[K]):
         """What the engine is told: the priority it was sent with (one below its band past its tenant's share:
         flow_control.py), its first token due at its arrival plus the TTFT target (on the clock `arrival_s` is
         on), its TPOT target. Sent below its band it gives up its deadline, which would let it take budget beside
-        the band. None for the implicit objective: nothing to tell, the engine keeps first come, first served."""
+        the band. None for a request of the service's only objective sent at priority 0: every request is alike,
+        nothing orders one before another, so the engine keeps first come, first served at the tuner's budget
+        (its deadline and TPOT target only ever order one objective against another); one sent below its band is
+        signed, so it goes after them."""
+        if len(self.objectives.by_name) == 1 and sent_priority == 0:
+            return None
         if sent_priority != objective.priority:
             objective = replace(objective, priority=sent_priority, ttft_ms=None)
-        if len(self.objectives.by_name) == 1 and objective.priority == 0 and objective.ttft_ms is None \
-                and objective.tpot_ms is None:
-            return None
         deadline = None if objective.ttft_ms is None else arrival_s + objective.ttft_ms / 1000.0
         return RequestObjective(objective.name, objective.priority, deadline, objective.tpot_ms)
 
