@@ -158,3 +158,27 @@ def test_q5_and_iq4_blocks_are_served_from_their_codes(tier, qtype, bits):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
         exact = _matmul(tier, weight, x, float_out=True)
         assert relative_error(exact, x.double() @ weight.dequantize().double().T) < FLOAT_OUT_TOLERANCE
+
+
+@pytest.mark.parametrize("qtype,zeros", [("Q4_0", False), ("Q5_0", False), ("Q8_0", False), ("IQ4_NL", False),
+                                         ("Q4_1", True), ("Q5_1", True)])
+def test_symmetric_types_keep_the_files_bytes(qtype, zeros):
+    """A symmetric type's zeros follow from its scales (-2^(bits-1) scale): its tiles hold none, so they take the
+    file's own bytes (Q8_0: 34 a block of 32 weights); the affine types (mins) keep theirs."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    if qtype in ("Q4_0", "Q4_1", "Q8_0"):
+        from gguf.quants import quantize
+
+        rng = np.random.default_rng(7)
+        raw = quantize(rng.standard_normal((32, 256)).astype(np.float32), GGMLQuantizationType[qtype]).reshape(32, -1)
+    else:
+        raw, _ = _gguf_blocks(qtype, 32, 256, seed=7)
+    weight = TiledCodes.from_codes(decode_blocks(raw, qtype, 32, 256))
+    assert weight.has_zeros == zeros
+    if not zeros and qtype != "IQ4_NL":  # IQ4's non-linear levels take 8-bit codes: more bytes than its 4.5 bits
+        assert weight.nbytes == raw.nbytes
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    want = x.double() @ weight.dequantize().double().T
+    assert relative_error(_matmul("generic", weight, x, float_out=True), want) < FLOAT_OUT_TOLERANCE

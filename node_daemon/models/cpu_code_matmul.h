@@ -25,9 +25,26 @@
 constexpr int64_t kQBlock = 32;
 constexpr int64_t kPrefetchBytes = 1024;  // about 4 blocks ahead: the stream prefetcher restarts at each 4 KB page
 
-template <int BITS>
+// ZERO false: a symmetric type's record (Q4_0, Q5_0, Q8_0, IQ4, Q6_K re-coded: zero = -2^(BITS-1) scale in every
+// block) holds no zeros; the kernel makes each from its scale (the file's own bytes: 8.5 bits a Q8_0 weight, not 9).
+template <int BITS, bool ZERO = true>
 constexpr int64_t record_bytes() {
-  return BITS * kQBlock * 16 / 8 + 2 * 16 * 2;  // codes (and fifth bits), then 16 float16 scales and 16 zeros
+  return BITS * kQBlock * 16 / 8 + (ZERO ? 2 : 1) * 16 * 2;  // codes (and fifth bits), 16 float16 scales, zeros
+}
+
+// A record's size says its codes' bits and whether it holds zeros (every size differs).
+struct RecordKind {
+  int bits;
+  bool zero;
+};
+inline std::optional<RecordKind> record_kind(int64_t bytes) {
+  if (bytes == record_bytes<4>()) return RecordKind{4, true};
+  if (bytes == record_bytes<5>()) return RecordKind{5, true};
+  if (bytes == record_bytes<8>()) return RecordKind{8, true};
+  if (bytes == record_bytes<4, false>()) return RecordKind{4, false};
+  if (bytes == record_bytes<5, false>()) return RecordKind{5, false};
+  if (bytes == record_bytes<8, false>()) return RecordKind{8, false};
+  return std::nullopt;
 }
 
 // Each row's blocks of 32 as int16 codes with their scale and exact sum.
@@ -74,9 +91,9 @@ constexpr int kMaxRowsAtOnce = 4;  // rows sharing one pass over a tile's codes 
 // (read and written once a block), so the 2R int32 sums, the codes and the broadcast activations keep AVX2's 16
 // registers: held in registers too they spilled, and the int32 sums went through the stack at every product (1.6x
 // slower at 16 rows). (A block in two halves of 8 columns, one sum a row: 1.4x slower at one row.)
-template <int BITS, int R>
+template <int BITS, bool ZERO, int R>
 inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int64_t blocks, float* out) {
-  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS>();
+  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS, ZERO>();
   constexpr int chunks = BITS == 8 ? 16 : 8;
   const int64_t blocks_per_row = x.k / kQBlock;
   for (int r = 0; r < R; ++r) {
@@ -129,7 +146,9 @@ inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
     }
     const __m128i* sp = reinterpret_cast<const __m128i*>(wb + code_bytes);
     const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(sp)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(sp + 1));
-    const __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128(sp + 2)), z1 = _mm256_cvtph_ps(_mm_loadu_si128(sp + 3));
+    const __m256 implicit = _mm256_set1_ps(-static_cast<float>(1 << (BITS - 1)));
+    const __m256 z0 = ZERO ? _mm256_cvtph_ps(_mm_loadu_si128(sp + 2)) : _mm256_mul_ps(s0, implicit);
+    const __m256 z1 = ZERO ? _mm256_cvtph_ps(_mm_loadu_si128(sp + 3)) : _mm256_mul_ps(s1, implicit);
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * blocks_per_row + b;
       const __m256 xs = _mm256_set1_ps(x.scale[i]), xsum = _mm256_set1_ps(x.sum[i]);
@@ -142,13 +161,13 @@ inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
   }
 }
 
-template <int BITS>
+template <int BITS, bool ZERO>
 void code_tile_rows(const uint8_t* w, const QuantizedRows& x, int64_t r0, int rows, int64_t blocks, float* out) {
   switch (rows) {
-    case 1: return code_tile<BITS, 1>(w, x, r0, blocks, out);
-    case 2: return code_tile<BITS, 2>(w, x, r0, blocks, out);
-    case 3: return code_tile<BITS, 3>(w, x, r0, blocks, out);
-    default: return code_tile<BITS, 4>(w, x, r0, blocks, out);
+    case 1: return code_tile<BITS, ZERO, 1>(w, x, r0, blocks, out);
+    case 2: return code_tile<BITS, ZERO, 2>(w, x, r0, blocks, out);
+    case 3: return code_tile<BITS, ZERO, 3>(w, x, r0, blocks, out);
+    default: return code_tile<BITS, ZERO, 4>(w, x, r0, blocks, out);
   }
 }
 constexpr const char* kCodeKernel = "avx2";
@@ -161,9 +180,9 @@ constexpr int kMaxRowsAtOnce = 4;
 
 // The same sums in plain loops: column c's codes of pair p are bytes 2c, 2c + 1 of chunk p (4-bit: low nibbles for
 // pairs 0-7, high nibbles for pairs 8-15).
-template <int BITS>
+template <int BITS, bool ZERO>
 void code_tile_rows(const uint8_t* w, const QuantizedRows& x, int64_t r0, int rows, int64_t blocks, float* out) {
-  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS>();
+  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS, ZERO>();
   const int64_t blocks_per_row = x.k / kQBlock;
   float acc[kMaxRowsAtOnce][16] = {};
   for (int64_t b = 0; b < blocks; ++b) {
@@ -186,8 +205,11 @@ void code_tile_rows(const uint8_t* w, const QuantizedRows& x, int64_t r0, int ro
     const uint16_t* sz = reinterpret_cast<const uint16_t*>(wb + code_bytes);
     for (int r = 0; r < rows; ++r) {
       const int64_t i = (r0 + r) * blocks_per_row + b;
-      for (int c = 0; c < 16; ++c)
-        acc[r][c] += static_cast<float>(dot[r][c]) * (half_to_float(sz[c]) * x.scale[i]) + half_to_float(sz[16 + c]) * x.sum[i];
+      for (int c = 0; c < 16; ++c) {
+        const float scale = half_to_float(sz[c]);
+        const float zero = ZERO ? half_to_float(sz[16 + c]) : -static_cast<float>(1 << (BITS - 1)) * scale;
+        acc[r][c] += static_cast<float>(dot[r][c]) * (scale * x.scale[i]) + zero * x.sum[i];
+      }
     }
   }
   for (int r = 0; r < rows; ++r) std::memcpy(out + 16 * r, acc[r], 16 * sizeof(float));
@@ -203,13 +225,14 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
 at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t bits, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "code_matmul: x [rows, K] bfloat16");
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "code_matmul: 4-, 5- or 8-bit codes");
+  const std::optional<RecordKind> kind = record_kind(blocks_t.dim() == 3 ? blocks_t.size(2) : 0);
   TORCH_CHECK(blocks_t.dim() == 3 && blocks_t.scalar_type() == at::kByte && blocks_t.is_contiguous(),
               "code_matmul: weight blocks [N / 16, K / 32, bytes] uint8, contiguous");
   const at::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0), k = xc.size(1), tiles = blocks_t.size(0), blocks = k / kQBlock;
-  TORCH_CHECK(k % kQBlock == 0 && blocks_t.size(1) == blocks &&
-                  blocks_t.size(2) == (bits == 4 ? record_bytes<4>() : bits == 5 ? record_bytes<5>() : record_bytes<8>()),
+  TORCH_CHECK(k % kQBlock == 0 && blocks_t.size(1) == blocks && kind && kind->bits == bits,
               "code_matmul: weight blocks do not match x's width");
+  const bool zero = kind->zero;
   at::Tensor out = at::empty({rows, tiles * 16}, xc.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0) return out;
   QuantizedRows q;
@@ -223,12 +246,16 @@ at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t 
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t r0 = 0; r0 < rows; r0 += kMaxRowsAtOnce) {
         const int r = static_cast<int>(std::min<int64_t>(kMaxRowsAtOnce, rows - r0));
+        const uint8_t* tile = w + t * tile_bytes;
         if (bits == 4)
-          code_tile_rows<4>(w + t * tile_bytes, q, r0, r, blocks, partial);
+          zero ? code_tile_rows<4, true>(tile, q, r0, r, blocks, partial)
+               : code_tile_rows<4, false>(tile, q, r0, r, blocks, partial);
         else if (bits == 5)
-          code_tile_rows<5>(w + t * tile_bytes, q, r0, r, blocks, partial);
+          zero ? code_tile_rows<5, true>(tile, q, r0, r, blocks, partial)
+               : code_tile_rows<5, false>(tile, q, r0, r, blocks, partial);
         else
-          code_tile_rows<8>(w + t * tile_bytes, q, r0, r, blocks, partial);
+          zero ? code_tile_rows<8, true>(tile, q, r0, r, blocks, partial)
+               : code_tile_rows<8, false>(tile, q, r0, r, blocks, partial);
         for (int i = 0; i < r; ++i) {
           if (of != nullptr)
             std::memcpy(of + (r0 + i) * n + t * 16, partial + 16 * i, 16 * sizeof(float));
@@ -242,14 +269,15 @@ at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t 
 }
 
 // Rows of a coded matrix as bfloat16 (an embedding looked up in its GGUF codes, rounded once from the float32
-// value scale * u + zero): out [n, K] for the token ids. The record size says the bits (320: 4, 384: 5, 576: 8).
+// value scale * u + zero): out [n, K] for the token ids. The record size says the bits and zeros (record_kind).
 at::Tensor code_rows(const at::Tensor& blocks_t, const at::Tensor& ids_t) {
   TORCH_CHECK(blocks_t.dim() == 3 && blocks_t.scalar_type() == at::kByte && blocks_t.is_contiguous(),
               "code_rows: weight blocks [N / 16, K / 32, bytes] uint8, contiguous");
   const int64_t rec = blocks_t.size(2), blocks = blocks_t.size(1), k = blocks * kQBlock, n_rows = blocks_t.size(0) * 16;
-  TORCH_CHECK(rec == record_bytes<4>() || rec == record_bytes<5>() || rec == record_bytes<8>(),
-              "code_rows: unknown record size");
-  const int bits = rec == record_bytes<4>() ? 4 : rec == record_bytes<5>() ? 5 : 8;
+  const std::optional<RecordKind> kind = record_kind(rec);
+  TORCH_CHECK(kind.has_value(), "code_rows: unknown record size");
+  const int bits = kind->bits;
+  const bool has_zero = kind->zero;
   const int64_t code_bytes = bits * kQBlock * 16 / 8;
   const at::Tensor ids = ids_t.to(at::kLong).contiguous();
   const int64_t n = ids.numel();
@@ -264,7 +292,8 @@ at::Tensor code_rows(const at::Tensor& blocks_t, const at::Tensor& ids_t) {
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* rb = w + (t * blocks + b) * rec;
         const uint16_t* sz = reinterpret_cast<const uint16_t*>(rb + code_bytes);
-        const float scale = half_to_float(sz[c]), zero = half_to_float(sz[16 + c]);
+        const float scale = half_to_float(sz[c]);
+        const float zero = has_zero ? half_to_float(sz[16 + c]) : -static_cast<float>(1 << (bits - 1)) * scale;
         uint16_t* dst = o + i * k + b * kQBlock;
         for (int p = 0; p < 16; ++p) {  // k = 2p + j
           for (int j = 0; j < 2; ++j) {

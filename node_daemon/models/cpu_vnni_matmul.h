@@ -37,9 +37,9 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
 }
 
 // One tile's 16 columns for rows r0 .. r0 + R - 1: out[r][c] (float32, 16 a row).
-template <int BITS, int R>
+template <int BITS, bool ZERO, int R>
 inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int64_t blocks, float* out) {
-  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS>();
+  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS, ZERO>();
   const int64_t blocks_per_row = x.k / kQBlock;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -73,7 +73,8 @@ inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
       }
     }
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes)));
-    const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes + 32)));
+    const __m512 z = ZERO ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes + 32)))
+                          : _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * blocks_per_row + b;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, _mm512_set1_ps(x.scale[i])), acc[r]);
@@ -83,16 +84,16 @@ inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
-template <int BITS>
+template <int BITS, bool ZERO>
 void code_tile_rows(const uint8_t* w, const QuantizedRows& x, int64_t r0, int rows, int64_t blocks, float* out) {
   switch (rows) {
-    case 1: return vnni_tile<BITS, 1>(w, x, r0, blocks, out);
-    case 2: return vnni_tile<BITS, 2>(w, x, r0, blocks, out);
-    case 3: return vnni_tile<BITS, 3>(w, x, r0, blocks, out);
-    case 4: return vnni_tile<BITS, 4>(w, x, r0, blocks, out);
-    case 5: return vnni_tile<BITS, 5>(w, x, r0, blocks, out);
-    case 6: return vnni_tile<BITS, 6>(w, x, r0, blocks, out);
-    case 7: return vnni_tile<BITS, 7>(w, x, r0, blocks, out);
-    default: return vnni_tile<BITS, 8>(w, x, r0, blocks, out);
+    case 1: return vnni_tile<BITS, ZERO, 1>(w, x, r0, blocks, out);
+    case 2: return vnni_tile<BITS, ZERO, 2>(w, x, r0, blocks, out);
+    case 3: return vnni_tile<BITS, ZERO, 3>(w, x, r0, blocks, out);
+    case 4: return vnni_tile<BITS, ZERO, 4>(w, x, r0, blocks, out);
+    case 5: return vnni_tile<BITS, ZERO, 5>(w, x, r0, blocks, out);
+    case 6: return vnni_tile<BITS, ZERO, 6>(w, x, r0, blocks, out);
+    case 7: return vnni_tile<BITS, ZERO, 7>(w, x, r0, blocks, out);
+    default: return vnni_tile<BITS, ZERO, 8>(w, x, r0, blocks, out);
   }
 }

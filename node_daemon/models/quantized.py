@@ -136,11 +136,13 @@ def decode_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> BlockCod
 class TiledCodes:
     """The same codes laid out for the compiled code kernel (models/cpu_code_matmul.h): an unsigned code per weight
     (4 bits; two planes joined: 5 bits where the high plane is one bit, as Q5_0's, else 8), value = scale * code +
-    zero per 32-weight block, scale and zero
+    zero per 32-weight block (zero = -2^(bits-1) scale, not stored, for symmetric types), scale and zero
     float16 (GGUF's own precision), 16 output rows to a tile, and per tile and block one record: the codes, then
     the 16 rows' scales, then their zeros."""
 
-    blocks: torch.Tensor  # uint8 [N / 16, K / 32, bits * 64 + 64] (5 bits: 256 bytes of nibbles, 64 of fifth bits)
+    # uint8 [N / 16, K / 32, bits * 64 + 64] (5 bits: 256 bytes of nibbles, 64 of fifth bits), or bits * 64 + 32
+    # where a symmetric type's zeros follow from its scales (has_zeros)
+    blocks: torch.Tensor
     bits: int
 
     @classmethod
@@ -178,8 +180,16 @@ class TiledCodes:
             return half.contiguous().view(torch.uint8)
 
         parts = [tiled.reshape(n // 16, groups, -1)] + ([fifth] if fifth is not None else [])
-        record = torch.cat([*parts, per_tile(scale), per_tile(zero)], dim=-1)
-        return cls(record, bits)
+        scale16 = scale.astype(np.float16).astype(np.float32)
+        if np.array_equal(zero.astype(np.float16).astype(np.float32), -float(1 << (bits - 1)) * scale16):
+            # A symmetric type (Q4_0, Q5_0, Q8_0, IQ4, Q6_K re-coded): its zeros follow from its scales, not stored
+            return cls(torch.cat([*parts, per_tile(scale)], dim=-1), bits)
+        return cls(torch.cat([*parts, per_tile(scale), per_tile(zero)], dim=-1), bits)
+
+    @property
+    def has_zeros(self) -> bool:
+        """Whether the records hold zeros (else zero = -2^(bits-1) scale: a symmetric type's)."""
+        return self.blocks.shape[2] == self.bits * 64 + 64
 
     @property
     def nbytes(self) -> int:
@@ -197,8 +207,13 @@ class TiledCodes:
             bits = (masks[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
             raw = raw | (bits.reshape(tiles, groups, 16, 16, 2) << 4)
         codes = raw.permute(0, 3, 1, 2, 4).reshape(tiles * 16, groups * GROUP_SIZE)
-        scale, zero = (self.blocks[..., at:at + 32].contiguous().view(torch.float16).float().transpose(1, 2)
-                       .reshape(tiles * 16, groups) for at in (code_bytes, code_bytes + 32))
+
+        def affine(at: int) -> torch.Tensor:
+            return (self.blocks[..., at:at + 32].contiguous().view(torch.float16).float().transpose(1, 2)
+                    .reshape(tiles * 16, groups))
+
+        scale = affine(code_bytes)
+        zero = affine(code_bytes + 32) if self.has_zeros else -float(1 << (self.bits - 1)) * scale
         return codes, scale, zero
 
     def to_block_codes(self) -> BlockCodes:
