@@ -142,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     from stallfree.node_daemon.engine.sampler import Sampler
     from stallfree.node_daemon.engine.sampling_params import SamplingParams
     from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-    from stallfree.node_daemon.models.quantized import _code_kernel, use_code_kernel
 
     steps = args.iterations + 3
     bs = args.block_size
@@ -162,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile:
         _compile_forward(runner)
     int4_decode = _without_code_kernel(runner) if args.ab_code else None
-    code_kernel = dict(_code_kernel)
+    weights = runner.model.int4_weights()
+    code_kernels = [w.code_kernel for w in weights]  # this model's, set aside for the torch int4 runs
     sampler = Sampler(runner.device)
     greedy = SamplingParams(max_tokens=steps + 1, temperature=0.0)
     rows = []
@@ -201,12 +201,13 @@ def main(argv: list[str] | None = None) -> int:
                 runner.cpu_decode = None
             if int4_decode is not None:  # B first: torch's int4 kernel for the few-row matmuls, same inputs
                 runner.cpu_decode = int4_decode
-                use_code_kernel(None, 0)
+                runner.model.use_code_kernel(None, 0)
                 tb = time.perf_counter()
                 runner.model.compute_logits(runner.run_model(inputs)[inputs.logits_indices])
                 fwd_b.append(time.perf_counter() - tb)
                 runner.cpu_decode = compiled
-                use_code_kernel(code_kernel["op"], code_kernel["max_rows"])
+                for weight, kernel in zip(weights, code_kernels):
+                    weight.code_kernel = kernel
             t1 = time.perf_counter()
             logits = runner.model.compute_logits(runner.run_model(inputs)[inputs.logits_indices])
             t2 = time.perf_counter()

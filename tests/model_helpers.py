@@ -101,14 +101,12 @@ def forced_cpu_tier(name: str):
     would be, then the CPU's own again; the compiled extension's state is set aside and restored around it."""
     import os
 
-    from stallfree.node_daemon.models import cpu_decode, cpu_tier, quantized
+    from stallfree.node_daemon.models import cpu_decode, cpu_tier
 
     saved_env, saved_state = os.environ.get(cpu_tier.ENV), dict(cpu_decode._state)
-    saved_kernel = dict(quantized._code_kernel)
     os.environ[cpu_tier.ENV] = name
     cpu_tier.cpu_tier.cache_clear()
     cpu_decode._state.update(loaded=False, why=None, thread=None, child=None)
-    quantized.use_code_kernel(None, 0)
     try:
         yield cpu_tier.cpu_tier()
     finally:
@@ -118,4 +116,3 @@ def forced_cpu_tier(name: str):
             os.environ[cpu_tier.ENV] = saved_env
         cpu_tier.cpu_tier.cache_clear()
         cpu_decode._state.update(saved_state)
-        quantized.use_code_kernel(saved_kernel["op"], saved_kernel["max_rows"])

@@ -102,21 +102,17 @@ def test_a_tier_below_avx512_serves_smollm2_from_its_codes(tier):
 def test_a_released_int4_pack_is_refused_clearly_when_the_code_kernel_is_off():
     import numpy as np
 
-    from stallfree.node_daemon.models.quantized import BlockCodes, Int4Weight, _code_kernel, use_code_kernel
+    from stallfree.node_daemon.models.quantized import BlockCodes, Int4Weight
 
     d = np.full((16, 1), 0.05, dtype=np.float32)
     weight = Int4Weight(BlockCodes(np.full((16, 32), 9, dtype=np.uint8), d, np.zeros_like(d), 1, "Q4_0"),
                         torch.bfloat16)
     x = torch.ones(2, 32, dtype=torch.bfloat16)
-    saved = dict(_code_kernel)
-    use_code_kernel(None, 0)  # torch's int4 kernel: its pack is made from the tiles at this first use
-    try:
-        assert torch.allclose(weight.matmul(x).float(), torch.full((2, 16), 1.6), rtol=1e-2)  # (9 - 8) * 0.05 * 32
-        assert weight.release_int4_pack() > 0 and weight.packed is None
-        with pytest.raises(RuntimeError, match="int4 pack was released"):
-            weight.matmul(x)
-    finally:
-        use_code_kernel(saved["op"], saved["max_rows"])
+    # no code kernel published for it: torch's int4 kernel, its pack made from the tiles at this first use
+    assert torch.allclose(weight.matmul(x).float(), torch.full((2, 16), 1.6), rtol=1e-2)  # (9 - 8) * 0.05 * 32
+    assert weight.release_int4_pack() > 0 and weight.packed is None
+    with pytest.raises(RuntimeError, match="int4 pack was released"):
+        weight.matmul(x)
 
 
 @needs_onednn_bf16()

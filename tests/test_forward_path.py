@@ -42,26 +42,25 @@ def test_a_background_build_switches_no_kernel_until_the_runner_takes_it_up(monk
     from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
     from stallfree.node_daemon.engine.request import Request
     from stallfree.node_daemon.engine.sampling_params import SamplingParams
-    from stallfree.node_daemon.models import cpu_decode, quantized
+    from stallfree.node_daemon.models import cpu_decode
     from stallfree.node_daemon.models.config import ModelConfig
 
     if not cpu_decode.ensure_built(background=False):
         pytest.skip(f"compiled decode path unavailable: {cpu_decode.why_not()}")
-    saved_state, saved_kernel = dict(cpu_decode._state), dict(quantized._code_kernel)
+    saved_state = dict(cpu_decode._state)
     try:
         # A daemon's start while the extension compiles: the Python path serves meanwhile.
         cpu_decode._state.update(loaded=False, why="compiling (the Python path serves meanwhile)")
-        quantized.use_code_kernel(None, 0)
         monkeypatch.setattr(cpu_decode, "ensure_built", lambda background: False)
         runner = ModelRunner(ModelConfig(model="smollm2-135m", dtype="bfloat16", compiled_decode="background"),
                              CacheConfig(block_size=16, num_blocks=32), max_num_tokens=64, max_num_seqs=4)
         assert runner.cpu_decode is not None and not runner.forward_path.compiled_in_use
         # The build thread loads the library (as _build_quietly does) while an iteration may be running: neither the
         # quantized matmuls' kernel nor torch's int4 packs change under it.
-        assert cpu_decode._load_or_build(build=False, publish=False)
+        assert cpu_decode._load_or_build(build=False)
         while cpu_decode._on_load:
             cpu_decode._on_load.pop(0)()
-        assert cpu_decode.is_loaded() and not quantized.code_kernel_in_use()
+        assert cpu_decode.is_loaded() and not runner.model.code_kernel_in_use
         # The next iteration takes it up first, on the engine thread.
         calls = []
         real = runner.cpu_decode.forward
@@ -70,7 +69,26 @@ def test_a_background_build_switches_no_kernel_until_the_runner_takes_it_up(monk
         req.block_ids = [1, 2]
         runner.execute_model(SchedulerOutput(chunks=[ScheduledChunk(req, 0, 20, is_prefill=True, samples=True)]))
         assert runner.forward_path.compiled_in_use and calls == [20]
-        assert quantized.code_kernel_in_use() == cpu_decode.enabled(cpu_decode.CODE_KERNEL_SWITCH)
+        assert runner.model.code_kernel_in_use == cpu_decode.enabled(cpu_decode.CODE_KERNEL_SWITCH)
     finally:
         cpu_decode._state.update(saved_state)
-        quantized.use_code_kernel(saved_kernel["op"], saved_kernel["max_rows"])
+
+
+def test_each_model_has_its_own_kernel_choice():
+    """The code kernel is published per model, by the runner that serves it: switching one engine's model to torch's
+    int4 kernel (an A/B bench, a test) leaves another model in the same process on the code kernel."""
+    import torch
+
+    from stallfree.node_daemon.models.config import ModelConfig
+    from stallfree.node_daemon.models.loader import load_model
+
+    a, b = (load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16")).model for _ in range(2))
+    kernel = object()
+    a.use_code_kernel(kernel, 8)
+    assert a.code_kernel_in_use and not b.code_kernel_in_use
+    assert all(w.code_kernel == (kernel, 8) for w in a.int4_weights()) and a.int4_weights()
+    b.use_code_kernel(None, 0)
+    assert a.code_kernel_in_use
+    a.use_code_kernel(None, 0)
+    x = torch.ones(1, a.shape.hidden_size, dtype=torch.bfloat16)
+    assert a.layers[0].mlp.down_proj.int4.code_kernel is None and a.compute_logits(x).shape == (1, a.shape.vocab_size)

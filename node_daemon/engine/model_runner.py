@@ -257,15 +257,15 @@ class ModelRunner:
         matmul from the next forward on."""
         from stallfree.node_daemon.models import cpu_decode
 
-        cpu_decode.publish_code_kernel()
+        cpu_decode.publish_code_kernel(self.model)
         self._release_int4_packs()
 
     def _release_int4_packs(self) -> None:
         """With the code kernel serving every quantized matmul (models/quantized.py) torch's int4 packs, the Python
         path's until then, are dropped, so each weight is held once as its codes."""
-        from stallfree.node_daemon.models import cpu_decode, quantized
+        from stallfree.node_daemon.models import cpu_decode
 
-        if quantized.code_kernel_in_use() and cpu_decode.enabled(cpu_decode.CODE_KERNEL_SWITCH):
+        if self.model.code_kernel_in_use and cpu_decode.enabled(cpu_decode.CODE_KERNEL_SWITCH):
             freed = self.model.release_int4_packs()
             if freed:
                 log.info("torch's int4 packs released (%.0f MB): the code kernel serves the GGUF codes", freed / 1e6)

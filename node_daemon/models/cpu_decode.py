@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from stallfree.node_daemon.models.cpu_tier import CpuTier, cpu_flags, cpu_tier
-from stallfree.node_daemon.models.quantized import CODE_MAX_ROWS, INT4_MAX_ROWS, use_code_kernel
+from stallfree.node_daemon.models.quantized import CODE_MAX_ROWS, INT4_MAX_ROWS
 
 if TYPE_CHECKING:
     from stallfree.node_daemon.models.llama import KVCache, LlamaForCausalLM
@@ -195,7 +195,7 @@ def why_not() -> str | None:
     return None if _state["loaded"] else _state["why"]  # type: ignore[return-value]
 
 
-def _load_or_build(build: bool, publish: bool = True) -> bool:
+def _load_or_build(build: bool) -> bool:
     """Load the serving tier's cached library; compile it first when `build` and it is missing. True once loaded."""
     with _lock:
         if _state["loaded"]:
@@ -209,25 +209,24 @@ def _load_or_build(build: bool, publish: bool = True) -> bool:
         kernels = ops(tier)
         kernels.set_chunk_kernel(enabled(CHUNK_KERNEL_SWITCH))
         _state["loaded"], _state["why"] = True, None
-        if publish:  # loaded in the foreground, before any forward runs; a background build leaves it to the runner
-            publish_code_kernel()
         return True
 
 
 def dequantize_tiles(tiles, dtype: torch.dtype) -> torch.Tensor:
     """A coded weight's dense values [N, K] in `dtype` (a oneDNN copy made from the codes): the compiled library's
     code_rows where it is already built for this tier (one pass, all threads), else torch's ops (TiledCodes)."""
-    if dtype == torch.bfloat16 and enabled() and _load_or_build(build=False, publish=False):
+    if dtype == torch.bfloat16 and enabled() and _load_or_build(build=False):
         return ops().code_rows(tiles.blocks, torch.arange(tiles.blocks.shape[0] * 16))
     return tiles.dequantize().to(dtype)
 
 
-def publish_code_kernel() -> None:
-    """Matmuls of quantized weights, here and on the Python path (Int4Weight.matmul), take the loaded library's code
-    kernel: a few rows where a oneDNN copy takes the rest (AVX-512), every row count where there is none. A runner
-    calls it between iterations (engine/forward_path.py) once a background build has loaded."""
+def publish_code_kernel(model: "LlamaForCausalLM") -> None:
+    """The model's quantized matmuls, here and on the Python path (Int4Weight.matmul), take the loaded library's
+    code kernel: a few rows where a oneDNN copy takes the rest (AVX-512), every row count where there is none. Its
+    runner calls it between iterations (engine/forward_path.py) once the library has loaded: per model, so another
+    engine in the process keeps its own choice."""
     if _state["loaded"] and enabled(CODE_KERNEL_SWITCH):
-        use_code_kernel(ops().code_matmul, CODE_MAX_ROWS)
+        model.use_code_kernel(ops().code_matmul, CODE_MAX_ROWS)
 
 
 @contextlib.contextmanager
@@ -279,7 +278,7 @@ def _build_quietly() -> None:
     atexit.register(_stop_build)
     code = child.wait()
     # Loaded here, on the build thread: the serving runner switches kernels itself between two iterations.
-    if _load_or_build(build=False, publish=False):
+    if _load_or_build(build=False):
         log.info("compiled CPU decode path in %.1f s (%s)", time.monotonic() - started, _library_path(build_key()))
         while _on_load:
             _on_load.pop(0)()

@@ -305,11 +305,25 @@ class LlamaForCausalLM(nn.Module):
         weights = [m.weight for m in self.modules() if isinstance(m, Linear) and m.int4 is not None]
         return sum(w.numel() * 2 for w in weights)
 
+    def int4_weights(self) -> list[Int4Weight]:
+        """Every weight served from GGUF codes (the projections', the tied head's)."""
+        found = [m.int4 for m in self.modules() if isinstance(m, Linear) and m.int4 is not None]
+        return found + ([self.tied_lm_head_int4] if self.tied_lm_head_int4 is not None else [])
+
+    def use_code_kernel(self, op, max_rows: int) -> None:
+        """This model's quantized matmuls take the compiled code kernel `op` (up to `max_rows` rows where a oneDNN
+        copy takes more), or torch's int4 kernel with `op` None: per model, not per process."""
+        for weight in self.int4_weights():
+            weight.code_kernel = None if op is None else (op, max_rows)
+
+    @property
+    def code_kernel_in_use(self) -> bool:
+        return any(w.code_kernel is not None for w in self.int4_weights())
+
     def release_int4_packs(self) -> int:
         """Drop torch's int4 pack of every weight the code kernel serves (call once the compiled extension is
         loaded: each 4-bit weight is then held once, as the kernel's tiles). Returns the bytes freed."""
-        weights = [m.int4 for m in self.modules() if isinstance(m, Linear) and m.int4 is not None]
-        return sum(w.release_int4_pack() for w in weights + [self.tied_lm_head_int4] if w is not None)
+        return sum(w.release_int4_pack() for w in self.int4_weights())
 
     def release_coded_dense_weights(self) -> int:
         """Drop the plain dense copy of every projection served from its codes alone (tiers without oneDNN's

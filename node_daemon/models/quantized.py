@@ -45,17 +45,6 @@ INT4_MAX_ROWS = 8
 # models/loader.py) the code kernel takes every row count.
 CODE_MAX_ROWS = 8
 PACK_ROWS = 4096  # a multiple of the packing's row blocks
-# The code kernel Int4Weight.matmul takes, and up to how many rows: set by models/cpu_decode.py once its extension
-# is loaded (None until then: torch's int4 kernel).
-_code_kernel: dict = {"op": None, "max_rows": 0}
-
-
-def use_code_kernel(op, max_rows: int) -> None:
-    _code_kernel["op"], _code_kernel["max_rows"] = op, max_rows
-
-
-def code_kernel_in_use() -> bool:
-    return _code_kernel["op"] is not None
 
 
 # GGUF type name -> (bytes per 32-weight block, code planes along K).
@@ -260,13 +249,17 @@ class Int4Weight:
         self.planes, self.out_features, self.dtype = codes.planes, codes.rows, dtype
         self._pack: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed, scales_and_zeros), one attribute:
         self._pack_released = False  # swapped whole, so a reader on another thread sees both or neither
+        # The compiled code kernel and up to how many rows it takes this weight: set for its model by the runner
+        # that serves it (models/cpu_decode.py publish_code_kernel), so two engines in one process never switch
+        # each other's kernels; None until then (torch's int4 kernel).
+        self.code_kernel: tuple | None = None
 
     @classmethod
     def from_tiles(cls, tiles: TiledCodes, planes: int, dtype: torch.dtype) -> "Int4Weight":
         """One from its tiles alone (models/weight_cache.py keeps them)."""
         weight = cls.__new__(cls)
         weight.tiles, weight.planes, weight.out_features, weight.dtype = tiles, planes, tiles.blocks.shape[0] * 16, dtype
-        weight._pack, weight._pack_released = None, False
+        weight._pack, weight._pack_released, weight.code_kernel = None, False, None
         return weight
 
     def _torch_pack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -305,21 +298,22 @@ class Int4Weight:
     def nbytes(self) -> int:
         """The bytes a matmul of a few rows reads: the code kernel's tiles where it is in use."""
         pack = self._pack
-        if code_kernel_in_use() or pack is None:
+        if self.code_kernel is not None or pack is None:
             return self.tiles.nbytes
         return sum(t.numel() * t.element_size() for t in pack)
 
     def code_kernel_applies(self, rows: int, any_rows: bool = False) -> bool:
         """Whether a matmul of `rows` rows takes the compiled code kernel: up to its row limit, or at any row count
         (`any_rows`: nothing else holds this weight for many rows, no oneDNN copy)."""
-        return code_kernel_in_use() and (any_rows or rows <= _code_kernel["max_rows"])
+        kernel = self.code_kernel
+        return kernel is not None and (any_rows or rows <= kernel[1])
 
     def matmul(self, x: torch.Tensor, float_out: bool = False, any_rows: bool = False) -> torch.Tensor:
         """x [rows, in_features] (this weight's dtype) -> [rows, out_features]: the code kernel once the compiled
         extension is loaded (up to its row limit unless `any_rows`; float32 sums when `float_out`), else torch's
         int4 kernel (in x's dtype)."""
         if self.code_kernel_applies(x.shape[0], any_rows):
-            return _code_kernel["op"](x, self.tiles.blocks, self.tiles.bits, float_out)
+            return self.code_kernel[0](x, self.tiles.blocks, self.tiles.bits, float_out)
         pack = self._torch_pack()
         if pack is None:
             raise RuntimeError("int4 matmul: torch's int4 pack was released for the code kernel, which is not in use")
