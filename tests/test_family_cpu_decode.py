@@ -97,3 +97,35 @@ def test_compiled_forward_follows_the_python_forward(family, kind, root):
         assert relative_error(got, want) < PATH_TOLERANCE
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
         assert relative_error(k_cache, want_k) < PATH_TOLERANCE  # the keys: normed per head, then rotated
+
+
+def test_qwen2_biases_and_float_projections_take_the_compiled_forward():
+    """A Qwen2-style model (q/k/v biases) of random bfloat16 weights: no projection has codes, every one is a float
+    weight, and the compiled forward serves it (biases added after the q/k/v projection, as the Python path does)."""
+    from stallfree.node_daemon.models.loader import LoadedModel
+
+    if not cpu_decode.ensure_built(background=False):
+        pytest.skip(f"compiled decode path unavailable: {cpu_decode.why_not()}")
+    shape = tiny_family_shape("qwen3").with_(family="llama", qkv_bias=True)
+    model = LlamaForCausalLM(shape, torch.bfloat16)
+    init_random_weights(model, seed=3, norm_std=0.1)
+    for layer in model.layers:  # biases large enough to matter
+        layer.self_attn.qkv_proj.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(1))
+    loaded = LoadedModel(model=model, shape=shape, eos_token_ids=(), bos_token_id=None, max_model_len=256,
+                         source=None, source_kind="random")
+    runner = ModelRunner(ModelConfig(model="qwen2-like", dtype="bfloat16", compiled_decode="now"),
+                         CacheConfig(block_size=16, num_blocks=32), max_num_tokens=256, max_num_seqs=8, loaded=loaded)
+    assert cpu_decode.unsupported(model) is None and runner.cpu_decode is not None
+    req = make_request("q", [(7 * j) % 400 + 3 for j in range(20)], [1, 2])
+    chunks = [ScheduledChunk(req, 0, 20, is_prefill=True, samples=True)]
+    with _python_path(runner):
+        want = step(runner, chunks, all_logits=True)
+    calls = []
+    compiled = runner.cpu_decode.forward
+    runner.cpu_decode.forward = lambda *args: calls.append(1) or compiled(*args)
+    try:
+        got = step(runner, chunks, all_logits=True)
+    finally:
+        runner.cpu_decode.forward = compiled
+    assert calls and relative_error(got, want) < PATH_TOLERANCE
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()

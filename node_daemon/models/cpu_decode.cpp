@@ -506,7 +506,7 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
                    at::IntArrayRef planes, at::IntArrayRef bits, at::TensorList kv, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, double eps, int64_t int4_max_rows, int64_t code_max_rows,
                    const at::Tensor& cos_sin_local, at::IntArrayRef sliding, int64_t window, double attn_scale,
-                   double embed_scale) {
+                   double embed_scale, at::TensorList qkv_bias) {
   at::NoGradGuard no_grad;
   const int64_t rows = input_ids.size(0), layers = static_cast<int64_t>(kv.size()) / 2;
   const int64_t hidden = embed.scalar_type() == at::kByte ? embed.size(1) * kQBlock : embed.size(1);
@@ -556,6 +556,7 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
                  bf16_mut(x), rows, hidden, eps);
     clock.lap(kNorm);
     at::Tensor qkv = project(x, w, p[0], b[0], limits);
+    if (!qkv_bias.empty() && qkv_bias[l].numel()) qkv = qkv + qkv_bias[l];  // Qwen2's biases, rounded as Python's
     clock.lap(kMatmul);
     at::Tensor k_cache = kv[2 * l], v_cache = kv[2 * l + 1];
     HeadNorms head_norms;
@@ -681,6 +682,6 @@ TORCH_LIBRARY(STALLFREE_OPS_NS, m) {
         "Tensor seq_lens, Tensor query_start_loc, Tensor embed, Tensor cos_sin, Tensor[] norms, Tensor[] weights, "
         "int[] planes, int[] bits, Tensor[] kv, int num_heads, int num_kv_heads, int head_dim, float eps, "
         "int int4_max_rows, int code_max_rows, Tensor cos_sin_local, int[] sliding, int window, float attn_scale, "
-        "float embed_scale) -> Tensor",
+        "float embed_scale, Tensor[] qkv_bias) -> Tensor",
         &forward);
 }

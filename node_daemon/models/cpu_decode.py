@@ -9,8 +9,8 @@ every row count), plain loops for the norms, RoPE with the KV write and SiLU-and
 AVX512-BF16 kernels for decode rows (cpu_decode_attention.h) and prefill chunks (cpu_chunk_attention.h) where the
 tier has them, else a float32 loop (AVX2 or portable) and ATen's scaled_dot_product_attention (the Python path's
 call). It takes decode-only iterations of up to MAX_ROWS rows and iterations with prefill chunks of any size
-(a serving load's mixed iterations: the decodes plus a chunk). Decode-only batches past MAX_ROWS and models it
-does not cover (q/k/v biases) stay on the Python path.
+(a serving load's mixed iterations: the decodes plus a chunk). Decode-only batches past MAX_ROWS stay on the
+Python path, as does a model not in bfloat16 on the CPU.
 
 The extension is compiled once per source, torch build, CPU and tier (models/cpu_tier.py; the key of its folder in
 $STALLFREE_EXT_CACHE, else $XDG_CACHE_HOME/stallfree/ext), its ops in a namespace of the tier's
@@ -344,8 +344,6 @@ def unsupported(model: "LlamaForCausalLM") -> str | None:
     """Why this model cannot take the compiled path (None: it can)."""
     if model.device.type != "cpu" or model.dtype != torch.bfloat16:
         return "needs bfloat16 weights on the CPU"
-    if model.shape.qkv_bias:
-        return "q/k/v biases are not covered"
     return None
 
 
@@ -383,6 +381,8 @@ class CpuDecode:
                 self.planes.append(linear.int4.planes)
                 self.bits.append(tiles.bits if tiles is not None else 0)
         self.norms.append(model.norm.weight)
+        # Qwen2's q/k/v biases, one [q + k + v] vector a layer (none: an empty list)
+        self.qkv_bias = [layer.self_attn.qkv_proj.bias for layer in model.layers] if model.shape.qkv_bias else []
         self.kv = [t for pair in kv_caches for t in pair]
         shape = model.shape
         # Past CODE_MAX_ROWS a projection with a oneDNN copy takes it, one without takes the code kernel still.
@@ -413,7 +413,8 @@ class CpuDecode:
         """Final-norm hidden states [rows, hidden] (bfloat16) of one iteration, KV written."""
         return ops().forward(
             input_ids, positions, slot_mapping, block_tables.contiguous(), seq_lens, query_start_loc, self.embed,
-            self.cos_sin, self.norms, self.weights, self.planes, self.bits, self.kv, *self.dims, *self.family_args)
+            self.cos_sin, self.norms, self.weights, self.planes, self.bits, self.kv, *self.dims, *self.family_args,
+            self.qkv_bias)
 
 
 if __name__ == "__main__":  # the background build's child (_build_quietly)
