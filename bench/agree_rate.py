@@ -29,6 +29,7 @@ from stallfree.bench import agree
 from stallfree.bench.agree import Trace
 
 STEPS = 16
+STREAMS = 16  # the engine table's many-stream row; llama-server answers one request at a time
 SERVING_CHUNK = 256  # node_daemon/daemon.py's CPU_TOKEN_BUDGET: a serving prefill's chunk
 REFERENCE = "reference"
 SERVING = "stallfree"
@@ -80,7 +81,7 @@ def goal_met(scores: list[Score]) -> bool:
 
 # --- the systems ----------------------------------------------------------------------------------------------------
 
-def runner_for(path: str, serving: bool, threads: int, longest: int, steps: int):
+def runner_for(path: str, serving: bool, threads: int, longest: int, steps: int, streams: int):
     """stallfree's float32 reference (the Python forward over dequantized tensors) or its serving path."""
     from stallfree.node_daemon.engine.config import CacheConfig
     from stallfree.node_daemon.engine.model_runner import ModelRunner
@@ -89,19 +90,58 @@ def runner_for(path: str, serving: bool, threads: int, longest: int, steps: int)
     config = (ModelConfig(model=path, dtype="bfloat16", threads=threads, compiled_decode="now",
                           release_dense_weights=True) if serving else
               ModelConfig(model=path, dtype="float32", threads=threads))
-    blocks = -(-(longest + steps) // agree.BLOCK_SIZE)  # one request at a time
+    blocks = streams * -(-(longest + steps) // agree.BLOCK_SIZE)
     return ModelRunner(config, CacheConfig(block_size=agree.BLOCK_SIZE, num_blocks=blocks),
-                       max_num_tokens=max(SERVING_CHUNK, longest), max_num_seqs=1)
+                       max_num_tokens=max(SERVING_CHUNK, longest, streams), max_num_seqs=streams)
 
 
-def stallfree_side(path: str, serving: bool, threads: int, prompts: list[list[int]], steps: int) -> list[Trace]:
+def batched_traces(runner, prompts: list[list[int]], steps: int, chunk: int, streams: int) -> list[Trace]:
+    """Greedy continuations through runner.execute_model, `streams` prompts at a time as the engine batches them:
+    each prompt prefilled alone in chunks, then one decode iteration per step over the group's sequences."""
+    from stallfree.node_daemon.engine.request import Request
+    from stallfree.node_daemon.engine.sampling_params import SamplingParams
+    from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+    per_request = max(-(-(len(p) + steps) // runner.block_size) for p in prompts)
+    traces = []
+    for first in range(0, len(prompts), streams):
+        group = prompts[first:first + streams]
+        reqs, logits = [], []
+        for k, prompt in enumerate(group):
+            req = Request(f"agree-rate-{first + k}", list(prompt), SamplingParams(max_tokens=steps))
+            req.block_ids = list(range(k * per_request, (k + 1) * per_request))
+            for pos in range(0, len(prompt), chunk):
+                n = min(chunk, len(prompt) - pos)
+                last = pos + n == len(prompt)
+                out = runner.execute_model(SchedulerOutput(chunks=[ScheduledChunk(req, pos, n, True, last)]))
+            req.num_computed_tokens = len(prompt)
+            reqs.append(req)
+            logits.append(out[0])
+        group_traces = [Trace([], []) for _ in group]
+        for step in range(steps):
+            for req, trace, row in zip(reqs, group_traces, logits):
+                trace.top.append(agree._top(row))
+                trace.tokens.append(int(row.argmax()))
+                req.append_output_token(trace.tokens[-1])
+            if step + 1 < steps:
+                out = runner.execute_model(SchedulerOutput(
+                    chunks=[ScheduledChunk(r, r.num_tokens - 1, 1, False, True) for r in reqs]))
+                logits = list(out)
+                for req in reqs:
+                    req.num_computed_tokens = req.num_tokens
+        traces += group_traces
+    return traces
+
+
+def stallfree_side(path: str, serving: bool, threads: int, prompts: list[list[int]], steps: int,
+                   streams: int) -> list[Trace]:
     longest = max(map(len, prompts))
-    runner = runner_for(path, serving, threads, longest, steps)
+    runner = runner_for(path, serving, threads, longest, steps, streams)
     if serving and runner.cpu_decode is None:
         print(f"  note: the compiled forward is off on {os.path.basename(path)}: the serving path runs the Python "
               "forward in bfloat16", file=sys.stderr)
     # the reference prefills a prompt at once; the serving path as the daemon's token budget cuts it
-    return agree.stallfree_traces(runner, prompts, steps, chunk=SERVING_CHUNK if serving else longest)
+    return batched_traces(runner, prompts, steps, SERVING_CHUNK if serving else longest, streams)
 
 
 def llama_side(binary: str, path: str, log_path: str, threads: int, extra: list[str], prompts: list[list[int]],
@@ -119,9 +159,9 @@ def check_file(path: str, args, log_dir: str) -> tuple[list, list[Score]]:
     print(f"\n{path}: {len(ids)} prompts of {min(map(len, ids))}-{max(map(len, ids))} tokens, {args.steps} greedy "
           "steps each", flush=True)
     started = time.monotonic()
-    reference = stallfree_side(path, False, args.threads, ids, args.steps)
+    reference = stallfree_side(path, False, args.threads, ids, args.steps, args.streams)
     print(f"  reference (float32) done in {time.monotonic() - started:.0f} s", flush=True)
-    serving = stallfree_side(path, True, args.threads, ids, args.steps)
+    serving = stallfree_side(path, True, args.threads, ids, args.steps, args.streams)
     print(f"  {SERVING} serving path done in {time.monotonic() - started:.0f} s", flush=True)
     log_path = os.path.join(log_dir, f"llama-server-{os.path.basename(path)}.log")
     llama = llama_side(args.llama_server, path, log_path, args.threads, shlex.split(args.llama_args), ids, args.steps)
@@ -144,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("gguf", nargs="+", help="GGUF files to check")
     parser.add_argument("--llama-server", required=True, metavar="PATH", help="llama.cpp's llama-server binary")
     parser.add_argument("--steps", type=int, default=STEPS, help="greedy tokens per prompt (default %(default)s)")
+    parser.add_argument("--streams", type=int, default=STREAMS,
+                        help="stallfree's sequences decoded together, as a server batches them (default %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads on each side (default %(default)s)")
     parser.add_argument("--llama-args", default="", help="more llama-server arguments")
     parser.add_argument("--log-dir", help="where llama-server's logs go (default: a temporary folder, kept)")
@@ -153,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [p for p in args.gguf if not os.path.isfile(p)]
     problem = (f"no such file: {', '.join(missing)}" if missing else
                f"no llama-server at {args.llama_server}" if not os.access(args.llama_server, os.X_OK) else
-               f"--steps must be 1 to {agree.MAX_STEPS}" if not 1 <= args.steps <= agree.MAX_STEPS else None)
+               f"--steps must be 1 to {agree.MAX_STEPS}" if not 1 <= args.steps <= agree.MAX_STEPS else
+               "--streams must be at least 1" if args.streams < 1 else None)
     if problem:
         print(f"stallfree bench agree-rate: {problem}", file=sys.stderr)
         return 2

@@ -98,3 +98,20 @@ def test_bad_input_is_refused_before_any_work(tmp_path, capsys):
     assert agree_rate.main([str(gguf), "--llama-server", "/bin/true", "--steps", "0"]) == 2
     err = capsys.readouterr().err
     assert "no such file" in err and "no llama-server" in err and "--steps must be" in err
+
+
+def test_prompts_decoded_together_follow_the_same_greedy_path_as_one_at_a_time(tmp_path, monkeypatch):
+    """The batched driver keeps each sequence in its own KV blocks: a random float32 file's traces, three streams at
+    a time (a group of three and a group of one), equal the one-request-at-a-time traces of bench/agree.py."""
+    from stallfree.bench import agree
+
+    monkeypatch.setenv("STALLFREE_WEIGHT_CACHE", "off")
+    [path] = agree.write_random(["qwen3"], str(tmp_path))
+    runner = agree_rate.runner_for(path, False, threads=1, longest=35, steps=6, streams=3)
+    prompts = agree.fixed_prompts(runner.loaded.shape.vocab_size, runner.loaded.bos_token_id)
+    prompts.append(prompts[0][:5])
+    together = agree_rate.batched_traces(runner, prompts, steps=6, chunk=8, streams=3)
+    alone = agree.stallfree_traces(runner, prompts, steps=6)
+    assert [t.tokens for t in together] == [t.tokens for t in alone]
+    s = agree_rate.score(agree_rate.SERVING, alone, together)
+    assert s.identical == 4 and s.compared == 4 * 6 * agree.TOP_K and s.max_diff < 1e-4
