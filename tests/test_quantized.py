@@ -148,3 +148,21 @@ def test_smollm2_bf16_chunked_prefill_follows_unchunked(chunk):
     assert relative_error(got, ref) < BF16_CHUNK_TOLERANCE
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     assert int(got[-1].argmax()) == int(ref[-1].argmax())
+
+
+def test_a_matrix_tiled_a_slice_of_rows_at_a_time_is_the_whole_tiling(monkeypatch):
+    """tiles_from_blocks (the loader's path for a tied embedding: a bounded transient) gives the very records of
+    tiling the whole matrix at once, for a symmetric type (no zeros) and an affine one."""
+    from stallfree.node_daemon.models import quantized
+    from stallfree.node_daemon.models.quantized import TiledCodes, tiles_from_blocks
+
+    monkeypatch.setattr(quantized, "TILE_CHUNK_ROWS", 48)
+    for name in ("token_embd.weight", "blk.0.attn_q.weight"):  # Q8_0, Q4_1
+        t = _tensor(name)
+        rows, cols = int(t.shape[1]), int(t.shape[0])
+        rows -= rows % 16
+        raw = np.asarray(t.data).reshape(int(t.shape[1]), -1)[:rows]
+        whole = TiledCodes.from_codes(decode_blocks(raw, t.tensor_type.name, rows, cols))
+        sliced, planes = tiles_from_blocks(raw, t.tensor_type.name, rows, cols)
+        assert sliced.bits == whole.bits and torch.equal(sliced.blocks, whole.blocks)
+        assert planes == decode_blocks(raw[:16], t.tensor_type.name, 16, cols).planes

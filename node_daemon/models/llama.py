@@ -359,6 +359,12 @@ class LlamaForCausalLM(nn.Module):
         self.unattached_codes()
         return self.dense_projections()
 
+    def add_tiled_embedding(self, head: Int4Weight) -> None:
+        """A tied embedding's codes, already tiled (the GGUF loader packs the largest matrix a slice at a time)."""
+        if self.lm_head is not None:
+            raise ValueError("add_tiled_embedding: this model's head is not tied")
+        self.tied_lm_head_int4 = head
+
     def add_codes(self, name: str, codes: BlockCodes, dtype: torch.dtype) -> bool:
         """Take one GGUF tensor's codes (a Hugging Face name); a projection is packed as soon as all its parts
         (q/k/v, gate/up) have come, so a loader holds one layer's codes at a time. True once attached."""

@@ -135,8 +135,9 @@ class TiledCodes:
     bits: int
 
     @classmethod
-    def from_codes(cls, block: BlockCodes) -> "TiledCodes":
-        """Packed in torch (its copies run on the process's threads: part of a fresh start's load)."""
+    def from_codes(cls, block: BlockCodes, bits: int | None = None, zeros: bool | None = None) -> "TiledCodes":
+        """Packed in torch (its copies run on the process's threads: part of a fresh start's load). `bits` and
+        `zeros` (None: as the codes allow) hold the layout of a matrix packed a slice of rows at a time."""
         n, width = block.codes.shape
         k = width // block.planes
         groups = k // GROUP_SIZE
@@ -147,7 +148,12 @@ class TiledCodes:
         else:  # two nibble planes join into one code, plane 1's scale is 16x plane 0's: 5 bits where every hi
             # code is 0 or 1 (Q5_0, Q5_1, Q5_K), else 8 (Q8_0, Q6_K, IQ4)
             hi = codes[:, k:]
-            codes, bits = codes[:, :k] | (hi << 4), 5 if int(hi.max()) <= 1 else 8
+            five = int(hi.max()) <= 1
+            if bits is None:
+                bits = 5 if five else 8
+            elif bits == 5 and not five:
+                raise ValueError("5-bit tiles asked for codes past 31")
+            codes = codes[:, :k] | (hi << 4)
             s0, s1 = block.scale[:, :groups], block.scale[:, groups:]
             if not np.array_equal(s1, 16.0 * s0):
                 raise ValueError("two code planes whose scales are not 1 : 16")
@@ -170,7 +176,12 @@ class TiledCodes:
 
         parts = [tiled.reshape(n // 16, groups, -1)] + ([fifth] if fifth is not None else [])
         scale16 = scale.astype(np.float16).astype(np.float32)
-        if np.array_equal(zero.astype(np.float16).astype(np.float32), -float(1 << (bits - 1)) * scale16):
+        symmetric = np.array_equal(zero.astype(np.float16).astype(np.float32), -float(1 << (bits - 1)) * scale16)
+        if zeros is None:
+            zeros = not symmetric
+        elif not zeros and not symmetric:
+            raise ValueError("tiles without zeros asked for codes whose zeros do not follow from their scales")
+        if not zeros:
             # A symmetric type (Q4_0, Q5_0, Q8_0, IQ4, Q6_K re-coded): its zeros follow from its scales, not stored
             return cls(torch.cat([*parts, per_tile(scale)], dim=-1), bits)
         return cls(torch.cat([*parts, per_tile(scale), per_tile(zero)], dim=-1), bits)
@@ -320,6 +331,30 @@ class Int4Weight:
         if self.planes == 2:
             x = torch.cat([x, x], dim=-1)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, pack[0], GROUP_SIZE, pack[1])
+
+
+# Rows packed at a time by tiles_from_blocks: a large matrix's decoded copies stay this size (a 262k-row embedding's
+# transient planes took over a GB at once).
+TILE_CHUNK_ROWS = 16384
+
+
+def tiles_from_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> tuple[TiledCodes, int] | None:
+    """decode_blocks then TiledCodes.from_codes, TILE_CHUNK_ROWS rows at a time, every slice in the first one's
+    layout: (tiles, planes), or None for a type without a code mapping."""
+    raw = np.asarray(raw).reshape(rows, -1)
+    first = decode_blocks(raw[:TILE_CHUNK_ROWS], qtype, min(rows, TILE_CHUNK_ROWS), cols)
+    if first is None:
+        return None
+    head = TiledCodes.from_codes(first)
+    parts, zeros = [head.blocks], head.has_zeros
+    for start in range(TILE_CHUNK_ROWS, rows, TILE_CHUNK_ROWS):
+        block = decode_blocks(raw[start:start + TILE_CHUNK_ROWS], qtype, min(TILE_CHUNK_ROWS, rows - start), cols)
+        try:
+            parts.append(TiledCodes.from_codes(block, head.bits, zeros).blocks)
+        except ValueError:  # a slice whose codes the first slice's layout cannot hold: the whole matrix at once
+            whole = decode_blocks(raw, qtype, rows, cols)
+            return TiledCodes.from_codes(whole), whole.planes
+    return TiledCodes(torch.cat(parts) if len(parts) > 1 else parts[0], head.bits), first.planes
 
 
 def int4_supported(dtype: torch.dtype, device: torch.device) -> bool:
