@@ -62,20 +62,12 @@ class Outcomes:
     def arrived(self, key: int, t: float, objective: str, tenant: str, prompt_tokens: int, max_tokens: int) -> None:
         outcome = Outcome(t, objective, tenant, prompt_tokens, max_tokens)
         self.in_flight[key] = outcome
-        self._offer(outcome)
-
-    def _offer(self, outcome: Outcome) -> None:
         self.offered.append(outcome)
 
-    def shed(self, t: float, objective: str, tenant: str, prompt_tokens: int) -> None:
-        self._refused(t, objective, tenant, prompt_tokens, SHED)
-
-    def refused(self, t: float, objective: str, tenant: str, prompt_tokens: int) -> None:
-        self._refused(t, objective, tenant, prompt_tokens, REFUSED)
-
-    def _refused(self, t: float, objective: str, tenant: str, prompt_tokens: int, kind: str) -> None:
+    def refused(self, t: float, objective: str, tenant: str, prompt_tokens: int, kind: str = REFUSED) -> None:
+        """Refused at arrival: the queue was full (REFUSED) or it was shed (SHED)."""
         outcome = Outcome(t, objective, tenant, prompt_tokens, done_s=t, kind=kind)
-        self._offer(outcome)
+        self.offered.append(outcome)
         self.done.append(outcome)
 
     def dispatched(self, key: int, t: float) -> None:
@@ -125,9 +117,6 @@ class Outcomes:
                          "p99_queue_wait_ms": _round(_p99(o.wait_ms for o in served)),
                          "prefill_tokens_served": sum(o.prompt_tokens for o in served)}
         return out
-
-    def tenants(self) -> list[str]:
-        return sorted({o.tenant for o in self.offered})
 
 
 def _p99(values: Iterable[float | None]) -> float | None:

@@ -31,7 +31,7 @@ from stallfree.operator.router.pick import ReplicaView, pick
 from stallfree.operator.router.replicas import Replica
 from stallfree.operator.router.startup_times import StartupTimes
 from stallfree.operator.router.waiting_room import QueueFull, WaitingRoom
-from stallfree.simulator.request_outcomes import Outcomes
+from stallfree.simulator.request_outcomes import REFUSED, SHED, Outcomes
 from stallfree.simulator.virtual_replica import VirtualReplica
 
 # How often the router's view of a replica's speed is refreshed (its /admin/stats poll, coarser in virtual
@@ -68,11 +68,10 @@ class VirtualRouter:
         self.profile_of = profile_of
         self.tick_s = tick_s
         self._requests: dict[int, tuple[int, int]] = {}  # key -> (prompt_len, max_tokens)
-        self._keys: dict[str, int] = {}  # request id on its replica -> the router's key
         self._next = 0
         self.replicas: dict[str, Replica] = {}  # what the router knows of each: stats, profile, clock, in flight
         self._polled: dict[str, float] = {}  # when each one's stats were last read
-        self._sent: dict[str, dict[str, int]] = {}  # each one's request ids in flight -> their waiting-room ticket
+        self._sent: dict[str, dict[str, tuple[int, int]]] = {}  # each one's request ids in flight -> (ticket, key)
         self._replies: list[tuple[float, int, str, str, int]] = []  # heap: (time, seq, replica, request, kind)
         self._seq = itertools.count()
         self._readings = RouterQueueSource(None, window_s)  # the operator's reading of /router/queue
@@ -109,8 +108,7 @@ class VirtualRouter:
         views = lambda: [self._known(name, replica, t).view(t) for name, replica in (ready or {}).items()]  # noqa: E731
         item = self.room.arrive(self._next, named, tenant, prompt_len, t, views, starting_in_ms)
         if not isinstance(item, Queued):
-            (self.outcomes.refused if isinstance(item, QueueFull) else self.outcomes.shed)(t, named.name, tenant,
-                                                                                            prompt_len)
+            self.outcomes.refused(t, named.name, tenant, prompt_len, REFUSED if isinstance(item, QueueFull) else SHED)
             return False  # the router's 429
         self._requests[self._next] = (prompt_len, max_tokens)
         self.outcomes.arrived(self._next, t, named.name, tenant, prompt_len, max_tokens)
@@ -137,8 +135,7 @@ class VirtualRouter:
                                                       objective=engine_objective)
             ticket = self.room.reserve(self.replicas[choice.name], prompt_len, now, item.sent_priority, item.tenant,
                                        named, item.arrival_s)
-            self._sent.setdefault(choice.name, {})[request_id] = ticket
-            self._keys[request_id] = item.key
+            self._sent.setdefault(choice.name, {})[request_id] = (ticket, item.key)
             self.outcomes.dispatched(item.key, now)
         return len(sent)
 
@@ -152,11 +149,9 @@ class VirtualRouter:
         for name in gone:
             self.replicas.pop(name, None)
             self._polled.pop(name, None)
-            for request_id, ticket in self._sent.pop(name, {}).items():
+            for ticket, key in self._sent.pop(name, {}).values():
                 self.room.lost(ticket)
-                key = self._keys.pop(request_id, None)
-                if key is not None:
-                    self.outcomes.lost(key)
+                self.outcomes.lost(key)
         if gone:
             self._replies = [reply for reply in self._replies if reply[2] not in gone]
             heapq.heapify(self._replies)
@@ -187,11 +182,11 @@ class VirtualRouter:
             known, sent = self.replicas.get(name), self._sent.get(name)
             if known is None or sent is None or request_id not in sent:
                 continue  # its replica restarted since
-            ticket = sent[request_id]
+            ticket, key = sent[request_id]
             if kind == _FIRST_TOKEN:
                 self.room.first_byte(known, ticket, t)
-                self.outcomes.first_token(self._keys.get(request_id), t)
+                self.outcomes.first_token(key, t)
             else:
-                self.outcomes.ended(self._keys.pop(request_id, None), t)
+                self.outcomes.ended(key, t)
                 del sent[request_id]
                 self.room.release(known, ticket, t)

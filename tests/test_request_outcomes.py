@@ -6,7 +6,7 @@ import pytest
 
 from stallfree.operator.router.objectives import Objective, Objectives
 from stallfree.operator.router.shedding import REPLICA_RESERVE_DEVIATIONS, BandArrivals, reserved_tokens_per_ms
-from stallfree.simulator.request_outcomes import Outcomes
+from stallfree.simulator.request_outcomes import SHED, Outcomes
 
 INTERACTIVE = Objective("interactive", 0, ttft_ms=1000.0, tpot_ms=50.0, queue_wait_ms=500.0)
 BATCH = Objective("batch", -1, ttft_ms=30000.0)
@@ -29,7 +29,7 @@ def test_goodput_counts_only_requests_within_every_target():
     _served(o, 4, 0.0, 0.6, 0.8, 1.0)  # waited 600 ms in the router
     o.arrived(5, 0.0, "interactive", "a", 1000, 11)
     o.lost(5, 2.0)
-    o.shed(0.0, "batch", "b", 500)
+    o.refused(0.0, "batch", "b", 500, SHED)
     summary = o.summary()
     assert summary["interactive"]["good"] == 1 and summary["interactive"]["requests"] == 5
     assert summary["interactive"]["goodput"] == pytest.approx(0.2)
