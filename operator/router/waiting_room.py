@@ -16,15 +16,16 @@ on virtual time, so both run these very rules.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Callable, Generic, Sequence, TypeVar
 
 from stallfree.operator.router.flow_control import FlowConfig, FlowQueue, Queued
-from stallfree.operator.router.objective_book import ObjectiveBook
+from stallfree.operator.router.objective_outcomes import ObjectiveOutcomes
 from stallfree.operator.router.objectives import Objective, Objectives, deadline_s
 from stallfree.operator.router.pick import Choice, ReplicaView
 from stallfree.operator.router.replicas import Replica
-from stallfree.operator.router.shedding import backlog_drain_ms
+from stallfree.operator.router.shedding import BandArrivals, backlog_drain_ms, sheds
 from stallfree.request_objective_header import RequestObjective
 
 K = TypeVar("K")
@@ -51,7 +52,13 @@ class WaitingRoom(Generic[K]):
         self.flow = flow
         self.queue: FlowQueue[K] = FlowQueue(flow)
         self.objectives = objectives or Objectives.implicit()
-        self.book = ObjectiveBook()  # per objective: offered, shed, outcomes
+        # Per objective: requests and prompt tokens offered (shed ones too: the control loop sizes from them),
+        # shed, and outcomes (objective_outcomes.py); each band's recent arrivals, the reserve shedding predicts with.
+        self.offered_requests: Counter[str] = Counter()
+        self.offered_tokens: Counter[str] = Counter()
+        self.shed: Counter[str] = Counter()
+        self.outcomes = ObjectiveOutcomes()
+        self.bands = BandArrivals()
         self.arrived_prompt_tokens = 0  # counters: the control loop takes their rates between two reads
         self.arrived_prompt_tokens_sq = 0  # and of the squares: the spread of prompt lengths (queueing.py)
         # Arrivals a replica then refused at once (a 4xx other than 429: a prompt past the context, a value out of
@@ -71,19 +78,22 @@ class WaitingRoom(Generic[K]):
         expected ready. `front`: a retry after a replica failed it, queued first and not counted again."""
         seen = list(views()) if objective.sheddable or objective.ttft_ms is not None else []
         if not front:
-            self.book.offer(objective, prompt_tokens, arrival_s)
+            self.offered_requests[objective.name] += 1
+            self.offered_tokens[objective.name] += prompt_tokens
+            self.bands.offered(arrival_s, objective.priority, prompt_tokens)
             if objective.sheddable:
                 ahead = sum(q.prompt_tokens for q in self.queue if q.priority >= objective.priority)
-                predicted = self.book.predicted_miss_ms(objective, seen, starting_in_ms, prompt_tokens, ahead,
-                                                        arrival_s)
+                reserve = self.bands.reserve(objective.priority, arrival_s, (objective.ttft_ms or 0.0) / 1000.0)
+                predicted = sheds(objective, seen, starting_in_ms, prompt_tokens, ahead, reserve)
                 if predicted is not None:
+                    self.shed[objective.name] += 1
                     return Shed(predicted, backlog_drain_ms(seen, ahead))
         fastest = max((v.prefill_tokens_per_ms for v in seen), default=None)
         item = Queued(key, arrival_s, prompt_tokens, exclude, objective=objective.name, priority=objective.priority,
                       tenant=tenant, deadline_s=deadline_s(objective, prompt_tokens, arrival_s, fastest),
                       sequences=sequences)
         if not self.queue.push(item, front=front):
-            self.book.outcomes.unserved(objective.name)
+            self.outcomes.unserved(objective.name)
             whole = len(self.queue) >= self.flow.max_queued
             drain = backlog_drain_ms(list(seen or views()), self.queue.queued_prompt_tokens)
             return QueueFull(None if whole else self.queue.share(item), drain)
@@ -97,7 +107,7 @@ class WaitingRoom(Generic[K]):
         """The waiting requests the replicas (`views`, the healthy ones) can start soon, each with its replica."""
         sent = self.queue.dispatch(views, choose)
         for item, _ in sent:
-            self.book.outcomes.dispatched(item.objective, now, (now - item.arrival_s) * 1000.0)
+            self.outcomes.dispatched(item.objective, now, (now - item.arrival_s) * 1000.0)
         return sent
 
     def reserve(self, replica: Replica, prompt_tokens: int, now: float, priority: int = 0, tenant: str = "",
@@ -138,8 +148,7 @@ class WaitingRoom(Generic[K]):
         judged = self._judged.pop(ticket, None)
         if judged is not None:
             objective, arrival_s, dispatched_s = judged
-            self.book.outcomes.first_byte(objective, now, (now - arrival_s) * 1000.0,
-                                          (dispatched_s - arrival_s) * 1000.0)
+            self.outcomes.first_byte(objective, now, (now - arrival_s) * 1000.0, (dispatched_s - arrival_s) * 1000.0)
 
     def refused_by_replica(self, prompt_tokens: int) -> None:
         """A request counted at its arrival that its replica refused at once: taken back out of demand."""
@@ -150,13 +159,13 @@ class WaitingRoom(Generic[K]):
     def unserved(self, objective: Objective) -> None:
         """A request queued here and answered without a replica (timed out, none could take it): judged, not
         good."""
-        self.book.outcomes.unserved(objective.name)
+        self.outcomes.unserved(objective.name)
 
     def lost(self, ticket: int) -> None:
         """Its replica went away (the reservation goes with it): before its first byte it is judged, not good."""
         judged = self._judged.pop(ticket, None)
         if judged is not None:
-            self.book.outcomes.unserved(judged[0].name)
+            self.outcomes.unserved(judged[0].name)
 
     def release(self, replica: Replica, ticket: int, now: float) -> None:
         """Its answer ended, or it failed, or it was given back: its slot frees (before its first byte, its share of
@@ -168,8 +177,7 @@ class WaitingRoom(Generic[K]):
 
     def status(self, now: float) -> dict:
         """`/router/queue`: the queue now, its counters and each objective's figures (observe_router.py reads it)."""
-        oldest = self.queue.oldest_arrival_s()
-        queue = self.queue
+        queue, oldest, depths = self.queue, self.queue.oldest_arrival_s(), self.queue.depth_by_objective()
         return {"depth": len(queue), "queued_prompt_tokens": queue.queued_prompt_tokens,
                 "oldest_wait_ms": 0.0 if oldest is None else max(0.0, now - oldest) * 1000.0,
                 "arrivals": queue.arrivals, "arrived_prompt_tokens": self.arrived_prompt_tokens,
@@ -178,4 +186,8 @@ class WaitingRoom(Generic[K]):
                 "refused_prompt_tokens_sq": self.refused_prompt_tokens_sq,
                 "rejected": queue.rejected, "cancelled": queue.cancelled, "dispatched": queue.dispatched,
                 "max_queued": self.flow.max_queued, "dispatch_wait_ms": self.flow.dispatch_wait_ms,
-                "objectives": self.book.status(self.objectives, queue.depth_by_objective(), now)}
+                "objectives": {o.name: {"priority": o.priority, "ttft_ms": o.ttft_ms, "depth": depths.get(o.name, 0),
+                                        "shed": self.shed[o.name], "offered": self.offered_requests[o.name],
+                                        "offered_prompt_tokens": self.offered_tokens[o.name],
+                                        **self.outcomes.figures(o.name, now)}
+                               for o in self.objectives.by_name.values()}}
