@@ -5,7 +5,8 @@ The REFERENCE is the GGUF file dequantized to float32: stallfree's Python forwar
 codes dequantized, no compiled path). Against it run, on the same file and the same token ids (bench/agree_prompts.py,
 tokenized by the file's own tokenizer):
 - stallfree's SERVING path, as `stallfree serve` runs it: bfloat16, the compiled CPU forward over the codes, dense
-  weights released, prefill in 256-token chunks (the CPU token budget), then one decode per step;
+  weights released, prefill in 256-token chunks (the CPU token budget), then one decode iteration per step over
+  --streams sequences (16: the reference is decoded in the same groups);
 - llama.cpp's llama-server on the file, a child on a loopback port (bench/agree.py starts it).
 Each decodes --steps tokens greedily (past an end of generation) with the top-5 logprobs at every step.
 
