@@ -1,4 +1,5 @@
-"""Faults through the router: kills and a SIGSTOP freeze lose nothing, fail only streams on a killed replica."""
+"""Faults through the router: kills and a SIGSTOP freeze lose nothing, fail only streams on a killed replica and a
+request the router would not retry because its replica stopped answering right after it arrived."""
 from __future__ import annotations
 
 import asyncio
