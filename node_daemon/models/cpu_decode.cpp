@@ -460,17 +460,25 @@ void silu_and_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t inter
   });
 }
 
-// Gemma's MLP activation: bf16(bf16(gelu_tanh(gate)) * up), as torch's two bfloat16 ops round.
+// Gemma's MLP activation: bf16(bf16(gelu_tanh(gate)) * up), as torch's two bfloat16 ops round. tanh(t) is
+// 1 - 2 / (exp(2t) + 1) with the vectorized exponential (std::tanh element by element took a quarter of a
+// 16-row forward of Gemma 3 270M).
 void gelu_tanh_and_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t inter) {
   constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
   at::parallel_for(0, rows, kParallelRows, [&](int64_t begin, int64_t end) {
+  std::vector<float> e(inter);
   for (int64_t r = begin; r < end; ++r) {
     const uint16_t* g = gu + r * 2 * inter;
     const uint16_t* u = g + inter;
     uint16_t* o = out + r * inter;
     for (int64_t i = 0; i < inter; ++i) {
       const float x = bf2f(g[i]);
-      const float gelu = 0.5f * x * (1.f + std::tanh(kAlpha * (x + 0.044715f * x * x * x)));
+      e[i] = 2.f * kAlpha * (x + 0.044715f * x * x * x);
+    }
+    exp_inplace(e.data(), inter);
+    for (int64_t i = 0; i < inter; ++i) {
+      const float x = bf2f(g[i]);
+      const float gelu = 0.5f * x * (2.f - 2.f / (e[i] + 1.f));  // x (1 + tanh) / 2
       o[i] = f2bf(bf2f(f2bf(gelu)) * bf2f(u[i]));
     }
   }
