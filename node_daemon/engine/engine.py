@@ -290,23 +290,7 @@ class LLMEngine:
                 done = True
         if done and detok is not None:
             text += detok.finish()
-        first = request.first_token_time is None
-        if self.observer is not None:
-            try:
-                self.observer.on_token(request, now, first)
-            except Exception as exc:  # noqa: BLE001 - see _observer_failed
-                self._observer_failed("on_token", exc)
-        if first:
-            request.first_token_time = now
-        request.last_token_time = now
-        if done:
-            self._release(request, now)
-        return RequestOutput(
-            request.request_id, [token], text, done, request.status.value if done else None,
-            request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens,
-            logprobs=token_logprobs, num_drafted_tokens=request.num_drafted_tokens,
-            num_accepted_tokens=request.num_accepted_tokens,
-        )
+        return self._output(request, [token], text, done, now, token_logprobs)
 
     def _process_tokens(self, request: Request, detok: IncrementalDetokenizer | None, now: float, before: int,
                         sampled_logprobs=None, draft_logprobs=None) -> RequestOutput:
@@ -339,12 +323,17 @@ class LLMEngine:
         text = "".join(text_parts)
         if done and detok is not None:
             text += detok.finish()
-        observer = self.observer
-        for i in range(len(tokens)):
+        return self._output(request, tokens, text, done, now, token_logprobs or None)
+
+    def _output(self, request: Request, tokens: list[int], text: str, done: bool, now: float,
+                logprobs) -> RequestOutput:
+        """The observer sees each new token (the first one sets the first-token time), a finished request is
+        released, and the client gets one update."""
+        for _ in tokens:
             first = request.first_token_time is None
-            if observer is not None:
+            if self.observer is not None:
                 try:
-                    observer.on_token(request, now, first)
+                    self.observer.on_token(request, now, first)
                 except Exception as exc:  # noqa: BLE001 - see _observer_failed
                     self._observer_failed("on_token", exc)
             if first:
@@ -355,7 +344,7 @@ class LLMEngine:
         return RequestOutput(
             request.request_id, tokens, text, done, request.status.value if done else None,
             request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens,
-            logprobs=token_logprobs or None, num_drafted_tokens=request.num_drafted_tokens,
+            logprobs=logprobs, num_drafted_tokens=request.num_drafted_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
         )
 
