@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from stallfree.node_daemon.models.quantized import Int4Weight, TiledCodes
+from stallfree.node_daemon.text.tokenizer_cache import ENV, cache_folder
 
 if TYPE_CHECKING:
     from stallfree.node_daemon.models.llama import LlamaForCausalLM
@@ -32,18 +33,15 @@ log = logging.getLogger(__name__)
 FORMAT = 5  # 3: the code kernel's tiles on every tier (TiledCodes); 4: the tiles alone (torch's int4 pack made at use),
 # and no dense copy of a projection that its codes alone serve; 5: nor of a tied embedding (looked up in its codes),
 # nor of a projection with a oneDNN copy (made from the codes at load)
-ENV = "STALLFREE_WEIGHT_CACHE"
 _VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "kquant_codes.py", "small_block_codes.py", "llama.py")
 _TIED_HEAD = "tied_lm_head_int4"
 
 
 def cache_file(gguf_path: str, dtype: torch.dtype, dense: bool = True) -> Path | None:
     """Where this GGUF file's tensors in `dtype` are (or would be) cached; None when the cache is off."""
-    setting = os.environ.get(ENV, "")
-    if setting.lower() in ("0", "off", "no", "false"):
+    root = cache_folder()  # the one rule for the folder, shared with the tokenizer's cache
+    if root is None:
         return None
-    root = Path(setting) if setting else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
-        "stallfree" / "weights"
     stat = os.stat(gguf_path)
     # torch's int4 packing lays its codes out for the vector width its kernels run at (ATen's CPU capability), so a
     # pack made at one tier is garbage at another: the capability and the tier are part of the key.

@@ -20,7 +20,17 @@ from tokenizers import Tokenizer as HFTokenizer
 
 log = logging.getLogger(__name__)
 
-ENV = "STALLFREE_WEIGHT_CACHE"  # shared with models/weight_cache.py: one folder of per-file caches
+ENV = "STALLFREE_WEIGHT_CACHE"
+
+
+def cache_folder() -> Path | None:
+    """The folder of per-GGUF-file caches (this tokenizer's, models/weight_cache.py's tensors): $STALLFREE_WEIGHT_CACHE,
+    else $XDG_CACHE_HOME/stallfree/weights; None when it is 0/off (no cache)."""
+    setting = os.environ.get(ENV, "")
+    if setting.lower() in ("0", "off", "no", "false"):
+        return None
+    return Path(setting) if setting else \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stallfree" / "weights"
 
 
 def cached_backend(gguf_path: str, build: Callable[[], HFTokenizer]) -> HFTokenizer:
@@ -45,11 +55,9 @@ def cached_backend(gguf_path: str, build: Callable[[], HFTokenizer]) -> HFTokeni
 
 
 def _cache_file(gguf_path: str) -> Path | None:
-    setting = os.environ.get(ENV, "")
-    if setting.lower() in ("0", "off", "no", "false") or not os.path.isfile(gguf_path):
+    root = cache_folder()
+    if root is None or not os.path.isfile(gguf_path):
         return None
-    root = Path(setting) if setting else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
-        "stallfree" / "weights"
     stat = os.stat(gguf_path)
     digest = hashlib.sha256(json.dumps([os.path.abspath(gguf_path), stat.st_size, stat.st_mtime_ns,
                                         tokenizers.__version__]).encode())
