@@ -16,6 +16,7 @@ import torch
 
 from stallfree.node_daemon.structured.grammar import Grammar
 from stallfree.node_daemon.structured.matcher import Matcher, bitmask_words
+from stallfree.node_daemon.structured.vocabulary import grammar_vocabulary
 from stallfree.node_daemon.text.tokenizer import Tokenizer
 
 
@@ -58,9 +59,7 @@ class GrammarCompiler:
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:
             if self._ll_tokenizer is None:
-                backend_json = self.tokenizer.backend.to_str()
-                self._ll_tokenizer = llguidance.LLTokenizer(backend_json, n_vocab=self.vocab_size,
-                                                            eos_token=list(self.tokenizer.eos_token_ids))
+                self._ll_tokenizer = grammar_vocabulary(self.tokenizer, self.vocab_size)
             return self._ll_tokenizer
 
     def compile(self, grammar: Grammar) -> CompiledGrammar:
