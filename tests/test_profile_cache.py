@@ -238,6 +238,22 @@ def test_a_start_while_the_compiled_forward_compiles_serves_first_and_profiles_i
     assert retry(engine, lambda: False) is None and later == given
 
 
+def test_a_first_start_on_a_new_file_serves_first_and_profiles_on_the_idle_engine(tmp_path, quiet_rule,
+                                                                                   monkeypatch) -> None:
+    """No TPOT SLO, nothing compiling, no profile cached for this engine: nothing measured before serving."""
+    _compiling(monkeypatch)["now"] = False
+    opts, engine, device = _serve_engine(tmp_path)
+    profile, retry = _startup_profile(opts, engine, device, defer_while_compiling=True)
+    assert profile is None and retry is not None and list(tmp_path.glob("profile-*.json")) == []
+    given = []
+    retry.on_profile = given.append
+    assert retry(engine, lambda: True) is not None and given == []  # a request arrived: stopped, tried again later
+    assert retry(engine, lambda: False) is None and len(given) == 1 and given[0].mixed
+    # Cached: the next start reads it before serving, measuring nothing.
+    monkeypatch.setattr(profiler, "run_profile", lambda *a, **k: pytest.fail("measured although cached"))
+    assert _startup_profile(opts, engine, device, defer_while_compiling=True)[0] == given[0]
+
+
 def test_a_start_with_a_tpot_slo_measures_while_compiling_and_measures_again_once_compiled(
         tmp_path, quiet_rule, monkeypatch) -> None:
     building = _compiling(monkeypatch)

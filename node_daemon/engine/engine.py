@@ -123,11 +123,14 @@ class LLMEngine:
         checked: bool = False,
         grammar: CompiledGrammar | None = None,
         objective: Objective | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         """Queue a request; ValueError naming the problem (and nothing else changed) if it is bad. `checked`: the
         caller already applied request_rules to it (the server, before admission), so it is not checked again.
         `grammar`: the request's output must follow it (it gets a matcher of its own; n > 1 adds one request per
-        choice, so each sequence has its own). `objective`: what the router signed for it (the scheduler's order)."""
+        choice, so each sequence has its own). `objective`: what the router signed for it (the scheduler's order).
+        `prefix_cache` False: its blocks are neither looked up nor kept for later prompts (the start-up profile's
+        random prompts: kept, they would stay resident and hold the LRU's back for nothing)."""
         sampling = sampling if sampling is not None else SamplingParams()
         if request_id in self._detokenizers:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -151,7 +154,8 @@ class LLMEngine:
         request = Request(request_id, token_ids, sampling, self.eos_token_ids,
                           arrival_time=self.clock() if arrival_time is None else arrival_time,
                           max_model_len=self.max_model_len,
-                          matcher=grammar.new_matcher() if grammar is not None else None, objective=objective)
+                          matcher=grammar.new_matcher() if grammar is not None else None, objective=objective,
+                          prefix_cache=prefix_cache)
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop,
                                                                  skip_special_tokens=sampling.skip_special_tokens,

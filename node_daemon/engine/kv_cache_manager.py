@@ -56,7 +56,7 @@ class KVCacheManager:
 
     def hash_prompt(self, request: Request) -> None:
         """On arrival: hash the prompt's full blocks, and the outputs' as they come (prefix caching only)."""
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and request.prefix_cache:
             request.hash_blocks(self.block_size)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -107,7 +107,7 @@ class KVCacheManager:
 
         Per decode this runs once every block_size tokens, so it is written flat.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.hash_block_size == 0:  # a request kept out of the cache
             return
         num_full = request.num_computed_tokens // self.block_size
         request_id = request.request_id

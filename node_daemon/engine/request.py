@@ -66,7 +66,7 @@ class Request:
         "request_id", "token_ids", "num_prompt_tokens", "block_hashes", "hash_block_size", "sampling",
         "eos_token_ids", "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "arrival_time",
         "first_scheduled_time", "first_token_time", "last_token_time", "finished_time", "num_preemptions",
-        "max_model_len", "matcher", "objective", "arrival_seq", "draft_state",
+        "max_model_len", "matcher", "objective", "arrival_seq", "draft_state", "prefix_cache",
     )
 
     def __init__(
@@ -79,8 +79,10 @@ class Request:
         max_model_len: int = 1 << 30,
         matcher: Matcher | None = None,
         objective: Objective | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         self.request_id = request_id
+        self.prefix_cache = prefix_cache  # False: reads and fills no prefix cache (the profiler's random prompts)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.block_hashes: list[BlockHash] = []

@@ -144,7 +144,8 @@ class _Profiler:
         self.serial += 1
         request_id = f"profile-{self.serial}"
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        self.engine.add_request(request_id, prompt_token_ids=self._prompt(prompt_len), sampling=sampling)
+        self.engine.add_request(request_id, prompt_token_ids=self._prompt(prompt_len), sampling=sampling,
+                                prefix_cache=False)
         return request_id
 
     def _step(self) -> IterationRecord | None:
