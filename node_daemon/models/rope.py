@@ -65,9 +65,17 @@ class RotaryEmbedding(torch.nn.Module):
         # cos and sin side by side, float32: one gather per step serves both.
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32)
         self.register_buffer("cos_sin_cache", cache.to(device) if device is not None else cache, persistent=False)
-        # The same angles as full-width factors (cos, signed sin) [max_positions, 2, head_dim]: the lean
-        # formulation rope_rows takes.
-        self.register_buffer("rope_factors", rope_tables(self.cos_sin_cache), persistent=False)
+        self._rope_factors: torch.Tensor | None = None
+
+    @property
+    def rope_factors(self) -> torch.Tensor:
+        """The same angles as full-width factors (cos, signed sin) [max_positions, 2, head_dim]: the lean
+        formulation rope_rows takes. Made on first use, beside the cache: twice its size (64 MB a table at
+        32k positions), and the compiled CPU forward, which reads cos_sin_cache, never asks for it."""
+        factors = self._rope_factors
+        if factors is None or factors.device != self.cos_sin_cache.device:
+            factors = self._rope_factors = rope_tables(self.cos_sin_cache)
+        return factors
 
     @property
     def max_positions(self) -> int:
