@@ -133,3 +133,19 @@ def test_free_returns_every_block_tail_first():
     # Never-used blocks go first, then the request's tail: its first block (the most shareable) outlives the rest.
     assert kv.allocate_slots(arrive(kv, "b", 28), 28)
     assert kv.pool.num_cached_blocks == 1 and kv.pool.get_cached_block(request.block_hashes[0]) == first_block
+
+
+def test_a_request_kept_out_of_the_prefix_cache_neither_fills_nor_reads_it():
+    """The start-up profile's random prompts: their blocks come back contentless, to the free front, so the next
+    request writes into memory already resident instead of the profile's blocks staying at the LRU's back."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    profile = make_request("profile-1", list(range(1, 13)))
+    profile.prefix_cache = False
+    kv.hash_prompt(profile)
+    computed(kv, profile, 12)
+    used = list(profile.block_ids)
+    assert kv.pool.num_cached_blocks == 0
+    kv.free(profile)
+    same = arrive(kv, "same-prompt", list(range(1, 13)))
+    assert kv.get_computed_blocks(same) == ([], 0)
+    assert kv.allocate_slots(same, 12) and sorted(same.block_ids) == sorted(used)
