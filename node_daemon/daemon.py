@@ -231,7 +231,9 @@ def max_chars_per_token(tokenizer) -> int | None:
     backend = getattr(tokenizer, "backend", None)
     if backend is None:
         return None
-    longest = max((len(token) for token in backend.get_vocab(with_added_tokens=True)), default=0)
+    longest = getattr(tokenizer, "longest_piece_chars", None)
+    if longest is None:
+        longest = max((len(token) for token in backend.get_vocab(with_added_tokens=True)), default=0)
     if longest < 1:
         return None
     # A normalizer may shrink text (NFC composes characters): a wide margin, never a refused prompt that fits.

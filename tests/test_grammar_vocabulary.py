@@ -51,3 +51,4 @@ def test_a_schema_constrains_through_the_handed_over_vocabulary() -> None:
     assert matcher.is_accepting()
     refused = compiled.new_matcher()
     assert not refused.accept(tokenizer.encode("hello", add_special_tokens=False)[0])
+

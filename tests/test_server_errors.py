@@ -160,7 +160,9 @@ def test_non_finite_and_absurd_numbers_are_400_on_every_route(http: httpx.Client
 def test_absurd_admin_query_parameters_are_400(http: httpx.Client, live: LiveDaemon, query: str) -> None:
     response = http.get(f"/admin/profile?tpot_slo_ms={query}", headers=live.admin_headers)
     _assert_error(response, 400, "tpot_slo_ms" if query != "abc" else None)
-    assert http.get("/admin/profile?tpot_slo_ms=50", headers=live.admin_headers).status_code == 200
+    # A sane value is not refused (the profile itself may still be measuring on the idle engine: 404 no_profile).
+    sane = http.get("/admin/profile?tpot_slo_ms=50", headers=live.admin_headers)
+    assert sane.status_code == 200 or (sane.status_code == 404 and sane.json()["error"]["code"] == "no_profile")
 
 
 def test_a_refused_request_logs_one_line_at_most(http: httpx.Client, caplog) -> None:

