@@ -68,9 +68,9 @@ def build_llm_engine(opts: ServeConfig, observer: Any):
         engine = LLMEngine(config, executor=executor, tokenizer=sim_tokenizer(shape), observer=observer)
         return engine, f"sim:{cost_model.hardware.name}"
     if str(opts.model).endswith(".gguf"):
-        from stallfree.node_daemon.text.tokenizer_cache import prefetch
+        from stallfree.node_daemon.text.tokenizer import start_from_gguf
 
-        prefetch(str(opts.model))  # its cached tokenizer reads while the weights load
+        start_from_gguf(str(opts.model))  # its tokenizer builds (or reads back) while the weights load
     engine = LLMEngine(config, observer=observer)
     device = engine.executor.runner.device
     if device.type == "cuda":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,24 @@ def test_the_longest_piece_read_from_the_file_is_the_vocabularys(which, tmp_path
     assert tokenizer.longest_piece_chars == max(map(len, vocab))
     margin = 4 if tokenizer.backend.normalizer is not None else 1
     assert max_chars_per_token(tokenizer) == tokenizer.longest_piece_chars * margin
+
+
+def test_a_tokenizer_built_beside_the_load_is_the_one_built_in_line(tmp_path, monkeypatch) -> None:
+    """The daemon's start: the tokenizer builds on a thread while the weights load, from the header the loader
+    parsed (no second parse), and from_gguf_metadata takes it; the same tokenizer as one built in line."""
+    from stallfree.node_daemon.models import gguf_file
+    from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path
+    from stallfree.node_daemon.text import tokenizer as tokenizer_module
+
+    monkeypatch.setenv("STALLFREE_WEIGHT_CACHE", str(tmp_path))  # built, not read back: the cold start's path
+    path = embedded_gguf_path()
+    meta = tokenizer_module._read_metadata(path)
+    in_line = tokenizer_module._from_gguf_metadata(meta, path)
+    parses = []
+    monkeypatch.setattr(gguf_file, "GGUFFile", lambda *a: parses.append(a) or pytest.fail("parsed again"))
+    tokenizer_module.start_from_gguf(path)
+    beside = tokenizer_module.from_gguf_metadata(meta, path)
+    assert parses == [] and beside is not in_line
+    text = "Hello, wörld! <|im_start|>user\n  tabs\tand 123"
+    assert beside.encode(text) == in_line.encode(text) and beside.eos_token_ids == in_line.eos_token_ids
+    assert os.path.abspath(path) not in tokenizer_module._started  # taken once

@@ -86,6 +86,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
     `release_dense` a projection served by its codes never has its dense weight written (its pages are never
     resident; released after the load), and its oneDNN copy, if any, is made from the codes."""
     from stallfree.node_daemon.models.gguf_file import GGUFFile
+    from stallfree.node_daemon.text.tokenizer import gave_metadata
 
     started = time.monotonic()
     try:
@@ -94,6 +95,8 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
         raise ValueError(f"cannot read GGUF file {path}: {e}") from e
     fields = _read_fields(reader)
     log.info("read the GGUF header of %s in %.2f s", os.path.basename(path), time.monotonic() - started)
+    tokenizer_metadata = {k: v for k, v in reader.fields.items() if k.startswith("tokenizer.")}
+    gave_metadata(path, tokenizer_metadata)  # a tokenizer building beside this load (the daemon's) needs no parse
     shape = gguf_shape(fields, {t.name for t in reader.tensors}, name or os.path.basename(path))
     context = resolve_max_model_len(shape, max_model_len)
     check_fits(shape, dtype, device)
@@ -131,7 +134,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
     return LoadedModel(model=model, shape=shape, eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
                        bos_token_id=_int_or_none(fields.get("tokenizer.ggml.bos_token_id")),
                        max_model_len=context, source=path, source_kind="gguf",
-                       tokenizer_metadata={k: v for k, v in reader.fields.items() if k.startswith("tokenizer.")},
+                       tokenizer_metadata=tokenizer_metadata,
                        dequantized=_dequantized_types(reader, int4))
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -19,7 +21,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from stallfree.node_daemon.text.chat_template import render_chat
-from stallfree.node_daemon.text.tokenizer_cache import cached_backend
+from stallfree.node_daemon.text.tokenizer_cache import cached_backend, read_cached_backend
 
 log = logging.getLogger(__name__)
 
@@ -240,8 +242,62 @@ def from_gguf(path: str | Path) -> Tokenizer:
     return from_gguf_metadata(gguf_tokenizer_metadata(gguf.GGUFReader(str(path))), str(path))
 
 
+_started: dict[str, tuple[Future, Future]] = {}  # GGUF path -> (the tokenizer, its tokenizer.* metadata)
+
+
+def start_from_gguf(path: str) -> None:
+    """Build (or read back from its cache) this GGUF file's tokenizer on a thread, so that it is made while the
+    weights load: Gemma 3's 262k pieces take 2 s to build, 1 s to read back, mostly outside the GIL. The loader
+    hands over the header it parsed (gave_metadata); the next from_gguf_metadata() for this file takes the
+    result. Call it only where that call follows (the daemon)."""
+    key = os.path.abspath(path)
+    if key in _started or not os.path.isfile(path):
+        return
+    tokenizer: Future = Future()
+    metadata: Future = Future()
+    _started[key] = (tokenizer, metadata)
+
+    def build() -> None:
+        try:
+            backend = read_cached_backend(path)  # the slow part, before the header is even needed
+            try:
+                meta = metadata.result(timeout=120)  # the loader's header
+            except TimeoutError:  # a load that never gave it: parsed here
+                meta = _read_metadata(path)
+            tokenizer.set_result(_from_gguf_metadata(meta, path, backend))
+        except BaseException as exc:  # noqa: BLE001 - handed to from_gguf_metadata, which builds again
+            tokenizer.set_exception(exc)
+
+    threading.Thread(target=build, name="tokenizer-build", daemon=True).start()
+
+
+def gave_metadata(path: str, meta: dict[str, Any]) -> None:
+    """The loader's tokenizer.* fields of a file whose tokenizer start_from_gguf() is building."""
+    started = _started.get(os.path.abspath(path))
+    if started is not None and not started[1].done():
+        started[1].set_result(meta)
+
+
+def _read_metadata(path: str) -> dict[str, Any]:
+    from stallfree.node_daemon.models.gguf_file import GGUFFile
+
+    return {k: v for k, v in GGUFFile(path).fields.items() if k.startswith("tokenizer.")}
+
+
 def from_gguf_metadata(meta: dict[str, Any], path: str) -> Tokenizer:
-    """The tokenizer a GGUF file's tokenizer.* metadata describes (`path` names the file in errors)."""
+    """The tokenizer a GGUF file's tokenizer.* metadata describes (`path` names the file in errors); the one
+    start_from_gguf() began for this file, when it did."""
+    gave_metadata(path, meta)
+    started = _started.pop(os.path.abspath(path), None)
+    if started is not None:
+        try:
+            return started[0].result()
+        except Exception as exc:  # noqa: BLE001 - built again here, where its error (if any) is raised
+            log.warning("tokenizer built beside the weights failed (%s): building it again", exc)
+    return _from_gguf_metadata(meta, path)
+
+
+def _from_gguf_metadata(meta: dict[str, Any], path: str, backend: HFTokenizer | None = None) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
     tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
     if not tokens:
@@ -267,7 +323,7 @@ def from_gguf_metadata(meta: dict[str, Any], path: str) -> Tokenizer:
             backend.add_tokens(user)
         return backend
 
-    backend = cached_backend(path, build)
+    backend = backend if backend is not None else cached_backend(path, build)
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     eos_id = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = [eos_id] if eos_id is not None else []

@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -22,8 +21,6 @@ from tokenizers import Tokenizer as HFTokenizer
 log = logging.getLogger(__name__)
 
 ENV = "STALLFREE_WEIGHT_CACHE"
-
-_prefetched: dict[str, Future] = {}
 
 
 def cache_folder() -> Path | None:
@@ -36,25 +33,23 @@ def cache_folder() -> Path | None:
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stallfree" / "weights"
 
 
-def prefetch(gguf_path: str) -> None:
-    """Start reading this file's cached tokenizer on a thread (the library parses without the GIL: a second for
-    Gemma 3's 262k pieces), so it reads while the weights load; cached_backend() takes the result."""
+def read_cached_backend(gguf_path: str) -> HFTokenizer | None:
+    """This GGUF file's tokenizer from the cache; None when it is not there (or unreadable: built again)."""
     path = _cache_file(gguf_path)
-    if path is not None and path.exists() and str(path) not in _prefetched:
-        pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-read")
-        _prefetched[str(path)] = pool.submit(HFTokenizer.from_file, str(path))
-        pool.shutdown(wait=False)
+    if path is not None and path.exists():
+        try:
+            return HFTokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - a damaged file is rebuilt, never a failed start
+            log.warning("tokenizer cache: %s unreadable (%s): building the tokenizer again", path, exc)
+    return None
 
 
 def cached_backend(gguf_path: str, build: Callable[[], HFTokenizer]) -> HFTokenizer:
     """The tokenizer `build()` makes for this GGUF file: read from the cache when there, else built and written."""
+    cached = read_cached_backend(gguf_path)
+    if cached is not None:
+        return cached
     path = _cache_file(gguf_path)
-    if path is not None and path.exists():
-        try:
-            pending = _prefetched.pop(str(path), None)
-            return pending.result() if pending is not None else HFTokenizer.from_file(str(path))
-        except Exception as exc:  # noqa: BLE001 - a damaged file is rebuilt, never a failed start
-            log.warning("tokenizer cache: %s unreadable (%s): building the tokenizer again", path, exc)
     backend = build()
     if path is not None:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
