@@ -28,6 +28,9 @@ from stallfree.node_daemon.text.tool_calls.formats import ToolCallFormat, choose
 from stallfree.node_daemon.text.tool_calls.tools import ToolChoice, parse_tool_choice, parse_tools
 
 
+VOCABULARY_AFTER_S = 2.0
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     """What the server needs to serve response_format and tools for the loaded model."""
@@ -41,11 +44,14 @@ class StructuredOutputs:
     @classmethod
     def build(cls, tokenizer: Tokenizer, vocab_size: int | None, parser_name: str | None,
               constrained: bool) -> "StructuredOutputs":
-        """`constrained`: the backend masks logits. The library's view of the vocabulary (about a second) is
-        built on a thread now, so the first structured request does not wait for it."""
+        """`constrained`: the backend masks logits. The library's view of the vocabulary (about a second on a
+        262k vocabulary, holding the GIL) is built on a thread VOCABULARY_AFTER_S after ready, so that neither
+        the first answer nor the first structured request waits for it (that request builds it, if first)."""
         compiler = GrammarCompiler(tokenizer, vocab_size=vocab_size) if constrained else None
         if compiler is not None:
-            threading.Thread(target=compiler.ll_tokenizer, name="grammar-vocab", daemon=True).start()
+            timer = threading.Timer(VOCABULARY_AFTER_S, compiler.ll_tokenizer)
+            timer.name, timer.daemon = "grammar-vocab", True
+            timer.start()
         return cls(choose_format(parser_name, tokenizer.chat_template), tokenizer.chat_template,
                    special_token_lookup(tokenizer), compiler)
 
