@@ -184,7 +184,28 @@ async def test_shutdown_aborts_streams_in_flight_and_refuses_new_ones() -> None:
         await collect(client, "late", PROMPTS["c"])
 
 
-async def test_an_idle_task_runs_when_idle_and_yields_to_a_request(client: AsyncEngine, reference) -> None:
+async def test_an_idle_task_waits_for_a_quiet_spell_after_the_last_step(client: AsyncEngine, reference,
+                                                                         monkeypatch) -> None:
+    """A gap between a client's requests is no time for the profile: it starts once no step ran for a while."""
+    from stallfree.node_daemon.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "IDLE_TASK_QUIET_S", 0.6)
+    assert tokens_of(await collect(client, "before", PROMPTS["a"])) == reference["a"]
+    answered = time.monotonic()
+    ran: list[float] = []
+    client.when_idle(0.0, lambda engine, should_stop: ran.append(time.monotonic()))
+    for _ in range(300):
+        if ran:
+            break
+        await asyncio.sleep(0.01)
+    assert ran and ran[0] - answered >= 0.6 - 0.05
+
+
+async def test_an_idle_task_runs_when_idle_and_yields_to_a_request(client: AsyncEngine, reference,
+                                                                   monkeypatch) -> None:
+    from stallfree.node_daemon.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "IDLE_TASK_QUIET_S", 0.0)
     seen: list[str] = []
 
     def task(engine, should_stop):
