@@ -153,6 +153,8 @@ def start_engine(opts: ServeConfig, daemon) -> None:
         async_engine.when_idle(retry.delay_s, retry)
     structured = StructuredOutputs.build(engine.tokenizer, engine.vocab_size, opts.tool_call_parser,
                                          constrained=engine.supports_grammars)
+    if structured.compiler is not None:
+        async_engine.when_quiet(structured.compiler.ll_tokenizer)
     daemon.startup.ready(Serving(
         engine=async_engine, limits=engine.limits, structured=structured,
         max_chars_per_token=max_chars_per_token(engine.tokenizer),

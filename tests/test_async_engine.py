@@ -201,6 +201,22 @@ async def test_an_idle_task_waits_for_a_quiet_spell_after_the_last_step(client: 
     assert ran and ran[0] - answered >= 0.6 - 0.05
 
 
+async def test_a_quiet_task_runs_once_after_a_quiet_spell(client: AsyncEngine, reference, monkeypatch) -> None:
+    from stallfree.node_daemon.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "IDLE_TASK_QUIET_S", 0.6)
+    assert tokens_of(await collect(client, "before-quiet", PROMPTS["b"])) == reference["b"]
+    answered = time.monotonic()
+    ran: list[float] = []
+    client.when_quiet(lambda: ran.append(time.monotonic()))
+    for _ in range(300):
+        if ran:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.7)
+    assert len(ran) == 1 and ran[0] - answered >= 0.6 - 0.05
+
+
 async def test_an_idle_task_runs_when_idle_and_yields_to_a_request(client: AsyncEngine, reference,
                                                                    monkeypatch) -> None:
     from stallfree.node_daemon.engine import async_engine

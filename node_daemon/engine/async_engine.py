@@ -84,6 +84,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._idle_task: tuple[float, Callable[..., float | None]] | None = None
         self._last_step = time.monotonic()  # when the engine last ran a step: idle tasks wait for a quiet spell
+        self._quiet_tasks: deque[Callable[[], Any]] = deque()
         self.stall_watch: TurnWatch = watch or _NoWatch()
         self._thread = threading.Thread(target=self._run, name="stallfree-engine", daemon=True)
         self._thread.start()
@@ -247,8 +248,26 @@ class AsyncEngine:
             watch.close()
             self._fail_streams_on_exit()
 
+    def when_quiet(self, task: Callable[[], Any]) -> None:
+        """Run task() once on the engine thread after a quiet spell (no step for IDLE_TASK_QUIET_S): a short
+        one-off job that holds the GIL (the grammar library's vocabulary, a second on 262k tokens), which in a
+        client's burst would stall every stream."""
+        self._quiet_tasks.append(task)
+        self._wake.set()
+
     def _idle(self) -> None:
-        """Nothing to run: sleep until woken, or run the idle task when it is due."""
+        """Nothing to run: sleep until woken, or run a quiet task or the idle task when it is due."""
+        if self._quiet_tasks:
+            wait = self._last_step + IDLE_TASK_QUIET_S - time.monotonic()
+            if wait > 0 or self._commands:
+                self._wake.wait(max(wait, 0.0))
+                self._wake.clear()
+                return
+            try:
+                self._quiet_tasks.popleft()()
+            except Exception:  # noqa: BLE001 - an idle task must never take the loop down
+                log.exception("quiet task failed")
+            return
         task = self._idle_task
         if task is None:
             self._wake.wait()

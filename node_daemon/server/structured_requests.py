@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -26,9 +25,6 @@ from stallfree.node_daemon.structured.request_grammar import request_grammar, sp
 from stallfree.node_daemon.text.tokenizer import Tokenizer
 from stallfree.node_daemon.text.tool_calls.formats import ToolCallFormat, choose_format
 from stallfree.node_daemon.text.tool_calls.tools import ToolChoice, parse_tool_choice, parse_tools
-
-
-VOCABULARY_AFTER_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -45,13 +41,10 @@ class StructuredOutputs:
     def build(cls, tokenizer: Tokenizer, vocab_size: int | None, parser_name: str | None,
               constrained: bool) -> "StructuredOutputs":
         """`constrained`: the backend masks logits. The library's view of the vocabulary (about a second on a
-        262k vocabulary, holding the GIL) is built on a thread VOCABULARY_AFTER_S after ready, so that neither
-        the first answer nor the first structured request waits for it (that request builds it, if first)."""
+        262k vocabulary, holding the GIL) is built by the first structured request, or before it by the engine
+        once quiet (daemon.start_engine: AsyncEngine.when_quiet), never at ready, where it delayed the first
+        answer, nor in a burst of requests, where it stalled every stream."""
         compiler = GrammarCompiler(tokenizer, vocab_size=vocab_size) if constrained else None
-        if compiler is not None:
-            timer = threading.Timer(VOCABULARY_AFTER_S, compiler.ll_tokenizer)
-            timer.name, timer.daemon = "grammar-vocab", True
-            timer.start()
         return cls(choose_format(parser_name, tokenizer.chat_template), tokenizer.chat_template,
                    special_token_lookup(tokenizer), compiler)
 
