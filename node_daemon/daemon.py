@@ -154,7 +154,13 @@ def start_engine(opts: ServeConfig, daemon) -> None:
     structured = StructuredOutputs.build(engine.tokenizer, engine.vocab_size, opts.tool_call_parser,
                                          constrained=engine.supports_grammars)
     if structured.compiler is not None:
-        async_engine.when_quiet(structured.compiler.ll_tokenizer)
+        # The grammar library's vocabulary holds the GIL while it builds. A small one (SmolLM2's 49k: 0.2 s) is
+        # built now, so no stream ever waits on it; a large one (Gemma 3's 262k: 1.2 s) once the engine is quiet,
+        # or by the first structured request if that comes first, so that it does not delay the first answer.
+        if engine.vocab_size <= SMALL_VOCABULARY:
+            structured.compiler.ll_tokenizer()
+        else:
+            async_engine.when_quiet(structured.compiler.ll_tokenizer)
     daemon.startup.ready(Serving(
         engine=async_engine, limits=engine.limits, structured=structured,
         max_chars_per_token=max_chars_per_token(engine.tokenizer),
@@ -305,6 +311,7 @@ def _startup_profile(opts: ServeConfig, engine, device: str, defer_while_compili
 
 
 # How often a deferred profile looks whether the compiled forward has loaded.
+SMALL_VOCABULARY = 65_536  # tokens: the grammar vocabulary of one this size builds in about 0.2 s
 _COMPILE_POLL_S = 2.0
 _IDLE_PROFILE_DELAY_S = 1.0  # a deferred profile waits this long on an idle engine: a client's first requests go first
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 
 import pytest
@@ -169,3 +170,14 @@ def test_tool_call_arguments_keep_integers_within_64_bits_too(compiler) -> None:
     head = '<tool_call>\n{"name":"census","arguments":{"name":"Oslo","country":"NO","population":'
     assert not _accepts(plan.grammar, compiler.tokenizer, head + "1" * 20)
     assert _accepts(plan.grammar, compiler.tokenizer, head + "1" * 19)
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread priority is Linux's")
+async def test_grammar_workers_run_at_the_lowest_cpu_priority() -> None:
+    """A schema checked for seconds must not take a core from the forward's threads (it gets what serving leaves)."""
+    work = GrammarWork(workers=1, deadline_s=5.0)
+    try:
+        niceness = await work.run(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    finally:
+        work.close()
+    assert niceness == 19 and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 19
