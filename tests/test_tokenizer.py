@@ -229,7 +229,7 @@ def test_a_tokenizer_built_beside_the_load_is_the_one_built_in_line(tmp_path, mo
 
     monkeypatch.setenv("STALLFREE_WEIGHT_CACHE", str(tmp_path))  # built, not read back: the cold start's path
     path = embedded_gguf_path()
-    meta = tokenizer_module._read_metadata(path)
+    meta = {k: v for k, v in gguf_file.GGUFFile(path).fields.items() if k.startswith("tokenizer.")}
     in_line = tokenizer_module._from_gguf_metadata(meta, path)
     parses = []
     monkeypatch.setattr(gguf_file, "GGUFFile", lambda *a: parses.append(a) or pytest.fail("parsed again"))

@@ -260,10 +260,9 @@ def start_from_gguf(path: str) -> None:
     def build() -> None:
         try:
             backend = read_cached_backend(path)  # the slow part, before the header is even needed
-            try:
-                meta = metadata.result(timeout=120)  # the loader's header
-            except TimeoutError:  # a load that never gave it: parsed here
-                meta = _read_metadata(path)
+            # The loader's header. A load that fails before giving it leaves this daemon thread waiting (no one
+            # asks for the tokenizer then) until the timeout.
+            meta = metadata.result(timeout=600)
             tokenizer.set_result(_from_gguf_metadata(meta, path, backend))
         except BaseException as exc:  # noqa: BLE001 - handed to from_gguf_metadata, which builds again
             tokenizer.set_exception(exc)
@@ -276,12 +275,6 @@ def gave_metadata(path: str, meta: dict[str, Any]) -> None:
     started = _started.get(os.path.abspath(path))
     if started is not None and not started[1].done():
         started[1].set_result(meta)
-
-
-def _read_metadata(path: str) -> dict[str, Any]:
-    from stallfree.node_daemon.models.gguf_file import GGUFFile
-
-    return {k: v for k, v in GGUFFile(path).fields.items() if k.startswith("tokenizer.")}
 
 
 def from_gguf_metadata(meta: dict[str, Any], path: str) -> Tokenizer:
