@@ -112,7 +112,7 @@ def start_engine(opts: ServeConfig, daemon) -> None:
         # Measured before serving only where it is read at once (a TPOT SLO's starting budget, the operator's
         # daemons) or costs nothing (the simulator's); a real model without an SLO serves first.
         profile, retry = _startup_profile(opts, engine, device,
-                                          defer_while_compiling=opts.tpot_slo_ms is None and opts.backend == "model")
+                                          serve_first=opts.tpot_slo_ms is None and opts.backend == "model")
     if opts.auto_budget and opts.tpot_slo_ms is not None and profile is not None and profile.mixed:
         tuning = starting_tuning(profile, opts.tpot_slo_ms, engine.ceilings, engine.get_tuning())
         engine.set_tuning(tuning)
@@ -263,11 +263,11 @@ def _process_age_s() -> float:
         return float("nan")
 
 
-def _startup_profile(opts: ServeConfig, engine, device: str, defer_while_compiling: bool = False):
+def _startup_profile(opts: ServeConfig, engine, device: str, serve_first: bool = False):
     """The profile from the cache, else measured within the time budget; and a retry when it is not trusted, or
     when it timed the Python path while the compiled CPU forward compiles (it is replaced once that is in use).
 
-    With `defer_while_compiling` (no TPOT SLO: neither the starting budget nor an operator reads the profile),
+    With `serve_first` (a real model and no TPOT SLO: neither the starting budget nor an operator reads the profile),
     nothing is measured before the daemon serves: while the compiled forward compiles, the retry reads or
     measures the profile on the idle engine thread once it is in use (a fresh install's first start: about 5 s
     shorter); with no profile cached for this engine (a new model file), the retry measures it on the idle engine
@@ -280,7 +280,7 @@ def _startup_profile(opts: ServeConfig, engine, device: str, defer_while_compili
                                progress=lambda line: log.info("start-up: %s", line))
     cache = None if opts.no_profile_cache else ProfileCache(opts.profile_cache_dir)
     compiling = cpu_decode.is_building()
-    if defer_while_compiling and compiling:
+    if serve_first and compiling:
         log.info("start-up: profile deferred: the compiled CPU forward is still compiling (the Python path serves "
                  "meanwhile); read or measured on the idle engine once it is in use")
         return None, _Remeasure(settings, cache, device, delay_s=_COMPILE_POLL_S)
@@ -291,7 +291,7 @@ def _startup_profile(opts: ServeConfig, engine, device: str, defer_while_compili
         if cached is not None:
             log.info("start-up: %s (%d mixed points, %d decode-only)", why, len(cached.mixed), len(cached.decode_only))
             return cached, later
-        if defer_while_compiling:
+        if serve_first:
             log.info("start-up: %s: serving now with the default budget; measured on the idle engine (a request "
                      "stops it) and cached", why)
             return None, _Remeasure(settings, cache, device, delay_s=_IDLE_PROFILE_DELAY_S)
@@ -310,8 +310,8 @@ def _startup_profile(opts: ServeConfig, engine, device: str, defer_while_compili
     return run.profile, later or _Remeasure(settings, cache, device)
 
 
-# How often a deferred profile looks whether the compiled forward has loaded.
 SMALL_VOCABULARY = 65_536  # tokens: the grammar vocabulary of one this size builds in about 0.2 s
+# How often a deferred profile looks whether the compiled forward has loaded.
 _COMPILE_POLL_S = 2.0
 _IDLE_PROFILE_DELAY_S = 1.0  # a deferred profile waits this long on an idle engine: a client's first requests go first
 

@@ -218,7 +218,7 @@ def test_a_start_while_the_compiled_forward_compiles_serves_first_and_profiles_i
     building = _compiling(monkeypatch)
     opts, engine, device = _serve_engine(tmp_path)
     # The starting budget does not come from the profile: nothing is measured (or read) while it compiles.
-    profile, retry = _startup_profile(opts, engine, device, defer_while_compiling=True)
+    profile, retry = _startup_profile(opts, engine, device, serve_first=True)
     assert profile is None and retry is not None and list(tmp_path.glob("profile-*.json")) == []
     given = []
     retry.on_profile = given.append
@@ -231,7 +231,7 @@ def test_a_start_while_the_compiled_forward_compiles_serves_first_and_profiles_i
     assert ProfileCache(tmp_path).load(profile_key(engine, device, ProfileSettings()))[0] == given[0]
     # The next deferred start finds it in the cache: read, not measured.
     building["now"] = True
-    _, retry = _startup_profile(opts, engine, device, defer_while_compiling=True)
+    _, retry = _startup_profile(opts, engine, device, serve_first=True)
     building["now"], later = False, []
     retry.on_profile = later.append
     monkeypatch.setattr(profiler, "run_profile", lambda *a, **k: pytest.fail("measured although cached"))
@@ -243,7 +243,7 @@ def test_a_first_start_on_a_new_file_serves_first_and_profiles_on_the_idle_engin
     """No TPOT SLO, nothing compiling, no profile cached for this engine: nothing measured before serving."""
     _compiling(monkeypatch)["now"] = False
     opts, engine, device = _serve_engine(tmp_path)
-    profile, retry = _startup_profile(opts, engine, device, defer_while_compiling=True)
+    profile, retry = _startup_profile(opts, engine, device, serve_first=True)
     assert profile is None and retry is not None and list(tmp_path.glob("profile-*.json")) == []
     given = []
     retry.on_profile = given.append
@@ -251,7 +251,7 @@ def test_a_first_start_on_a_new_file_serves_first_and_profiles_on_the_idle_engin
     assert retry(engine, lambda: False) is None and len(given) == 1 and given[0].mixed
     # Cached: the next start reads it before serving, measuring nothing.
     monkeypatch.setattr(profiler, "run_profile", lambda *a, **k: pytest.fail("measured although cached"))
-    assert _startup_profile(opts, engine, device, defer_while_compiling=True)[0] == given[0]
+    assert _startup_profile(opts, engine, device, serve_first=True)[0] == given[0]
 
 
 def test_a_start_with_a_tpot_slo_measures_while_compiling_and_measures_again_once_compiled(
@@ -259,7 +259,7 @@ def test_a_start_with_a_tpot_slo_measures_while_compiling_and_measures_again_onc
     building = _compiling(monkeypatch)
     opts, engine, device = _serve_engine(tmp_path)
     # An operator's daemon reads its profile at once (the starting budget, the operator's calibration).
-    profile, retry = _startup_profile(opts, engine, device, defer_while_compiling=False)
+    profile, retry = _startup_profile(opts, engine, device, serve_first=False)
     assert profile is not None and profile.mixed and retry is not None
     given = []
     retry.on_profile = given.append

@@ -21,7 +21,7 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def grammar_vocabulary(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
-    """llguidance's LLTokenizer for `tokenizer`, padded to `vocab_size` ids (padding ids are empty and never allowed)."""
+    """llguidance's LLTokenizer for `tokenizer`, padded to `vocab_size` ids (padding ids: empty, never allowed)."""
     eos = list(tokenizer.eos_token_ids)
     table = token_bytes(tokenizer)
     if table is None:
