@@ -271,7 +271,7 @@ def _startup_profile(opts: ServeConfig, engine, device: str, serve_first: bool =
     nothing is measured before the daemon serves: while the compiled forward compiles, the retry reads or
     measures the profile on the idle engine thread once it is in use (a fresh install's first start: about 5 s
     shorter); with no profile cached for this engine (a new model file), the retry measures it on the idle engine
-    (4.4 s of Gemma 3 270M's first start, which now serves first)."""
+    (4.4 s that Gemma 3 270M's first start would otherwise spend before serving)."""
     from stallfree.node_daemon.measure.profile_cache import ProfileCache, profile_key
     from stallfree.node_daemon.measure.profiler import ProfileSettings, run_profile
     from stallfree.node_daemon.models import cpu_decode
@@ -313,7 +313,9 @@ def _startup_profile(opts: ServeConfig, engine, device: str, serve_first: bool =
 SMALL_VOCABULARY = 65_536  # tokens: the grammar vocabulary of one this size builds in about 0.2 s
 # How often a deferred profile looks whether the compiled forward has loaded.
 _COMPILE_POLL_S = 2.0
-_IDLE_PROFILE_DELAY_S = 1.0  # a deferred profile waits this long on an idle engine: a client's first requests go first
+# A deferred profile's first try, after which its tries back off (x2); AsyncEngine also holds every idle task
+# until the engine has been quiet for a while, so a client's first requests go first.
+_IDLE_PROFILE_DELAY_S = 1.0
 
 
 class _Remeasure:

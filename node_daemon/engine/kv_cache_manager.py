@@ -107,7 +107,7 @@ class KVCacheManager:
 
         Per decode this runs once every block_size tokens, so it is written flat.
         """
-        if not self.enable_prefix_caching or request.hash_block_size == 0:  # a request kept out of the cache
+        if not self.enable_prefix_caching or not request.prefix_cache:
             return
         num_full = request.num_computed_tokens // self.block_size
         request_id = request.request_id
