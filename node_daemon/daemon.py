@@ -68,9 +68,11 @@ def build_llm_engine(opts: ServeConfig, observer: Any):
         engine = LLMEngine(config, executor=executor, tokenizer=sim_tokenizer(shape), observer=observer)
         return engine, f"sim:{cost_model.hardware.name}"
     if str(opts.model).endswith(".gguf"):
+        from stallfree.node_daemon.models import tokenizer_child
         from stallfree.node_daemon.text.tokenizer import start_from_gguf
 
-        start_from_gguf(str(opts.model))  # its tokenizer builds (or reads back) while the weights load
+        # its tokenizer reads back (or is built) while the weights load
+        start_from_gguf(str(opts.model), tokenizer_child.waiter(str(opts.model)))
     engine = LLMEngine(config, observer=observer)
     device = engine.executor.runner.device
     if device.type == "cuda":
@@ -431,6 +433,10 @@ def run(opts: ServeConfig) -> BaseException | None:
     from stallfree.node_daemon.server.drain import DrainingServer
 
     prometheus_client.disable_created_metrics()  # no *_created series: one fewer sample per metric per scrape
+    if opts.backend == "model" and str(opts.model).endswith(".gguf"):
+        from stallfree.node_daemon.models import tokenizer_child
+
+        tokenizer_child.start(str(opts.model))  # a new file's tokenizer: built on the other core from here on
 
     daemon, app = build_daemon(opts)
     server = DrainingServer(uvicorn_config(opts, daemon, app), daemon.drain, lambda rid: abort_in_flight(daemon, rid),

@@ -152,7 +152,7 @@ def test_smollm2_bf16_chunked_prefill_follows_unchunked(chunk):
 
 def test_a_matrix_tiled_a_slice_of_rows_at_a_time_is_the_whole_tiling(monkeypatch):
     """tiles_from_blocks (the loader's path for a tied embedding: a bounded transient) gives the very records of
-    tiling the whole matrix at once, for a symmetric type (no zeros) and an affine one."""
+    tiling the whole matrix at once, for Q8_0 (written straight from its blocks) and Q4_1 (a slice at a time)."""
     from stallfree.node_daemon.models import quantized
     from stallfree.node_daemon.models.quantized import TiledCodes, tiles_from_blocks
 
@@ -166,3 +166,25 @@ def test_a_matrix_tiled_a_slice_of_rows_at_a_time_is_the_whole_tiling(monkeypatc
         sliced, planes = tiles_from_blocks(raw, t.tensor_type.name, rows, cols)
         assert sliced.bits == whole.bits and torch.equal(sliced.blocks, whole.blocks)
         assert planes == decode_blocks(raw[:16], t.tensor_type.name, 16, cols).planes
+
+
+def test_q8_0_blocks_tile_straight_to_the_records_decoding_makes():
+    """q8_0_tiles writes TiledCodes' records from the blocks themselves: the same bytes as decoding then tiling,
+    for scales of either sign and codes at both ends; a scale whose zero (-128 d) overflows float16 is left to
+    from_codes, which stores zeros."""
+    from stallfree.node_daemon.models.quantized import TiledCodes, q8_0_tiles
+
+    rng = np.random.default_rng(7)
+    rows, cols = 48, 96
+    d = rng.normal(0, 0.01, (rows, cols // 32)).astype(np.float16)
+    q = rng.integers(-128, 128, (rows, cols // 32, 32)).astype(np.int8)
+    q[0, 0, :2] = (-128, 127)
+    raw = np.concatenate([d[..., None].view(np.uint8).reshape(rows, -1, 2), q.view(np.uint8)], axis=2).reshape(rows, -1)
+    direct = q8_0_tiles(raw, rows, cols)
+    assert direct is not None and direct.bits == 8 and not direct.has_zeros
+    assert torch.equal(direct.blocks, TiledCodes.from_codes(decode_blocks(raw, "Q8_0", rows, cols)).blocks)
+    expected = q.astype(np.float32) * d.astype(np.float32)[..., None]
+    assert torch.equal(direct.dequantize(), torch.from_numpy(expected.reshape(rows, cols)))
+    d[3, 1] = 1024.0  # -128 * 1024 is past float16's 65504
+    raw = np.concatenate([d[..., None].view(np.uint8).reshape(rows, -1, 2), q.view(np.uint8)], axis=2).reshape(rows, -1)
+    assert q8_0_tiles(raw, rows, cols) is None

@@ -239,3 +239,42 @@ def test_a_tokenizer_built_beside_the_load_is_the_one_built_in_line(tmp_path, mo
     text = "Hello, wörld! <|im_start|>user\n  tabs\tand 123"
     assert beside.encode(text) == in_line.encode(text) and beside.eos_token_ids == in_line.eos_token_ids
     assert os.path.abspath(path) not in tokenizer_module._started  # taken once
+
+
+@pytest.mark.parametrize("child_works", [True, False])
+def test_a_new_files_tokenizer_is_built_by_a_child_process_and_read_back(child_works, tmp_path, monkeypatch,
+                                                                         caplog) -> None:
+    """A new file's tokenizer is built by a child process into the cache while the daemon starts, and the
+    daemon's tokenizer thread reads that file back: the same tokenizer as one built in line. A child that fails
+    leaves the build to this process, with a warning: never a failed start."""
+    import logging
+
+    from stallfree.node_daemon.models import gguf_file, tokenizer_child
+    from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path
+    from stallfree.node_daemon.text import tokenizer as tokenizer_module
+    from stallfree.node_daemon.text.tokenizer_cache import cache_file
+
+    monkeypatch.setenv("STALLFREE_WEIGHT_CACHE", str(tmp_path))
+    if not child_works:
+        monkeypatch.setattr(tokenizer_child.sys, "executable", "/bin/false")
+    path = embedded_gguf_path()
+    meta = {k: v for k, v in gguf_file.GGUFFile(path).fields.items() if k.startswith("tokenizer.")}
+    tokenizer_child.start(path)
+    wait = tokenizer_child.waiter(path)
+    assert wait is not None and tokenizer_child.waiter(path) is None  # taken once
+    built = []
+    real_build = tokenizer_module._gguf_byte_level_bpe
+    monkeypatch.setattr(tokenizer_module, "_gguf_byte_level_bpe", lambda *a: built.append(1) or real_build(*a))
+    with caplog.at_level(logging.WARNING, logger=tokenizer_child.__name__):
+        tokenizer_module.start_from_gguf(path, wait)
+        beside = tokenizer_module.from_gguf_metadata(meta, path)
+    assert cache_file(path).exists()
+    assert built == ([] if child_works else [1])  # read back from the child's file, or built here
+    assert ("exited with 1" in caplog.text) is (not child_works)
+    tokenizer_module._started.clear()
+    monkeypatch.setenv("STALLFREE_WEIGHT_CACHE", str(tmp_path / "elsewhere"))
+    in_line = tokenizer_module.from_gguf_metadata(meta, path)
+    text = "Hello, wörld! <|im_start|>user\n  tabs\tand 123"
+    assert beside.encode(text) == in_line.encode(text) and beside.eos_token_ids == in_line.eos_token_ids
+    tokenizer_child.start(path)  # the cache has it now (the in-line build wrote it): no child
+    assert tokenizer_child.waiter(path) is None

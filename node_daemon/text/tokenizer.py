@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -245,11 +245,12 @@ def from_gguf(path: str | Path) -> Tokenizer:
 _started: dict[str, tuple[Future, Future]] = {}  # GGUF path -> (the tokenizer, its tokenizer.* metadata)
 
 
-def start_from_gguf(path: str) -> None:
-    """Build (or read back from its cache) this GGUF file's tokenizer on a thread, so that it is made while the
-    weights load: Gemma 3's 262k pieces take 2 s to build, 1 s to read back, mostly outside the GIL. The loader
-    hands over the header it parsed (gave_metadata); the next from_gguf_metadata() for this file takes the
-    result. Call it only where that call follows (the daemon)."""
+def start_from_gguf(path: str, built_elsewhere: Callable[[], None] | None = None) -> None:
+    """Read back (or build) this GGUF file's tokenizer on a thread, so that it is made while the weights load:
+    Gemma 3's 262k pieces take 1 s to read back from the cache, with the GIL held (the tokenizers library's
+    parse), 2.5 s of Python to build. `built_elsewhere` returns once another process has built it into the
+    cache (models/tokenizer_child.py). The loader hands over the header it parsed (gave_metadata); the next
+    from_gguf_metadata() for this file takes the result. Call it only where that call follows (the daemon)."""
     key = os.path.abspath(path)
     if key in _started or not os.path.isfile(path):
         return
@@ -259,6 +260,8 @@ def start_from_gguf(path: str) -> None:
 
     def build() -> None:
         try:
+            if built_elsewhere is not None:
+                built_elsewhere()
             backend = read_cached_backend(path)  # the slow part, before the header is even needed
             # The loader's header. A load that fails before giving it leaves this daemon thread waiting (no one
             # asks for the tokenizer then) until the timeout.

@@ -35,7 +35,7 @@ def cache_folder() -> Path | None:
 
 def read_cached_backend(gguf_path: str) -> HFTokenizer | None:
     """This GGUF file's tokenizer from the cache; None when it is not there (or unreadable: built again)."""
-    path = _cache_file(gguf_path)
+    path = cache_file(gguf_path)
     if path is not None and path.exists():
         try:
             return HFTokenizer.from_file(str(path))
@@ -49,7 +49,7 @@ def cached_backend(gguf_path: str, build: Callable[[], HFTokenizer]) -> HFTokeni
     cached = read_cached_backend(gguf_path)
     if cached is not None:
         return cached
-    path = _cache_file(gguf_path)
+    path = cache_file(gguf_path)
     backend = build()
     if path is not None:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -63,7 +63,8 @@ def cached_backend(gguf_path: str, build: Callable[[], HFTokenizer]) -> HFTokeni
     return backend
 
 
-def _cache_file(gguf_path: str) -> Path | None:
+def cache_file(gguf_path: str) -> Path | None:
+    """Where this GGUF file's tokenizer is cached (None: the cache is off, or the path is no file)."""
     root = cache_folder()
     if root is None or not os.path.isfile(gguf_path):
         return None
