@@ -52,6 +52,25 @@ def test_the_control_loop_reads_each_objectives_goodput_from_the_room():
     assert windows["batch"].arrival_prompt_tokens_per_s == pytest.approx(5000 / 10.0)  # offered, shed included
 
 
+def test_a_replicas_fast_error_is_judged_by_its_status_not_its_first_byte():
+    """A 5xx or 429 back in 10 ms is the service failing the request: judged, not good, and no TTFT sample. A 400
+    (the request's own fault) is not judged at all."""
+    room, replica = _room()
+    source = RouterQueueSource(None, window_s=30.0)
+    source.take(room.status(0.0), 0.0)
+    views = lambda: [replica.view(0.0)]  # noqa: E731
+    for key in (1, 2, 3, 4):
+        room.arrive(key, INTERACTIVE, "a", 10, 0.0, views)
+    (_, ok), (_, failed), (_, busy), (_, junk) = _send(room, replica, 0.0)
+    room.first_byte(replica, ok, 0.5)
+    room.first_byte(replica, failed, 0.01, status=503)
+    room.first_byte(replica, busy, 0.01, status=429)
+    room.first_byte(replica, junk, 0.01, status=400)
+    window = {w.name: w for w in source.take(room.status(1.0), 1.0).objectives}["interactive"]
+    assert (window.completed, window.good) == (3, 1)
+    assert room.status(1.0)["objectives"]["interactive"]["p99_ttft_ms"] == pytest.approx(500.0)
+
+
 def test_a_request_refused_by_a_full_queue_or_timed_out_is_judged_not_good():
     room, replica = _room(max_queued=1)
     views = lambda: [replica.view(0.0)]  # noqa: E731

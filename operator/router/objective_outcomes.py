@@ -2,8 +2,9 @@
 counts of requests judged and of those good. Pure and clock-free (times are passed in).
 
 Goodput has one definition (`good`): a request is good when it was served within every target of its objective
-that was measured (stallfree.latency.within_targets); a request shed, refused or answered without a replica is
-judged and not good. The router measures the queue wait and the first byte, so its `good` is "queue wait and
+that was measured (stallfree.latency.within_targets); a request shed, refused, answered without a replica or
+failed by its replica (a 5xx or 429) is judged and not good; one its replica turned away as malformed (any other
+4xx) is not judged. The router measures the queue wait and the first byte, so its `good` is "queue wait and
 TTFT within their targets"; TPOT is the engine's (the daemons' windows judge it). The operator's control loop
 reads these in `/router/queue` (observe_router.py) so that its breach verdict, its sizing and
 `status.control.objectives` see each objective on its own (a batch objective's long waits are not the interactive

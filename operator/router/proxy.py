@@ -52,7 +52,7 @@ from stallfree.operator.router.pick import AffinityMargin, Choice, ReplicaView, 
 from stallfree.operator.router.replicas import Replica, ReplicaPool
 from stallfree.operator.router.requests import RequestInfo, read_parsed
 from stallfree.operator.router.shedding import SHED_CODE
-from stallfree.operator.router.waiting_room import QueueFull, Shed, WaitingRoom
+from stallfree.operator.router.waiting_room import QueueFull, Shed, WaitingRoom, client_error
 from stallfree.request_objective_header import REQUEST_ID_HEADER, bind, body_digest
 from stallfree.request_objective_header import headers as objective_headers
 from stallfree.router_queue_header import QUEUE_HEADER, SIGNATURE_HEADER, sign
@@ -478,9 +478,9 @@ class Router:
             raise
         now = time.perf_counter()
         generation = method == "POST"  # what its objective's TTFT target is about
-        self.room.first_byte(replica, ticket, now)
+        self.room.first_byte(replica, ticket, now, response.status_code)
         self.dispatch()  # its prefill is done: the replica may take the next one
-        if generation and 400 <= response.status_code < 500 and response.status_code != 429:
+        if generation and client_error(response.status_code):
             self.room.refused_by_replica(info.prompt_tokens)  # junk (a 4xx): no demand
         elapsed = now - received
         self.metrics.observed_ttft.labels(self.config.policy).observe(elapsed)

@@ -141,13 +141,20 @@ class WaitingRoom(Generic[K]):
         deadline = None if objective.ttft_ms is None else arrival_s + objective.ttft_ms / 1000.0
         return RequestObjective(objective.name, objective.priority, deadline, objective.tpot_ms)
 
-    def first_byte(self, replica: Replica, ticket: int, now: float) -> None:
+    def first_byte(self, replica: Replica, ticket: int, now: float, status: int = 200) -> None:
         """Its first byte came back: its prefill is done (the replica may take the next one) and a generation
-        request is judged (objective_outcomes.good: its TTFT and queue wait, from its arrival here)."""
+        request is judged (objective_outcomes.good: its TTFT and queue wait, from its arrival here) by the status
+        the replica answered: an answer by its times; a 5xx or 429 (the service failed it, however fast) judged
+        and not good; any other 4xx (the request's own fault: a malformed body, a prompt past the model) not
+        judged at all, as a request refused by the router's own door is not."""
         replica.clock.prefilled(ticket, now)
         judged = self._judged.pop(ticket, None)
-        if judged is not None:
-            objective, arrival_s, dispatched_s = judged
+        if judged is None or client_error(status):
+            return
+        objective, arrival_s, dispatched_s = judged
+        if status >= 400:
+            self.outcomes.unserved(objective.name)
+        else:
             self.outcomes.first_byte(objective, now, (now - arrival_s) * 1000.0, (dispatched_s - arrival_s) * 1000.0)
 
     def refused_by_replica(self, prompt_tokens: int) -> None:
@@ -191,3 +198,8 @@ class WaitingRoom(Generic[K]):
                                         "offered_prompt_tokens": self.offered_tokens[o.name],
                                         **self.outcomes.figures(o.name, now)}
                                for o in self.objectives.by_name.values()}}
+
+
+def client_error(status: int) -> bool:
+    """A 4xx other than 429: the request's own fault, which says nothing of the service."""
+    return 400 <= status < 500 and status != 429
