@@ -3,10 +3,13 @@ their context (copying a passage, a renamed function) and on one whose answers d
 OpenAI-compatible server, so stallfree with `--speculative ngram` and off, and llama.cpp's `--spec-type ngram-*`
 modes, are measured by one client.
 
-Each request is a /v1/completions call (temperature 0, non-streamed: the server's usage is read); `--streams` of
-them run at once, `--rounds` times over the workload's prompts. Figures per workload: output tokens / wall time
-(all streams), the median request's output tokens / its end-to-end time, and the acceptance the server reports:
-stallfree's usage.speculation, llama.cpp's timings.draft_n and draft_n_accepted (none when the server reports none).
+Each request is a streamed /v1/completions call (temperature 0, `stream_options.include_usage`: the last
+chunk's usage is read); `--streams` of them run at once, `--rounds` times over the workload's prompts. Figures per
+workload: output tokens / wall time (all streams), the median request's output tokens / its end-to-end time, the
+p50 and p99 TPOT (each request's time from its first token to its last over the tokens after the first, as the
+daemon's own histogram counts it), and the acceptance the server reports: stallfree's usage.speculation,
+llama.cpp's timings.draft_n and draft_n_accepted (none when the server reports none). `--tpot-slo-ms` is a goal:
+a p99 TPOT over it exits 1.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ import time
 from typing import Any
 
 import httpx
+
+from stallfree.contracts import percentile
 
 PASSAGES = [
     ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
@@ -63,21 +68,32 @@ WORKLOADS = {"echo": echo_prompts, "open": open_prompts}
 
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
               ignore_eos: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                            "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
     start = time.monotonic()
-    response = await client.post(f"{url}/v1/completions", json=body)
+    first = last = None
+    usage: dict[str, Any] = {}
+    timings: dict[str, Any] = {}  # llama.cpp's server: on its last chunk
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if any(c.get("text") for c in chunk.get("choices") or ()):
+                last = time.monotonic()
+                first = first if first is not None else last
+            usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings
     elapsed = time.monotonic() - start
-    response.raise_for_status()
-    data = response.json()
-    usage = data.get("usage") or {}
+    tokens = int(usage.get("completion_tokens", 0))
     spec = usage.get("speculation") or {}
-    timings = data.get("timings") or {}  # llama.cpp's server
     drafted = spec.get("draft_tokens", timings.get("draft_n", 0)) or 0
     accepted = spec.get("accepted_tokens", timings.get("draft_n_accepted", 0)) or 0
-    return {"tokens": int(usage.get("completion_tokens", 0)), "seconds": elapsed, "drafted": int(drafted),
-            "accepted": int(accepted)}
+    tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
+    return {"tokens": tokens, "seconds": elapsed, "tpot_s": tpot, "drafted": int(drafted), "accepted": int(accepted)}
 
 
 async def run_workload(url: str, model: str, prompts: list[str], streams: int, rounds: int, max_tokens: int,
@@ -98,8 +114,11 @@ async def run_workload(url: str, model: str, prompts: list[str], streams: int, r
     tokens = sum(r["tokens"] for r in results)
     drafted = sum(r["drafted"] for r in results)
     accepted = sum(r["accepted"] for r in results)
+    tpots = sorted(r["tpot_s"] * 1000.0 for r in results if r["tpot_s"] is not None)
     return {
         "requests": len(results), "output_tokens": tokens, "wall_s": wall,
+        "p50_tpot_ms": percentile(tpots, 0.5) if tpots else None,
+        "p99_tpot_ms": percentile(tpots, 0.99) if tpots else None,
         "output_tok_s": tokens / wall if wall > 0 else 0.0,
         "median_request_tok_s": statistics.median(r["tokens"] / r["seconds"] for r in results if r["seconds"] > 0),
         "draft_tokens": drafted, "accepted_tokens": accepted,
@@ -118,11 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (every request runs to max_tokens)")
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--tpot-slo-ms", type=float, default=None,
+                   help="a goal: every workload's p99 TPOT within it (exit 1 when missed)")
     p.add_argument("--label", default="", help="a name for this server's rows (e.g. 'spec on')")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
     if args.streams < 1 or args.rounds < 1 or args.max_tokens < 1:
         p.error("--streams, --rounds and --max-tokens must be positive")
+    if args.tpot_slo_ms is not None and args.tpot_slo_ms <= 0:
+        p.error("--tpot-slo-ms must be positive")
     names = ["echo", "open"] if args.workload == "both" else [args.workload]
     url = args.url.rstrip("/")
     model = args.model or httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
@@ -131,16 +154,27 @@ def main(argv: list[str] | None = None) -> int:
         figures[name] = asyncio.run(run_workload(url, model, WORKLOADS[name](), args.streams, args.rounds,
                                                  args.max_tokens, args.ignore_eos, args.timeout_s))
     label = f"[{args.label}] " if args.label else ""
+    missed = []
     for name, f in figures.items():
         acceptance = "n/a" if f["acceptance"] is None else f"{f['acceptance']:.2f} ({f['accepted_tokens']}/" \
                                                           f"{f['draft_tokens']} drafted)"
+        tpot = "TPOT n/a" if f["p99_tpot_ms"] is None else \
+            f"TPOT p50 {f['p50_tpot_ms']:.1f} ms, p99 {f['p99_tpot_ms']:.1f} ms"
+        if args.tpot_slo_ms is not None:
+            met = f["p99_tpot_ms"] is not None and f["p99_tpot_ms"] <= args.tpot_slo_ms
+            tpot += f" (SLO {args.tpot_slo_ms:g} ms: {'met' if met else 'MISSED'})"
+            if not met:
+                missed.append(name)
         print(f"{label}{name:<5} {args.streams} stream(s): {f['output_tok_s']:7.1f} output tok/s, median request "
-              f"{f['median_request_tok_s']:6.1f} tok/s, {f['requests']} requests, {f['output_tokens']} tokens; "
-              f"acceptance {acceptance}")
+              f"{f['median_request_tok_s']:6.1f} tok/s, {tpot}, {f['requests']} requests, {f['output_tokens']} "
+              f"tokens; acceptance {acceptance}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"label": args.label, "url": url, "streams": args.streams, "max_tokens": args.max_tokens,
-                       "workloads": figures}, fh, indent=2)
+                       "tpot_slo_ms": args.tpot_slo_ms, "workloads": figures}, fh, indent=2)
+    if missed:
+        print(f"{label}p99 TPOT over the SLO on: {', '.join(missed)}")
+        return 1
     return 0
 
 

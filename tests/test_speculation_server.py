@@ -31,6 +31,11 @@ def test_drafts_show_in_the_usage_the_metrics_and_the_bench(tmp_path) -> None:
                            "--ignore-eos", "--json", str(out)]) == 0
         echo = json.loads(out.read_text())["workloads"]["echo"]
         assert echo["requests"] == len(bench.echo_prompts()) and echo["output_tokens"] == 16 * echo["requests"]
+        assert echo["draft_tokens"] > 0  # from the streamed usage's speculation field
+        assert 0 < echo["p50_tpot_ms"] <= echo["p99_tpot_ms"]
+        # a TPOT SLO no server meets is a goal missed: the command says so and exits 1
+        assert bench.main(["--url", live.url, "--workload", "echo", "--rounds", "1", "--max-tokens", "8",
+                           "--tpot-slo-ms", "0.001"]) == 1
         live.wait_idle()
         metrics = httpx.get(f"{live.url}/metrics", timeout=30).text
         drafted = _metric(metrics, "stallfree_spec_draft_tokens_total")

@@ -23,7 +23,7 @@ from starlette.responses import StreamingResponse
 from stallfree.node_daemon.engine.engine_protocol import RequestOutput
 from stallfree.node_daemon.server import finish, outcome, protocol
 from stallfree.node_daemon.server.app import Daemon
-from stallfree.node_daemon.server.choices import usage_of
+from stallfree.node_daemon.server.choices import usage_of, with_speculation
 from stallfree.node_daemon.server.generation import Generation
 from stallfree.node_daemon.text.tool_calls.formats import ToolCallFormat
 from stallfree.node_daemon.text.tool_calls.parser import ParsedDelta, ToolCallStreamParser
@@ -127,9 +127,10 @@ class ChunkRenderer:
         finish.add_stop_reason(chunk["choices"][0], engine_reason)
         return _event(chunk)
 
-    def usage_counts(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> str:
+    def usage_counts(self, lasts: list[RequestOutput | None]) -> str:
+        """The last chunk's counts: as a non-streamed response's usage (speculation's extension field included)."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        usage = protocol.usage(prompt_tokens, completion_tokens, cached_tokens)
+        usage = with_speculation(protocol.usage(*usage_of(lasts)), lasts)
         return _event(protocol.usage_chunk(self.rid, self.created, self.model, obj, usage))
 
 
@@ -183,7 +184,7 @@ async def stream_events(daemon: Daemon, generation: Generation, render: ChunkRen
         failure.count(daemon.metrics)
         yield failure.sse_event()
     elif render.include_usage:
-        yield render.usage_counts(*usage_of(lasts))
+        yield render.usage_counts(lasts)
     yield SSE_DONE
 
 
