@@ -100,7 +100,9 @@ async def run_workload(url: str, model: str, prompts: list[str], streams: int, r
                        ignore_eos: bool, timeout_s: float) -> dict[str, Any]:
     queue = [p for _ in range(rounds) for p in prompts]
     results: list[dict[str, Any]] = []
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
+    # A connection per request: llama.cpp's server closes one after a streamed answer, which a reused connection
+    # meets as "server disconnected"
+    async with httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         await one(client, url, model, prompts[0], 8, ignore_eos)  # warm-up, not counted
 
         async def worker() -> None:
