@@ -103,12 +103,17 @@ def test_triton_kernels_compile_for_sm90_without_spills(tmp_path):
 
 
 def test_serve_check_serves_one_chat_on_the_cpu(tmp_path):
-    """The run's end-to-end step through its real code on the CPU: serve (tiny random model), one chat, metrics."""
+    """The run's end-to-end step through its real code on the CPU: serve (tiny random model), one chat, metrics, and
+    the same greedy completions with speculation on."""
     out = tmp_path / "serve.json"
     done = subprocess.run([sys.executable, os.path.join(GPU_DIR, "serve_check.py"), "--device", "cpu", "--model", "tiny",
                            "--max-model-len", "512", "--json", str(out)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = json.loads(out.read_text())["sections"]["serve"]["rows"]
+    sections = json.loads(out.read_text())["sections"]
+    rows = sections["serve"]["rows"]
     assert [r["check"] for r in rows] == ["serve ready", "one chat completion", "metrics after the chat"]
     assert all(r["verdict"] == "pass" for r in rows)
+    spec = {r["check"]: r for r in sections["speculation"]["rows"]}
+    assert spec["greedy identical with speculation"]["verdict"] == "pass"
+    assert spec["serve --speculative ngram ready"]["verdict"] == "pass"

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The engine end to end on the GPU, after gpu_check.py: `stallfree serve` with random weights, one chat, its
-metrics, then `stallfree bench engine --quick` rows. Same report as the GPU check (one table, JSON, exit 1 unless
+metrics, greedy completions again with `--speculative ngram` (the same text: drafts verified as decode rows on the
+GPU's attention), then `stallfree bench engine --quick` rows. Same report as the GPU check (one table, JSON, exit 1 unless
 every row passed). Needs `stallfree` importable in child processes (run_on_gpu.sh installs the checkout).
 
     python3 e2e/gpu/serve_check.py --device cuda --bench          # on the GPU (run_on_gpu.sh)
@@ -43,10 +44,25 @@ def serve_flags(args) -> list[str]:
     return flags
 
 
-def serve_section(report: Report, args) -> None:
+# Greedy completions whose answers repeat their prompt (so n-gram drafts are proposed), asked of both daemons.
+ECHO_PROMPTS = ["one two three four one two three four one two three four one two",
+                "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("]
+
+
+def greedy_answers(url: str, model: str) -> list[dict]:
     import httpx
 
-    from stallfree.bench.daemon_process import start, stop, wait_ready
+    answers = []
+    for prompt in ECHO_PROMPTS:
+        body = {"model": model, "prompt": prompt, "max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+        answers.append(httpx.post(url + "/v1/completions", json=body, timeout=120).json())
+    return answers
+
+
+def serve_section(report: Report, args, greedy: list[dict]) -> None:
+    import httpx
+
+    from stallfree.bench.daemon_process import start, stop
     from stallfree.net import free_port
 
     port = free_port()
@@ -56,13 +72,8 @@ def serve_section(report: Report, args) -> None:
     started = time.monotonic()
     process, log_path = start(cmd)
     try:
-        try:
-            wait_ready(process, url, args.ready_timeout_s, log_path=log_path)
-        except RuntimeError as exc:
-            report.correct("serve ready", str(exc)[-400:], False, f"/ready 200 within {args.ready_timeout_s:.0f} s")
+        if not _ready(report, "serve ready", process, url, log_path, args, started):
             return
-        report.correct("serve ready", f"{time.monotonic() - started:.1f} s after start", True,
-                       f"/ready 200 within {args.ready_timeout_s:.0f} s")
         body = {"model": args.model, "messages": [{"role": "user", "content": "Say hello in five words."}],
                 "max_tokens": 16, "temperature": 0.0}
         t0 = time.monotonic()
@@ -77,8 +88,53 @@ def serve_section(report: Report, args) -> None:
         metrics = httpx.get(url + "/metrics", timeout=10).text
         report.correct("metrics after the chat", f"{len(metrics.splitlines())} lines", "stallfree" in metrics,
                        "stallfree series exported")
+        greedy.extend(greedy_answers(url, args.model))
     finally:
         stop(process)
+
+
+def speculation_section(report: Report, args, greedy: list[dict]) -> None:
+    """The same greedy completions from a daemon with `--speculative ngram`: the same text, drafts verified."""
+    from stallfree.bench.daemon_process import start, stop
+    from stallfree.net import free_port
+
+    if len(greedy) != len(ECHO_PROMPTS):
+        report.correct("greedy identical with speculation", "no answers from the serve section", False,
+                       "the same text as without speculation")
+        return
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "stallfree.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
+           "--port", str(port), "--speculative", "ngram", *serve_flags(args)]
+    started = time.monotonic()
+    process, log_path = start(cmd)
+    try:
+        if not _ready(report, "serve --speculative ngram ready", process, url, log_path, args, started):
+            return
+        answers = greedy_answers(url, args.model)
+        texts = [a.get("choices", [{}])[0].get("text") for a in answers]
+        same = all(isinstance(t, str) for t in texts) and \
+            texts == [g.get("choices", [{}])[0].get("text") for g in greedy]
+        report.correct("greedy identical with speculation", f"{sum(map(bool, texts))} of {len(texts)} answers",
+                       same, "the same text as without speculation")
+        spec = [a.get("usage", {}).get("speculation") or {} for a in answers]
+        report.info("speculation drafts", f"{sum(s.get('accepted_tokens', 0) for s in spec)} of "
+                                          f"{sum(s.get('draft_tokens', 0) for s in spec)} drafted tokens accepted")
+    finally:
+        stop(process)
+
+
+def _ready(report: Report, check: str, process, url: str, log_path, args, started: float) -> bool:
+    from stallfree.bench.daemon_process import wait_ready
+
+    try:
+        wait_ready(process, url, args.ready_timeout_s, log_path=log_path)
+    except RuntimeError as exc:
+        report.correct(check, str(exc)[-400:], False, f"/ready 200 within {args.ready_timeout_s:.0f} s")
+        return False
+    report.correct(check, f"{time.monotonic() - started:.1f} s after start", True,
+                   f"/ready 200 within {args.ready_timeout_s:.0f} s")
+    return True
 
 
 def bench_section(report: Report, args) -> None:
@@ -107,9 +163,11 @@ def bench_section(report: Report, args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    report = Report(budget_s=args.ready_timeout_s + args.bench_timeout_s + 120)
-    report.run("serve", 0, lambda: serve_section(report, args))
-    asked = ["serve"]
+    report = Report(budget_s=2 * args.ready_timeout_s + args.bench_timeout_s + 180)
+    greedy: list[dict] = []
+    report.run("serve", 0, lambda: serve_section(report, args, greedy))
+    report.run("speculation", 0, lambda: speculation_section(report, args, greedy))
+    asked = ["serve", "speculation"]
     if args.bench:
         report.run("bench_engine", 0, lambda: bench_section(report, args))
         asked.append("bench_engine")
