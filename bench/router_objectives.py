@@ -17,12 +17,18 @@ behind a batch one there, nor in the engine's (a batch prefill gets no chunk bes
 flood can still cost it is the batch iteration already under way when it arrives and the batch decodes that share
 its iterations. Goodput per objective (the share of its requests served within its TTFT target; a shed
 request counts as not met, and not as lost) is printed beside it.
+
+Each stream is a tenant of its own, authenticated as production's clients are: the router runs with
+`--api-keys-file` (two keys, hashed: `interactive-team` may use only `interactive`, `batch-team` only `batch`) and
+every request carries its tenant's `Authorization: Bearer` key beside the objective it names.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
+import secrets
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -174,8 +180,18 @@ class Stream:
     prompts: list[str]
 
 
+def write_api_keys(folder: Path) -> tuple[Path, dict[str, str]]:
+    """A fresh key per stream's tenant, its SHA-256 in the router's keys file: (the file, objective -> key)."""
+    keys = {objective: secrets.token_urlsafe(24) for objective in (INTERACTIVE, BATCH)}
+    entries = [{"sha256": hashlib.sha256(key.encode()).hexdigest(), "tenant": f"{objective}-team",
+                "objectives": [objective]} for objective, key in keys.items()]
+    path = folder / "api-keys.json"
+    path.write_text(json.dumps({"keys": entries}))
+    return path, keys
+
+
 async def _run_phase(url: str, label: str, streams: list[Stream], model: str, config: ObjectivesConfig,
-                     say) -> dict[str, list[RequestResult]]:
+                     keys: dict[str, str], say) -> dict[str, list[RequestResult]]:
     """Every stream at once through the router, a progress line every TICK_S; results per objective."""
     from stallfree.loadgen.run import run_benchmark
 
@@ -186,7 +202,8 @@ async def _run_phase(url: str, label: str, streams: list[Stream], model: str, co
 
     limit_s = config.duration_s + config.queue_timeout_s + 15.0  # bounded: a request still open then is lost
     runs = [asyncio.ensure_future(run_benchmark(url, s.requests, s.prompts, model, timeout_s=limit_s,
-                                                request_timeout_s=limit_s, headers={OBJECTIVE_HEADER: s.objective},
+                                                request_timeout_s=limit_s, api_key=keys[s.objective],
+                                                headers={OBJECTIVE_HEADER: s.objective},
                                                 on_result=seen(s.objective))) for s in streams]
     started = time.monotonic()
     while not all(r.done() for r in runs):
@@ -206,6 +223,7 @@ def run(config: ObjectivesConfig, log_dir: Path, say) -> dict[str, Any]:
                            "fleet": [{"hardware": hw, "replicas": n} for hw, n in FLEET]}
     fleet: Fleet | None = None
     plan: Plan | None = None
+    keys_file, keys = write_api_keys(log_dir)
     try:
         for label in ("alone", "flood"):
             if fleet is None or config.fresh_daemons:
@@ -218,10 +236,10 @@ def run(config: ObjectivesConfig, log_dir: Path, say) -> dict[str, Any]:
                 plan = make_plan(config, [r.url for r in fleet.replicas], MODEL)
                 out.update(plan.figures)
                 say(plan.describe(config))
-            fleet.start_router("slo-aware", plan.chars_per_token, router_flags(config))
+            fleet.start_router("slo-aware", plan.chars_per_token, router_flags(config, keys_file))
             streams = plan.streams(label)
             try:
-                results[label] = asyncio.run(_run_phase(fleet.router_url, label, streams, MODEL, config, say))
+                results[label] = asyncio.run(_run_phase(fleet.router_url, label, streams, MODEL, config, keys, say))
             finally:
                 fleet.stop_router()
     finally:
@@ -231,9 +249,9 @@ def run(config: ObjectivesConfig, log_dir: Path, say) -> dict[str, Any]:
     return out
 
 
-def router_flags(config: ObjectivesConfig) -> list[str]:
+def router_flags(config: ObjectivesConfig, api_keys_file: Path) -> list[str]:
     return ["--objectives", json.dumps(config.objectives()), "--queue-wait-slo-ms", str(config.queue_wait_slo_ms),
-            "--queue-timeout-s", str(config.queue_timeout_s)]
+            "--queue-timeout-s", str(config.queue_timeout_s), "--api-keys-file", str(api_keys_file)]
 
 
 @dataclass
