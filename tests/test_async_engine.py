@@ -97,6 +97,77 @@ async def test_leaving_a_stream_early_aborts_it_and_frees_its_blocks(client: Asy
     assert client.num_in_flight == 0
 
 
+async def test_a_caller_that_stops_reading_has_its_request_paused_until_it_reads(client: AsyncEngine, reference,
+                                                                                 monkeypatch) -> None:
+    """A caller PAUSE_BACKLOG outputs behind (a client that stopped reading) has its request paused: the engine
+    generates nothing more for it and keeps its KV, while another stream runs to its end; when the caller reads
+    again the request resumes and ends with the very tokens of an unpaused run. Aborting a paused request
+    leaves nothing counted as paused."""
+    from stallfree.node_daemon.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "PAUSE_BACKLOG", 3)
+    scheduler = client.engine.scheduler
+    slow = client.generate("slow", PROMPTS["b"], GREEDY)
+    first = await slow.__anext__()
+    request = scheduler.get_request("slow")
+    for _ in range(500):  # read nothing more
+        if request.paused:
+            break
+        await asyncio.sleep(0.01)
+    assert request.paused and client.engine.num_paused == 1
+    made = request.num_output_tokens
+    assert made < GREEDY.max_tokens
+    assert tokens_of(await collect(client, "a", PROMPTS["a"])) == reference["a"]
+    assert request.num_output_tokens == made and request.block_ids  # nothing generated, KV kept
+    rest = [out async for out in slow]
+    assert tokens_of([first, *rest]) == reference["b"] and rest[-1].finished
+    assert scheduler.num_paused == 0
+
+    stalled = client.generate("stalled", PROMPTS["c"], GREEDY)
+    await stalled.__anext__()
+    for _ in range(500):
+        if scheduler.num_paused:
+            break
+        await asyncio.sleep(0.01)
+    assert scheduler.num_paused == 1
+    await stalled.aclose()  # the client went away: aborted while paused
+    for _ in range(100):
+        if not client.engine.has_unfinished():
+            break
+        await asyncio.sleep(0.02)
+    assert not client.engine.has_unfinished() and scheduler.num_paused == 0
+
+
+async def test_a_request_waiting_on_the_kv_a_paused_one_holds_does_not_spin_the_loop(monkeypatch) -> None:
+    """A paused request keeps its KV; a request that cannot be admitted beside it waits, and the engine loop sleeps
+    meanwhile instead of stepping empty iterations, until the paused request's caller reads again."""
+    from stallfree.node_daemon.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "PAUSE_BACKLOG", 3)
+    client = AsyncEngine(make_engine(num_blocks=12), model_name="tiny")  # 192 tokens of KV
+    try:
+        long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+        slow = client.generate("slow", PROMPTS["b"], long)
+        first = await slow.__anext__()
+        request = client.engine.scheduler.get_request("slow")
+        for _ in range(500):
+            if request.paused:
+                break
+            await asyncio.sleep(0.01)
+        assert request.paused
+        steps = []
+        real_step = client.engine.step
+        monkeypatch.setattr(client.engine, "step", lambda: steps.append(1) or real_step())
+        blocked = asyncio.create_task(collect(client, "big", list(range(150)), GREEDY))  # 10 blocks: not beside it
+        await asyncio.sleep(0.6)
+        assert not blocked.done() and len(steps) <= 5  # slept, not spun
+        rest = [out async for out in slow]  # the caller reads: it resumes, ends, and frees its KV for "big"
+        assert rest[-1].finished and len(tokens_of([first, *rest])) == 100
+        assert (await asyncio.wait_for(blocked, 30))[-1].finished
+    finally:
+        await client.shutdown()
+
+
 async def test_explicit_abort_ends_the_stream(client: AsyncEngine) -> None:
     long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
     stream = client.generate("x", PROMPTS["a"], long)

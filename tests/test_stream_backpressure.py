@@ -84,3 +84,38 @@ def test_a_daemon_aborts_a_stream_nobody_reads_and_frees_its_slots(monkeypatch) 
             live.wait_idle()  # every choice aborted: no engine slot or KV block held
         finally:
             sock.close()
+
+
+def test_a_stream_nobody_reads_is_paused_before_it_is_aborted(monkeypatch) -> None:
+    """Before the abort, a streamed n=64 request whose client reads nothing is paused once the socket's buffers are
+    full: every choice's decodes stop (the engine generates nothing more for it) within a bounded backlog, then
+    the abort frees it all."""
+    monkeypatch.setattr(streaming, "STALL_ABORT_S", 3.0)
+    before = streaming.stalled_streams.count
+    with running_daemon() as live:
+        host, port = live.url.removeprefix("http://").split(":")
+        body = json.dumps({"model": live.daemon.served_model_name, "prompt": "hello", "n": 64, "stream": True,
+                           "max_tokens": 1000, "ignore_eos": True}).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        try:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            scheduler = live.llm_engine.scheduler
+            deadline = time.monotonic() + 60
+            while scheduler.num_paused < 64:
+                assert streaming.stalled_streams.count == before, "aborted before every choice was paused"
+                assert time.monotonic() < deadline, "the choices were never paused"
+                time.sleep(0.01)
+            made = [r.num_output_tokens for r in scheduler._requests.values()]
+            time.sleep(0.3)
+            assert [r.num_output_tokens for r in scheduler._requests.values()] == made  # nothing generated
+            assert max(made) < 1000  # paused before the end
+            while streaming.stalled_streams.count == before:
+                assert time.monotonic() < deadline, "the stream was never ended"
+                time.sleep(0.05)
+            live.wait_idle()
+            assert scheduler.num_paused == 0
+        finally:
+            sock.close()

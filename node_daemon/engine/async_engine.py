@@ -8,6 +8,10 @@ spinning), or runs a task handed to `when_idle` (the start-up profile measured a
 the next iteration when a command arrives. Each turn is reported to a `TurnWatch` (the daemon hands in
 measure/stall_watch.py's, which logs a slow turn with its cause). An exception in a step fails every in-flight request with finish_reason "error" and its
 message, logs the traceback, and the loop carries on for new requests.
+
+Backpressure: a caller PAUSE_BACKLOG outputs behind (a streaming client that stopped reading) has its request
+paused in the engine (its decodes skipped, its KV kept) until it reads again, so a slow reader costs the other
+streams nothing while the server decides whether to abort it (server/streaming.py: STALL_ABORT_S).
 """
 from __future__ import annotations
 
@@ -32,6 +36,11 @@ log = logging.getLogger(__name__)
 
 # An idle task (engine.when_idle) starts only once no step has run for this long.
 IDLE_TASK_QUIET_S = 3.0
+# Outputs a caller may leave unread before its request is paused (each is one iteration's tokens; a caller that
+# keeps up reads every one as it comes).
+PAUSE_BACKLOG = 64
+# With every request paused the loop waits on its wake event, checking at least this often.
+PAUSED_WAIT_S = 0.5
 
 
 class TurnWatch(Protocol):
@@ -69,6 +78,11 @@ class RequestFailedError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    # Outputs handed to the queue (the engine thread's count) and taken from it (the caller's): their difference
+    # is what the caller has not read. Past PAUSE_BACKLOG the engine pauses the request until the caller reads.
+    delivered: int = 0
+    taken: int = 0
+    paused: bool = False
 
 
 class AsyncEngine:
@@ -135,12 +149,18 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                taken = 1
                 while not item.finished and not stream.queue.empty():
                     more = stream.queue.get_nowait()
                     if isinstance(more, BaseException):  # keep the exception for the next round
                         stream.queue.put_nowait(more)
                         break
                     item = _merge(item, more)
+                    taken += 1
+                stream.taken += taken
+                if stream.paused:  # the caller reads again: the engine goes on with it
+                    stream.paused = False
+                    self._submit(("resume", request_id))
                 finished = item.finished
                 yield item
                 if finished:
@@ -239,6 +259,11 @@ class AsyncEngine:
                     self._deliver(outputs)
                 watch.end(began, commands_s, stepped - turn - commands_s, clock() - stepped,
                           engine.last_num_scheduled_tokens)
+                if not engine.last_num_scheduled_tokens and engine.num_paused:
+                    # Only paused requests could run (a waiting one may need the KV they hold): nothing to do
+                    # until a caller reads (a command), a request comes, or the server aborts one.
+                    self._wake.wait(PAUSED_WAIT_S)
+                    self._wake.clear()
         except BaseException as exc:  # noqa: BLE001 - a dead loop must not leave callers waiting
             log.exception("engine loop died")
             self._dead = exc
@@ -312,6 +337,8 @@ class AsyncEngine:
                 if request is not None:
                     self._deliver([RequestOutput(request.request_id, [], "", True, "abort", request.num_prompt_tokens,
                                                  len(request.output_token_ids), request.num_cached_tokens)])
+            elif kind == "resume":
+                engine.pause_request(command[1], False)
             elif kind == "tuning":
                 try:
                     engine.set_tuning(command[1])
@@ -328,6 +355,12 @@ class AsyncEngine:
             stream = streams.get(output.request_id)
             if stream is not None:
                 batches.setdefault(stream.loop, []).append((stream.queue, output))
+                stream.delivered += 1
+                if not output.finished and not stream.paused and stream.delivered - stream.taken >= PAUSE_BACKLOG:
+                    # Its caller (a client that stopped reading) is this far behind: stop generating for it. The
+                    # unread outputs are on their way to its queue, so its next read resumes it.
+                    stream.paused = True
+                    self.engine.pause_request(output.request_id, True)
         for loop, items in batches.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)

@@ -185,6 +185,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def pause_request(self, request_id: str, paused: bool) -> bool:
+        """Pause (its decodes skipped, its KV kept) or resume a request; False if unknown or finished."""
+        return self.scheduler.set_paused(request_id, paused)
+
+    @property
+    def num_paused(self) -> int:
+        return self.scheduler.num_paused
+
     @property
     def num_unfinished(self) -> int:
         return len(self._detokenizers)

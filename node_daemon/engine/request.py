@@ -66,7 +66,7 @@ class Request:
         "request_id", "token_ids", "num_prompt_tokens", "block_hashes", "hash_block_size", "sampling",
         "eos_token_ids", "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "arrival_time",
         "first_scheduled_time", "first_token_time", "last_token_time", "finished_time", "num_preemptions",
-        "max_model_len", "matcher", "objective", "arrival_seq", "draft_state", "prefix_cache",
+        "max_model_len", "matcher", "objective", "arrival_seq", "draft_state", "prefix_cache", "paused",
     )
 
     def __init__(
@@ -108,6 +108,9 @@ class Request:
         # Its n-gram drafting (speculation.py), made by the scheduler at its first decode when speculation is on and
         # the request can be drafted for; False once found unable to (never asked again).
         self.draft_state: DraftState | None | bool = None
+        # Its client is not reading its stream (async_engine.py): its decodes are skipped, its KV kept, until it
+        # reads again or the server aborts it.
+        self.paused = False
 
     @property
     def num_drafted_tokens(self) -> int:

@@ -117,6 +117,7 @@ class Scheduler:
         # Unfinished requests with an objective: without any, the iteration takes today's first come, first served path.
         self._num_objectives = 0
         self._requests: dict[str, Request] = {}  # every unfinished request
+        self.num_paused = 0  # of those, paused (set_paused): their decodes are skipped
         # The running requests: those that decode and those still prefilling, each list in admission order
         # (the hot loops walk one each; the latest admitted is one of the two tails).
         self._decoding: list[Request] = []
@@ -193,6 +194,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def set_paused(self, request_id: str, paused: bool) -> bool:
+        """Pause (skip its decodes, keep its KV) or resume a request whose client stopped or started reading its
+        stream again; False if it is unknown or finished."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        if request.paused != paused:
+            request.paused = paused
+            self.num_paused += 1 if paused else -1
+        return True
+
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
 
@@ -240,6 +252,9 @@ class Scheduler:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
+        if request.paused:
+            request.paused = False
+            self.num_paused -= 1
         if request.status is _RUNNING:
             self._remove_running(request)
         else:
@@ -407,8 +422,8 @@ class Scheduler:
         chunks = out.chunks
         decoding = sorted(self._decoding, key=_by_priority) if self._num_objectives else self._decoding[:]
         for request in decoding:
-            if request.status is not _RUNNING:
-                continue  # preempted in this loop
+            if request.status is not _RUNNING or request.paused:
+                continue  # preempted in this loop, or its client is not reading
             start = request.num_computed_tokens
             if start >= len(request.block_ids) * block_size and not self._grow(request, 1, out):
                 continue  # it preempted itself

@@ -45,6 +45,8 @@ def admit(daemon: Daemon, num_prompt_tokens: int) -> QueueTicket:
     return verdict
 
 
+# Outputs per choice an n > 1 request's merged queue holds before its choices wait for the caller to read.
+CHOICES_BACKLOG = 4
 MAX_ROUTER_WAIT_S = 600.0  # even the router's word is bounded: it can only shift one request's own timings
 
 
@@ -137,11 +139,18 @@ class Generation:
     async def _all_choices(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
+        # The caller read everything: a pump past its share of the queue waits for that, so a client that stops
+        # reading leaves the backlog in each choice's own stream, where the engine pauses the choice.
+        drained = asyncio.Event()
+        bound = CHOICES_BACKLOG * self.n
 
         async def pump(index: int) -> None:
             try:
                 async for out in self._choice(index):
                     queue.put_nowait((index, out))
+                    while queue.qsize() >= bound:
+                        drained.clear()
+                        await drained.wait()
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
                 queue.put_nowait((index, exc))
             finally:
@@ -153,6 +162,8 @@ class Generation:
         try:
             while remaining:
                 index, item = await queue.get()
+                if queue.empty():
+                    drained.set()
                 if index == 0 and not siblings_started:
                     siblings_started = True
                     if item is not done and not isinstance(item, BaseException):
