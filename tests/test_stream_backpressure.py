@@ -64,19 +64,25 @@ def test_a_client_that_reads_is_never_cut_off() -> None:
     assert len(sent) == 202 and sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
 
 
+def _unread_stream(live) -> socket.socket:
+    """A streamed n=64 request of 1,000 tokens each from a client that will read nothing of it."""
+    host, port = live.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": live.daemon.served_model_name, "prompt": "hello", "n": 64, "stream": True,
+                       "max_tokens": 1000, "ignore_eos": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # set before connect: a small window
+    sock.connect((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return sock
+
+
 def test_a_daemon_aborts_a_stream_nobody_reads_and_frees_its_slots(monkeypatch) -> None:
     monkeypatch.setattr(streaming, "STALL_ABORT_S", 0.5)
     before = streaming.stalled_streams.count
     with running_daemon() as live:
-        host, port = live.url.removeprefix("http://").split(":")
-        body = json.dumps({"model": live.daemon.served_model_name, "prompt": "hello", "n": 64, "stream": True,
-                           "max_tokens": 1000, "ignore_eos": True}).encode()
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # set before connect: a small window
-        sock.connect((host, int(port)))
+        sock = _unread_stream(live)
         try:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             deadline = time.monotonic() + 120
             while streaming.stalled_streams.count == before:  # the client reads nothing
                 assert time.monotonic() < deadline, "the stream was never ended"
@@ -93,15 +99,8 @@ def test_a_stream_nobody_reads_is_paused_before_it_is_aborted(monkeypatch) -> No
     monkeypatch.setattr(streaming, "STALL_ABORT_S", 3.0)
     before = streaming.stalled_streams.count
     with running_daemon() as live:
-        host, port = live.url.removeprefix("http://").split(":")
-        body = json.dumps({"model": live.daemon.served_model_name, "prompt": "hello", "n": 64, "stream": True,
-                           "max_tokens": 1000, "ignore_eos": True}).encode()
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect((host, int(port)))
+        sock = _unread_stream(live)
         try:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             scheduler = live.llm_engine.scheduler
             deadline = time.monotonic() + 60
             while scheduler.num_paused < 64:
