@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 
+from hf_folder_writer import save_hf_folder
 from model_helpers import greedy_decode, make_request, prefill_all_rows, step
 from stallfree.bench.write_random_gguf import write_family
 from stallfree.node_daemon.engine.config import CacheConfig
@@ -17,7 +18,7 @@ from stallfree.node_daemon.engine.model_runner import ModelRunner
 from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk
 from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.node_daemon.models.gguf_loader import load_gguf
-from stallfree.node_daemon.models.hf_loader import load_hf, save_hf_folder
+from stallfree.node_daemon.models.hf_loader import load_hf
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
 from stallfree.node_daemon.models.random_weights import init_random_weights, tiny_family_shape
 

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from hf_folder_writer import save_hf_folder
 from model_helpers import (ENGLISH_PASSAGE, greedy_decode, make_request, prefill_all_rows, relative_error,
                            needs_onednn_bf16, smollm2_runner, smollm2_tokenizer)
 from stallfree.node_daemon.engine.config import CacheConfig
 from stallfree.node_daemon.models.config import ModelConfig
 from stallfree.node_daemon.engine.model_runner import ModelRunner
 from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path, unpermute_rope_rows
-from stallfree.node_daemon.models.hf_loader import save_hf_folder
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
 from stallfree.node_daemon.models.loader import LoadedModel, load_model
 from stallfree.node_daemon.models.random_weights import init_random_weights
