@@ -106,24 +106,34 @@ async def test_a_caller_that_stops_reading_has_its_request_paused_until_it_reads
     from stallfree.node_daemon.engine import async_engine
 
     monkeypatch.setattr(async_engine, "PAUSE_BACKLOG", 3)
+    # Long enough that a first read which merged every output made so far (a busy machine) still leaves the
+    # request running when its backlog reaches 3.
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    unpaused = make_engine()
+    unpaused.add_request("slow", prompt_token_ids=PROMPTS["c"], sampling=long)
+    expected = tokens_of(run_all(unpaused)["slow"])
     scheduler = client.engine.scheduler
-    slow = client.generate("slow", PROMPTS["b"], GREEDY)
+    slow = client.generate("slow", PROMPTS["c"], long)
     first = await slow.__anext__()
     request = scheduler.get_request("slow")
-    for _ in range(500):  # read nothing more
-        if request.paused:
+    # Read nothing more. That first read may itself have resumed a pause (it read outputs the engine had already
+    # counted as unread), so wait for a pause that stays, its token count with it.
+    seen: list[tuple[bool, int]] = []
+    for _ in range(500):
+        seen.append((request.paused, request.num_output_tokens))
+        if len(seen) >= 5 and len(set(seen[-5:])) == 1 and seen[-1][0]:
             break
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.02)
     assert request.paused and client.engine.num_paused == 1
     made = request.num_output_tokens
-    assert made < GREEDY.max_tokens
+    assert made < long.max_tokens
     assert tokens_of(await collect(client, "a", PROMPTS["a"])) == reference["a"]
     assert request.num_output_tokens == made and request.block_ids  # nothing generated, KV kept
     rest = [out async for out in slow]
-    assert tokens_of([first, *rest]) == reference["b"] and rest[-1].finished
+    assert tokens_of([first, *rest]) == expected and rest[-1].finished
     assert scheduler.num_paused == 0
 
-    stalled = client.generate("stalled", PROMPTS["c"], GREEDY)
+    stalled = client.generate("stalled", PROMPTS["c"], long)
     await stalled.__anext__()
     for _ in range(500):
         if scheduler.num_paused:
@@ -150,10 +160,12 @@ async def test_a_request_waiting_on_the_kv_a_paused_one_holds_does_not_spin_the_
         slow = client.generate("slow", PROMPTS["b"], long)
         first = await slow.__anext__()
         request = client.engine.scheduler.get_request("slow")
+        seen: list[tuple[bool, int]] = []  # a pause that stays (the first read may have resumed one)
         for _ in range(500):
-            if request.paused:
+            seen.append((request.paused, request.num_output_tokens))
+            if len(seen) >= 5 and len(set(seen[-5:])) == 1 and seen[-1][0]:
                 break
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.02)
         assert request.paused
         steps = []
         real_step = client.engine.step
