@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from stallfree.contracts import percentile
+from stallfree.latency import tpot_s
 
 PASSAGES = [
     ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
@@ -92,8 +93,8 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
     spec = usage.get("speculation") or {}
     drafted = spec.get("draft_tokens", timings.get("draft_n", 0)) or 0
     accepted = spec.get("accepted_tokens", timings.get("draft_n_accepted", 0)) or 0
-    tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
-    return {"tokens": tokens, "seconds": elapsed, "tpot_s": tpot, "drafted": int(drafted), "accepted": int(accepted)}
+    return {"tokens": tokens, "seconds": elapsed, "tpot_s": tpot_s(first, last, tokens), "drafted": int(drafted),
+            "accepted": int(accepted)}
 
 
 async def run_workload(url: str, model: str, prompts: list[str], streams: int, rounds: int, max_tokens: int,

@@ -39,7 +39,7 @@ IDLE_TASK_QUIET_S = 3.0
 # Outputs a caller may leave unread before its request is paused (each is one iteration's tokens; a caller that
 # keeps up reads every one as it comes).
 PAUSE_BACKLOG = 64
-# With every request paused the loop waits on its wake event, checking at least this often.
+# When only paused requests could run, the loop waits on its wake event, checking at least this often.
 PAUSED_WAIT_S = 0.5
 
 
