@@ -433,6 +433,12 @@ def run(opts: ServeConfig) -> BaseException | None:
     from stallfree.node_daemon.server.drain import DrainingServer
 
     prometheus_client.disable_created_metrics()  # no *_created series: one fewer sample per metric per scrape
+    from stallfree.node_daemon.process_memory import bound_heap_growth
+
+    applied = bound_heap_growth()  # before the engine's and the server's threads make arenas of their own
+    if applied:
+        log.info("malloc: %s (variables of the environment choose others)",
+                 ", ".join(f"{name}={value}" for name, value in applied.items()))
     if opts.backend == "model" and str(opts.model).endswith(".gguf"):
         from stallfree.node_daemon.models import tokenizer_child
 

@@ -55,7 +55,7 @@ def cached_backend(gguf_path: str, build: Callable[[], HFTokenizer]) -> HFTokeni
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            backend.save(str(tmp))
+            backend.save(str(tmp), pretty=False)  # compact: 14 MB for Gemma 3 where indented is 33, read 10% faster
             os.replace(tmp, path)
         except OSError as exc:
             log.warning("tokenizer cache: not written (%s)", exc)
