@@ -140,6 +140,33 @@ def test_unbounded_integers_get_64_bit_bounds_wherever_they_are() -> None:
     assert schema["properties"]["a"] == {"type": "integer"}  # the caller's schema is not changed
 
 
+@pytest.mark.parametrize("schema", [
+    {"enum": [-(2 ** 63) + 1, "x"]},
+    {"const": -(2 ** 63)},
+    {"type": "object", "properties": {"a": {"enum": [[1, -(2 ** 63) + 511]]}}},
+    {"anyOf": [{"const": {"deep": [-(2 ** 63) + 1023]}}]},
+])
+def test_enum_and_const_integers_near_the_64_bit_minimum_are_refused_not_handed_to_the_library(schema) -> None:
+    """The library's pattern for such a literal recursed until the checking thread's stack overflowed: the daemon
+    died of SIGSEGV (found by the structured fuzz test). Now a ValueError (the request's 400) names the bound."""
+    def check() -> None:
+        try:
+            json_schema_grammar(schema)
+        except ValueError as exc:
+            outcome.append(str(exc))
+
+    outcome: list[str] = []
+    thread = threading.Thread(target=check)  # a worker thread, as in the daemon (its stack is the one that broke)
+    thread.start()
+    thread.join()
+    assert len(outcome) == 1 and "below" in outcome[0] and str(INT64_MIN) in outcome[0]
+
+
+def test_enum_and_const_integers_from_the_accepted_minimum_up_are_served(compiler) -> None:
+    compiled = compiler.compile(json_schema_grammar({"enum": [INT64_MIN, INT64_MAX, True]}))
+    assert _accepts(compiled, compiler.tokenizer, str(INT64_MIN))
+
+
 class City(BaseModel):
     name: str
     country: str

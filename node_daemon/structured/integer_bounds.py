@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 # The library reads bounds as doubles: at exactly -2**63 it cannot build the digits' pattern, so the lowest 1,024
-# values are left out (a bound a double holds exactly; nobody's integer is within 1,024 of -2**63).
+# values are left out (a bound a double holds exactly; nobody's integer is within 1,024 of -2**63). An `enum` or
+# `const` value there is refused: the library's pattern for it recursed until its thread's stack overflowed
+# (a segfault of the whole daemon, for any integer from -2**63 to -2**63 + 511).
 INT64_MIN = -(1 << 63) + 1024
 INT64_MAX = (1 << 63) - 1
 
@@ -30,6 +32,9 @@ def bounded_integers(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
+    for key in ("enum", "const"):
+        if key in out and _lowest_integer(out[key]) < INT64_MIN:
+            raise ValueError(f"an integer in `{key}` is below {INT64_MIN} (-2^63 + 1024), the lowest accepted")
     kind = out.get("type")
     if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
         if not any(k in out for k in _LOWER):
@@ -46,3 +51,16 @@ def bounded_integers(schema: Any) -> Any:
         if isinstance(out.get(key), dict):
             out[key] = {name: bounded_integers(s) for name, s in out[key].items()}
     return out
+
+
+def _lowest_integer(value: Any) -> int:
+    """The lowest integer anywhere in a JSON value (0 when it holds none)."""
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, int):
+        return value
+    if isinstance(value, list):
+        return min((_lowest_integer(v) for v in value), default=0)
+    if isinstance(value, dict):
+        return min((_lowest_integer(v) for v in value.values()), default=0)
+    return 0
