@@ -3,6 +3,7 @@ a complete document finishes the request, a dead end finishes it without a token
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -69,16 +70,16 @@ class _DeadAfter:
     """A matcher that allows every token for `steps` tokens, then none (a grammar with no way on)."""
 
     def __init__(self, vocab_size: int, steps: int) -> None:
-        self.vocab_size, self.steps, self.accepted, self.dead_end = vocab_size, steps, 0, False
+        self.vocab_size, self.steps, self.num_accepted, self.dead_end = vocab_size, steps, 0, False
 
     def fill_mask(self, row: torch.Tensor) -> bool:
         assert row.numel() == bitmask_words(self.vocab_size)
-        row.fill_(-1 if self.accepted < self.steps else 0)
-        self.dead_end = self.accepted >= self.steps
+        row.fill_(-1 if self.num_accepted < self.steps else 0)
+        self.dead_end = self.num_accepted >= self.steps
         return not self.dead_end
 
     def accept(self, token: int) -> bool:
-        self.accepted += 1
+        self.num_accepted += 1
         return True
 
     def is_terminated(self) -> bool:
@@ -89,8 +90,8 @@ class _RefusesSecond(_DeadAfter):
     """Allows everything but refuses the second token it is given."""
 
     def accept(self, token: int) -> bool:
-        self.accepted += 1
-        return self.accepted != 2
+        self.num_accepted += 1
+        return self.num_accepted != 2
 
 
 class _Grammar:
@@ -113,6 +114,52 @@ def test_a_dead_end_finishes_the_request_without_the_refused_token(engine) -> No
     assert done["dead"][2] == "grammar_dead_end" and len(done["dead"][0]) == 3
     assert done["refused"][2] == "grammar_dead_end" and len(done["refused"][0]) == 1
     assert done["free"][2] == "length" and len(done["free"][0]) == 6
+
+
+class _SlowMasks:
+    """A real matcher whose first `slow` masks take `seconds` each (a schema of thousands of properties)."""
+
+    def __init__(self, inner, slow: int, seconds: float) -> None:
+        self.inner, self.slow, self.seconds, self.masks = inner, slow, seconds, 0
+
+    def fill_mask(self, row: torch.Tensor) -> bool:
+        self.masks += 1
+        if self.masks <= self.slow:
+            time.sleep(self.seconds)
+        return self.inner.fill_mask(row)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_slow_mask_never_holds_the_other_rows(engine, compiler) -> None:
+    """The constrained row sits out the steps its mask is late for; every step still gives the free row its token,
+    and the constrained row writes what it writes alone."""
+    grammar = compiler.compile(compile_response_format(
+        {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": True}}))
+    greedy = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    engine.add_request("alone", prompt_token_ids=[1, 2, 3], sampling=greedy, grammar=grammar)
+    alone = _run(engine)["alone"]
+    slow = _Grammar(lambda: _SlowMasks(grammar.new_matcher(), slow=3, seconds=0.3))
+    engine.add_request("slow", prompt_token_ids=[1, 2, 3], sampling=greedy, grammar=slow)
+    engine.add_request("free", prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=40, ignore_eos=True))
+    tokens: dict[str, list[int]] = {"slow": [], "free": []}
+    done: dict[str, str] = {}
+    steps_without_free_token = steps_without_slow_token = 0
+    while engine.has_unfinished():
+        outputs = {out.request_id: out for out in engine.step()}
+        for rid, out in outputs.items():
+            tokens[rid].extend(out.new_token_ids)
+            if out.finished:
+                done[rid] = out.finish_reason
+        if "free" not in done and not outputs.get("free"):
+            steps_without_free_token += 1
+        if "slow" not in done and "free" not in done and "slow" not in outputs:
+            steps_without_slow_token += 1
+    assert steps_without_free_token == 0  # the free row never waited out a step for the slow mask
+    assert steps_without_slow_token >= 1  # the slow row sat out steps while the free one went on
+    assert tokens["slow"] == alone[0] and done["slow"] == "stop"
+    assert len(tokens["free"]) == 40
 
 
 def test_the_sim_backend_refuses_a_grammar_with_a_400() -> None:

@@ -2,7 +2,9 @@
 with speculation on and off, drafts verified and accepted where the answer repeats its prompt."""
 from __future__ import annotations
 
-from model_helpers import ENGLISH_PASSAGE, smollm2_runner
+import json
+
+from model_helpers import ENGLISH_PASSAGE, smollm2_runner, smollm2_tokenizer
 
 from stallfree.contracts import Ceilings, Tuning
 from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -11,6 +13,8 @@ from stallfree.node_daemon.engine.model_executor import ModelExecutor
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.node_daemon.engine.speculation import SpeculativeConfig
 from stallfree.node_daemon.models.config import ModelConfig
+from stallfree.node_daemon.structured.compiler import GrammarCompiler
+from stallfree.node_daemon.structured.grammar import compile_response_format
 
 CODE = "def area(width, height):\n    return width * height\n\n"
 PROMPTS = [
@@ -38,10 +42,11 @@ def engine(speculative: bool) -> LLMEngine:
     return LLMEngine(config, executor=ModelExecutor(runner))
 
 
-def run(speculative: bool, requests: list[tuple[str, SamplingParams]]) -> dict[str, list]:
+def run(speculative: bool, requests: list[tuple[str, SamplingParams]], grammars: dict[int, object] | None = None
+        ) -> dict[str, list]:
     e = engine(speculative)
     for i, (prompt, sampling) in enumerate(requests):
-        e.add_request(f"r{i}", prompt=prompt, sampling=sampling)
+        e.add_request(f"r{i}", prompt=prompt, sampling=sampling, grammar=(grammars or {}).get(i))
     outs: dict[str, list] = {}
     for _ in range(500):
         if not e.has_unfinished():
@@ -86,3 +91,21 @@ def test_sampled_requests_are_served_with_drafts():
         assert len(tokens) == outs[-1].num_output_tokens == 24 and outs[-1].finish_reason == "length"
         assert len([lp for o in outs for lp in o.logprobs]) == 24
     assert sum(outs[-1].num_drafted_tokens for outs in on.values()) > 0
+
+
+def test_a_constrained_request_beside_verifications_follows_its_grammar():
+    """An iteration with drafts and a constrained row (never drafted itself): the row is sampled under its mask and
+    its token accepted by its grammar, as in an iteration without drafts."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    grammar = GrammarCompiler(smollm2_tokenizer()).compile(compile_response_format(
+        {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}))
+    requests = [(PROMPTS[2], GREEDY), (PROMPTS[5], GREEDY), (PROMPTS[0], GREEDY),
+                ("The largest city of Japan, as JSON:", SamplingParams(max_tokens=40, temperature=0.0))]
+    off, on = run(False, requests, {3: grammar}), run(True, requests, {3: grammar})
+    assert sum(outs[-1].num_drafted_tokens for outs in on.values()) > 0
+    texts = {name: "".join(o.text for o in outs["r3"]) for name, outs in (("off", off), ("on", on))}
+    assert texts["on"] == texts["off"]
+    document = json.loads(texts["on"])
+    assert set(document) == {"city", "rank"} and 1 <= document["rank"] <= 9

@@ -236,7 +236,7 @@ class LLMEngine:
                                                   executed.accepted)
         # appends tokens (a verification's kept drafts too), finishes on EOS, length, a complete grammar, and a
         # grammar's dead end
-        scheduler.update_from_output(output, sampled, dead_ends, accepted)
+        scheduler.update_from_output(output, sampled, dead_ends, accepted, executed.deferred)
         now = self.clock()
         observe = getattr(scheduler.prefix_cost, "observe", None)
         if observe is not None:  # a cost model that learns from served iterations (iteration_cost.py)
@@ -403,6 +403,7 @@ class LLMEngine:
                 result.logprobs.update(executed.logprobs)
                 result.dead_ends.update(executed.dead_ends)
                 result.accepted.update(executed.accepted)
+                result.deferred.update(executed.deferred)
                 result.draft_logprobs.update(executed.draft_logprobs)
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 failed.append(self._fail_request(chunk.request, _describe(exc)))

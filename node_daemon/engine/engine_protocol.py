@@ -32,6 +32,8 @@ class ExecutorOutput:
     # the logprobs of those kept tokens (the sampled token's are in `logprobs`).
     accepted: dict[str, int] = field(default_factory=dict)
     draft_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Constrained rows whose mask was not ready in time: no token this iteration, their newest token computed again.
+    deferred: set[str] = field(default_factory=set)
 
 
 class Executor(Protocol):

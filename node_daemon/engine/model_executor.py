@@ -1,10 +1,14 @@
 """The real-model Executor: the model runner's logits, sampled per request (engine_protocol.Executor).
 
-Constrained rows (a request with a grammar matcher): their masks are submitted to the MaskFiller before the
-forward and computed beside it, applied to those rows only just before sampling, and each sampled token is
-accepted by its matcher. A batch with no constrained row takes the plain path and pays nothing.
+Constrained rows (a request with a grammar matcher): their masks are asked of the MaskFiller before the forward
+and computed beside it, applied to those rows only just before sampling, and each sampled token is accepted by its
+matcher; a row whose mask is not ready soon after the logits sits the step out (MASK_WAIT_S). A batch with no
+constrained row pays nothing.
 """
 from __future__ import annotations
+
+from concurrent import futures
+from concurrent.futures import Future
 
 import torch
 
@@ -15,10 +19,14 @@ from stallfree.node_daemon.engine.model_runner import ModelRunner
 from stallfree.node_daemon.models.loader import LoadedModel
 from stallfree.node_daemon.engine.sampler import Sampler
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
-from stallfree.node_daemon.engine.scheduler_output import SchedulerOutput
-from stallfree.node_daemon.structured.masks import MaskFiller, apply_masks
+from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from stallfree.node_daemon.structured.masks import MaskFiller, StepMasks, apply_masks
 
 
+# How long the other rows of a step wait, once the logits are back, for a constrained row's mask still being computed
+# (it had the whole forward already): past it that row sits the step out, its newest token computed again in the
+# next step, rather than stall every stream (a 7,000-property schema's mask took over 100 ms in some states).
+MASK_WAIT_S = 0.005
 # A GPU's decode stays bound by reading the weights up to tens of rows for the models served here; an estimate, not
 # measured on this project's GPUs yet.
 GPU_SPECULATION_ROWS = 64
@@ -76,77 +84,31 @@ class ModelExecutor:
         return CODE_MAX_ROWS
 
     def execute(self, output: SchedulerOutput) -> ExecutorOutput:
-        """Sampled tokens by request id, with the logprobs of the rows that asked (and the grammars' dead ends)."""
-        if output.num_verify_tokens:
-            return self._execute_with_drafts(output)
-        params: list[SamplingParams] = []
-        request_ids: list[str] = []
-        requests = []
-        constrained: list[int] = []  # rows whose request follows a grammar
-        for chunk in output.chunks:
-            if chunk.samples:
-                request = chunk.request
-                if request.matcher is not None:
-                    constrained.append(len(requests))
-                params.append(request.sampling)
-                request_ids.append(request.request_id)
-                requests.append(request)
-        if not constrained:
-            logits = self.runner.execute_model(output)
-            if not request_ids:
-                return ExecutorOutput({})
-            return self._sample(logits, params, request_ids, requests)
-        matchers = [requests[row].matcher for row in constrained]
-        pending = self._masks(matchers[0].vocab_size).submit(matchers)  # computed while the forward runs
-        try:
-            logits = self.runner.execute_model(output)
-        finally:
-            masks = pending.result()  # the matchers are never touched while the worker reads them
-        dead_ends = {request_ids[constrained[i]] for i in masks.dead}
-        with torch.inference_mode():  # the runner's logits are inference tensors
-            apply_masks(logits, constrained, masks)
-            for i in masks.dead:  # nothing allowed: sample from harmless logits, the token is dropped
-                logits[constrained[i]].zero_()
-        result = self._sample(logits, params, request_ids, requests)
-        for row, matcher in zip(constrained, matchers):
-            rid = request_ids[row]
-            if rid not in dead_ends and not matcher.accept(result.token_ids[rid]):
-                dead_ends.add(rid)
-        for rid in dead_ends:
-            del result.token_ids[rid]
-            result.logprobs.pop(rid, None)
-        result.dead_ends = dead_ends
-        return result
-
-    def _execute_with_drafts(self, output: SchedulerOutput) -> ExecutorOutput:
-        """An iteration with verifications (never of a constrained request: speculation.can_draft): the plain sampling
-        rows go to the sampler together, each verification's rows to verify_draft."""
-        logits = self.runner.execute_model(output)
-        plain_rows: list[int] = []
-        params: list[SamplingParams] = []
-        request_ids: list[str] = []
-        requests = []
-        verifications = []  # (first row, chunk)
-        row = 0
+        """Sampled tokens by request id, with the logprobs of the rows that asked, the grammars' dead ends, the
+        verifications' kept drafts, and the constrained rows that sat this step out (their mask was not ready)."""
+        plain: list[tuple[int, ScheduledChunk]] = []  # (logits row, chunk) of each row sampled on its own
+        verifications: list[tuple[int, ScheduledChunk]] = []  # (first logits row, chunk)
+        num_rows = 0
         for chunk in output.chunks:
             if not chunk.samples:
                 continue
-            request = chunk.request
             if chunk.draft:
-                verifications.append((row, chunk))
-                row += chunk.num_tokens
-                continue
-            plain_rows.append(row)
-            params.append(request.sampling)
-            request_ids.append(request.request_id)
-            requests.append(request)
-            row += 1
-        if request_ids:
-            with torch.inference_mode():
-                plain = logits.index_select(0, torch.tensor(plain_rows, dtype=torch.long, device=logits.device))
-            result = self._sample(plain, params, request_ids, requests)
-        else:
-            result = ExecutorOutput({})
+                verifications.append((num_rows, chunk))
+                num_rows += chunk.num_tokens
+            else:
+                plain.append((num_rows, chunk))
+                num_rows += 1
+        constrained = [chunk for _, chunk in plain if chunk.request.matcher is not None]
+        pending = self._masks(constrained[0].request.matcher.vocab_size).masks_for(
+            [(chunk.request.request_id, chunk.request.matcher) for chunk in constrained]) if constrained else []
+        logits = self.runner.execute_model(output)  # the masks are computed meanwhile
+        if not num_rows:
+            return ExecutorOutput({})
+        masks, deferred = self._ready_masks(constrained, pending, alone=len(constrained) == len(output.chunks))
+        if deferred:
+            plain = [(row, chunk) for row, chunk in plain if chunk.request.request_id not in deferred]
+        result = self._sample_plain(logits, plain, num_rows, masks)
+        result.deferred = deferred
         for first, chunk in verifications:
             request = chunk.request
             rid = request.request_id
@@ -157,6 +119,58 @@ class ModelExecutor:
             if verified.logprobs is not None:
                 result.logprobs[rid] = verified.logprobs[-1]
                 result.draft_logprobs[rid] = verified.logprobs[:-1]
+        return result
+
+    def _ready_masks(self, constrained: list[ScheduledChunk], pending: list[Future[StepMasks]],
+                     alone: bool) -> tuple[dict[str, StepMasks], set[str]]:
+        """The constrained rows' masks that are ready (by request id), and the rows whose mask is not: the others
+        wait MASK_WAIT_S for it, unless nothing else is in the step (then every mask is waited for)."""
+        if not pending:
+            return {}, set()
+        futures.wait(pending, timeout=None if alone else MASK_WAIT_S)
+        ready: dict[str, StepMasks] = {}
+        deferred: set[str] = set()
+        filler = self._mask_filler
+        for chunk, future in zip(constrained, pending):
+            rid = chunk.request.request_id
+            if not future.done():
+                deferred.add(rid)
+                continue
+            ready[rid] = future.result()
+            filler.taken(rid, chunk.request.matcher)
+        return ready, deferred
+
+    def _sample_plain(self, logits: torch.Tensor, plain: list[tuple[int, ScheduledChunk]], num_rows: int,
+                      masks: dict[str, StepMasks]) -> ExecutorOutput:
+        """Sample the rows that are not verifications, each constrained one under its mask, its token accepted by
+        its grammar (a dead end where the mask allows nothing or the grammar refuses the token)."""
+        if not plain:
+            return ExecutorOutput({})
+        requests = [chunk.request for _, chunk in plain]
+        request_ids = [request.request_id for request in requests]
+        params = [request.sampling for request in requests]
+        with torch.inference_mode():  # the runner's logits are inference tensors
+            if len(plain) != num_rows:  # some rows are verifications or sat out: the sampled ones alone
+                logits = logits.index_select(0, torch.tensor([row for row, _ in plain], dtype=torch.long,
+                                                             device=logits.device))
+            positions = [i for i, rid in enumerate(request_ids) if rid in masks]
+            dead_ends: set[str] = set()
+            if positions:
+                step = StepMasks(torch.cat([masks[request_ids[i]].bias for i in positions]),
+                                 [n for n, i in enumerate(positions) if masks[request_ids[i]].dead])
+                apply_masks(logits, positions, step)
+                for n in step.dead:  # nothing allowed: sample from harmless logits, the token is dropped
+                    logits[positions[n]].zero_()
+                    dead_ends.add(request_ids[positions[n]])
+        result = self._sample(logits, params, request_ids, requests)
+        for i in positions:
+            rid = request_ids[i]
+            if rid not in dead_ends and not requests[i].matcher.accept(result.token_ids[rid]):
+                dead_ends.add(rid)
+        for rid in dead_ends:
+            del result.token_ids[rid]
+            result.logprobs.pop(rid, None)
+        result.dead_ends = dead_ends
         return result
 
     def _sample(self, logits, params: list[SamplingParams], request_ids: list[str], requests: list) -> ExecutorOutput:
@@ -173,5 +187,7 @@ class ModelExecutor:
         return self._mask_filler
 
     def free(self, request_id: str) -> None:
-        """The request is gone: drop its sampling state (its seeded generator)."""
+        """The request is gone: drop its sampling state (its seeded generator) and its pending masks."""
         self.sampler.free(request_id)
+        if self._mask_filler is not None:
+            self._mask_filler.forget(request_id)

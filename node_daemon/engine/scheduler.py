@@ -580,14 +580,16 @@ class Scheduler:
     # ---- after the model ran -----------------------------------------------------------------------
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
-                           dead_ends: Collection[str] = (), accepted: dict[str, int] | None = None) -> list[Request]:
+                           dead_ends: Collection[str] = (), accepted: dict[str, int] | None = None,
+                           deferred: Collection[str] = ()) -> list[Request]:
         """Advance every scheduled request, append sampled tokens, finish the stopped; returns those finished.
 
         Call once per schedule(), before the next one. A prefill whose chunk sampled now decodes. A request in
         `dead_ends` (its grammar allowed no token, or refused the one sampled) finishes with grammar_dead_end and
         no token; a constrained request whose grammar is complete finishes "stop", with ignore_eos too (nothing
         but EOS could follow). A verification keeps its draft's first `accepted[request_id]` tokens (their KV is
-        computed), then the sampled token; the rejected draft tokens' slots are rolled back (_verified).
+        computed), then the sampled token; the rejected draft tokens' slots are rolled back (_verified). A request in
+        `deferred` (its grammar's mask was not ready) gets no token: its newest token is computed again next time.
         """
         finished: list[Request] = []
         started_decoding: list[Request] = []
@@ -604,10 +606,13 @@ class Scheduler:
                 continue
             start = chunk.start
             num_tokens = chunk.num_tokens
+            sits_out = chunk.samples and deferred and request.request_id in deferred
+            if sits_out:
+                num_tokens -= 1  # its slot is written again, with the same values, when it samples
             request.num_computed_tokens = start + num_tokens
             if caching and start % block_size + num_tokens >= block_size:
                 kv.cache_full_blocks(request)
-            if not chunk.samples:
+            if not chunk.samples or sits_out:
                 continue
             if dead_ends and request.request_id in dead_ends:
                 request.status = _DEAD_END

@@ -1,11 +1,15 @@
 """Token masks for a step's constrained rows, computed while the forward runs, applied just before sampling.
 
-Each step: after sampling step N and accept()ing its tokens, the engine submits the constrained rows'
-matchers (MaskFiller.submit); the worker thread computes their masks while the forward of step N+1 runs
-(the library, numpy and torch release the GIL for the heavy parts); when the logits are back the engine
-takes the result and calls apply_masks() on them before the sampler. The worker also turns the bitmask into
-an additive bias (0 or -inf per token), so the critical path is one add_ per run of consecutive constrained
-rows; the unconstrained rows are never touched.
+Each step: after sampling step N and accept()ing its tokens, the engine asks the MaskFiller for the constrained
+rows' masks (one future a row, keyed by the request and how many tokens its grammar has accepted); the worker
+thread computes them while the forward of step N+1 runs (the library, numpy and torch release the GIL for the heavy
+parts); when the logits are back the engine takes the masks that are ready and calls apply_masks() on them before
+the sampler. The worker also turns the bitmask into an additive bias (0 or -inf per token), so the critical path is
+one add_ per run of consecutive constrained rows; the unconstrained rows are never touched.
+
+A mask can cost far more than a step: a schema of thousands of properties took over 100 ms for some states. The
+engine does not hold the other rows for it (model_executor.py MASK_WAIT_S): the row sits the step out and asks
+again, and the same key finds the computation already under way.
 """
 from __future__ import annotations
 
@@ -76,20 +80,42 @@ def _runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 class MaskFiller:
-    """One worker thread that computes a step's masks while the caller runs the forward.
+    """One worker thread that computes constrained rows' masks while the caller runs the forward.
 
-    submit() returns a Future of StepMasks; take its result() once the logits are ready. Matchers must not be
-    touched (accept) until that result is taken: the caller's step order (sample, accept, submit, forward,
-    result, apply) guarantees it.
+    masks_for() returns a Future of a one-row StepMasks per matcher: the one already pending for the same key
+    (request id, tokens accepted) when its row waited out a step, else a new one. A matcher must not be touched
+    (accept) until its future is done: the caller accepts only rows whose mask it took.
     """
 
     def __init__(self, vocab_size: int, dtype: torch.dtype = torch.float32) -> None:
         self.vocab_size = vocab_size
         self.dtype = dtype
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        self._pending: dict[tuple[str, int], Future[StepMasks]] = {}
 
     def submit(self, matchers: Sequence[Matcher]) -> Future[StepMasks]:
+        """All these matchers' masks in one future (one StepMasks of len(matchers) rows)."""
         return self._pool.submit(fill_masks, list(matchers), self.vocab_size, self.dtype)
+
+    def masks_for(self, rows: Sequence[tuple[str, Matcher]]) -> list[Future[StepMasks]]:
+        """A future of each (request id, matcher)'s mask now; taken() once its result is used."""
+        futures = []
+        for request_id, matcher in rows:
+            key = (request_id, matcher.num_accepted)
+            future = self._pending.get(key)
+            if future is None:
+                future = self._pending[key] = self._pool.submit(fill_masks, [matcher], self.vocab_size, self.dtype)
+            futures.append(future)
+        return futures
+
+    def taken(self, request_id: str, matcher: Matcher) -> None:
+        """The row's mask was used: the next one is for its next token."""
+        self._pending.pop((request_id, matcher.num_accepted), None)
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone: drop its pending masks (a running computation finishes unread)."""
+        for key in [key for key in self._pending if key[0] == request_id]:
+            del self._pending[key]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
