@@ -71,6 +71,7 @@ class _DeadAfter:
 
     def __init__(self, vocab_size: int, steps: int) -> None:
         self.vocab_size, self.steps, self.num_accepted, self.dead_end = vocab_size, steps, 0, False
+        self.last_mask_s = 0.0
 
     def fill_mask(self, row: torch.Tensor) -> bool:
         assert row.numel() == bitmask_words(self.vocab_size)
@@ -176,3 +177,30 @@ def test_the_sim_backend_refuses_a_grammar_with_a_400() -> None:
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
         assert "backend" in refused.json()["error"]["message"]
         assert httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+
+
+def test_a_row_whose_masks_are_slow_gets_the_mask_worker_a_core(engine) -> None:
+    """A mask slower than SLOW_MASK_S computed beside a two-thread forward stretched the whole step: while such a
+    row runs the forward leaves the worker a core, and takes it back once the row is done."""
+    from stallfree.node_daemon.engine.model_executor import SLOW_MASK_S
+
+    class _SlowToMask(_DeadAfter):
+        def fill_mask(self, row: torch.Tensor) -> bool:
+            self.last_mask_s = 2 * SLOW_MASK_S
+            return super().fill_mask(row)
+
+    vocab = engine.executor.vocab_size
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine.add_request("slow", prompt_token_ids=[1, 2, 3], grammar=_Grammar(lambda: _SlowToMask(vocab, 99)),
+                           sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        engine.add_request("free", prompt_token_ids=[1, 2, 5], sampling=SamplingParams(max_tokens=12, ignore_eos=True))
+        threads = []  # torch's threads after each step
+        while engine.has_unfinished():
+            engine.step()
+            threads.append(torch.get_num_threads())
+        assert threads[1] == 1  # the slow row's masks ran on a core of their own
+        assert threads[-1] == 2  # the slow row gone: the forward has both cores again
+    finally:
+        torch.set_num_threads(before)

@@ -199,12 +199,67 @@ def test_tool_call_arguments_keep_integers_within_64_bits_too(compiler) -> None:
     assert _accepts(plan.grammar, compiler.tokenizer, head + "1" * 19)
 
 
-@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread priority is Linux's")
-async def test_grammar_workers_run_at_the_lowest_cpu_priority() -> None:
-    """A schema checked for seconds must not take a core from the forward's threads (it gets what serving leaves)."""
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="per-thread priority is Linux's")
+async def test_the_forward_leaves_a_core_to_grammar_work_while_it_runs() -> None:
+    """A schema checked for seconds gets a core of its own (the forward runs a thread fewer meanwhile), at the
+    process's priority: a lower one made every stream wait on the GIL its starved thread took."""
+    import torch
+
+    from stallfree.node_daemon.engine.config import CacheConfig, EngineConfig
+    from stallfree.node_daemon.engine.engine import LLMEngine
+    from stallfree.node_daemon.engine.sampling_params import SamplingParams
+    from stallfree.node_daemon.models.config import ModelConfig
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=64)))
     work = GrammarWork(workers=1, deadline_s=5.0)
+    release = threading.Event()
+
+    def step() -> int:
+        engine.add_request(f"r{engine.num_iterations}", prompt_token_ids=[1, 2, 3],
+                           sampling=SamplingParams(max_tokens=1))
+        while engine.has_unfinished():
+            engine.step()
+        return torch.get_num_threads()
+
+    def checking() -> int:
+        release.wait(10)
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
     try:
-        niceness = await work.run(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        assert step() == 2
+        job = asyncio.ensure_future(work.run(checking))
+        await asyncio.sleep(0.05)
+        assert step() == 1  # the check runs: the forward took one thread
+        release.set()
+        assert await job == os.getpriority(os.PRIO_PROCESS, 0)  # the worker's thread: the process's priority
+        assert step() == 2  # done: the core is the forward's again
     finally:
+        release.set()
         work.close()
-    assert niceness == 19  # the worker's own thread; the caller's keeps its priority
+        torch.set_num_threads(before)
+
+
+def test_a_job_that_starts_mid_step_waits_for_the_engine_to_leave_it_a_core(monkeypatch) -> None:
+    """Started in the middle of a forward, a check oversubscribed the cores for that whole step (250 ms instead of
+    20): while the engine is stepping, a job waits until it is left a core."""
+    from stallfree.node_daemon.structured import grammar_work
+
+    monkeypatch.setattr(grammar_work, "ENGINE_ACTIVE_S", 60.0)  # "stepping" whatever this machine's load
+    monkeypatch.setattr(grammar_work, "HANDOFF_WAIT_S", 60.0)
+    work = GrammarWork(workers=1, deadline_s=30.0)
+    started = threading.Event()
+    try:
+        grammar_work.engine_stepping(core_left=False)
+        caller = threading.Thread(target=lambda: asyncio.run(work.run(started.set)))
+        caller.start()
+        assert not started.wait(0.2)  # the engine keeps both cores: the job waits
+        grammar_work.engine_stepping(core_left=True)
+        assert started.wait(10)
+        caller.join(10)
+    finally:
+        grammar_work.engine_stepping(core_left=True)
+        work.close()
+    grammar_work.engine_stepping(core_left=False)
+    monkeypatch.setattr(grammar_work, "_engine_step_at", float("-inf"))  # no engine stepping for later tests

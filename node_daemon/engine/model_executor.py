@@ -20,6 +20,7 @@ from stallfree.node_daemon.models.loader import LoadedModel
 from stallfree.node_daemon.engine.sampler import Sampler
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.node_daemon.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from stallfree.node_daemon.structured import grammar_work
 from stallfree.node_daemon.structured.masks import MaskFiller, StepMasks, apply_masks
 
 
@@ -27,6 +28,9 @@ from stallfree.node_daemon.structured.masks import MaskFiller, StepMasks, apply_
 # (it had the whole forward already): past it that row sits the step out, its newest token computed again in the
 # next step, rather than stall every stream (a 7,000-property schema's mask took over 100 ms in some states).
 MASK_WAIT_S = 0.005
+# A mask slower than this, computed on the other core, would stretch the forward beside it: the next step leaves
+# the mask worker a core (a 7,000-property schema's first mask took 120 ms; a small schema's, well under 1 ms).
+SLOW_MASK_S = 0.005
 # A GPU's decode stays bound by reading the weights up to tens of rows for the models served here; an estimate, not
 # measured on this project's GPUs yet.
 GPU_SPECULATION_ROWS = 64
@@ -39,6 +43,7 @@ class ModelExecutor:
         self.runner = runner
         self.sampler = sampler or Sampler(runner.device)
         self._mask_filler: MaskFiller | None = None  # made at the first constrained row
+        self._threads_before_grammar_work: int | None = None  # torch's threads while one is left to grammar work
 
     supports_grammars = True  # its logits can be masked (the sim backend has none)
 
@@ -99,6 +104,7 @@ class ModelExecutor:
                 plain.append((num_rows, chunk))
                 num_rows += 1
         constrained = [chunk for _, chunk in plain if chunk.request.matcher is not None]
+        self._leave_a_core_to_grammar_work(constrained)
         pending = self._masks(constrained[0].request.matcher.vocab_size).masks_for(
             [(chunk.request.request_id, chunk.request.matcher) for chunk in constrained]) if constrained else []
         logits = self.runner.execute_model(output)  # the masks are computed meanwhile
@@ -121,6 +127,29 @@ class ModelExecutor:
                 result.draft_logprobs[rid] = verified.logprobs[:-1]
         return result
 
+    def _leave_a_core_to_grammar_work(self, constrained: list[ScheduledChunk]) -> None:
+        """While a request's grammar is checked or compiled (structured/grammar_work.py), a constrained row's last
+        mask was slow (SLOW_MASK_S), or a mask a step went on without is still computed, the CPU forward runs one
+        thread fewer: the work gets a core of its own instead of stretching every step (a barrier waits for the
+        thread that shares its core), and no thread of the process runs at a lower priority holding up the GIL.
+        Masks that keep up with the steps never trigger it."""
+        if self.runner.device.type != "cpu":
+            return
+        filler = self._mask_filler
+        busy = (grammar_work.busy() or any(chunk.request.matcher.last_mask_s > SLOW_MASK_S for chunk in constrained)
+                or (filler is not None and filler.late()))
+        before = self._threads_before_grammar_work
+        if busy and before is None:
+            threads = torch.get_num_threads()
+            if threads > 1:
+                self._threads_before_grammar_work = threads
+                torch.set_num_threads(threads - 1)
+        elif not busy and before is not None:
+            torch.set_num_threads(before)
+            self._threads_before_grammar_work = None
+        grammar_work.engine_stepping(core_left=self._threads_before_grammar_work is not None
+                                     or torch.get_num_threads() == 1)
+
     def _ready_masks(self, constrained: list[ScheduledChunk], pending: list[Future[StepMasks]],
                      alone: bool) -> tuple[dict[str, StepMasks], set[str]]:
         """The constrained rows' masks that are ready (by request id), and the rows whose mask is not: the others
@@ -135,6 +164,7 @@ class ModelExecutor:
             rid = chunk.request.request_id
             if not future.done():
                 deferred.add(rid)
+                filler.mark_late(future)
                 continue
             ready[rid] = future.result()
             filler.taken(rid, chunk.request.matcher)

@@ -28,10 +28,13 @@ class CompiledGrammar:
         self.vocab_size = vocab_size
         self._template = template
         self._lock = threading.Lock()
+        self.first_mask_s = 0.0  # how long the first token's mask took at compile (a hint of the masks to come)
 
     def new_matcher(self) -> Matcher:
         with self._lock:
-            return Matcher(self._template.deep_copy(), self.vocab_size, self.grammar.origin)
+            matcher = Matcher(self._template.deep_copy(), self.vocab_size, self.grammar.origin)
+        matcher.last_mask_s = self.first_mask_s
+        return matcher
 
 
 class GrammarCompiler:
@@ -74,8 +77,10 @@ class GrammarCompiler:
             raise ValueError(f"{grammar.origin}: {template.get_error()}")
         compiled = CompiledGrammar(grammar, template, self.vocab_size)
         first = torch.zeros(bitmask_words(self.vocab_size), dtype=torch.int32)
-        if not compiled.new_matcher().fill_mask(first):
+        probe = compiled.new_matcher()
+        if not probe.fill_mask(first):
             raise ValueError(f"{grammar.origin}: no token of this model's vocabulary can begin an output it allows")
+        compiled.first_mask_s = probe.last_mask_s
         with self._lock:
             self.compiles += 1
             self._cache[grammar.text] = compiled

@@ -92,6 +92,7 @@ class MaskFiller:
         self.dtype = dtype
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
         self._pending: dict[tuple[str, int], Future[StepMasks]] = {}
+        self._late: set[Future[StepMasks]] = set()  # masks a step did not wait for (late())
 
     def submit(self, matchers: Sequence[Matcher]) -> Future[StepMasks]:
         """All these matchers' masks in one future (one StepMasks of len(matchers) rows)."""
@@ -107,6 +108,15 @@ class MaskFiller:
                 future = self._pending[key] = self._pool.submit(fill_masks, [matcher], self.vocab_size, self.dtype)
             futures.append(future)
         return futures
+
+    def mark_late(self, future: Future[StepMasks]) -> None:
+        """A step went on without this mask (it was not ready in time)."""
+        self._late.add(future)
+
+    def late(self) -> bool:
+        """Whether a mask that a step went on without is still being computed (a slow grammar state)."""
+        self._late = {future for future in self._late if not future.done()}
+        return bool(self._late)
 
     def taken(self, request_id: str, matcher: Matcher) -> None:
         """The row's mask was used: the next one is for its next token."""

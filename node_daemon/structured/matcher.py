@@ -6,6 +6,8 @@ FINISH_GRAMMAR_DEAD_END rather than sampling from nothing (which would loop or h
 """
 from __future__ import annotations
 
+import time
+
 import llguidance
 import torch
 
@@ -28,6 +30,7 @@ class Matcher:
         self.origin = origin
         self.dead_end = False
         self.num_accepted = 0
+        self.last_mask_s = 0.0  # how long the last fill_mask took (the engine leaves a core to slow masks)
 
     def fill_mask(self, bitmask_row: torch.Tensor) -> bool:
         """Write the allowed next tokens into `bitmask_row` (int32, contiguous, on the CPU, bitmask_words()
@@ -36,10 +39,12 @@ class Matcher:
             raise ValueError("a bitmask row must be a contiguous int32 CPU tensor")
         if bitmask_row.numel() != bitmask_words(self.vocab_size):
             raise ValueError(f"a bitmask row of {bitmask_row.numel()} words for a vocab of {self.vocab_size}")
+        started = time.perf_counter()
         if self._inner.is_error():
             bitmask_row.zero_()
         else:
             self._inner.unsafe_compute_mask_ptr(bitmask_row.data_ptr(), bitmask_row.numel() * 4)
+        self.last_mask_s = time.perf_counter() - started
         if self._inner.is_error() or not bool(bitmask_row.any()):
             self.dead_end = True
         return not self.dead_end
