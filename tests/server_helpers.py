@@ -46,8 +46,11 @@ class LiveDaemon:
                     and self.daemon.engine.num_in_flight == 0):
                 return
             time.sleep(0.02)
-        raise AssertionError(f"daemon not idle after {timeout_s}s: {self.llm_engine.scheduler.num_running} running, "
-                             f"{len(self.daemon.drain.in_flight)} in flight")
+        scheduler = self.llm_engine.scheduler
+        raise AssertionError(f"daemon not idle after {timeout_s}s: {scheduler.num_running} running, "
+                             f"{scheduler.num_waiting} waiting, {scheduler.num_paused} paused, "
+                             f"{self.daemon.engine.num_in_flight} in the engine's hands, "
+                             f"{len(self.daemon.drain.in_flight)} HTTP requests in flight")
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ finished is aborted so its KV blocks are freed at the next iteration.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -102,6 +103,7 @@ class Generation:
         self._started = [False] * n
         self._finished = [False] * n
         self._closed = False
+        self._pumps: list[asyncio.Future] = []  # n > 1: the tasks that read each choice's stream
         self._start(0)
 
     def _start(self, index: int) -> None:
@@ -114,25 +116,31 @@ class Generation:
         extra = {"grammar": self.grammar} if self.grammar is not None else {}
         if self.objective is not None:
             extra["objective"] = self.objective
-        async for out in self.daemon.engine.generate(engine_id, self.prompt_token_ids, self.samplings[index],
-                                                     self.waited_s, checked=True, **extra):
-            if index == 0 and self.ticket.queued and (out.num_output_tokens or out.finished):
-                self.daemon.admission.dequeue(self.ticket)
-            if out.finished:
-                self._finished[index] = True
-            yield out
-            if out.finished:
-                return
+        # aclosing: a consumer that stops early closes the engine's stream at once (its `finally` frees the stream's
+        # place), not whenever the collector reaches a generator caught in a cycle with its exception.
+        async with contextlib.aclosing(self.daemon.engine.generate(
+                engine_id, self.prompt_token_ids, self.samplings[index], self.waited_s, checked=True,
+                **extra)) as outputs:
+            async for out in outputs:
+                if index == 0 and self.ticket.queued and (out.num_output_tokens or out.finished):
+                    self.daemon.admission.dequeue(self.ticket)
+                if out.finished:
+                    self._finished[index] = True
+                yield out
+                if out.finished:
+                    return
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) as they come until every choice finished; closes the request on exit."""
         try:
             if self.n == 1:  # the common case: no queue between the engine's stream and the caller
-                async for out in self._choice(0):
-                    yield 0, out
+                async with contextlib.aclosing(self._choice(0)) as choice:
+                    async for out in choice:
+                        yield 0, out
             else:
-                async for item in self._all_choices():
-                    yield item
+                async with contextlib.aclosing(self._all_choices()) as choices:  # its finally cancels the pumps
+                    async for item in choices:
+                        yield item
         finally:
             self.close()
 
@@ -146,17 +154,21 @@ class Generation:
 
         async def pump(index: int) -> None:
             try:
-                async for out in self._choice(index):
-                    queue.put_nowait((index, out))
-                    while queue.qsize() >= bound:
-                        drained.clear()
-                        await drained.wait()
+                # aclosing: cancelled while it waits for the caller (a paused choice), the pump still closes the
+                # choice's stream; without it the stream stayed in flight (a drain waited on it) until collected.
+                async with contextlib.aclosing(self._choice(index)) as choice:
+                    async for out in choice:
+                        queue.put_nowait((index, out))
+                        while queue.qsize() >= bound:
+                            drained.clear()
+                            await drained.wait()
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
                 queue.put_nowait((index, exc))
             finally:
                 queue.put_nowait((index, done))
 
-        tasks = [asyncio.ensure_future(pump(0))]
+        tasks = self._pumps
+        tasks.append(asyncio.ensure_future(pump(0)))
         remaining = 1
         siblings_started = False
         try:
@@ -185,6 +197,8 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        for pump in self._pumps:  # a stream dropped unread (its response cancelled) never ran their cancel
+            pump.cancel()
         daemon = self.daemon
         daemon.admission.dequeue(self.ticket)
         for index, engine_id in enumerate(self.engine_ids):
