@@ -203,10 +203,12 @@ def test_the_mask_filler_computes_the_next_step_on_its_worker(tokenizer, compile
     try:
         for matcher in matchers + twins:
             assert matcher.accept(tokenizer.encode("[", add_special_tokens=False)[0])
-        pending = filler.submit(matchers)
+        pending = filler.masks_for([(f"r{i}", matcher) for i, matcher in enumerate(matchers)])
+        assert filler.masks_for([("r0", matchers[0])]) == pending[:1]  # asked again: the same computation
         direct = fill_masks(twins, compiler.vocab_size)
-        result: StepMasks = pending.result(timeout=30)
-        assert torch.equal(result.bias, direct.bias) and result.dead == []
+        results: list[StepMasks] = [future.result(timeout=30) for future in pending]
+        assert torch.equal(torch.cat([r.bias for r in results]), direct.bias)
+        assert all(r.dead == [] for r in results)
     finally:
         filler.close()
 

@@ -94,10 +94,6 @@ class MaskFiller:
         self._pending: dict[tuple[str, int], Future[StepMasks]] = {}
         self._late: set[Future[StepMasks]] = set()  # masks a step did not wait for (late())
 
-    def submit(self, matchers: Sequence[Matcher]) -> Future[StepMasks]:
-        """All these matchers' masks in one future (one StepMasks of len(matchers) rows)."""
-        return self._pool.submit(fill_masks, list(matchers), self.vocab_size, self.dtype)
-
     def masks_for(self, rows: Sequence[tuple[str, Matcher]]) -> list[Future[StepMasks]]:
         """A future of each (request id, matcher)'s mask now; taken() once its result is used."""
         futures = []
