@@ -182,3 +182,46 @@ def test_symmetric_types_keep_the_files_bytes(qtype, zeros):
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
     want = x.double() @ weight.dequantize().double().T
     assert relative_error(_matmul("generic", weight, x, float_out=True), want) < FLOAT_OUT_TOLERANCE
+
+
+def _dequantize_op(tier: str):
+    _kernel(tier)  # skips where the tier or the library is missing
+    return cpu_decode.ops(resolve_tier(tier))
+
+
+# Every record kind: 4-, 5- and 8-bit codes, with zeros (mins, offsets) and without (zeros from the scales).
+RECORD_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"]
+
+
+@pytest.mark.parametrize("qtype", RECORD_TYPES)
+def test_dequantized_codes_are_the_weights_rounded_once_to_bfloat16(tier, qtype):
+    """code_dequantize gives W^T [K, N]: every value the tiles hold (TiledCodes.dequantize, float32) rounded once to
+    bfloat16, bit for bit, on every tier's kernel (AVX-512's permutes and the portable loops)."""
+    from gguf import GGMLQuantizationType
+
+    if qtype in ("Q4_0", "Q4_1", "Q8_0"):
+        from gguf.quants import quantize
+
+        raw = quantize(np.random.default_rng(5).standard_normal((48, 320)).astype(np.float32),
+                       GGMLQuantizationType[qtype]).reshape(48, -1)
+    else:
+        raw, _ = _gguf_blocks(qtype, 48, 320, seed=5)
+    weight = TiledCodes.from_codes(decode_blocks(raw, qtype, 48, 320))
+    got = _dequantize_op(tier).code_dequantize(weight.blocks)
+    assert got.shape == (320, 48) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, weight.dequantize().float().T.bfloat16(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 64, 200])
+def test_the_dequantized_matmul_is_the_matmul_of_the_weights(tier, rows):
+    """dequantized_mm (the many-row projections' path where no dense copy is kept): x @ W^T within bfloat16's
+    rounding of the weights and the output, for a weight wider than its scratch held before (the scratch grows)."""
+    ops = _dequantize_op(tier)
+    for n, k in ((32, 64), (80, 640)):
+        weight = TiledCodes.from_codes(_q4_0(n, k, seed=n))
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        got = ops.dequantized_mm(x, weight.blocks)
+        assert got.shape == (rows, n)
+        assert relative_error(got, x.double() @ weight.dequantize().double().T) < CODE_TOLERANCE
+    with pytest.raises(RuntimeError, match="dequantized_mm"):
+        ops.dequantized_mm(torch.ones(2, 96, dtype=torch.bfloat16), weight.blocks)

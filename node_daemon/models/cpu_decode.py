@@ -2,8 +2,9 @@
 
 A decode step of a small model run op by op is bound by the ops' count and the Python around them, not by its
 arithmetic (`stallfree bench iteration --breakdown`). cpu_decode.cpp runs a whole forward in C++: the projections
-straight from the GGUF codes (cpu_code_matmul.h: AVX512-VNNI, AVX2 or portable loops) for up to CODE_MAX_ROWS rows
-on AVX-512 and for every row count below it, the oneDNN-prepacked bfloat16 copies past CODE_MAX_ROWS on AVX-512
+straight from the GGUF codes (cpu_code_matmul.h: AVX512-VNNI, AVX2 or portable loops) for every row count below
+AVX-512; on AVX-512 up to DEQUANT_MIN_ROWS, then the codes dequantized a projection at a time for oneDNN's bfloat16
+GEMM (cpu_code_dequantize.h), or where they are kept the oneDNN-prepacked copies past CODE_MAX_ROWS
 (the Python path's choice; a float projection of an F16/BF16/F32 file takes its oneDNN copy or ATen's linear at
 every row count), plain loops for the norms, RoPE with the KV write and SiLU-and-mul, and attention:
 AVX512-BF16 kernels for decode rows (cpu_decode_attention.h) and prefill chunks (cpu_chunk_attention.h) where the
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from stallfree.node_daemon.models.cpu_tier import CpuTier, cpu_flags, cpu_tier
-from stallfree.node_daemon.models.quantized import CODE_MAX_ROWS, INT4_MAX_ROWS
+from stallfree.node_daemon.models.quantized import CODE_MAX_ROWS, INT4_MAX_ROWS, dequantize_min_rows
 
 if TYPE_CHECKING:
     from stallfree.node_daemon.models.llama import KVCache, LlamaForCausalLM
@@ -53,7 +54,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 # Included by SOURCE: part of the build key.
 HEADERS = [Path(__file__).with_name(name)
-           for name in ("cpu_chunk_attention.h", "cpu_code_matmul.h", "cpu_decode_attention.h", "cpu_vnni_matmul.h")]
+           for name in ("cpu_chunk_attention.h", "cpu_code_dequantize.h", "cpu_code_matmul.h", "cpu_decode_attention.h",
+                        "cpu_vnni_matmul.h")]
 ENV_SWITCH = "STALLFREE_CPU_DECODE"
 MIXED_SWITCH = "STALLFREE_CPU_MIXED"
 CHUNK_KERNEL_SWITCH = "STALLFREE_CPU_CHUNK_KERNEL"
@@ -102,6 +104,14 @@ def cache_root() -> Path:
 
 def _library_path(key: str) -> Path:
     return cache_root() / key / f"stallfree_cpu_{key.replace('-', '_')}.so"
+
+
+def can_serve_codes() -> bool:
+    """Whether the compiled library will serve this tier's coded matmuls: on, and loaded, cached, or buildable
+    (a C++ compiler on PATH; a first start builds it in the background)."""
+    if not (enabled() and enabled(CODE_KERNEL_SWITCH)):
+        return False
+    return is_loaded() or _library_path(build_key()).exists() or shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 def ops(tier: CpuTier | None = None):
@@ -173,8 +183,14 @@ def paths_taken(dense_copy: bool | None = None) -> dict[str, str]:
         return {"cpu_tier": tier.name, "forward": f"python ({why})", "matmul": "torch int4 (few rows), " +
                 ("oneDNN bfloat16" if onednn else "torch int4") + " (many rows)", "attention": "aten"}
     kernels = ops()
-    code = str(kernels.code_kernel()) if enabled(CODE_KERNEL_SWITCH) else "torch int4"
-    many = "oneDNN bfloat16 prepacked" if onednn else code
+    code_on = enabled(CODE_KERNEL_SWITCH)
+    code = str(kernels.code_kernel()) if code_on else "torch int4"
+    if onednn:
+        many = "oneDNN bfloat16 prepacked"
+    elif code_on and (min_rows := dequantize_min_rows()):
+        many = f"{code} below {min_rows}, oneDNN bfloat16 from {min_rows} (codes dequantized a projection at a time)"
+    else:
+        many = code
     chunks = str(kernels.chunk_attention_kernel()) if enabled(CHUNK_KERNEL_SWITCH) else "aten"
     return {"cpu_tier": tier.name, "forward": "compiled", "matmul": f"{code} (few rows), {many} (many rows)",
             "attention": f"{kernels.attention_kernel()} (decode), {chunks} (chunks)"}
@@ -222,11 +238,14 @@ def dequantize_tiles(tiles, dtype: torch.dtype) -> torch.Tensor:
 
 def publish_code_kernel(model: "LlamaForCausalLM") -> None:
     """The model's quantized matmuls, here and on the Python path (Int4Weight.matmul), take the loaded library's
-    code kernel: a few rows where a oneDNN copy takes the rest (AVX-512), every row count where there is none. Its
+    code kernel: a few rows where a oneDNN copy takes the rest (AVX-512); where there is none, every row count
+    below AVX-512, and on AVX-512 up to dequantize_min_rows(), its dequantized_mm from there. Its
     runner calls it between iterations (engine/forward_path.py) once the library has loaded: per model, so another
     engine in the process keeps its own choice."""
     if _state["loaded"] and enabled(CODE_KERNEL_SWITCH):
-        model.use_code_kernel(ops().code_matmul, CODE_MAX_ROWS)
+        min_rows = dequantize_min_rows()
+        model.use_code_kernel(ops().code_matmul, CODE_MAX_ROWS,
+                              (ops().dequantized_mm, min_rows) if min_rows else None)
 
 
 @contextlib.contextmanager
@@ -385,9 +404,10 @@ class CpuDecode:
         self.qkv_bias = [layer.self_attn.qkv_proj.bias for layer in model.layers] if model.shape.qkv_bias else []
         self.kv = [t for pair in kv_caches for t in pair]
         shape = model.shape
-        # Past CODE_MAX_ROWS a projection with a oneDNN copy takes it, one without takes the code kernel still.
+        # Past CODE_MAX_ROWS a projection with a oneDNN copy takes it; one without takes the code kernel, or from
+        # dequantize_min_rows() rows its dequantized scratch and oneDNN's GEMM (AVX-512: cpu_code_dequantize.h).
         self.dims = (shape.num_heads, shape.num_kv_heads, shape.head_dim, float(shape.rms_norm_eps), INT4_MAX_ROWS,
-                     CODE_MAX_ROWS)
+                     CODE_MAX_ROWS, dequantize_min_rows())
         # Gemma 3: the sliding layers (their window and RoPE table), the query scale, the embeddings' scale
         local = model.rotary_local
         sliding = [int(layer.self_attn.sliding) for layer in model.layers] if local is not None else []

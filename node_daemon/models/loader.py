@@ -75,27 +75,35 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     return loaded
 
 
-# The most memory oneDNN copies of a GGUF model's coded projections may take under cpu_dense_copy "auto": on
-# AVX-512 they serve many-row iterations 1.35x faster than the VNNI code kernel (SmolLM2's 64-row projections,
-# `stallfree bench matmul`), at 2 bytes a parameter beside the codes' 0.6: SmolLM2's 0.27 GB pays, a 1B model's
-# 2.5 GB would put its RSS past llama.cpp's by more than the speed is worth.
+# The most memory oneDNN copies of a GGUF model's coded projections may take under cpu_dense_copy "auto" where the
+# compiled library cannot serve many-row iterations from the codes (no C++ compiler): there they serve them 1.35x
+# faster than torch's int4 kernel would, at 2 bytes a parameter beside the codes' 0.6.
 DENSE_COPY_AUTO_BYTES = 1 << 30
 
 
 def dense_copy_wanted(setting: str, size: int) -> bool:
     """Whether a GGUF model's coded projections get oneDNN copies of `size` bytes (where the tier runs oneDNN's
-    bfloat16 GEMM at all)."""
+    bfloat16 GEMM at all). "auto" keeps none where the compiled library serves many-row iterations from the codes
+    (one projection at a time dequantized into a scratch for the same GEMM: models/cpu_code_dequantize.h): the
+    copies would hold 2 bytes a weight for the model's life to make a prefill chunk 1.1-1.4x faster
+    (`stallfree bench iteration --chunk 512`, Gemma 3 270M). "on" keeps them, for that speed."""
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"cpu_dense_copy must be auto, on or off, got {setting!r}")
+    from stallfree.node_daemon.models import cpu_decode
     from stallfree.node_daemon.models.cpu_tier import cpu_tier
 
     if not cpu_tier().onednn_bf16 or not size or setting == "off":
+        return False
+    if setting == "auto" and cpu_decode.can_serve_codes():
+        log.info("no oneDNN copies of the coded projections (they would take %.0f MB): many-row iterations "
+                 "dequantize one projection at a time for oneDNN's bfloat16 GEMM (--cpu-dense-copy on keeps them)",
+                 size / 1e6)
         return False
     if setting == "on" or size <= DENSE_COPY_AUTO_BYTES:
         log.info("oneDNN bfloat16 copies of the coded projections for many-row iterations: %.0f MB", size / 1e6)
         return True
     log.info("no oneDNN copies of the coded projections (%.1f GB, past the %.1f GB that --cpu-dense-copy auto "
-             "allows): the code kernel serves every row count", size / 1e9, DENSE_COPY_AUTO_BYTES / 1e9)
+             "allows): torch's int4 kernel serves every row count", size / 1e9, DENSE_COPY_AUTO_BYTES / 1e9)
     return False
 
 

@@ -19,9 +19,10 @@ are dequantized and the daemon names them at start-up, in /metrics and in the st
 Every weight with codes also keeps them as TiledCodes, the layout of the compiled extension's code kernel
 (models/cpu_code_matmul.h): activations quantized to int16 per 32-wide block and the codes multiplied as they are
 stored, no float weight ever made, on every x86 tier (AVX512-VNNI, AVX2, portable loops; models/cpu_tier.py). Where
-oneDNN runs bfloat16 GEMMs (the AVX-512 tiers) iterations past CODE_MAX_ROWS rows take the dense copy prepacked
-for it (compute-bound there; `stallfree bench iteration` shows the crossover); below AVX-512 every row count takes
-the code kernel and no dense copy is kept. Before the extension is loaded (a first start compiles it in the
+oneDNN runs bfloat16 GEMMs (the AVX-512 tiers) iterations from DEQUANT_MIN_ROWS rows are compute-bound, and there
+each projection is dequantized into a scratch, one at a time, for oneDNN's GEMM (models/cpu_code_dequantize.h); kept
+dense copies prepacked for it (--cpu-dense-copy on) take the iterations past CODE_MAX_ROWS instead. Below AVX-512
+every row count takes the code kernel and no dense copy is kept. Before the extension is loaded (a first start compiles it in the
 background) torch's int4 kernel serves the same codes. STALLFREE_CPU_CODE_KERNEL=0 keeps torch's int4 kernel
 (an A/B switch).
 """
@@ -45,6 +46,11 @@ INT4_MAX_ROWS = 8
 # oneDNN's GEMM is 1.15x faster. Where a weight has no oneDNN copy (below AVX-512, or a model too large for one:
 # models/loader.py) the code kernel takes every row count.
 CODE_MAX_ROWS = 8
+# Rows from which a many-row matmul of a weight with no oneDNN copy dequantizes it into a scratch for oneDNN's
+# bfloat16 GEMM (models/cpu_code_dequantize.h) instead of taking the code kernel, where oneDNN runs bfloat16
+# GEMMs (AVX-512): the code kernel's integer sums are compute-bound past a few rows, the scratch costs one pass
+# over the codes. Measured on random 2048 x 640 and 640 x 2048 tiles, 2 threads (`stallfree bench matmul`).
+DEQUANT_MIN_ROWS = 64
 PACK_ROWS = 4096  # a multiple of the packing's row blocks
 
 
@@ -265,13 +271,16 @@ class Int4Weight:
         # that serves it (models/cpu_decode.py publish_code_kernel), so two engines in one process never switch
         # each other's kernels; None until then (torch's int4 kernel).
         self.code_kernel: tuple | None = None
+        # (the library's dequantized_mm, from how many rows): many-row matmuls where no oneDNN copy is kept, set
+        # with code_kernel where oneDNN runs bfloat16 GEMMs (dequantize_min_rows); None: the code kernel takes them.
+        self.dequantized: tuple | None = None
 
     @classmethod
     def from_tiles(cls, tiles: TiledCodes, planes: int, dtype: torch.dtype) -> "Int4Weight":
         """One from its tiles alone (models/weight_cache.py keeps them)."""
         weight = cls.__new__(cls)
         weight.tiles, weight.planes, weight.out_features, weight.dtype = tiles, planes, tiles.blocks.shape[0] * 16, dtype
-        weight._pack, weight._pack_released, weight.code_kernel = None, False, None
+        weight._pack, weight._pack_released, weight.code_kernel, weight.dequantized = None, False, None, None
         return weight
 
     def _torch_pack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -324,6 +333,10 @@ class Int4Weight:
         """x [rows, in_features] (this weight's dtype) -> [rows, out_features]: the code kernel once the compiled
         extension is loaded (up to its row limit unless `any_rows`; float32 sums when `float_out`), else torch's
         int4 kernel (in x's dtype)."""
+        dequantized = self.dequantized
+        if any_rows and not float_out and dequantized is not None and x.shape[0] >= dequantized[1] \
+                and x.dtype == torch.bfloat16:
+            return dequantized[0](x.contiguous(), self.tiles.blocks)
         if self.code_kernel_applies(x.shape[0], any_rows):
             return self.code_kernel[0](x, self.tiles.blocks, self.tiles.bits, float_out)
         pack = self._torch_pack()
@@ -383,6 +396,13 @@ def q8_0_tiles(raw: np.ndarray, rows: int, cols: int) -> TiledCodes | None:
         words[..., 1:].view(tiles, 16, groups, 16).permute(0, 2, 3, 1)).bitwise_xor_(-0x7F80)
     out[..., 512:].view(torch.int16).copy_(words[..., 0].view(tiles, 16, groups).transpose(1, 2))
     return TiledCodes(out, 8)
+
+
+def dequantize_min_rows() -> int:
+    """DEQUANT_MIN_ROWS where oneDNN runs bfloat16 GEMMs on this CPU's tier, else 0 (never: the code kernel)."""
+    from stallfree.node_daemon.models.cpu_tier import cpu_tier
+
+    return DEQUANT_MIN_ROWS if cpu_tier().onednn_bf16 else 0
 
 
 def int4_supported(dtype: torch.dtype, device: torch.device) -> bool:

@@ -1,0 +1,132 @@
+// A coded weight's values, transposed, in a scratch buffer: W^T [K, N] bfloat16 from the tiles of
+// cpu_code_matmul.h (which says the layout), each value rounded once from the float32 scale * u + zero.
+// Included by cpu_decode.cpp after cpu_code_matmul.h.
+//
+// Why: a many-row iteration (a prefill chunk) is compute-bound, and oneDNN's bfloat16 GEMM (AMX or AVX512-BF16)
+// outruns the code kernel's integer sums there by 3-5x. Kept dense copies would cost 2 bytes a weight for the
+// model's life beside the codes' 0.5-1; this scratch holds one projection for one matmul, made in a fraction of the
+// GEMM's time (a pass over the codes that writes the values once, at memory speed).
+//
+// Transposed because the tiles hold, per chunk of 32 bytes, 16 columns' codes for two adjacent k: one permute splits
+// them into two rows of W^T, each 16 columns wide, written as 32 contiguous bytes.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m256i bf16x16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#else  // round to nearest even by hand, as f2bf (no NaN can arise from finite codes and scales)
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16));
+#endif
+}
+
+// One record (16 columns, 32 k) into out[k][0..15] (row stride n).
+template <int BITS, bool ZERO>
+inline void dequantize_record(const uint8_t* wb, uint16_t* o, int64_t n) {
+  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8;
+  // lanes 2c (k even) to 0..15, lanes 2c + 1 (k odd) to 16..31
+  static constexpr uint16_t kSplit[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                          1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  const __m512i split = _mm512_loadu_si512(kSplit);
+  const __m512i nibble = _mm512_set1_epi16(0x0f), sixteen = _mm512_set1_epi16(16);
+  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes)));
+  const __m512 z = ZERO ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes + 32)))
+                        : _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
+  // codes u of k and k + 1 (32 lanes, column c's at 2c and 2c + 1) -> rows k, k + 1 of W^T
+  const auto two_rows = [&](__m512i u, int64_t k) {
+    const __m512i cols = _mm512_permutexvar_epi16(split, u);
+    const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(cols)));
+    const __m512 odd = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(cols, 1)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k * n), bf16x16(_mm512_fmadd_ps(even, s, z)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (k + 1) * n), bf16x16(_mm512_fmadd_ps(odd, s, z)));
+  };
+  if constexpr (BITS == 8) {
+    for (int q = 0; q < 16; ++q)
+      two_rows(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * q))), 2 * q);
+  } else {
+    const uint32_t* fifth = reinterpret_cast<const uint32_t*>(wb + 256);  // BITS 5: the codes' fifth bits
+    for (int q = 0; q < 8; ++q) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * q)));
+      __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_srli_epi16(v, 4);
+      if constexpr (BITS == 5) {
+        lo = _mm512_mask_add_epi16(lo, fifth[2 * q], lo, sixteen);
+        hi = _mm512_mask_add_epi16(hi, fifth[2 * q + 1], hi, sixteen);
+      }
+      two_rows(lo, 2 * q);
+      two_rows(hi, 2 * q + 16);
+    }
+  }
+}
+#else
+// The same values in plain loops (column c's codes of pair p: bytes 2c, 2c + 1 of chunk p, as code_rows reads them).
+template <int BITS, bool ZERO>
+inline void dequantize_record(const uint8_t* wb, uint16_t* out, int64_t n) {
+  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8;
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(wb + code_bytes);
+  for (int p = 0; p < 16; ++p) {
+    const uint8_t* chunk = wb + 32 * (BITS == 8 ? p : p % 8);
+    uint32_t fifth = 0;
+    if (BITS == 5) std::memcpy(&fifth, wb + 256 + 4 * (2 * (p % 8) + (p >= 8)), 4);
+    for (int j = 0; j < 2; ++j) {
+      uint16_t* o = out + (2 * p + j) * n;
+      for (int c = 0; c < 16; ++c) {
+        int u = chunk[2 * c + j];
+        if (BITS != 8) u = p < 8 ? u & 15 : u >> 4;
+        if (BITS == 5) u += 16 * static_cast<int>((fifth >> (2 * c + j)) & 1);
+        const float scale = half_to_float(sz[c]);
+        const float zero = ZERO ? half_to_float(sz[16 + c]) : -static_cast<float>(1 << (BITS - 1)) * scale;
+        o[c] = f2bf(scale * static_cast<float>(u) + zero);
+      }
+    }
+  }
+}
+#endif
+
+template <int BITS, bool ZERO>
+inline void dequantize_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t blocks, uint16_t* out, int64_t n) {
+  constexpr int64_t rec = record_bytes<BITS, ZERO>();
+  // k-block outer: each of the 32 rows of W^T a block fills is written as one run over the thread's tiles (tile
+  // by tile, a row apart, every store would touch another page of a large W^T)
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t t = t0; t < t1; ++t) dequantize_record<BITS, ZERO>(w + (t * blocks + b) * rec, out + b * kQBlock * n + t * 16, n);
+}
+
+// W^T [K, N] bfloat16 of blocks [N / 16, K / 32, record] into `out` (resized; its storage kept across calls).
+inline void code_dequantize_into(const at::Tensor& blocks_t, at::Tensor& out) {
+  const std::optional<RecordKind> kind = record_kind(blocks_t.dim() == 3 ? blocks_t.size(2) : 0);
+  TORCH_CHECK(kind && blocks_t.scalar_type() == at::kByte && blocks_t.is_contiguous(),
+              "code_dequantize: weight blocks [N / 16, K / 32, bytes] uint8, contiguous");
+  const int64_t tiles = blocks_t.size(0), blocks = blocks_t.size(1), n = tiles * 16, k = blocks * kQBlock;
+  out.resize_({k, n});
+  uint16_t* o = bf16_mut(out);
+  const uint8_t* w = blocks_t.data_ptr<uint8_t>();
+  const int bits = kind->bits;
+  const bool zero = kind->zero;
+  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+    if (bits == 4)
+      zero ? dequantize_tiles<4, true>(w, begin, end, blocks, o, n) : dequantize_tiles<4, false>(w, begin, end, blocks, o, n);
+    else if (bits == 5)
+      zero ? dequantize_tiles<5, true>(w, begin, end, blocks, o, n) : dequantize_tiles<5, false>(w, begin, end, blocks, o, n);
+    else
+      zero ? dequantize_tiles<8, true>(w, begin, end, blocks, o, n) : dequantize_tiles<8, false>(w, begin, end, blocks, o, n);
+  });
+}
+
+// The op: a fresh W^T (tests, and the Python path's many-row matmuls).
+inline at::Tensor code_dequantize(const at::Tensor& blocks_t) {
+  at::Tensor out = at::empty({0}, at::TensorOptions().dtype(at::kBFloat16));
+  code_dequantize_into(blocks_t, out);
+  return out;
+}
+
+// x [rows, K] bfloat16 @ W^T -> [rows, N] bfloat16 through a per-thread scratch of W^T and oneDNN's bfloat16 GEMM:
+// the many-row projections where no dense copy is kept (the compiled forward's, and the Python path's op).
+inline at::Tensor dequantized_mm(const at::Tensor& x, const at::Tensor& blocks_t) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == blocks_t.size(1) * kQBlock,
+              "dequantized_mm: x [rows, K] bfloat16 against blocks [N / 16, K / 32, bytes]");
+  thread_local at::Tensor scratch = at::empty({0}, at::TensorOptions().dtype(at::kBFloat16));
+  code_dequantize_into(blocks_t, scratch);
+  return at::mm(x, scratch);
+}
