@@ -26,7 +26,7 @@ def ops(request):
         pytest.skip("compiled extension unavailable (no C++ compiler, or the compile failed: see the log)")
     assert kernels.set_chunk_kernel(True) and str(kernels.chunk_attention_kernel()) == tier
     yield kernels
-    kernels.set_chunk_kernel(cpu_decode.enabled(cpu_decode.CHUNK_KERNEL_SWITCH))  # as the env says
+    kernels.set_chunk_kernel(cpu_decode.chunk_kernel_wanted())  # as the process chose
 
 
 def _batch(seqs: list[tuple[int, int]], num_blocks: int = 200, seed: int = 0):
@@ -81,3 +81,25 @@ def test_chunk_kernel_follows_aten_attention_and_the_float64_reference(ops, seqs
     assert kernel_err < 0.02
     decode_rows = [int(starts[i]) for i, (n, _) in enumerate(seqs) if n == 1]
     assert all(not outs[True][r].any() for r in decode_rows)
+
+
+
+def test_chunks_take_aten_attention_on_amx_and_the_kernel_elsewhere_unless_the_switch_says(monkeypatch):
+    """On AMX (the top tier, not forced lower) ATen's attention, whose GEMMs oneDNN runs on AMX tiles, is the
+    faster; elsewhere the kernel; STALLFREE_CPU_CHUNK_KERNEL decides where it is set."""
+    from stallfree.node_daemon.models import cpu_tier as tiers
+
+    flags = "flags : avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni amx_bf16 amx_tile"
+    assert tiers.resolve_tier(None, flags).amx
+    assert not tiers.resolve_tier("avx2", flags).amx and not tiers.resolve_tier("avx512", flags).amx
+    assert not tiers.resolve_tier(None, flags.replace(" amx_bf16 amx_tile", "")).amx
+    monkeypatch.delenv(cpu_decode.CHUNK_KERNEL_SWITCH, raising=False)
+    for amx in (True, False):
+        monkeypatch.setattr(cpu_decode, "cpu_tier", lambda amx=amx: tiers.resolve_tier(
+            None, flags if amx else flags.replace(" amx_bf16 amx_tile", "")))
+        assert cpu_decode.chunk_kernel_wanted() is (not amx)
+        monkeypatch.setenv(cpu_decode.CHUNK_KERNEL_SWITCH, "1")
+        assert cpu_decode.chunk_kernel_wanted() is True
+        monkeypatch.setenv(cpu_decode.CHUNK_KERNEL_SWITCH, "0")
+        assert cpu_decode.chunk_kernel_wanted() is False
+        monkeypatch.delenv(cpu_decode.CHUNK_KERNEL_SWITCH)

@@ -69,6 +69,7 @@ class CpuTier:
     name: str
     detected: str  # what the CPU could take; name is lower when forced
     vnni: bool  # AVX512-VNNI integer dot products for the code kernel (AVX-512 tiers only)
+    amx: bool = False  # AMX bfloat16 tiles, where oneDNN runs ATen's bfloat16 GEMMs (the top tier, not forced lower)
 
     @property
     def forced(self) -> bool:
@@ -105,7 +106,8 @@ def resolve_tier(requested: str | None, flags: str | None = None) -> CpuTier:
             raise ValueError(f"{ENV}={requested} needs {', '.join(_NEEDS[requested])}; this CPU's tier is {detected}")
         name = requested
     vnni = name.startswith("avx512") and "avx512_vnni" in have
-    return CpuTier(name=name, detected=detected, vnni=vnni)
+    amx = name == "avx512_bf16" and name == detected and "amx_bf16" in have
+    return CpuTier(name=name, detected=detected, vnni=vnni, amx=amx)
 
 
 @functools.lru_cache(maxsize=1)
