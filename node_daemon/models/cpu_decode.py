@@ -250,14 +250,16 @@ def publish_code_kernel(model: "LlamaForCausalLM") -> None:
 
 def chunk_kernel_wanted() -> bool:
     """Whether prefill chunks take the compiled chunk kernel (cpu_chunk_attention.h) rather than ATen's attention:
-    STALLFREE_CPU_CHUNK_KERNEL where set; else everywhere but on AMX. The kernel ran a 256-token chunk over a
-    1,024-token prefix 1.7x faster than ATen's on the AMD Zen 4 it was written on; on an Intel Sapphire Rapids,
-    where oneDNN runs ATen's bfloat16 GEMMs on AMX tiles, ATen's took 59 ms a SmolLM2 forward against the
-    kernel's 138, and 30 against 47 for Gemma 3 (`stallfree bench iteration --chunk 256 --prefix 1024
-    --breakdown`, 2 threads, STALLFREE_CPU_CHUNK_KERNEL=0 and 1)."""
+    STALLFREE_CPU_CHUNK_KERNEL where set; else only the AVX512-BF16 kernel, and not on AMX. It ran a 256-token
+    chunk over a 1,024-token prefix 1.7x faster than ATen's on the AMD Zen 4 it was written on. On an Intel
+    Sapphire Rapids, where oneDNN runs ATen's bfloat16 GEMMs on AMX tiles, ATen's took 59 ms a SmolLM2 forward
+    against the kernel's 138, and 30 against 47 for Gemma 3; capped at AVX2 there (both sides), 91 against the
+    float32 AVX2 form's 313 for SmolLM2, 53 against 91 for Gemma 3 (`stallfree bench iteration --chunk 256
+    --prefix 1024 --breakdown`, 2 threads, STALLFREE_CPU_CHUNK_KERNEL=0 and 1)."""
     if CHUNK_KERNEL_SWITCH in os.environ:
         return enabled(CHUNK_KERNEL_SWITCH)
-    return not cpu_tier().amx
+    tier = cpu_tier()
+    return tier.name == "avx512_bf16" and not tier.amx
 
 
 @contextlib.contextmanager
