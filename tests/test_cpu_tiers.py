@@ -136,9 +136,10 @@ def test_on_avx512_auto_keeps_no_onednn_copies_where_the_codes_serve_many_rows(m
         codes_only = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16", cpu_dense_copy=setting)).model
         assert all(m.packed is None for m in coded(codes_only)) and codes_only.tied_lm_head_packed is None
     monkeypatch.setattr(cpu_decode, "can_serve_codes", lambda: False)  # no compiler, nothing cached
-    assert all(m.packed is not None for m in coded(load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16")).model))
+    smollm2 = ModelConfig(model="smollm2-135m", dtype="bfloat16")
+    assert all(m.packed is not None for m in coded(load_model(smollm2).model))
     monkeypatch.setattr(loader, "DENSE_COPY_AUTO_BYTES", 100 << 20)  # a 1B model's 2.5 GB of copies, scaled down
-    assert all(m.packed is None for m in coded(load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16")).model))
+    assert all(m.packed is None for m in coded(load_model(smollm2).model))
     cpu_decode.publish_code_kernel(codes_only)
     linear = made.layers[3].mlp.gate_up_proj
     twin = codes_only.layers[3].mlp.gate_up_proj

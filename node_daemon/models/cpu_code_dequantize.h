@@ -18,7 +18,8 @@ inline __m256i bf16x16(__m512 v) {
 #else  // round to nearest even by hand, as f2bf (no NaN can arise from finite codes and scales)
   const __m512i u = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16));
+  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 #endif
 }
 
@@ -90,7 +91,8 @@ inline void dequantize_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t b
   // k-block outer: each of the 32 rows of W^T a block fills is written as one run over the thread's tiles (tile
   // by tile, a row apart, every store would touch another page of a large W^T)
   for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t t = t0; t < t1; ++t) dequantize_record<BITS, ZERO>(w + (t * blocks + b) * rec, out + b * kQBlock * n + t * 16, n);
+    for (int64_t t = t0; t < t1; ++t)
+      dequantize_record<BITS, ZERO>(w + (t * blocks + b) * rec, out + b * kQBlock * n + t * 16, n);
 }
 
 // W^T [K, N] bfloat16 of blocks [N / 16, K / 32, record] into `out` (resized; its storage kept across calls).
@@ -106,11 +108,14 @@ inline void code_dequantize_into(const at::Tensor& blocks_t, at::Tensor& out) {
   const bool zero = kind->zero;
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
     if (bits == 4)
-      zero ? dequantize_tiles<4, true>(w, begin, end, blocks, o, n) : dequantize_tiles<4, false>(w, begin, end, blocks, o, n);
+      zero ? dequantize_tiles<4, true>(w, begin, end, blocks, o, n)
+           : dequantize_tiles<4, false>(w, begin, end, blocks, o, n);
     else if (bits == 5)
-      zero ? dequantize_tiles<5, true>(w, begin, end, blocks, o, n) : dequantize_tiles<5, false>(w, begin, end, blocks, o, n);
+      zero ? dequantize_tiles<5, true>(w, begin, end, blocks, o, n)
+           : dequantize_tiles<5, false>(w, begin, end, blocks, o, n);
     else
-      zero ? dequantize_tiles<8, true>(w, begin, end, blocks, o, n) : dequantize_tiles<8, false>(w, begin, end, blocks, o, n);
+      zero ? dequantize_tiles<8, true>(w, begin, end, blocks, o, n)
+           : dequantize_tiles<8, false>(w, begin, end, blocks, o, n);
   });
 }
 

@@ -207,8 +207,8 @@ struct RowLimits {
 
 // One projection: the code kernel (where the weight has its tiles: bits 4, 5 or 8) for up to limits.code rows, and
 // where there is no oneDNN copy for any number below limits.dequant (every number below AVX-512), the dequantized
-// scratch past it; else torch's int4 for a few rows and the prepacked bfloat16 weight for more. w: packed int4, its scales, oneDNN (empty when the model was not prepacked),
-// the code kernel's tiles (empty when bits is 0).
+// scratch past it; else torch's int4 for a few rows and the prepacked bfloat16 weight for more. w: packed int4, its
+// scales, oneDNN (empty when the model was not prepacked), the code kernel's tiles (empty when bits is 0).
 // planes 0: a float weight (F16, BF16, F32 files), w[1] the bfloat16 weight itself where there is no oneDNN copy.
 at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t planes, int64_t bits, const RowLimits& limits) {
   const int64_t rows = x.size(0);
@@ -519,8 +519,8 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
                    const at::Tensor& embed, const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
                    at::IntArrayRef planes, at::IntArrayRef bits, at::TensorList kv, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, double eps, int64_t int4_max_rows, int64_t code_max_rows,
-                   int64_t dequant_min_rows, const at::Tensor& cos_sin_local, at::IntArrayRef sliding, int64_t window, double attn_scale,
-                   double embed_scale, at::TensorList qkv_bias) {
+                   int64_t dequant_min_rows, const at::Tensor& cos_sin_local, at::IntArrayRef sliding, int64_t window,
+                   double attn_scale, double embed_scale, at::TensorList qkv_bias) {
   at::NoGradGuard no_grad;
   const int64_t rows = input_ids.size(0), layers = static_cast<int64_t>(kv.size()) / 2;
   const int64_t hidden = embed.scalar_type() == at::kByte ? embed.size(1) * kQBlock : embed.size(1);

@@ -22,9 +22,9 @@ stored, no float weight ever made, on every x86 tier (AVX512-VNNI, AVX2, portabl
 oneDNN runs bfloat16 GEMMs (the AVX-512 tiers) iterations from DEQUANT_MIN_ROWS rows are compute-bound, and there
 each projection is dequantized into a scratch, one at a time, for oneDNN's GEMM (models/cpu_code_dequantize.h); kept
 dense copies prepacked for it (--cpu-dense-copy on) take the iterations past CODE_MAX_ROWS instead. Below AVX-512
-every row count takes the code kernel and no dense copy is kept. Before the extension is loaded (a first start compiles it in the
-background) torch's int4 kernel serves the same codes. STALLFREE_CPU_CODE_KERNEL=0 keeps torch's int4 kernel
-(an A/B switch).
+every row count takes the code kernel and no dense copy is kept. Before the extension is loaded (a first start
+compiles it in the background) torch's int4 kernel serves the same codes. STALLFREE_CPU_CODE_KERNEL=0 keeps torch's
+int4 kernel (an A/B switch).
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ CODE_MAX_ROWS = 8
 # Rows from which a many-row matmul of a weight with no oneDNN copy dequantizes it into a scratch for oneDNN's
 # bfloat16 GEMM (models/cpu_code_dequantize.h) instead of taking the code kernel, where oneDNN runs bfloat16
 # GEMMs (AVX-512): the code kernel's integer sums are compute-bound past a few rows, the scratch costs one pass
-# over the codes. Measured on random 2048 x 640 and 640 x 2048 tiles, 2 threads (`stallfree bench matmul`).
+# over the codes. Timed on random 4- to 8-bit tiles of 2048 x 640 to 8192 x 2048, 2 threads, Sapphire Rapids (a
+# script beside code_matmul and dequantized_mm): 0.22 against 0.35 ms at 32 rows, even at 64, 2.3-2.9x at 256.
 DEQUANT_MIN_ROWS = 64
 PACK_ROWS = 4096  # a multiple of the packing's row blocks
 
