@@ -40,9 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention kernels (auto: the best the device has)")
     m.add_argument("--cpu-dense-copy", choices=["auto", "on", "off"], default="auto",
                    help="AVX-512 CPUs: oneDNN bfloat16 copies of a GGUF model's projections for prefill chunks "
-                        "(2 bytes a parameter beside the codes). auto: none where the compiled kernels serve "
-                        "many-row iterations from the codes (a projection at a time dequantized for the same "
-                        "GEMM), else while they take at most 1 GiB; on: kept (prefill chunks 1.1-1.4x faster)")
+                        "(2 bytes a parameter beside the codes; auto: while they take at most 1 GiB). Without "
+                        "them prefill chunks dequantize a projection at a time for the same GEMM: 1.1-1.4x slower "
+                        "at 512-token chunks, 1.5-2x at the 64-token budgets a tight TPOT SLO holds")
     m.add_argument("--threads", type=int, default=0,
                    help="torch threads on the CPU (0: the cores this process is given: affinity, cgroup quota)")
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")

@@ -116,35 +116,33 @@ def test_a_released_int4_pack_is_refused_clearly_when_the_code_kernel_is_off():
 
 
 @needs_onednn_bf16()
-def test_on_avx512_auto_keeps_no_onednn_copies_where_the_codes_serve_many_rows(monkeypatch):
-    """auto: where the compiled library serves the codes, no oneDNN copies (many-row matmuls dequantize a projection
-    at a time into a scratch for the same GEMM); `on` keeps them (SmolLM2's 0.21 GB); without the library, auto keeps
-    them up to DENSE_COPY_AUTO_BYTES. The codes' many-row and few-row products match the copy's."""
+def test_on_avx512_the_onednn_copies_are_made_only_where_they_pay_and_without_them_the_codes_serve_many_rows(
+        monkeypatch):
+    """auto: SmolLM2's projections' copies (0.21 GB) are made; a model whose copies would pass DENSE_COPY_AUTO_BYTES (a 1B
+    model's 2.5 GB) is served from its codes at every row count, as `off` serves any: past DEQUANT_MIN_ROWS rows
+    through the dequantized scratch and oneDNN's GEMM, below it on the code kernel, with the copy's products."""
     from stallfree.node_daemon.models import loader
     from stallfree.node_daemon.models.loader import load_model
+    from stallfree.node_daemon.models.quantized import DEQUANT_MIN_ROWS
 
     def coded(model):
         return [m for m in model.modules() if isinstance(m, Linear) and m.int4 is not None]
 
     if not cpu_decode._load_or_build(build=True):
         pytest.skip(f"compiled extension unavailable: {cpu_decode.why_not()}")
-    made = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16", cpu_dense_copy="on")).model
+    made = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16")).model
     # the coded tied head takes the code kernel at every row count: no copy of it
     assert all(m.packed is not None for m in coded(made)) and made.tied_lm_head_packed is None
     assert 0.15e9 < made.dense_copy_bytes() < 0.3e9
+    monkeypatch.setattr(loader, "DENSE_COPY_AUTO_BYTES", 100 << 20)
     for setting in ("auto", "off"):
         codes_only = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16", cpu_dense_copy=setting)).model
         assert all(m.packed is None for m in coded(codes_only)) and codes_only.tied_lm_head_packed is None
-    monkeypatch.setattr(cpu_decode, "can_serve_codes", lambda: False)  # no compiler, nothing cached
-    smollm2 = ModelConfig(model="smollm2-135m", dtype="bfloat16")
-    assert all(m.packed is not None for m in coded(load_model(smollm2).model))
-    monkeypatch.setattr(loader, "DENSE_COPY_AUTO_BYTES", 100 << 20)  # a 1B model's 2.5 GB of copies, scaled down
-    assert all(m.packed is None for m in coded(load_model(smollm2).model))
     cpu_decode.publish_code_kernel(codes_only)
     linear = made.layers[3].mlp.gate_up_proj
     twin = codes_only.layers[3].mlp.gate_up_proj
-    assert twin.int4.dequantized is not None
-    for rows in (24, 96):  # the code kernel; the dequantized scratch (past DEQUANT_MIN_ROWS)
+    assert twin.int4.dequantized is not None and twin.int4.dequantized[1] == DEQUANT_MIN_ROWS
+    for rows in (24, DEQUANT_MIN_ROWS + 32):  # the code kernel; the dequantized scratch
         hidden = torch.randn(rows, made.shape.hidden_size, generator=torch.Generator().manual_seed(rows)).bfloat16()
         assert relative_error(twin(hidden), linear(hidden)) < 0.01
     with pytest.raises(ValueError, match="cpu_dense_copy must be auto, on or off"):

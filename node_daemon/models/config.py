@@ -24,6 +24,6 @@ class ModelConfig:
     # layout served. Off keeps hf_weights/load_weights usable (tests, export).
     release_dense_weights: bool = False
     # oneDNN bfloat16 copies of the GGUF-coded projections for many-row iterations (AVX-512 only: models/cpu_tier.py):
-    # "on", "off", or "auto": none where the compiled library serves many rows from the codes (dequantized a
-    # projection at a time), else made while they hold at most DENSE_COPY_AUTO_BYTES (models/loader.py).
+    # "on", "off", or "auto": made while they hold at most DENSE_COPY_AUTO_BYTES (models/loader.py). Without them
+    # many-row iterations dequantize the codes a projection at a time (models/cpu_code_dequantize.h).
     cpu_dense_copy: str = "auto"

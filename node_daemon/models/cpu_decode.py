@@ -106,14 +106,6 @@ def _library_path(key: str) -> Path:
     return cache_root() / key / f"stallfree_cpu_{key.replace('-', '_')}.so"
 
 
-def can_serve_codes() -> bool:
-    """Whether the compiled library will serve this tier's coded matmuls: on, and loaded, cached, or buildable
-    (a C++ compiler on PATH; a first start builds it in the background)."""
-    if not (enabled() and enabled(CODE_KERNEL_SWITCH)):
-        return False
-    return is_loaded() or _library_path(build_key()).exists() or shutil.which(os.environ.get("CXX", "c++")) is not None
-
-
 def ops(tier: CpuTier | None = None):
     """The loaded library's ops (torch.ops.stallfree_cpu_<tier>)."""
     return getattr(torch.ops, namespace(tier or cpu_tier()))

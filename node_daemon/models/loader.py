@@ -75,35 +75,31 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     return loaded
 
 
-# The most memory oneDNN copies of a GGUF model's coded projections may take under cpu_dense_copy "auto" where the
-# compiled library cannot serve many-row iterations from the codes (no C++ compiler): there they serve them 1.35x
-# faster than torch's int4 kernel would, at 2 bytes a parameter beside the codes' 0.6.
+# The most memory oneDNN copies of a GGUF model's coded projections may take under cpu_dense_copy "auto". Iterations
+# of 9-63 rows (the mixed iterations a token budget held low for a TPOT SLO runs) take them 1.5-2x faster than the
+# code kernel or a dequantized scratch (models/cpu_code_dequantize.h), and losing them cut the prefill a replica
+# could do at a 64-token budget from 623 to 401 tok/s under `make run`'s SmolLM2 (the operator's verdict): worth
+# 2 bytes a parameter for a small model (SmolLM2's 0.21 GB, Gemma 3 270M's 0.2 GB). A 1B model's 2.5 GB would put
+# its RSS past llama.cpp's by more than the speed is worth: its prefill chunks take the dequantized scratch.
 DENSE_COPY_AUTO_BYTES = 1 << 30
 
 
 def dense_copy_wanted(setting: str, size: int) -> bool:
     """Whether a GGUF model's coded projections get oneDNN copies of `size` bytes (where the tier runs oneDNN's
-    bfloat16 GEMM at all). "auto" keeps none where the compiled library serves many-row iterations from the codes
-    (one projection at a time dequantized into a scratch for the same GEMM: models/cpu_code_dequantize.h): the
-    copies would hold 2 bytes a weight for the model's life to make a prefill chunk 1.1-1.4x faster
-    (`stallfree bench iteration --chunk 512`, Gemma 3 270M). "on" keeps them, for that speed."""
+    bfloat16 GEMM at all). Without them, many-row iterations dequantize one projection at a time into a scratch for
+    the same GEMM (from DEQUANT_MIN_ROWS rows: models/quantized.py)."""
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"cpu_dense_copy must be auto, on or off, got {setting!r}")
-    from stallfree.node_daemon.models import cpu_decode
     from stallfree.node_daemon.models.cpu_tier import cpu_tier
 
     if not cpu_tier().onednn_bf16 or not size or setting == "off":
-        return False
-    if setting == "auto" and cpu_decode.can_serve_codes():
-        log.info("no oneDNN copies of the coded projections (they would take %.0f MB): many-row iterations "
-                 "dequantize one projection at a time for oneDNN's bfloat16 GEMM (--cpu-dense-copy on keeps them)",
-                 size / 1e6)
         return False
     if setting == "on" or size <= DENSE_COPY_AUTO_BYTES:
         log.info("oneDNN bfloat16 copies of the coded projections for many-row iterations: %.0f MB", size / 1e6)
         return True
     log.info("no oneDNN copies of the coded projections (%.1f GB, past the %.1f GB that --cpu-dense-copy auto "
-             "allows): torch's int4 kernel serves every row count", size / 1e9, DENSE_COPY_AUTO_BYTES / 1e9)
+             "allows): many-row iterations dequantize one projection at a time for oneDNN's GEMM", size / 1e9,
+             DENSE_COPY_AUTO_BYTES / 1e9)
     return False
 
 
