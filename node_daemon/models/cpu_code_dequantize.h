@@ -61,27 +61,17 @@ inline void dequantize_record(const uint8_t* wb, uint16_t* o, int64_t n) {
   }
 }
 #else
-// The same values in plain loops (column c's codes of pair p: bytes 2c, 2c + 1 of chunk p, as code_rows reads them).
+// The same values in plain loops (record_code and record_affine, as code_rows reads them).
 template <int BITS, bool ZERO>
 inline void dequantize_record(const uint8_t* wb, uint16_t* out, int64_t n) {
-  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8;
-  const uint16_t* sz = reinterpret_cast<const uint16_t*>(wb + code_bytes);
-  for (int p = 0; p < 16; ++p) {
-    const uint8_t* chunk = wb + 32 * (BITS == 8 ? p : p % 8);
-    uint32_t fifth = 0;
-    if (BITS == 5) std::memcpy(&fifth, wb + 256 + 4 * (2 * (p % 8) + (p >= 8)), 4);
+  Affine a[16];
+  for (int c = 0; c < 16; ++c) a[c] = record_affine(wb, BITS, ZERO, c);
+  for (int p = 0; p < 16; ++p)
     for (int j = 0; j < 2; ++j) {
       uint16_t* o = out + (2 * p + j) * n;
-      for (int c = 0; c < 16; ++c) {
-        int u = chunk[2 * c + j];
-        if (BITS != 8) u = p < 8 ? u & 15 : u >> 4;
-        if (BITS == 5) u += 16 * static_cast<int>((fifth >> (2 * c + j)) & 1);
-        const float scale = half_to_float(sz[c]);
-        const float zero = ZERO ? half_to_float(sz[16 + c]) : -static_cast<float>(1 << (BITS - 1)) * scale;
-        o[c] = f2bf(scale * static_cast<float>(u) + zero);
-      }
+      for (int c = 0; c < 16; ++c)
+        o[c] = f2bf(a[c].scale * static_cast<float>(record_code(wb, BITS, p, c, j)) + a[c].zero);
     }
-  }
 }
 #endif
 
@@ -119,7 +109,7 @@ inline void code_dequantize_into(const at::Tensor& blocks_t, at::Tensor& out) {
   });
 }
 
-// The op: a fresh W^T (tests, and the Python path's many-row matmuls).
+// The op: a fresh W^T (the tests' view of what dequantized_mm multiplies).
 inline at::Tensor code_dequantize(const at::Tensor& blocks_t) {
   at::Tensor out = at::empty({0}, at::TensorOptions().dtype(at::kBFloat16));
   code_dequantize_into(blocks_t, out);

@@ -81,6 +81,29 @@ inline float half_to_float(uint16_t h) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
+// One record's code u of column c at k = 2p + j (the layout above; bits 4, 5 or 8), and column c's scale and zero
+// (w = scale * u + zero): what code_rows and the portable dequantization read, one value at a time.
+inline int record_code(const uint8_t* rb, int bits, int p, int c, int j) {
+  if (bits == 8) return rb[32 * p + 2 * c + j];
+  const uint8_t byte = rb[32 * (p % 8) + 2 * c + j];
+  int u = p < 8 ? byte & 15 : byte >> 4;
+  if (bits == 5) {
+    uint32_t mask;
+    std::memcpy(&mask, rb + 256 + 4 * (2 * (p % 8) + (p >= 8)), 4);
+    u += 16 * static_cast<int>((mask >> (2 * c + j)) & 1);
+  }
+  return u;
+}
+
+struct Affine {
+  float scale, zero;
+};
+inline Affine record_affine(const uint8_t* rb, int bits, bool has_zero, int c) {
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(rb + bits * kQBlock * 16 / 8);
+  const float scale = half_to_float(sz[c]);
+  return {scale, has_zero ? half_to_float(sz[16 + c]) : -static_cast<float>(1 << (bits - 1)) * scale};
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include "cpu_vnni_matmul.h"  // quantize_rows, code_tile_rows and kMaxRowsAtOnce for AVX512-VNNI
 
@@ -278,7 +301,6 @@ at::Tensor code_rows(const at::Tensor& blocks_t, const at::Tensor& ids_t) {
   TORCH_CHECK(kind.has_value(), "code_rows: unknown record size");
   const int bits = kind->bits;
   const bool has_zero = kind->zero;
-  const int64_t code_bytes = bits * kQBlock * 16 / 8;
   const at::Tensor ids = ids_t.to(at::kLong).contiguous();
   const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -291,27 +313,12 @@ at::Tensor code_rows(const at::Tensor& blocks_t, const at::Tensor& ids_t) {
       const int64_t t = id[i] / 16, c = id[i] % 16;
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* rb = w + (t * blocks + b) * rec;
-        const uint16_t* sz = reinterpret_cast<const uint16_t*>(rb + code_bytes);
-        const float scale = half_to_float(sz[c]);
-        const float zero = has_zero ? half_to_float(sz[16 + c]) : -static_cast<float>(1 << (bits - 1)) * scale;
+        const int col = static_cast<int>(c);
+        const Affine a = record_affine(rb, bits, has_zero, col);
         uint16_t* dst = o + i * k + b * kQBlock;
-        for (int p = 0; p < 16; ++p) {  // k = 2p + j
-          for (int j = 0; j < 2; ++j) {
-            int u;
-            if (bits == 8) {
-              u = rb[32 * p + 2 * c + j];
-            } else {
-              const uint8_t byte = rb[32 * (p % 8) + 2 * c + j];
-              u = p < 8 ? byte & 15 : byte >> 4;
-              if (bits == 5) {
-                uint32_t mask;
-                std::memcpy(&mask, rb + 256 + 4 * (2 * (p % 8) + (p >= 8)), 4);
-                u += 16 * ((mask >> (2 * c + j)) & 1);
-              }
-            }
-            dst[2 * p + j] = f2bf(scale * static_cast<float>(u) + zero);
-          }
-        }
+        for (int p = 0; p < 16; ++p)  // k = 2p + j
+          for (int j = 0; j < 2; ++j)
+            dst[2 * p + j] = f2bf(a.scale * static_cast<float>(record_code(rb, bits, p, col, j)) + a.zero);
       }
     }
   });

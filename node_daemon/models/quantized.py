@@ -44,7 +44,7 @@ INT4_MAX_ROWS = 8
 # bfloat16 GEMM takes the rest (AVX-512), measured in SmolLM2's compiled forward on a 2-core AVX512-VNNI CPU against
 # torch's int4 kernel and oneDNN's GEMM: 1.11x at 1 row, 1.19x at 4, 1.33x at 8; at 16 rows it is compute-bound and
 # oneDNN's GEMM is 1.15x faster. Where a weight has no oneDNN copy (below AVX-512, or a model too large for one:
-# models/loader.py) the code kernel takes every row count.
+# models/loader.py) the code kernel takes every row count, up to DEQUANT_MIN_ROWS on AVX-512.
 CODE_MAX_ROWS = 8
 # Rows from which a many-row matmul of a weight with no oneDNN copy dequantizes it into a scratch for oneDNN's
 # bfloat16 GEMM (models/cpu_code_dequantize.h) instead of taking the code kernel, where oneDNN runs bfloat16
