@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -152,6 +153,7 @@ inline uint16_t* bf16_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.
 #include "cpu_decode_attention.h"
 #include "cpu_code_matmul.h"
 #include "cpu_code_dequantize.h"
+#include "cpu_gguf_tiles.h"
 
 // The row-wise loops below split across threads only past this many rows: decode batches (up to MAX_ROWS = 64 in
 // cpu_decode.py) run them on the calling thread, as before the loops were threaded.
@@ -691,6 +693,7 @@ TORCH_LIBRARY(STALLFREE_OPS_NS, m) {
   m.def("code_rows(Tensor blocks, Tensor ids) -> Tensor", &code_rows);
   m.def("code_dequantize(Tensor blocks) -> Tensor", &code_dequantize);
   m.def("dequantized_mm(Tensor x, Tensor blocks) -> Tensor", &dequantized_mm);
+  m.def("gguf_tiles(Tensor(a!) out, int row_start, Tensor raw, str qtype, Tensor order) -> bool", &gguf_tiles);
   m.def("set_chunk_kernel(bool on) -> bool", &set_chunk_kernel);
   m.def("chunk_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor", &chunk_attention_only);

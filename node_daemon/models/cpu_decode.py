@@ -55,7 +55,7 @@ SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 # Included by SOURCE: part of the build key.
 HEADERS = [Path(__file__).with_name(name)
            for name in ("cpu_chunk_attention.h", "cpu_code_dequantize.h", "cpu_code_matmul.h", "cpu_decode_attention.h",
-                        "cpu_vnni_matmul.h")]
+                        "cpu_gguf_tiles.h", "cpu_vnni_matmul.h")]
 ENV_SWITCH = "STALLFREE_CPU_DECODE"
 MIXED_SWITCH = "STALLFREE_CPU_MIXED"
 CHUNK_KERNEL_SWITCH = "STALLFREE_CPU_CHUNK_KERNEL"
@@ -220,10 +220,15 @@ def _load_or_build(build: bool) -> bool:
         return True
 
 
+def load_if_built() -> bool:
+    """Load the serving tier's library where it is already built (never compiles): True once loaded."""
+    return _load_or_build(build=False)
+
+
 def dequantize_tiles(tiles, dtype: torch.dtype) -> torch.Tensor:
     """A coded weight's dense values [N, K] in `dtype` (a oneDNN copy made from the codes): the compiled library's
     code_rows where it is already built for this tier (one pass, all threads), else torch's ops (TiledCodes)."""
-    if dtype == torch.bfloat16 and enabled() and _load_or_build(build=False):
+    if dtype == torch.bfloat16 and enabled() and load_if_built():
         return ops().code_rows(tiles.blocks, torch.arange(tiles.blocks.shape[0] * 16))
     return tiles.dequantize().to(dtype)
 

@@ -30,7 +30,8 @@ import torch
 from stallfree.node_daemon.models import weight_cache
 from stallfree.node_daemon.models.llama import LlamaForCausalLM
 from stallfree.node_daemon.models.loader import LoadedModel, check_fits, dense_copy_wanted, resolve_max_model_len
-from stallfree.node_daemon.models.quantized import Int4Weight, decode_blocks, int4_supported, tiles_from_blocks
+from stallfree.node_daemon.models.gguf_tiles import file_blocks, tiles_from_file
+from stallfree.node_daemon.models.quantized import Int4Weight, decode_blocks, int4_supported
 from stallfree.shapes import ModelShape
 
 log = logging.getLogger(__name__)
@@ -246,14 +247,24 @@ def _hf_named_tensors(reader, shape: ModelShape, permute_qk: bool, model: LlamaF
         rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 0
         if tied_codes and name == "model.embed_tokens.weight" and rows % 16 == 0:
             # The largest matrix (Gemma 3's 262k x 640): tiled a slice of rows at a time, never decoded whole
-            tiled = tiles_from_blocks(tensor.data, tensor.tensor_type.name, rows, int(tensor.shape[0]))
+            tiled = tiles_from_file(tensor.data, tensor.tensor_type.name, rows, int(tensor.shape[0]))
             if tiled is not None:
                 coded[name] = tensor.tensor_type.name
                 skipped.add(name)
                 model.add_tiled_embedding(Int4Weight.from_tiles(*tiled, dtype))
                 continue
-        block = (decode_blocks(tensor.data, tensor.tensor_type.name, rows, int(tensor.shape[0]))
-                 if model is not None and rows else None)
+        cols = int(tensor.shape[0])
+        if model is not None and skipped is not None and rows and name not in always_dense:
+            # no dense values wanted: the compiled library tiles a K-quant's bytes once all its parts have come
+            raw = file_blocks(tensor.data, tensor.tensor_type.name, rows, cols)
+            if raw is not None:
+                if heads is not None:
+                    raw = raw.take_rows(unpermute_rope_rows(torch.arange(rows), heads).numpy())
+                coded[name] = raw.qtype
+                skipped.add(name)
+                model.add_codes(name, raw, dtype)
+                continue
+        block = decode_blocks(tensor.data, tensor.tensor_type.name, rows, cols) if model is not None and rows else None
         if block is not None:
             if heads is not None:
                 block = block.take_rows(unpermute_rope_rows(torch.arange(rows), heads).numpy())

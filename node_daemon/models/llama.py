@@ -35,7 +35,8 @@ from stallfree.kernels.attention import AttentionBackend, AttentionMetadata
 from stallfree.kernels.fused_ops import fused_add_rms_norm, rms_norm
 from stallfree.node_daemon.models.layers import GeluTanhGLU, Linear, RMSNorm, SwiGLU, can_prepack, packed_linear, \
     prepack_weight
-from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS, BlockCodes, Int4Weight, TiledCodes, stack_parts
+from stallfree.node_daemon.models.gguf_tiles import GgufBlocks, int4_of_parts
+from stallfree.node_daemon.models.quantized import INT4_MAX_ROWS, BlockCodes, Int4Weight, TiledCodes
 from stallfree.node_daemon.models.rope import RotaryEmbedding, apply_rope
 from stallfree.node_daemon.models.sliding_window import windowed_attention
 from stallfree.shapes import ModelShape
@@ -367,10 +368,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("add_tiled_embedding: this model's head is not tied")
         self.tied_lm_head_int4 = head
 
-    def add_codes(self, name: str, codes: BlockCodes, dtype: torch.dtype) -> bool:
-        """Take one GGUF tensor's codes (a Hugging Face name); a projection is packed as soon as all its parts
-        (q/k/v, gate/up) have come, so a loader holds one layer's codes at a time. True once attached."""
+    def add_codes(self, name: str, codes: BlockCodes | GgufBlocks, dtype: torch.dtype) -> bool:
+        """Take one GGUF tensor's codes (a Hugging Face name), decoded or still the file's bytes (GgufBlocks); a
+        projection is packed as soon as all its parts (q/k/v, gate/up) have come, so a loader holds one layer's
+        codes at a time. True once attached."""
         if name == "model.embed_tokens.weight":
+            if isinstance(codes, GgufBlocks):
+                codes = codes.decode()
             if self.lm_head is None and codes.rows % 16 == 0:
                 self.tied_lm_head_int4 = Int4Weight(codes, dtype)
             return self.tied_lm_head_int4 is not None
@@ -380,14 +384,14 @@ class LlamaForCausalLM(nn.Module):
         pending = self._pending_codes.setdefault(id(linear), (linear, []))[1]
         pending.append((name, rows, codes))
         if sum(part.rows for _, _, part in pending) == linear.out_features:
-            whole = stack_parts([(r, part) for _, r, part in pending], linear.out_features)
-            if whole is not None and whole.rows % 16 == 0:
-                linear.int4 = Int4Weight(whole, dtype)
+            weight = int4_of_parts([(r, part) for _, r, part in pending], linear.out_features, dtype)
+            if weight is not None:
+                linear.int4 = weight
                 del self._pending_codes[id(linear)]
                 return True
         return False
 
-    def unattached_codes(self) -> list[tuple[str, BlockCodes]]:
+    def unattached_codes(self) -> list[tuple[str, BlockCodes | GgufBlocks]]:
         """The parts add_codes could not attach (their projection's other parts were dequantized, or its rows do
         not suit): they are served dense. Clears them."""
         left = [(name, part) for _, parts in self._pending_codes.values() for name, _, part in parts]

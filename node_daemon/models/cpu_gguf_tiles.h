@@ -1,0 +1,181 @@
+// GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) straight into the code kernel's tiles (cpu_code_matmul.h says the layout),
+// at load: the bytes models/kquant_codes.py and TiledCodes.from_codes make, without their intermediate arrays.
+// Included by cpu_decode.cpp after cpu_code_matmul.h (record_kind).
+//
+// Why: a first start on a new 1B Q4_K_M file spent 8 s decoding 1.2 billion weights through numpy (3 s of K-quant
+// unpacking, 2 s of tiling, 1.2 s joining q/k/v and gate/up, the rest copies); this is one pass over the file's
+// bytes on the process's threads. The Python decode stays the reference (and the path before this library is
+// built): tests/test_gguf_tiles.py holds the two to the same bytes.
+//
+// The values are computed as numpy computes them, in float32 and in the same order, so that both paths round to the
+// same float16 scales and zeros: d * sc and dmin * m are each rounded before they are added (rounded_product keeps
+// the compiler from fusing them into a multiply-add), and a block's zero takes the path its matrix's planes give it:
+//   4-bit tiles (every part Q4_K, one plane):           zero = (8s - dm) - 8s
+//   5- and 8-bit tiles (Q5_K, or parts of mixed types): zero = (((8s - dm) - 8s) + 128s) - 128s
+//   Q6_K (re-coded to an 8-bit code u per 32, kquant_codes.py says how): zero = -128s
+#pragma once
+
+// A float32 product rounded on its own, never fused into the addition that follows (numpy rounds it first).
+inline float rounded_product(float a, float b) {
+  volatile float p = a * b;
+  return p;
+}
+
+// One 256-weight super-block decoded: codes u (0..15, 0..31 or 0..255) and per 32-weight block scale and zero.
+struct SuperBlock {
+  uint8_t u[256];
+  float scale[8], zero[8];
+};
+
+// Q4_K/Q5_K's packed 6-bit scale and min of sub-block j (gguf's get_scale_min).
+inline void kquant_scale_min(const uint8_t* q, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Q4_K (144 bytes: d, dmin, 12 bytes of scales, 128 of nibbles) or Q5_K (176: the same with 32 bytes of fifth bits
+// before the nibbles). Sub-block 2c holds the low nibbles of the 32-byte chunk c, 2c + 1 its high ones.
+inline void decode_q45_k(const uint8_t* b, bool five, bool one_plane, SuperBlock& out) {
+  const float d = half_to_float(b[0] | (b[1] << 8)), dmin = half_to_float(b[2] | (b[3] << 8));
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + (five ? 48 : 16);
+  for (int j = 0; j < 8; ++j) {
+    int sc, m;
+    kquant_scale_min(b + 4, j, sc, m);
+    const float s = rounded_product(d, static_cast<float>(sc)), dm = rounded_product(dmin, static_cast<float>(m));
+    const float lo_zero = 8.0f * s - dm;
+    out.scale[j] = s;
+    out.zero[j] = one_plane ? lo_zero - 8.0f * s : ((lo_zero - 8.0f * s) + 128.0f * s) - 128.0f * s;
+    const uint8_t* chunk = qs + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    for (int l = 0; l < 32; ++l) {
+      int u = (chunk[l] >> shift) & 15;
+      if (five) u |= ((qh[l] >> j) & 1) << 4;
+      out.u[32 * j + l] = static_cast<uint8_t>(u);
+    }
+  }
+}
+
+// Q6_K (210 bytes: 128 of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d): q in -32..31, w = d * sc * q,
+// one sc per 16 weights, re-coded per 32 as kquant_codes._q6_k does.
+inline void decode_q6_k(const uint8_t* b, SuperBlock& out) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_to_float(b[208] | (b[209] << 8));
+  for (int blk = 0; blk < 8; ++blk) {
+    const int first = sc[2 * blk], second = sc[2 * blk + 1];
+    const int a = std::abs(first), c = std::abs(second);
+    const int big = a >= c ? first : second;
+    const float step = a == c ? static_cast<float>(std::max(a, 1)) : static_cast<float>(big) / 4.0f;
+    for (int l = 0; l < 32; ++l) {
+      const int w = 32 * blk + l, h = w / 128, r = w % 128;
+      const int low = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 15;
+      const int high = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+      const float p = static_cast<float>(((low | (high << 4)) - 32) * sc[w / 16]);
+      out.u[w] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(p / step)) + 128);
+    }
+    const float s = rounded_product(d, step);
+    out.scale[blk] = s;
+    out.zero[blk] = 0.0f - 8.0f * (16.0f * s);  // +0 where s is 0, as numpy's sum
+  }
+}
+
+// 16 rows' codes [16][K] and affine [16][K / 32] into one tile's records (bits 4, 5 or 8; zeros when `zero`).
+// False where a record without zeros cannot hold a block (its zero is not -2^(bits-1) times its float16 scale).
+inline bool write_tile(const uint8_t* u, const float* scale, const float* zero, int64_t k, int bits, bool with_zero,
+                       uint8_t* tile, int64_t record) {
+  const int64_t blocks = k / kQBlock;
+  const int64_t code_bytes = bits * kQBlock * 16 / 8;
+  for (int64_t g = 0; g < blocks; ++g) {
+    uint8_t* rb = tile + g * record;
+    const auto code = [&](int c, int kk) { return u[c * k + g * kQBlock + kk]; };
+    if (bits == 8) {
+      for (int p = 0; p < 16; ++p)
+        for (int c = 0; c < 16; ++c)
+          for (int j = 0; j < 2; ++j) rb[32 * p + 2 * c + j] = code(c, 2 * p + j);
+    } else {
+      for (int q = 0; q < 8; ++q)
+        for (int c = 0; c < 16; ++c)
+          for (int j = 0; j < 2; ++j)
+            rb[32 * q + 2 * c + j] =
+                static_cast<uint8_t>((code(c, 2 * q + j) & 15) | ((code(c, 2 * (q + 8) + j) & 15) << 4));
+      if (bits == 5) {
+        for (int p = 0; p < 16; ++p) {
+          uint32_t mask = 0;
+          for (int c = 0; c < 16; ++c)
+            for (int j = 0; j < 2; ++j) mask |= static_cast<uint32_t>((code(c, 2 * p + j) >> 4) & 1) << (2 * c + j);
+          std::memcpy(rb + 256 + 4 * (2 * (p % 8) + (p >= 8)), &mask, 4);
+        }
+      }
+    }
+    uint16_t* sz = reinterpret_cast<uint16_t*>(rb + code_bytes);
+    for (int c = 0; c < 16; ++c) {
+      const c10::Half s(scale[c * blocks + g]), z(zero[c * blocks + g]);
+      sz[c] = s.x;
+      if (with_zero)
+        sz[16 + c] = z.x;
+      else if (static_cast<float>(z) != -static_cast<float>(1 << (bits - 1)) * static_cast<float>(s))
+        return false;
+    }
+  }
+  return true;
+}
+
+// The op: rows [row_start, row_start + rows) of `out` (uint8 [N / 16, K / 32, record], its record size saying bits
+// and zeros) from a part's GGUF blocks `raw` (uint8 [rows, K / 256 * block bytes]), part row i read from raw row
+// order[i] where `order` is given (q/k rows unpermuted for RoPE). True once written; false where the record has no
+// zeros and a block needs one (the caller lays the matrix out with zeros instead).
+inline bool gguf_tiles(at::Tensor out, int64_t row_start, const at::Tensor& raw, const std::string& qtype,
+                       const at::Tensor& order) {
+  const std::optional<RecordKind> kind = record_kind(out.dim() == 3 ? out.size(2) : 0);
+  TORCH_CHECK(kind && out.scalar_type() == at::kByte && out.is_contiguous(),
+              "gguf_tiles: out [N / 16, K / 32, record] uint8, contiguous");
+  const bool q4 = qtype == "Q4_K", q5 = qtype == "Q5_K", q6 = qtype == "Q6_K";
+  TORCH_CHECK(q4 || q5 || q6, "gguf_tiles: Q4_K, Q5_K or Q6_K, not ", qtype);
+  const int64_t block_bytes = q4 ? 144 : q5 ? 176 : 210;
+  const int64_t k = out.size(1) * kQBlock, rows = raw.size(0), supers = k / 256;
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && k % 256 == 0 &&
+                  raw.size(1) == supers * block_bytes,
+              "gguf_tiles: raw [rows, K / 256 * ", block_bytes, "] uint8 for K = ", k);
+  TORCH_CHECK(row_start % 16 == 0 && rows % 16 == 0 && row_start + rows <= out.size(0) * 16,
+              "gguf_tiles: rows ", row_start, "..", row_start + rows, " are not whole tiles of ", out.size(0) * 16);
+  const bool ordered = order.numel() > 0;
+  TORCH_CHECK(!ordered || (order.numel() == rows && order.scalar_type() == at::kLong),
+              "gguf_tiles: order [rows] int64");
+  TORCH_CHECK(kind->bits == 8 || (!q6 && (kind->bits == 5 || !q5)), "gguf_tiles: ", qtype,
+              " codes do not fit ", kind->bits, "-bit records");
+  const int64_t* src = ordered ? order.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; src && i < rows; ++i)
+    TORCH_CHECK(src[i] >= 0 && src[i] < rows, "gguf_tiles: order names row ", src[i], " of ", rows);
+  const uint8_t* in = raw.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const int64_t record = out.size(2), blocks = k / kQBlock;
+  std::atomic<bool> held{true};
+  at::parallel_for(0, rows / 16, 4, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> u(16 * k);
+    std::vector<float> scale(16 * blocks), zero(16 * blocks);
+    SuperBlock sb;
+    for (int64_t t = begin; t < end; ++t) {
+      for (int c = 0; c < 16; ++c) {
+        const int64_t r = 16 * t + c, from = src ? src[r] : r;
+        for (int64_t i = 0; i < supers; ++i) {
+          const uint8_t* b = in + from * supers * block_bytes + i * block_bytes;
+          q6 ? decode_q6_k(b, sb) : decode_q45_k(b, q5, kind->bits == 4, sb);
+          std::memcpy(&u[c * k + 256 * i], sb.u, 256);
+          std::memcpy(&scale[c * blocks + 8 * i], sb.scale, sizeof sb.scale);
+          std::memcpy(&zero[c * blocks + 8 * i], sb.zero, sizeof sb.zero);
+        }
+      }
+      if (!write_tile(u.data(), scale.data(), zero.data(), k, kind->bits, kind->zero,
+                      o + (row_start / 16 + t) * blocks * record, record))
+        held = false;
+    }
+  });
+  return held;
+}

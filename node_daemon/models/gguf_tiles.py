@@ -1,0 +1,127 @@
+"""GGUF K-quant tensors (Q4_K, Q5_K, Q6_K: the weights of every published Q4_K_M and Q5_K_M) tiled for the code
+kernel by the compiled library at load (cpu_gguf_tiles.h), where it is already built for this tier.
+
+A first start on a new file otherwise decodes every weight through numpy (kquant_codes.py), lays the codes out
+again (TiledCodes.from_codes) and joins the parts of q/k/v and gate/up: 8 s for a 1B Q4_K_M, most of that start.
+Here the loader keeps each projection's parts as the file's bytes (GgufBlocks) until all have come, and the library
+writes the joined matrix's tiles in one pass on the process's threads. The tiles are the bytes the Python path makes
+(tests/test_gguf_tiles.py): the weight cache and every kernel see the same model either way. Without the library (a
+fresh install's first start, which compiles it in the background) or for other types the Python path decodes.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from stallfree.node_daemon.models import kquant_codes
+from stallfree.node_daemon.models.quantized import (BlockCodes, Int4Weight, TiledCodes, decode_blocks, stack_parts,
+                                                    tiles_from_blocks)
+
+TILED_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+@dataclass
+class GgufBlocks:
+    """One GGUF tensor's block bytes, not decoded: row i of the weight is the file's row order[i] (all rows in order
+    where None)."""
+
+    raw: np.ndarray  # [rows, bytes per row] uint8, the file's mapping
+    qtype: str
+    cols: int
+    order: np.ndarray | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.raw.shape[0]
+
+    @property
+    def planes(self) -> int:
+        return kquant_codes.PLANES[self.qtype]
+
+    def take_rows(self, order: np.ndarray) -> "GgufBlocks":
+        return GgufBlocks(self.raw, self.qtype, self.cols, order if self.order is None else self.order[order])
+
+    def decode(self) -> BlockCodes:
+        """The Python path's codes of the same weight."""
+        block = decode_blocks(self.raw, self.qtype, self.rows, self.cols)
+        return block if self.order is None else block.take_rows(self.order)
+
+    def dequantize_torch(self) -> torch.Tensor:
+        return self.decode().dequantize_torch()
+
+
+def compiled_tiler():
+    """The compiled library's gguf_tiles where the library is built for this tier (loaded here if need be; never
+    compiled), else None."""
+    from stallfree.node_daemon.models import cpu_decode
+
+    if cpu_decode.enabled() and cpu_decode.load_if_built():
+        return cpu_decode.ops().gguf_tiles
+    return None
+
+
+def file_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> GgufBlocks | None:
+    """A tensor's bytes as GgufBlocks where the compiled library can tile them (a K-quant in whole tiles of 16 rows,
+    the library built), else None (the Python path decodes it)."""
+    if qtype not in TILED_TYPES or rows % 16 or cols % kquant_codes.QK_K or compiled_tiler() is None:
+        return None
+    return GgufBlocks(np.asarray(raw).reshape(rows, -1), qtype, cols)
+
+
+def tiles_of_parts(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCodes | None:
+    """One matrix's tiles from its row parts (q, k, v or gate, up; one part for the rest) by the compiled library:
+    4-bit codes where every part is Q4_K, 8-bit where any is Q6_K, else 5-bit; zeros unless every part is Q6_K (and
+    then too where a block's float16 scale cannot give its zero), as TiledCodes.from_codes lays the decoded codes out.
+    None unless the parts cover the rows in whole tiles and the library is built."""
+    tiler = compiled_tiler()
+    ordered = sorted(parts, key=lambda item: item[0].start or 0)
+    covered = 0
+    for rows_slice, part in ordered:
+        if (rows_slice.start or 0) != covered or part.rows % 16:
+            return None
+        covered += part.rows
+    if tiler is None or covered != rows or rows % 16:
+        return None
+    types = {part.qtype for _, part in ordered}
+    bits = 4 if types == {"Q4_K"} else 8 if "Q6_K" in types else 5
+    groups = ordered[0][1].cols // 32
+    for zeros in ([False, True] if types == {"Q6_K"} else [True]):
+        out = torch.empty(rows // 16, groups, bits * 64 + (64 if zeros else 32), dtype=torch.uint8)
+        written = True
+        for rows_slice, part in ordered:
+            with warnings.catch_warnings():  # the file's read-only mapping: only read
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(np.ascontiguousarray(part.raw))
+            order = torch.from_numpy(np.ascontiguousarray(part.order, dtype=np.int64)) if part.order is not None \
+                else torch.empty(0, dtype=torch.int64)
+            written = tiler(out, rows_slice.start or 0, raw, part.qtype, order) and written
+        if written:
+            return TiledCodes(out, bits)
+    return None
+
+
+def int4_of_parts(parts: list[tuple[slice, BlockCodes | GgufBlocks]], rows: int, dtype: torch.dtype) \
+        -> Int4Weight | None:
+    """The Int4Weight of a projection whose parts have all come (models/llama.py add_codes): tiled by the compiled
+    library where every part is still the file's bytes, else decoded and joined on the Python path. None unless the
+    parts cover its rows (in a multiple of 16)."""
+    if parts and all(isinstance(part, GgufBlocks) for _, part in parts):
+        tiles = tiles_of_parts(parts, rows)  # type: ignore[arg-type]
+        if tiles is not None:
+            return Int4Weight.from_tiles(tiles, 1 if tiles.bits == 4 else 2, dtype)
+    decoded = [(r, part.decode() if isinstance(part, GgufBlocks) else part) for r, part in parts]
+    whole = stack_parts(decoded, rows)
+    return Int4Weight(whole, dtype) if whole is not None and whole.rows % 16 == 0 else None
+
+
+def tiles_from_file(raw: np.ndarray, qtype: str, rows: int, cols: int) -> tuple[TiledCodes, int] | None:
+    """A large matrix's tiles (a tied embedding that is also the head): by the compiled library where it can,
+    else quantized.tiles_from_blocks a slice at a time. (tiles, planes), or None for a type without codes."""
+    blocks = file_blocks(raw, qtype, rows, cols)
+    tiles = tiles_of_parts([(slice(0, rows), blocks)], rows) if blocks is not None else None
+    if tiles is not None:
+        return tiles, 1 if tiles.bits == 4 else 2
+    return tiles_from_blocks(raw, qtype, rows, cols)

@@ -1,0 +1,136 @@
+"""GGUF K-quant blocks tiled by the compiled library at load (models/cpu_gguf_tiles.h, models/gguf_tiles.py): the
+same bytes as the Python path's decode (kquant_codes.py) and layout (TiledCodes.from_codes), for Q4_K, Q5_K and Q6_K
+alone, for the fused projections of a Q4_K_M (Q4_K q/k beside a Q6_K or Q4_K v, in any order of arrival, q's rows
+unpermuted), for Q6_K blocks whose float16 scales cannot give their zeros (the layout then stores zeros, as the
+Python path does), and for a whole model loaded both ways; bad shapes and types are refused with a clear error.
+
+Random valid blocks (every scale, min and code bit pattern) as tests/test_kquants.py makes them. Without a C++
+compiler the library is not built and these skip."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from stallfree.node_daemon.models import cpu_decode
+from stallfree.node_daemon.models.gguf_tiles import GgufBlocks, int4_of_parts, tiles_of_parts
+from stallfree.node_daemon.models.quantized import TiledCodes, decode_blocks, stack_parts
+from test_kquants import _random_k_blocks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library():
+    if not cpu_decode.enabled() or not cpu_decode.ensure_built(background=False):
+        pytest.skip(f"compiled extension unavailable: {cpu_decode.why_not()}")
+
+
+def _python_tiles(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCodes:
+    whole = stack_parts([(r, p.decode()) for r, p in parts], rows)
+    assert whole is not None
+    return TiledCodes.from_codes(whole)
+
+
+def _assert_same_tiles(got: TiledCodes | None, want: TiledCodes) -> None:
+    assert got is not None
+    assert (got.bits, got.has_zeros, tuple(got.blocks.shape)) == (want.bits, want.has_zeros, tuple(want.blocks.shape))
+    assert torch.equal(got.blocks, want.blocks)
+
+
+@pytest.mark.parametrize("qtype, bits", [("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 8)])
+def test_one_k_quant_tensor_is_tiled_into_the_python_paths_bytes(qtype, bits):
+    rows, cols = 48, 512
+    part = GgufBlocks(_random_k_blocks(qtype, rows, cols, seed=11), qtype, cols)
+    got = tiles_of_parts([(slice(0, rows), part)], rows)
+    _assert_same_tiles(got, _python_tiles([(slice(0, rows), part)], rows))
+    assert got.bits == bits
+
+
+def test_q6_k_blocks_whose_float16_scales_cannot_give_their_zeros_store_zeros():
+    """d of 2e-6: a block's scale d*step is subnormal in float16, so -128 times it rounded is not its zero
+    rounded; the Python path then lays the matrix out with zeros, and so must the library."""
+    rows, cols = 32, 256
+    raw = _random_k_blocks("Q6_K", rows, cols, seed=12).reshape(-1, 210)
+    raw[:, 208:210] = np.full((raw.shape[0], 1), 2e-6, "<f2").view(np.uint8)
+    part = GgufBlocks(raw.reshape(rows, -1), "Q6_K", cols)
+    want = _python_tiles([(slice(0, rows), part)], rows)
+    assert want.has_zeros  # the case under test
+    _assert_same_tiles(tiles_of_parts([(slice(0, rows), part)], rows), want)
+
+
+def test_q6_k_blocks_of_a_normal_size_need_no_zeros():
+    rows, cols = 32, 256
+    raw = _random_k_blocks("Q6_K", rows, cols, seed=13).reshape(-1, 210)
+    raw[:, 208:210] = np.full((raw.shape[0], 1), 0.02, "<f2").view(np.uint8)
+    part = GgufBlocks(raw.reshape(rows, -1), "Q6_K", cols)
+    want = _python_tiles([(slice(0, rows), part)], rows)
+    assert not want.has_zeros
+    _assert_same_tiles(tiles_of_parts([(slice(0, rows), part)], rows), want)
+
+
+@pytest.mark.parametrize("v_type", ["Q4_K", "Q5_K", "Q6_K"])
+def test_fused_q_k_v_parts_of_mixed_types_join_as_the_python_path_joins_them(v_type):
+    cols, q_rows, kv_rows = 512, 64, 32
+    order = np.random.default_rng(0).permutation(q_rows)  # q's rows unpermuted for RoPE, as the loader does
+    q = GgufBlocks(_random_k_blocks("Q4_K", q_rows, cols, seed=14), "Q4_K", cols).take_rows(order)
+    k = GgufBlocks(_random_k_blocks("Q4_K", kv_rows, cols, seed=15), "Q4_K", cols)
+    v = GgufBlocks(_random_k_blocks(v_type, kv_rows, cols, seed=16), v_type, cols)
+    rows = q_rows + 2 * kv_rows
+    parts = [(slice(q_rows + kv_rows, rows), v), (slice(0, q_rows), q), (slice(q_rows, q_rows + kv_rows), k)]
+    _assert_same_tiles(tiles_of_parts(parts, rows), _python_tiles(parts, rows))
+    weight = int4_of_parts(parts, rows, torch.bfloat16)
+    assert weight is not None and weight.planes == stack_parts([(r, p.decode()) for r, p in parts], rows).planes
+
+
+def test_parts_that_leave_rows_uncovered_or_split_a_tile_fall_back_to_the_python_path():
+    cols = 256
+    a = GgufBlocks(_random_k_blocks("Q4_K", 16, cols, seed=17), "Q4_K", cols)
+    assert tiles_of_parts([(slice(0, 16), a)], 32) is None  # rows 16..31 missing
+    assert tiles_of_parts([(slice(16, 32), a)], 32) is None  # rows 0..15 missing
+    odd = GgufBlocks(_random_k_blocks("Q4_K", 8, cols, seed=18)[:8], "Q4_K", cols)
+    assert tiles_of_parts([(slice(0, 8), odd), (slice(8, 24), a)], 24) is None
+    # the same parts decoded and joined on the Python path: torch's int4 kernel needs whole tiles, so none
+    assert int4_of_parts([(slice(0, 8), odd), (slice(8, 24), a)], 24, torch.bfloat16) is None
+
+
+def test_the_library_refuses_bad_shapes_and_types_with_a_clear_error():
+    tiler = cpu_decode.ops().gguf_tiles
+    raw = torch.from_numpy(_random_k_blocks("Q4_K", 16, 256, seed=19))
+    out = torch.empty(1, 8, 4 * 64 + 64, dtype=torch.uint8)
+    none = torch.empty(0, dtype=torch.int64)
+    assert tiler(out, 0, raw, "Q4_K", none)
+    with pytest.raises(RuntimeError, match="Q4_K, Q5_K or Q6_K"):
+        tiler(out, 0, raw, "Q8_0", none)
+    with pytest.raises(RuntimeError, match="raw"):
+        tiler(out, 0, raw[:, :100].contiguous(), "Q4_K", none)
+    with pytest.raises(RuntimeError, match="whole tiles"):
+        tiler(out, 16, raw, "Q4_K", none)
+    with pytest.raises(RuntimeError, match="order names row 16"):
+        tiler(out, 0, raw, "Q4_K", torch.arange(1, 17))
+    with pytest.raises(RuntimeError, match="do not fit"):  # Q6_K's 8-bit codes in 4-bit records
+        tiler(out, 0, torch.from_numpy(_random_k_blocks("Q6_K", 16, 256, seed=20)), "Q6_K", none)
+    with pytest.raises(RuntimeError, match="out"):
+        tiler(torch.empty(1, 8, 100, dtype=torch.uint8), 0, raw, "Q4_K", none)
+
+
+def test_a_k_quant_model_loads_to_the_same_tiles_with_the_library_and_without(tmp_path, monkeypatch):
+    """A small Llama-shaped Q4_K_M (Q4_K q/k/o/gate/up, Q6_K v and down in its second layer, a Q6_K tied
+    embedding): every coded weight's tiles are the same bytes whether the library tiled them or Python decoded
+    them."""
+    from stallfree.bench.write_random_gguf import write
+    from stallfree.node_daemon.models import gguf_tiles, weight_cache
+    from stallfree.node_daemon.models.gguf_loader import load_gguf
+
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write(str(path), "q4_k_m", hidden=256, layers=2)
+    monkeypatch.setenv("STALLFREE_WEIGHT_CACHE", "off")
+
+    def weights():
+        model = load_gguf(str(path), torch.bfloat16, torch.device("cpu"), release_dense=True).model
+        return {n: w.tiles for n, w in weight_cache._int4_weights(model).items()}
+
+    tiled = weights()
+    monkeypatch.setattr(gguf_tiles, "compiled_tiler", lambda: None)  # the Python path
+    decoded = weights()
+    assert tiled.keys() == decoded.keys() and len(tiled) >= 8
+    for name in tiled:
+        _assert_same_tiles(tiled[name], decoded[name])
