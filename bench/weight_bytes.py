@@ -65,7 +65,7 @@ def describe(row: dict[str, Any]) -> str:
     text = f"{row['bytes_per_token'] / 1e6:,.0f} MB a token"
     if row.get("gb_s") is not None:
         text += f", {row['gb_s']:.1f} GB/s read"
-    if row.get("machine_read_gb_s"):
+    if row.get("machine_read_gb_s") and row.get("share") is not None:  # no one-stream row (--serving-only): none
         text += (f" of the machine's {row['machine_read_gb_s']:.1f} GB/s ({100 * row['share']:.0f}%; the limit: "
                  f"{row['bound_tok_s']:.0f} tok/s)")
     return text

@@ -19,3 +19,8 @@ def test_gb_s_and_the_share_of_the_machine():
     assert "25.0 GB/s read of the machine's 30.0 GB/s (83%" in describe(row)
     assert bandwidth_row(None, 250_000_000, 30.0)["gb_s"] is None
     assert describe(bandwidth_row(100.0, None, 30.0)).startswith("- (no GGUF file")
+
+
+def test_a_run_without_a_one_stream_row_prints_the_bytes_alone():
+    """--serving-only measures no one-stream speed: the line gives the bytes a token, and no share of nothing."""
+    assert describe(bandwidth_row(None, 250_000_000, 30.0)) == "250 MB a token"
