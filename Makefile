@@ -32,7 +32,7 @@ run: $(STAMP)
 TIER_TESTS := tests/test_cpu_tiers.py tests/test_code_matmul.py tests/test_quantized.py tests/test_cpu_decode.py \
 	tests/test_cpu_chunk_attention.py tests/test_loaders.py tests/test_weight_cache.py tests/test_weights_held_once.py \
 	tests/test_llama_model.py tests/test_model_runner.py tests/test_kquants.py tests/test_write_random_gguf.py \
-	tests/test_family_cpu_decode.py tests/test_family_models.py
+	tests/test_family_cpu_decode.py tests/test_family_models.py tests/test_gguf_tiles.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -82,14 +82,16 @@ def goal_met(scores: list[Score]) -> bool:
 
 # --- the systems ----------------------------------------------------------------------------------------------------
 
-def runner_for(path: str, serving: bool, threads: int, longest: int, steps: int, streams: int):
-    """stallfree's float32 reference (the Python forward over dequantized tensors) or its serving path."""
+def runner_for(path: str, serving: bool, threads: int, longest: int, steps: int, streams: int,
+               dense_copy: str = "auto"):
+    """stallfree's float32 reference (the Python forward over dequantized tensors) or its serving path (with
+    `dense_copy` as serve's --cpu-dense-copy)."""
     from stallfree.node_daemon.engine.config import CacheConfig
     from stallfree.node_daemon.engine.model_runner import ModelRunner
     from stallfree.node_daemon.models.config import ModelConfig
 
     config = (ModelConfig(model=path, dtype="bfloat16", threads=threads, compiled_decode="now",
-                          release_dense_weights=True) if serving else
+                          release_dense_weights=True, cpu_dense_copy=dense_copy) if serving else
               ModelConfig(model=path, dtype="float32", threads=threads))
     blocks = streams * -(-(longest + steps) // agree.BLOCK_SIZE)
     return ModelRunner(config, CacheConfig(block_size=agree.BLOCK_SIZE, num_blocks=blocks),
@@ -135,9 +137,9 @@ def batched_traces(runner, prompts: list[list[int]], steps: int, chunk: int, str
 
 
 def stallfree_side(path: str, serving: bool, threads: int, prompts: list[list[int]], steps: int,
-                   streams: int) -> list[Trace]:
+                   streams: int, dense_copy: str = "auto") -> list[Trace]:
     longest = max(map(len, prompts))
-    runner = runner_for(path, serving, threads, longest, steps, streams)
+    runner = runner_for(path, serving, threads, longest, steps, streams, dense_copy)
     if serving and runner.cpu_decode is None:
         print(f"  note: the compiled forward is off on {os.path.basename(path)}: the serving path runs the Python "
               "forward in bfloat16", file=sys.stderr)
@@ -162,7 +164,7 @@ def check_file(path: str, args, log_dir: str) -> tuple[list, list[Score]]:
     started = time.monotonic()
     reference = stallfree_side(path, False, args.threads, ids, args.steps, args.streams)
     print(f"  reference (float32) done in {time.monotonic() - started:.0f} s", flush=True)
-    serving = stallfree_side(path, True, args.threads, ids, args.steps, args.streams)
+    serving = stallfree_side(path, True, args.threads, ids, args.steps, args.streams, args.cpu_dense_copy)
     print(f"  {SERVING} serving path done in {time.monotonic() - started:.0f} s", flush=True)
     log_path = os.path.join(log_dir, f"llama-server-{os.path.basename(path)}.log")
     llama = llama_side(args.llama_server, path, log_path, args.threads, shlex.split(args.llama_args), ids, args.steps)
@@ -188,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=STREAMS,
                         help="stallfree's sequences decoded together, as a server batches them (default %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads on each side (default %(default)s)")
+    parser.add_argument("--cpu-dense-copy", choices=("auto", "on", "off"), default="auto",
+                        help="the serving path's oneDNN copies, as serve's flag (off: the codes take every row count, "
+                             "int8 activations past a few rows where the CPU has VNNI)")
     parser.add_argument("--llama-args", default="", help="more llama-server arguments")
     parser.add_argument("--log-dir", help="where llama-server's logs go (default: a temporary folder, kept)")
     parser.add_argument("--json", metavar="PATH", help="write the scores and every prompt's matched prefix as JSON")

@@ -123,6 +123,54 @@ def test_every_tier_gives_the_same_sums():
         torch.testing.assert_close(other, outs[0], rtol=1e-5, atol=1e-4)
 
 
+# int8 activations (a 254th of a block's largest value) against the float64 matmul: measured 0.007-0.015 on these
+# tensors here, int16's 3e-5 (code_matmul's int8_min_rows; the compiled forward's many-row iterations take it).
+INT8_TOLERANCE = 0.03
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight"])
+def test_int8_activations_from_their_row_limit_where_the_tier_has_them(tier, name):
+    """From int8_min_rows rows the VNNI kernel takes int8 activations (VPDPBUSD: 4-bit and 8-bit tiles here, 5-bit
+    in the next test) and the AVX2 one for 4- and 5-bit codes (VPMADDUBSW): the matmul of the same weights within
+    int8's rounding; below the limit, for AVX2's 8-bit codes and on the portable tier at any row count, the int16
+    sums bit for bit."""
+    kernels = cpu_decode.ops(resolve_tier(tier)) if _kernel(tier) else None
+    codes = _codes(name)
+    weight = TiledCodes.from_codes(codes)
+    width = codes.codes.shape[1] // codes.planes
+    want_weights = torch.from_numpy(codes.dequantize()).double().T
+    for rows in (3, 16, 21):
+        x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        int16 = kernels.code_matmul(x, weight.blocks, weight.bits, True)
+        int8 = kernels.code_matmul(x, weight.blocks, weight.bits, True, 9)
+        takes_int8 = tier == "avx512_bf16" or (tier == "avx2" and weight.bits != 8)
+        if takes_int8 and rows >= 9:
+            assert not torch.equal(int8, int16)
+            assert relative_error(int8, x.double() @ want_weights) < INT8_TOLERANCE
+        else:
+            assert torch.equal(int8, int16)
+    assert kernels.int8_kernel() == (tier != "generic")
+
+
+@pytest.mark.parametrize("int8_tier", ["avx512_bf16", "avx2"])
+def test_int8_activations_on_five_bit_codes_with_zeros_and_wide_ranging_rows(int8_tier):
+    """5-bit tiles (the fifth bits added on bytes) with zeros (Q5_1's offsets), a zero block and rows of very
+    different sizes: each block keeps its own int8 scale."""
+    kernels = cpu_decode.ops(resolve_tier(int8_tier)) if _kernel(int8_tier) else None
+    raw, want = _gguf_blocks("Q5_1", 48, 512, seed=21)
+    weight = TiledCodes.from_codes(decode_blocks(raw, "Q5_1", 48, 512))
+    assert weight.bits == 5 and weight.has_zeros
+    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(4))
+    x[0, 64:96] = 0.0
+    x[1] *= 1e4
+    x[2] *= 1e-4
+    x = x.bfloat16()
+    got = kernels.code_matmul(x, weight.blocks, weight.bits, True, 1)
+    exact = x.double() @ torch.from_numpy(want).double().T
+    for r in range(12):
+        assert relative_error(got[r], exact[r]) < INT8_TOLERANCE
+
+
 def _gguf_blocks(qtype: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(block bytes [rows, bytes per row], gguf's own dequantization [rows, cols]) of random weights: quantized by
     gguf where it can (Q5_0, Q5_1), else random codes under sane float16 scales (IQ4_NL, IQ4_XS)."""

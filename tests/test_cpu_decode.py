@@ -25,6 +25,16 @@ from stallfree.node_daemon.models.config import ModelConfig
 # order (measured 0.009 of the logits' range on SmolLM2); float32 reference: test_quantized's tolerance.
 PATH_TOLERANCE = 0.03
 BF16_LOGIT_TOLERANCE = 0.05
+# Where iterations past a few rows take the code kernel with int8 activations on both paths (AVX2: no oneDNN
+# copies), a small difference in a layer's input rounds some activations to the next int8 step, and that compounds
+# over 30 layers: measured 0.039 on a forced AVX2 tier.
+INT8_PATH_TOLERANCE = 0.08
+
+
+def _path_tolerance() -> float:
+    from stallfree.node_daemon.models.cpu_tier import cpu_tier
+
+    return INT8_PATH_TOLERANCE if cpu_decode.int8_min_rows() and not cpu_tier().onednn_bf16 else PATH_TOLERANCE
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,14 +163,14 @@ def test_compiled_mixed_iteration_follows_the_python_forward(shape):
         want = step(runner, chunks, all_logits=True)
     got = step(runner, chunks, all_logits=True)  # rewrites the same slots
     assert got.shape == want.shape
-    assert relative_error(got, want) < PATH_TOLERANCE
+    assert relative_error(got, want) < _path_tolerance()
     # Greedy picks agree but where two tokens are within rounding of each other (prompt rows of made-up text).
     picked = got.argmax(-1)
     scale = want.abs().max()
     shortfall = (want.max(-1).values - want.gather(1, picked[:, None])[:, 0]) / scale
     print(f"relative error {relative_error(got, want):.4f}, rows picking another token {int((shortfall > 0).sum())} of "
           f"{len(picked)}, largest shortfall {float(shortfall.max()):.4f}")
-    assert float(shortfall.max()) < PATH_TOLERANCE / 3
+    assert float(shortfall.max()) < _path_tolerance() / 3
 
 
 def test_compiled_chunked_prefill_gives_the_float32_greedy_answer():

@@ -84,9 +84,9 @@ def test_each_model_has_its_own_kernel_choice():
 
     a, b = (load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16")).model for _ in range(2))
     kernel = object()
-    a.use_code_kernel(kernel, 8)
+    a.use_code_kernel(kernel, 8, int8_min_rows=9)
     assert a.code_kernel_in_use and not b.code_kernel_in_use
-    assert all(w.code_kernel == (kernel, 8) for w in a.int4_weights()) and a.int4_weights()
+    assert all(w.code_kernel == (kernel, 8, 9) for w in a.int4_weights()) and a.int4_weights()
     b.use_code_kernel(None, 0)
     assert a.code_kernel_in_use
     a.use_code_kernel(None, 0)

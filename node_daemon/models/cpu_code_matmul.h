@@ -9,7 +9,9 @@
 //   sum_k w x = scale * xscale * sum(u * xq) + zero * sum(x)
 // for a weight w = scale * u + zero (u the unsigned code: 0..15, or 0..255 for Q8_0); the integer sums stay exact in
 // int32 within a block (255 * 32767 * 32 < 2^31), float32 across blocks. So every tier computes the same sums, up to
-// the order of the float32 additions across blocks.
+// the order of the float32 additions across blocks. From code_matmul's int8_min_rows rows (many-row iterations,
+// compute-bound) the VNNI and AVX2 bodies take int8 activations instead (xscale = max|x| / 127; sum(x) then the
+// rounded activations' sum): VPDPBUSD and VPMADDUBSW, twice the products an instruction.
 //
 // Layout: 16 output columns a tile; per tile and block one record: 8 chunks of 32 bytes of codes (4-bit; 16 chunks
 // 8-bit), then the 16 columns' float16 scales, then their zeros. Chunk q's byte pair 2c, 2c + 1 holds column c's codes
@@ -54,6 +56,13 @@ struct QuantizedRows {
   int64_t rows = 0, k = 0;
 };
 
+// The same with int8 codes (the AVX512-VNNI kernel's many-row form: cpu_vnni_matmul.h).
+struct QuantizedRows8 {
+  std::vector<int8_t> codes;  // [rows, K]
+  std::vector<float> scale, sum;  // [rows, K / 32]
+  int64_t rows = 0, k = 0;
+};
+
 // Portable quantization (round to nearest even, as the AVX-512 one): rows * K values, small beside the matmul.
 inline void quantize_rows_portable(const uint16_t* x, int64_t rows, int64_t k, QuantizedRows& q) {
   const int64_t blocks = k / kQBlock;
@@ -73,6 +82,33 @@ inline void quantize_rows_portable(const uint16_t* x, int64_t rows, int64_t k, Q
       for (int64_t j = 0; j < kQBlock; ++j) dst[j] = static_cast<int16_t>(std::nearbyint(v[j] * m));
       q.scale[i] = amax / 32767.f;
       q.sum[i] = sum;
+    }
+  });
+}
+
+// The same to int8 (xscale = max|x| / 127), and the sum the zero term multiplies taken over the rounded values
+// (cpu_vnni_matmul.h's quantize_rows_int8 says why).
+inline void quantize_rows_int8_portable(const uint16_t* x, int64_t rows, int64_t k, QuantizedRows8& q) {
+  const int64_t blocks = k / kQBlock;
+  q.rows = rows, q.k = k;
+  q.codes.resize(rows * k), q.scale.resize(rows * blocks), q.sum.resize(rows * blocks);
+  at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    float v[kQBlock];
+    for (int64_t i = begin; i < end; ++i) {
+      float amax = 0.f;
+      for (int64_t j = 0; j < kQBlock; ++j) {
+        v[j] = bf2f(x[i * kQBlock + j]);
+        amax = std::max(amax, std::fabs(v[j]));
+      }
+      const float m = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* dst = q.codes.data() + i * kQBlock;
+      int32_t total = 0;
+      for (int64_t j = 0; j < kQBlock; ++j) {
+        dst[j] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(v[j] * m))));
+        total += dst[j];
+      }
+      q.scale[i] = amax / 127.f;
+      q.sum[i] = static_cast<float>(total) * q.scale[i];
     }
   });
 }
@@ -198,6 +234,96 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
   quantize_rows_portable(x, rows, k, q);
 }
 
+// int8 activations for 4- and 5-bit codes (many-row iterations: code_matmul's int8_min_rows): VPMADDUBSW multiplies
+// a column's two unsigned codes by two int8 activations into one int16, 16 columns a register, where VPMADDWD's
+// int16 products took two registers of 8; the int16 sums are widened to int32 every 4 chunks (4-bit: 4 x 2 x 15 x
+// 127 fits int16) or 2 (5-bit). 8-bit codes keep int16 (their products overflow VPMADDUBSW's int16 pairs).
+#define STALLFREE_INT8_MATMUL 1
+constexpr bool int8_takes(int bits) { return bits != 8; }
+inline void quantize_rows_int8(const uint16_t* x, int64_t rows, int64_t k, QuantizedRows8& q) {
+  quantize_rows_int8_portable(x, rows, k, q);
+}
+
+// A 32-bit mask as 32 bytes of 16 (bit set) or 0: a 5-bit code's fifth bit on the bytes of its chunk.
+inline __m256i fifth_bit_bytes(uint32_t mask) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  // bytes 0, 1 of the mask
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);  // bytes 2, 3
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i hit = _mm256_cmpeq_epi8(
+      _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(mask)), spread), bit), bit);
+  return _mm256_and_si256(hit, _mm256_set1_epi8(16));
+}
+
+template <int BITS, bool ZERO, int R>
+inline void code_tile8(const uint8_t* w, const QuantizedRows8& x, int64_t r0, int64_t blocks, float* out) {
+  static_assert(BITS == 4 || BITS == 5, "int8 activations on AVX2 take 4- and 5-bit codes");
+  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS, ZERO>();
+  constexpr int flush = BITS == 4 ? 4 : 2;  // chunks summed in int16 before widening
+  const int64_t blocks_per_row = x.k / kQBlock;
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + 16 * r, _mm256_setzero_ps());
+    _mm256_storeu_ps(out + 16 * r + 8, _mm256_setzero_ps());
+  }
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = w + b * block_bytes;
+    for (int64_t line = 0; line < block_bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
+    __m256i dot[R][2], part[R];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = part[r] = _mm256_setzero_si256();
+    const int16_t* xp = reinterpret_cast<const int16_t*>(x.codes.data() + r0 * x.k + b * kQBlock);
+    const int64_t row_pairs = x.k / 2;  // int8 pairs from one row's block to the next row's
+    for (int q = 0; q < 8; ++q) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * q));
+      __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      if constexpr (BITS == 5) {
+        const uint32_t* fifth = reinterpret_cast<const uint32_t*>(wb + 256) + 2 * q;
+        lo = _mm256_add_epi8(lo, fifth_bit_bytes(fifth[0]));
+        hi = _mm256_add_epi8(hi, fifth_bit_bytes(fifth[1]));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i xa = _mm256_set1_epi16(xp[r * row_pairs + q]), xb = _mm256_set1_epi16(xp[r * row_pairs + q + 8]);
+        part[r] = _mm256_add_epi16(part[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)));
+      }
+      if ((q + 1) % flush == 0) {
+        for (int r = 0; r < R; ++r) {  // column c's int16 sum is lane c: columns 0-7 low, 8-15 high
+          dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(part[r])));
+          dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(part[r], 1)));
+          part[r] = _mm256_setzero_si256();
+        }
+      }
+    }
+    const __m128i* sp = reinterpret_cast<const __m128i*>(wb + code_bytes);
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(sp)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(sp + 1));
+    const __m256 implicit = _mm256_set1_ps(-static_cast<float>(1 << (BITS - 1)));
+    const __m256 z0 = ZERO ? _mm256_cvtph_ps(_mm_loadu_si128(sp + 2)) : _mm256_mul_ps(s0, implicit);
+    const __m256 z1 = ZERO ? _mm256_cvtph_ps(_mm_loadu_si128(sp + 3)) : _mm256_mul_ps(s1, implicit);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * blocks_per_row + b;
+      const __m256 xs = _mm256_set1_ps(x.scale[i]), xsum = _mm256_set1_ps(x.sum[i]);
+      float* o = out + 16 * r;
+      __m256 a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, xs), _mm256_loadu_ps(o));
+      __m256 a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, xs), _mm256_loadu_ps(o + 8));
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(z0, xsum, a0));
+      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(z1, xsum, a1));
+    }
+  }
+}
+
+template <int BITS, bool ZERO>
+void code_tile_rows8(const uint8_t* w, const QuantizedRows8& x, int64_t r0, int rows, int64_t blocks, float* out) {
+  if constexpr (BITS == 8) {
+    TORCH_CHECK(false, "code_matmul: no int8 activations for 8-bit codes on AVX2");
+  } else {
+    switch (rows) {
+      case 1: return code_tile8<BITS, ZERO, 1>(w, x, r0, blocks, out);
+      case 2: return code_tile8<BITS, ZERO, 2>(w, x, r0, blocks, out);
+      case 3: return code_tile8<BITS, ZERO, 3>(w, x, r0, blocks, out);
+      default: return code_tile8<BITS, ZERO, 4>(w, x, r0, blocks, out);
+    }
+  }
+}
+
 #else
 constexpr int kMaxRowsAtOnce = 4;
 
@@ -244,8 +370,12 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
 #endif
 
 // x [rows, K] bfloat16 @ W^T -> [rows, N] bfloat16 (rounded once, from the float32 sum), or the float32 sums when
-// float_out (an LM head's logits). blocks: uint8 [N / 16, K / 32, record bytes].
-at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t bits, bool float_out) {
+// float_out (an LM head's logits). blocks: uint8 [N / 16, K / 32, record bytes]. From int8_min_rows rows (0: never)
+// the activations are quantized to int8 where the tier has an int8 kernel (AVX512-VNNI): past a few rows the int16
+// products are compute-bound and int8 doubles the products an instruction; a few rows are memory-bound, and keep
+// int16's finer rounding.
+at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t bits, bool float_out,
+                       int64_t int8_min_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "code_matmul: x [rows, K] bfloat16");
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "code_matmul: 4-, 5- or 8-bit codes");
   const std::optional<RecordKind> kind = record_kind(blocks_t.dim() == 3 ? blocks_t.size(2) : 0);
@@ -259,7 +389,15 @@ at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t 
   at::Tensor out = at::empty({rows, tiles * 16}, xc.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0) return out;
   QuantizedRows q;
+#ifdef STALLFREE_INT8_MATMUL
+  QuantizedRows8 q8;
+  const bool int8 = int8_min_rows > 0 && rows >= int8_min_rows && int8_takes(static_cast<int>(bits));
+  int8 ? quantize_rows_int8(bf16_ptr(xc), rows, k, q8) : quantize_rows(bf16_ptr(xc), rows, k, q);
+#else
+  (void)int8_min_rows;
+  constexpr bool int8 = false;
   quantize_rows(bf16_ptr(xc), rows, k, q);
+#endif
   const uint8_t* w = blocks_t.data_ptr<uint8_t>();
   uint16_t* o = float_out ? nullptr : bf16_mut(out);
   float* of = float_out ? out.data_ptr<float>() : nullptr;
@@ -270,6 +408,19 @@ at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t 
       for (int64_t r0 = 0; r0 < rows; r0 += kMaxRowsAtOnce) {
         const int r = static_cast<int>(std::min<int64_t>(kMaxRowsAtOnce, rows - r0));
         const uint8_t* tile = w + t * tile_bytes;
+#ifdef STALLFREE_INT8_MATMUL
+        if (int8) {
+          if (bits == 4)
+            zero ? code_tile_rows8<4, true>(tile, q8, r0, r, blocks, partial)
+                 : code_tile_rows8<4, false>(tile, q8, r0, r, blocks, partial);
+          else if (bits == 5)
+            zero ? code_tile_rows8<5, true>(tile, q8, r0, r, blocks, partial)
+                 : code_tile_rows8<5, false>(tile, q8, r0, r, blocks, partial);
+          else
+            zero ? code_tile_rows8<8, true>(tile, q8, r0, r, blocks, partial)
+                 : code_tile_rows8<8, false>(tile, q8, r0, r, blocks, partial);
+        } else
+#endif
         if (bits == 4)
           zero ? code_tile_rows<4, true>(tile, q, r0, r, blocks, partial)
                : code_tile_rows<4, false>(tile, q, r0, r, blocks, partial);

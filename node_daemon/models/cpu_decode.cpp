@@ -205,6 +205,7 @@ struct RowLimits {
   // From this many rows a projection without a oneDNN copy is dequantized into a scratch for oneDNN's bfloat16
   // GEMM (cpu_code_dequantize.h); 0: never (tiers without that GEMM), the code kernel takes every row count.
   int64_t dequant;
+  int64_t int8;  // from this many rows the code kernel takes int8 activations (0: never; code_matmul)
 };
 
 // One projection: the code kernel (where the weight has its tiles: bits 4, 5 or 8) for up to limits.code rows, and
@@ -216,7 +217,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t planes, int
   const int64_t rows = x.size(0);
   if (planes == 0) return w[2].numel() != 0 ? packed_mm(x, w[2]) : at::linear(x, w[1]);
   if (bits != 0 && w[2].numel() == 0 && limits.dequant > 0 && rows >= limits.dequant) return dequantized_mm(x, w[3]);
-  if (bits != 0 && (rows <= limits.code || w[2].numel() == 0)) return code_matmul(x, w[3], bits, false);
+  if (bits != 0 && (rows <= limits.code || w[2].numel() == 0)) return code_matmul(x, w[3], bits, false, limits.int8);
   return rows <= limits.int4 || w[2].numel() == 0 ? int4_mm(x, w[0], w[1], planes) : packed_mm(x, w[2]);
 }
 
@@ -508,7 +509,8 @@ void rms_norm_rows(uint16_t* x, const float* w, int64_t rows, int64_t width, dou
 // weights: per layer qkv, o, gate_up, down as (int4 packed, scales_and_zeros, oneDNN packed, code tiles)
 // quadruples; planes and bits (0: no tiles): per projection. Rows up to code_max_rows take the code kernel where
 // there are tiles, else up to int4_max_rows torch's int4 kernel; more take the oneDNN copies, or without them the
-// dequantized scratch from dequant_min_rows rows (0: never) and the code kernel below (project()).
+// dequantized scratch from dequant_min_rows rows (0: never) and the code kernel below (project()), with int8
+// activations from int8_min_rows rows (0: never).
 // norms: per layer input and post-attention RMSNorm weights (float32), and for Qwen3 the q and k head norms after
 // them (4 a layer), for Gemma 3 input, post-attention (the attention output's), pre- and post-feedforward, q and k
 // (6 a layer: GELU-tanh then, and embeddings scaled by embed_scale); then the final norm's.
@@ -521,8 +523,8 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
                    const at::Tensor& embed, const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
                    at::IntArrayRef planes, at::IntArrayRef bits, at::TensorList kv, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, double eps, int64_t int4_max_rows, int64_t code_max_rows,
-                   int64_t dequant_min_rows, const at::Tensor& cos_sin_local, at::IntArrayRef sliding, int64_t window,
-                   double attn_scale, double embed_scale, at::TensorList qkv_bias) {
+                   int64_t dequant_min_rows, int64_t int8_min_rows, const at::Tensor& cos_sin_local,
+                   at::IntArrayRef sliding, int64_t window, double attn_scale, double embed_scale, at::TensorList qkv_bias) {
   at::NoGradGuard no_grad;
   const int64_t rows = input_ids.size(0), layers = static_cast<int64_t>(kv.size()) / 2;
   const int64_t hidden = embed.scalar_type() == at::kByte ? embed.size(1) * kQBlock : embed.size(1);
@@ -532,7 +534,7 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 16 * layers &&
                   static_cast<int64_t>(planes.size()) == 4 * layers && static_cast<int64_t>(bits.size()) == 4 * layers,
               "forward: 4 projections a layer");
-  const RowLimits limits{int4_max_rows, code_max_rows, dequant_min_rows};
+  const RowLimits limits{int4_max_rows, code_max_rows, dequant_min_rows, int8_min_rows};
   const int64_t norms_per_layer = (static_cast<int64_t>(norms.size()) - 1) / std::max<int64_t>(layers, 1);
   TORCH_CHECK((norms_per_layer == 2 || norms_per_layer == 4 || norms_per_layer == 6) &&
                   static_cast<int64_t>(norms.size()) == norms_per_layer * layers + 1,
@@ -654,6 +656,15 @@ bool set_chunk_kernel(bool on) {
 #endif
 }
 
+// Whether the code kernel has an int8 form on this tier (AVX512-VNNI: cpu_vnni_matmul.h).
+bool int8_kernel() {
+#ifdef STALLFREE_INT8_MATMUL
+  return true;
+#else
+  return false;
+#endif
+}
+
 // The compiled forward's seconds per kind of step since the last call (norm, matmul, rope and KV write, decode
 // attention, chunk attention, SiLU-and-mul), then zeroed.
 std::vector<double> phase_seconds() {
@@ -689,18 +700,21 @@ TORCH_LIBRARY(STALLFREE_OPS_NS, m) {
   m.def("attention_kernel() -> str", &attention_kernel);
   m.def("chunk_attention_kernel() -> str", &chunk_attention_kernel);
   m.def("phase_seconds() -> float[]", &phase_seconds);
-  m.def("code_matmul(Tensor x, Tensor blocks, int bits, bool float_out=False) -> Tensor", &code_matmul);
+  m.def("code_matmul(Tensor x, Tensor blocks, int bits, bool float_out=False, int int8_min_rows=0) -> Tensor",
+        &code_matmul);
   m.def("code_rows(Tensor blocks, Tensor ids) -> Tensor", &code_rows);
   m.def("code_dequantize(Tensor blocks) -> Tensor", &code_dequantize);
   m.def("dequantized_mm(Tensor x, Tensor blocks) -> Tensor", &dequantized_mm);
   m.def("gguf_tiles(Tensor(a!) out, int row_start, Tensor raw, str qtype, Tensor order) -> bool", &gguf_tiles);
   m.def("set_chunk_kernel(bool on) -> bool", &set_chunk_kernel);
+  m.def("int8_kernel() -> bool", &int8_kernel);
   m.def("chunk_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor", &chunk_attention_only);
   m.def("forward(Tensor input_ids, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor embed, Tensor cos_sin, Tensor[] norms, Tensor[] weights, "
         "int[] planes, int[] bits, Tensor[] kv, int num_heads, int num_kv_heads, int head_dim, float eps, "
-        "int int4_max_rows, int code_max_rows, int dequant_min_rows, Tensor cos_sin_local, int[] sliding, "
+        "int int4_max_rows, int code_max_rows, int dequant_min_rows, int int8_min_rows, Tensor cos_sin_local, "
+        "int[] sliding, "
         "int window, float attn_scale, "
         "float embed_scale, Tensor[] qkv_bias) -> Tensor",
         &forward);

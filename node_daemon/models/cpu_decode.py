@@ -22,8 +22,8 @@ runner switches over at the next iteration once it is loaded. `kernels_for(tier)
 tier's library in the foreground (tests and benchmarks of a lower tier on a bigger CPU).
 STALLFREE_CPU_DECODE=0 turns it off; STALLFREE_CPU_MIXED=0 keeps iterations with a prefill chunk on the Python
 path, STALLFREE_CPU_CHUNK_KERNEL=0 gives prefill chunks ATen's attention instead of the AVX512-BF16 kernel
-(cpu_chunk_attention.h) and STALLFREE_CPU_CODE_KERNEL=0 gives the projections torch's int4 kernel and oneDNN's
-(A/B switches); without a C++ compiler it stays off and start-up says why.
+(cpu_chunk_attention.h), STALLFREE_CPU_CODE_KERNEL=0 gives the projections torch's int4 kernel and oneDNN's, and
+STALLFREE_CPU_INT8=0 keeps the code kernel's activations int16 at every row count (A/B switches); without a C++ compiler it stays off and start-up says why.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from stallfree.node_daemon.models.cpu_tier import CpuTier, cpu_flags, cpu_tier
-from stallfree.node_daemon.models.quantized import CODE_MAX_ROWS, INT4_MAX_ROWS, dequantize_min_rows
+from stallfree.node_daemon.models.quantized import CODE_MAX_ROWS, INT4_MAX_ROWS, INT8_MIN_ROWS, dequantize_min_rows
 
 if TYPE_CHECKING:
     from stallfree.node_daemon.models.llama import KVCache, LlamaForCausalLM
@@ -60,6 +60,7 @@ ENV_SWITCH = "STALLFREE_CPU_DECODE"
 MIXED_SWITCH = "STALLFREE_CPU_MIXED"
 CHUNK_KERNEL_SWITCH = "STALLFREE_CPU_CHUNK_KERNEL"
 CODE_KERNEL_SWITCH = "STALLFREE_CPU_CODE_KERNEL"
+INT8_SWITCH = "STALLFREE_CPU_INT8"
 # -fopenmp: ATen's at::parallel_for is a header template over OpenMP pragmas, so without it every kernel here ran
 # on one thread (torch's own libgomp serves the pragmas: the library needs libgomp.so.1, the soname torch loaded).
 _CFLAGS = ["-O3", "-fopenmp"]  # and the tier's target (CpuTier.cflags)
@@ -177,12 +178,14 @@ def paths_taken(dense_copy: bool | None = None) -> dict[str, str]:
     kernels = ops()
     code_on = enabled(CODE_KERNEL_SWITCH)
     code = str(kernels.code_kernel()) if code_on else "torch int4"
+    int8_from = int8_min_rows() if code_on else 0
+    code_many = f"{code} (int8 activations from {int8_from} rows)" if int8_from else code
     if onednn:
         many = "oneDNN bfloat16 prepacked"
     elif code_on and (min_rows := dequantize_min_rows()):
-        many = f"{code} below {min_rows}, oneDNN bfloat16 from {min_rows} (codes dequantized a projection at a time)"
+        many = f"{code_many} below {min_rows}, oneDNN bfloat16 from {min_rows} (codes dequantized a projection at a time)"
     else:
-        many = code
+        many = code_many
     chunks = str(kernels.chunk_attention_kernel()) if chunk_kernel_wanted() else "aten"
     return {"cpu_tier": tier.name, "forward": "compiled", "matmul": f"{code} (few rows), {many} (many rows)",
             "attention": f"{kernels.attention_kernel()} (decode), {chunks} (chunks)"}
@@ -220,6 +223,15 @@ def _load_or_build(build: bool) -> bool:
         return True
 
 
+def int8_min_rows() -> int:
+    """Rows from which the compiled forward's code kernel takes int8 activations (quantized.INT8_MIN_ROWS) where the
+    loaded library has an int8 kernel (AVX512-VNNI); 0 (never) elsewhere, before it loads, and under
+    STALLFREE_CPU_INT8=0."""
+    if not _state["loaded"] or not enabled(INT8_SWITCH) or not ops().int8_kernel():
+        return 0
+    return INT8_MIN_ROWS
+
+
 def load_if_built() -> bool:
     """Load the serving tier's library where it is already built (never compiles): True once loaded."""
     return _load_or_build(build=False)
@@ -242,7 +254,7 @@ def publish_code_kernel(model: "LlamaForCausalLM") -> None:
     if _state["loaded"] and enabled(CODE_KERNEL_SWITCH):
         min_rows = dequantize_min_rows()
         model.use_code_kernel(ops().code_matmul, CODE_MAX_ROWS,
-                              (ops().dequantized_mm, min_rows) if min_rows else None)
+                              (ops().dequantized_mm, min_rows) if min_rows else None, int8_min_rows())
 
 
 def chunk_kernel_wanted() -> bool:
@@ -415,10 +427,11 @@ class CpuDecode:
         self.qkv_bias = [layer.self_attn.qkv_proj.bias for layer in model.layers] if model.shape.qkv_bias else []
         self.kv = [t for pair in kv_caches for t in pair]
         shape = model.shape
-        # Past CODE_MAX_ROWS a projection with a oneDNN copy takes it; one without takes the code kernel, or from
-        # dequantize_min_rows() rows its dequantized scratch and oneDNN's GEMM (AVX-512: cpu_code_dequantize.h).
+        # Past CODE_MAX_ROWS a projection with a oneDNN copy takes it; one without takes the code kernel (with int8
+        # activations from int8_min_rows() rows), or from dequantize_min_rows() rows its dequantized scratch and
+        # oneDNN's GEMM (AVX-512: cpu_code_dequantize.h).
         self.dims = (shape.num_heads, shape.num_kv_heads, shape.head_dim, float(shape.rms_norm_eps), INT4_MAX_ROWS,
-                     CODE_MAX_ROWS, dequantize_min_rows())
+                     CODE_MAX_ROWS, dequantize_min_rows(), int8_min_rows())
         # Gemma 3: the sliding layers (their window and RoPE table), the query scale, the embeddings' scale
         local = model.rotary_local
         sliding = [int(layer.self_attn.sliding) for layer in model.layers] if local is not None else []

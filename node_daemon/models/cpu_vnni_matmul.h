@@ -3,8 +3,9 @@
 // 5-bit codes add their fifth bit from a 32-bit mask per half chunk (one masked add).
 // Included by cpu_code_matmul.h where the compiler targets AVX512-VNNI.
 //
-// int16 activations, not llama.cpp's int8: int8 moved SmolLM2's logits 7% off the float32 reference and changed a
-// greedy answer; int16's rounding (1/65534 of a block's largest value) does not show beside bfloat16's.
+// int16 activations for a few rows, not llama.cpp's int8: int16's rounding (1/65534 of a block's largest value) does
+// not show beside bfloat16's, and a few rows are memory-bound anyway. Many rows are compute-bound: there int8
+// (vnni8_tile below, from code_matmul's int8_min_rows).
 // One stream per thread: the hardware prefetcher follows one stream better than three.
 #pragma once
 #define STALLFREE_VNNI_MATMUL 1
@@ -82,6 +83,104 @@ inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+// int8 activations (many-row iterations, where the int16 products are compute-bound; models/cpu_code_matmul.h
+// says when): each 32-wide block quantized to int8 (xscale = max|x| / 127), and VPDPBUSD multiplies four unsigned
+// codes by four int8 activations a lane, twice VPDPWSSD's products an instruction. Two chunks of a record (64
+// bytes: k = 4m .. 4m + 3 of 16 columns, as 16-bit pairs) become one lane of four codes per column by one word
+// permute; 4- and 5-bit codes are split on bytes, never widened.
+inline void quantize_rows_int8(const uint16_t* x, int64_t rows, int64_t k, QuantizedRows8& q) {
+  const int64_t blocks = k / kQBlock;
+  q.rows = rows, q.k = k;
+  q.codes.resize(rows * k), q.scale.resize(rows * blocks), q.sum.resize(rows * blocks);
+  at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const __m512 lo = load_bf16x16(x + i * kQBlock), hi = load_bf16x16(x + i * kQBlock + 16);
+      const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(lo)), _mm512_reduce_max_ps(_mm512_abs_ps(hi)));
+      const __m512 m = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m512i qlo = _mm512_cvt_roundps_epi32(_mm512_mul_ps(lo, m), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i qhi = _mm512_cvt_roundps_epi32(_mm512_mul_ps(hi, m), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      int8_t* dst = q.codes.data() + i * kQBlock;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qhi));
+      q.scale[i] = amax / 127.f;
+      // the zero term multiplies the quantized activations' sum, not the exact one: sum_k (s u + z) x^ is then the
+      // weights times the rounded activations, whose error follows the weights; with the exact sum, the codes'
+      // offset (u averages 7.5 for 4-bit codes) times the rounding error would stay uncancelled (3x the error)
+      q.sum[i] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi))) * q.scale[i];
+    }
+  });
+}
+
+template <int BITS, bool ZERO, int R>
+inline void vnni8_tile(const uint8_t* w, const QuantizedRows8& x, int64_t r0, int64_t blocks, float* out) {
+  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS, ZERO>();
+  const int64_t blocks_per_row = x.k / kQBlock;
+  // word c of the first chunk, then word c of the second: column c's four codes in dword c
+  static constexpr uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pairs = _mm512_loadu_si512(kPairs);
+  const __m512i nibble = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = w + b * block_bytes;
+    for (int64_t line = 0; line < block_bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    const int32_t* xq[R];  // the rows' block as int8 quads
+    for (int r = 0; r < R; ++r) xq[r] = reinterpret_cast<const int32_t*>(x.codes.data() + (r0 + r) * x.k + b * kQBlock);
+    if constexpr (BITS != 8) {
+      for (int m = 0; m < 4; ++m) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * m);
+        __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        if constexpr (BITS == 5) {  // chunks 2m and 2m + 1: their low nibbles' masks, then their high ones'
+          const uint32_t* fifth = reinterpret_cast<const uint32_t*>(wb + 256) + 4 * m;
+          const __mmask64 lo_bits = fifth[0] | (static_cast<uint64_t>(fifth[2]) << 32);
+          const __mmask64 hi_bits = fifth[1] | (static_cast<uint64_t>(fifth[3]) << 32);
+          lo = _mm512_mask_add_epi8(lo, lo_bits, lo, sixteen);
+          hi = _mm512_mask_add_epi8(hi, hi_bits, hi, sixteen);
+        }
+        lo = _mm512_permutexvar_epi16(pairs, lo), hi = _mm512_permutexvar_epi16(pairs, hi);
+        for (int r = 0; r < R; ++r) {
+          dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(xq[r][m]));
+          dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(xq[r][m + 4]));
+        }
+      }
+    } else {
+      for (int m = 0; m < 8; ++m) {
+        const __m512i v = _mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(wb + 64 * m));
+        for (int r = 0; r < R; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], v, _mm512_set1_epi32(xq[r][m]));
+      }
+    }
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes)));
+    const __m512 z = ZERO ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes + 32)))
+                          : _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * blocks_per_row + b;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, _mm512_set1_ps(x.scale[i])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(x.sum[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+#define STALLFREE_INT8_MATMUL 1
+constexpr bool int8_takes(int) { return true; }
+template <int BITS, bool ZERO>
+void code_tile_rows8(const uint8_t* w, const QuantizedRows8& x, int64_t r0, int rows, int64_t blocks, float* out) {
+  switch (rows) {
+    case 1: return vnni8_tile<BITS, ZERO, 1>(w, x, r0, blocks, out);
+    case 2: return vnni8_tile<BITS, ZERO, 2>(w, x, r0, blocks, out);
+    case 3: return vnni8_tile<BITS, ZERO, 3>(w, x, r0, blocks, out);
+    case 4: return vnni8_tile<BITS, ZERO, 4>(w, x, r0, blocks, out);
+    case 5: return vnni8_tile<BITS, ZERO, 5>(w, x, r0, blocks, out);
+    case 6: return vnni8_tile<BITS, ZERO, 6>(w, x, r0, blocks, out);
+    case 7: return vnni8_tile<BITS, ZERO, 7>(w, x, r0, blocks, out);
+    default: return vnni8_tile<BITS, ZERO, 8>(w, x, r0, blocks, out);
+  }
 }
 
 template <int BITS, bool ZERO>

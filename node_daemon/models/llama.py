@@ -311,12 +311,13 @@ class LlamaForCausalLM(nn.Module):
         found = [m.int4 for m in self.modules() if isinstance(m, Linear) and m.int4 is not None]
         return found + ([self.tied_lm_head_int4] if self.tied_lm_head_int4 is not None else [])
 
-    def use_code_kernel(self, op, max_rows: int, dequantized=None) -> None:
+    def use_code_kernel(self, op, max_rows: int, dequantized=None, int8_min_rows: int = 0) -> None:
         """This model's quantized matmuls take the compiled code kernel `op` (up to `max_rows` rows where a oneDNN
-        copy takes more), or torch's int4 kernel with `op` None: per model, not per process. `dequantized`: (the
-        library's dequantized_mm, from how many rows) for many-row matmuls without a oneDNN copy."""
+        copy takes more; int8 activations from `int8_min_rows` rows, 0: never), or torch's int4 kernel with `op`
+        None: per model, not per process. `dequantized`: (the library's dequantized_mm, from how many rows) for
+        many-row matmuls without a oneDNN copy."""
         for weight in self.int4_weights():
-            weight.code_kernel = None if op is None else (op, max_rows)
+            weight.code_kernel = None if op is None else (op, max_rows, int8_min_rows)
             weight.dequantized = None if op is None else dequantized
 
     @property

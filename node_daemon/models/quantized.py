@@ -17,8 +17,8 @@ step) map the same way (models/kquant_codes.py), and so do Q5_0, Q5_1, IQ4_NL an
 are dequantized and the daemon names them at start-up, in /metrics and in the stats the operator reads.
 
 Every weight with codes also keeps them as TiledCodes, the layout of the compiled extension's code kernel
-(models/cpu_code_matmul.h): activations quantized to int16 per 32-wide block and the codes multiplied as they are
-stored, no float weight ever made, on every x86 tier (AVX512-VNNI, AVX2, portable loops; models/cpu_tier.py). Where
+(models/cpu_code_matmul.h): activations quantized to int16 per 32-wide block (int8 from INT8_MIN_ROWS rows where
+the tier has an int8 body) and the codes multiplied as they are stored, no float weight ever made, on every x86 tier (AVX512-VNNI, AVX2, portable loops; models/cpu_tier.py). Where
 oneDNN runs bfloat16 GEMMs (the AVX-512 tiers) iterations from DEQUANT_MIN_ROWS rows are compute-bound, and there
 each projection is dequantized into a scratch, one at a time, for oneDNN's GEMM (models/cpu_code_dequantize.h); kept
 dense copies prepacked for it (--cpu-dense-copy on) take the iterations past CODE_MAX_ROWS instead. Below AVX-512
@@ -46,6 +46,13 @@ INT4_MAX_ROWS = 8
 # oneDNN's GEMM is 1.15x faster. Where a weight has no oneDNN copy (below AVX-512, or a model too large for one:
 # models/loader.py) the code kernel takes every row count, up to DEQUANT_MIN_ROWS on AVX-512.
 CODE_MAX_ROWS = 8
+# Rows from which the code kernel quantizes activations to int8 instead of int16, where the tier has an int8 kernel
+# (AVX512-VNNI: VPDPBUSD, twice the products an instruction): iterations past CODE_MAX_ROWS that no oneDNN copy
+# takes (a model without copies, such as any 1B) are compute-bound there, and int8 ran them 1.4-1.8x faster
+# (4-, 5- and 8-bit tiles of 2048 x 640 to 8192 x 2048 at 8-64 rows, 2 threads, Sapphire Rapids). Its rounding
+# (a 254th of a block's largest activation) costs 0.5-1% of a product's value where int16's costs 0.003%, so the
+# few-row iterations of a decode keep int16: memory-bound, they would gain nothing. STALLFREE_CPU_INT8=0: never.
+INT8_MIN_ROWS = CODE_MAX_ROWS + 1
 # Rows from which a many-row matmul of a weight with no oneDNN copy dequantizes it into a scratch for oneDNN's
 # bfloat16 GEMM (models/cpu_code_dequantize.h) instead of taking the code kernel, where oneDNN runs bfloat16
 # GEMMs (AVX-512): the code kernel's integer sums are compute-bound past a few rows, the scratch costs one pass
@@ -268,9 +275,9 @@ class Int4Weight:
         self.planes, self.out_features, self.dtype = codes.planes, codes.rows, dtype
         self._pack: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed, scales_and_zeros), one attribute:
         self._pack_released = False  # swapped whole, so a reader on another thread sees both or neither
-        # The compiled code kernel and up to how many rows it takes this weight: set for its model by the runner
-        # that serves it (models/cpu_decode.py publish_code_kernel), so two engines in one process never switch
-        # each other's kernels; None until then (torch's int4 kernel).
+        # (the compiled code kernel, up to how many rows it takes this weight, from how many its activations are
+        # int8): set for its model by the runner that serves it (models/cpu_decode.py publish_code_kernel), so two
+        # engines in one process never switch each other's kernels; None until then (torch's int4 kernel).
         self.code_kernel: tuple | None = None
         # (the library's dequantized_mm, from how many rows): many-row matmuls where no oneDNN copy is kept, set
         # with code_kernel where oneDNN runs bfloat16 GEMMs (dequantize_min_rows); None: the code kernel takes them.
@@ -339,7 +346,9 @@ class Int4Weight:
                 and x.dtype == torch.bfloat16:
             return dequantized[0](x.contiguous(), self.tiles.blocks)
         if self.code_kernel_applies(x.shape[0], any_rows):
-            return self.code_kernel[0](x, self.tiles.blocks, self.tiles.bits, float_out)
+            op, _, int8_min_rows = self.code_kernel
+            # an LM head's logits (float_out) keep int16 activations at every row count: greedy picks read them
+            return op(x, self.tiles.blocks, self.tiles.bits, float_out, 0 if float_out else int8_min_rows)
         pack = self._torch_pack()
         if pack is None:
             raise RuntimeError("int4 matmul: torch's int4 pack was released for the code kernel, which is not in use")
