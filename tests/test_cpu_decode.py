@@ -25,16 +25,18 @@ from stallfree.node_daemon.models.config import ModelConfig
 # order (measured 0.009 of the logits' range on SmolLM2); float32 reference: test_quantized's tolerance.
 PATH_TOLERANCE = 0.03
 BF16_LOGIT_TOLERANCE = 0.05
-# Where iterations past a few rows take the code kernel with int8 activations on both paths (AVX2: no oneDNN
-# copies), a small difference in a layer's input rounds some activations to the next int8 step, and that compounds
-# over 30 layers: measured 0.039 on a forced AVX2 tier.
+# Where iterations past a few rows take the code kernel with int8 activations on both paths (no oneDNN copies, or a
+# CPU without AMX, where the codes take decode iterations of up to 64 rows: cpu_decode.code_max_rows), a small difference in a layer's input rounds some activations to the next int8 step,
+# and that compounds over 30 layers: measured 0.039 on a forced AVX2 tier.
 INT8_PATH_TOLERANCE = 0.08
 
 
 def _path_tolerance() -> float:
     from stallfree.node_daemon.models.cpu_tier import cpu_tier
+    from stallfree.node_daemon.models.quantized import CODE_MAX_ROWS
 
-    return INT8_PATH_TOLERANCE if cpu_decode.int8_min_rows() and not cpu_tier().onednn_bf16 else PATH_TOLERANCE
+    int8 = cpu_decode.int8_min_rows() and (cpu_decode.code_max_rows() > CODE_MAX_ROWS or not cpu_tier().onednn_bf16)
+    return INT8_PATH_TOLERANCE if int8 else PATH_TOLERANCE
 
 
 @functools.lru_cache(maxsize=None)
@@ -218,3 +220,37 @@ def test_the_library_runs_on_torchs_threads_and_keeps_its_build_key():
     assert "libgomp.so.1" in needed
     assert cpu_decode.kernels_for(tier) is not None  # loads nothing new: the same key
     assert cpu_decode._library_path(cpu_decode.build_key(tier)) == library
+
+
+
+@pytest.mark.parametrize("amx, int8_from, want", [(False, 9, 64), (True, 9, 8), (False, 0, 8)])
+def test_the_codes_take_decode_iterations_past_the_copies_only_without_amx(monkeypatch, amx, int8_from, want):
+    """Without AMX the code kernel's int8 products beat oneDNN's bfloat16 copies up to 64 rows (decode iterations);
+    with AMX, or without an int8 kernel, the copies take every iteration past CODE_MAX_ROWS."""
+    from dataclasses import replace
+
+    tier = cpu_decode.cpu_tier()
+    monkeypatch.setattr(cpu_decode, "cpu_tier", lambda: replace(tier, amx=amx))
+    monkeypatch.setattr(cpu_decode, "int8_min_rows", lambda: int8_from)
+    assert cpu_decode.code_max_rows() == want
+
+
+def test_a_linear_with_a_copy_takes_the_codes_up_to_the_kernels_row_limit():
+    """The Python forward follows the compiled one: past INT4_MAX_ROWS a projection with a oneDNN copy takes the code
+    kernel while the model's published row limit allows (code_max_rows), the copy past it."""
+    from stallfree.node_daemon.models.layers import packed_linear
+    from stallfree.node_daemon.models.loader import load_model
+
+    if not cpu_decode.ensure_built(background=False):
+        pytest.skip(f"compiled decode path unavailable: {cpu_decode.why_not()}")
+    model = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16")).model
+    linear = model.layers[0].mlp.down_proj
+    if linear.packed is None:
+        pytest.skip("no oneDNN copies on this tier")
+    op = cpu_decode.ops().code_matmul
+    model.use_code_kernel(op, 16, int8_min_rows=9)
+    x = torch.randn(17, linear.in_features, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    codes = lambda rows: op(x[:rows], linear.int4.tiles.blocks, linear.int4.tiles.bits, False, 9)  # noqa: E731
+    assert torch.equal(linear(x[:16]), codes(16))
+    assert torch.equal(linear(x), packed_linear(x, linear.packed, None))
+    assert not torch.equal(linear(x)[:16], codes(16))  # the two paths differ: the test can tell them apart

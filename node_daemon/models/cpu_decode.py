@@ -180,7 +180,9 @@ def paths_taken(dense_copy: bool | None = None) -> dict[str, str]:
     code = str(kernels.code_kernel()) if code_on else "torch int4"
     int8_from = int8_min_rows() if code_on else 0
     code_many = f"{code} (int8 activations from {int8_from} rows)" if int8_from else code
-    if onednn:
+    if onednn and code_on and (upto := code_max_rows()) > CODE_MAX_ROWS:
+        many = f"{code_many} up to {upto} rows, oneDNN bfloat16 prepacked past them"
+    elif onednn:
         many = "oneDNN bfloat16 prepacked"
     elif code_on and (min_rows := dequantize_min_rows()):
         many = f"{code_many} below {min_rows}, oneDNN bfloat16 from {min_rows} (codes dequantized a projection at a time)"
@@ -225,11 +227,18 @@ def _load_or_build(build: bool) -> bool:
 
 def int8_min_rows() -> int:
     """Rows from which the compiled forward's code kernel takes int8 activations (quantized.INT8_MIN_ROWS) where the
-    loaded library has an int8 kernel (AVX512-VNNI); 0 (never) elsewhere, before it loads, and under
-    STALLFREE_CPU_INT8=0."""
+    loaded library has an int8 kernel (VNNI's VPDPBUSD, AVX2's VPMADDUBSW); 0 (never) elsewhere, before it loads,
+    and under STALLFREE_CPU_INT8=0."""
     if not _state["loaded"] or not enabled(INT8_SWITCH) or not ops().int8_kernel():
         return 0
     return INT8_MIN_ROWS
+
+
+def code_max_rows() -> int:
+    """Rows up to which the code kernel takes a projection that has a oneDNN copy too: quantized.CODE_MAX_ROWS, or
+    on a CPU without AMX whose library has the int8 kernel, every decode iteration (MAX_ROWS: its int8 products
+    beat oneDNN's bfloat16 GEMM there; quantized.py)."""
+    return MAX_ROWS if int8_min_rows() and not cpu_tier().amx else CODE_MAX_ROWS
 
 
 def load_if_built() -> bool:
@@ -253,7 +262,7 @@ def publish_code_kernel(model: "LlamaForCausalLM") -> None:
     engine in the process keeps its own choice."""
     if _state["loaded"] and enabled(CODE_KERNEL_SWITCH):
         min_rows = dequantize_min_rows()
-        model.use_code_kernel(ops().code_matmul, CODE_MAX_ROWS,
+        model.use_code_kernel(ops().code_matmul, code_max_rows(),
                               (ops().dequantized_mm, min_rows) if min_rows else None, int8_min_rows())
 
 
@@ -427,11 +436,11 @@ class CpuDecode:
         self.qkv_bias = [layer.self_attn.qkv_proj.bias for layer in model.layers] if model.shape.qkv_bias else []
         self.kv = [t for pair in kv_caches for t in pair]
         shape = model.shape
-        # Past CODE_MAX_ROWS a projection with a oneDNN copy takes it; one without takes the code kernel (with int8
+        # Past code_max_rows() a projection with a oneDNN copy takes it; one without takes the code kernel (with int8
         # activations from int8_min_rows() rows), or from dequantize_min_rows() rows its dequantized scratch and
         # oneDNN's GEMM (AVX-512: cpu_code_dequantize.h).
         self.dims = (shape.num_heads, shape.num_kv_heads, shape.head_dim, float(shape.rms_norm_eps), INT4_MAX_ROWS,
-                     CODE_MAX_ROWS, dequantize_min_rows(), int8_min_rows())
+                     code_max_rows(), dequantize_min_rows(), int8_min_rows())
         # Gemma 3: the sliding layers (their window and RoPE table), the query scale, the embeddings' scale
         local = model.rotary_local
         sliding = [int(layer.self_attn.sliding) for layer in model.layers] if local is not None else []

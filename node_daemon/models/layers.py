@@ -31,8 +31,11 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (prepack_for_cpu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Past INT4_MAX_ROWS the oneDNN copy where there is one (AVX-512), else still the codes (no dense copy).
-        if self.int4 is not None and (x.shape[0] <= INT4_MAX_ROWS or self.packed is None):
+        # Past INT4_MAX_ROWS the oneDNN copy where there is one (AVX-512) and the code kernel's row limit is passed
+        # (cpu_decode.code_max_rows), else still the codes (no dense copy).
+        rows = x.shape[0]
+        if self.int4 is not None and (rows <= INT4_MAX_ROWS or self.packed is None
+                                      or self.int4.code_kernel_applies(rows)):
             y = self.int4.matmul(x, any_rows=self.packed is None)
             return y if self.bias is None else y + self.bias
         if self.packed is not None:

@@ -50,9 +50,17 @@ CODE_MAX_ROWS = 8
 # (AVX512-VNNI: VPDPBUSD, twice the products an instruction): iterations past CODE_MAX_ROWS that no oneDNN copy
 # takes (a model without copies, such as any 1B) are compute-bound there, and int8 ran them 1.4-1.8x faster
 # (4-, 5- and 8-bit tiles of 2048 x 640 to 8192 x 2048 at 8-64 rows, 2 threads, Sapphire Rapids). Its rounding
-# (a 254th of a block's largest activation) costs 0.5-1% of a product's value where int16's costs 0.003%, so the
-# few-row iterations of a decode keep int16: memory-bound, they would gain nothing. STALLFREE_CPU_INT8=0: never.
+# (a 254th of a block's largest activation) costs 0.5-1% of a product's value where int16's costs 0.003%, so on a
+# CPU with AMX the few-row iterations of a decode keep int16: memory-bound there, they would gain nothing.
+# STALLFREE_CPU_INT8=0: never.
 INT8_MIN_ROWS = CODE_MAX_ROWS + 1
+# On a CPU without AMX (AMD Zen 4) oneDNN's bfloat16 GEMM is slower than the code kernel's int8 products, and a
+# decode iteration of up to 64 rows takes the code kernel (int8 from INT8_MIN_ROWS) even where a oneDNN copy is
+# kept (cpu_decode.code_max_rows); the copies keep the prefill chunks past 64 rows. SmolLM2's compiled forward at
+# 16, 32 and 64 rows, 2 threads, Zen 4 (`bench iteration --compiled-decode now`): 21.2, 38.9 and 63.2 ms on the
+# codes against 34.3, 51.1 and 84.7 ms on the copies. int8 at 1-8 rows would be 1.05-1.26x there too (every
+# projection of SmolLM2, Gemma 3 270M and a 1B Q4_K_M), but it turned a one-stream greedy answer on SmolLM2 away
+# from the float32 model's (tests/test_cpu_decode.py), so a single stream keeps int16.
 # Rows from which a many-row matmul of a weight with no oneDNN copy dequantizes it into a scratch for oneDNN's
 # bfloat16 GEMM (models/cpu_code_dequantize.h) instead of taking the code kernel, where oneDNN runs bfloat16
 # GEMMs (AVX-512): the code kernel's integer sums are compute-bound past a few rows, the scratch costs one pass
