@@ -150,6 +150,29 @@ constexpr int kMaxRowsAtOnce = 4;  // rows sharing one pass over a tile's codes 
 // (read and written once a block), so the 2R int32 sums, the codes and the broadcast activations keep AVX2's 16
 // registers: held in registers too they spilled, and the int32 sums went through the stack at every product (1.6x
 // slower at 16 rows). (A block in two halves of 8 columns, one sum a row: 1.4x slower at one row.)
+// One record's integer sums (columns 0-7 in dot[r][0], 8-15 in dot[r][1]) added into R rows of `out`: the codes'
+// scale times each row's activation scale, plus the zero (stored, or -2^(BITS-1) scale) times the row's activation
+// sum. `first`: row r0's index into x's per-block scale and sum, `stride` the next row's distance. Both activation
+// forms (int16: QuantizedRows, int8: QuantizedRows8) end a block here.
+template <int BITS, bool ZERO, int R, typename Rows>
+inline void fold_block(const uint8_t* affine, const __m256i (*dot)[2], const Rows& x, int64_t first, int64_t stride,
+                       float* out) {
+  const __m128i* sp = reinterpret_cast<const __m128i*>(affine);
+  const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(sp)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(sp + 1));
+  const __m256 implicit = _mm256_set1_ps(-static_cast<float>(1 << (BITS - 1)));
+  const __m256 z0 = ZERO ? _mm256_cvtph_ps(_mm_loadu_si128(sp + 2)) : _mm256_mul_ps(s0, implicit);
+  const __m256 z1 = ZERO ? _mm256_cvtph_ps(_mm_loadu_si128(sp + 3)) : _mm256_mul_ps(s1, implicit);
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = first + r * stride;
+    const __m256 xs = _mm256_set1_ps(x.scale[i]), xsum = _mm256_set1_ps(x.sum[i]);
+    float* o = out + 16 * r;
+    const __m256 a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, xs), _mm256_loadu_ps(o));
+    const __m256 a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, xs), _mm256_loadu_ps(o + 8));
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(z0, xsum, a0));
+    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(z1, xsum, a1));
+  }
+}
+
 template <int BITS, bool ZERO, int R>
 inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int64_t blocks, float* out) {
   constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS, ZERO>();
@@ -203,20 +226,7 @@ inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
         }
       }
     }
-    const __m128i* sp = reinterpret_cast<const __m128i*>(wb + code_bytes);
-    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(sp)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(sp + 1));
-    const __m256 implicit = _mm256_set1_ps(-static_cast<float>(1 << (BITS - 1)));
-    const __m256 z0 = ZERO ? _mm256_cvtph_ps(_mm_loadu_si128(sp + 2)) : _mm256_mul_ps(s0, implicit);
-    const __m256 z1 = ZERO ? _mm256_cvtph_ps(_mm_loadu_si128(sp + 3)) : _mm256_mul_ps(s1, implicit);
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (r0 + r) * blocks_per_row + b;
-      const __m256 xs = _mm256_set1_ps(x.scale[i]), xsum = _mm256_set1_ps(x.sum[i]);
-      float* o = out + 16 * r;
-      __m256 a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, xs), _mm256_loadu_ps(o));
-      __m256 a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, xs), _mm256_loadu_ps(o + 8));
-      _mm256_storeu_ps(o, _mm256_fmadd_ps(z0, xsum, a0));
-      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(z1, xsum, a1));
-    }
+    fold_block<BITS, ZERO, R>(wb + code_bytes, dot, x, r0 * blocks_per_row + b, blocks_per_row, out);
   }
 }
 
@@ -293,20 +303,7 @@ inline void code_tile8(const uint8_t* w, const QuantizedRows8& x, int64_t r0, in
         }
       }
     }
-    const __m128i* sp = reinterpret_cast<const __m128i*>(wb + code_bytes);
-    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(sp)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(sp + 1));
-    const __m256 implicit = _mm256_set1_ps(-static_cast<float>(1 << (BITS - 1)));
-    const __m256 z0 = ZERO ? _mm256_cvtph_ps(_mm_loadu_si128(sp + 2)) : _mm256_mul_ps(s0, implicit);
-    const __m256 z1 = ZERO ? _mm256_cvtph_ps(_mm_loadu_si128(sp + 3)) : _mm256_mul_ps(s1, implicit);
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (r0 + r) * blocks_per_row + b;
-      const __m256 xs = _mm256_set1_ps(x.scale[i]), xsum = _mm256_set1_ps(x.sum[i]);
-      float* o = out + 16 * r;
-      __m256 a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, xs), _mm256_loadu_ps(o));
-      __m256 a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, xs), _mm256_loadu_ps(o + 8));
-      _mm256_storeu_ps(o, _mm256_fmadd_ps(z0, xsum, a0));
-      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(z1, xsum, a1));
-    }
+    fold_block<BITS, ZERO, R>(wb + code_bytes, dot, x, r0 * blocks_per_row + b, blocks_per_row, out);
   }
 }
 

@@ -38,6 +38,23 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
 }
 
 // One tile's 16 columns for rows r0 .. r0 + R - 1: out[r][c] (float32, 16 a row).
+// One record's integer sums into R rows' 16 columns: the codes' scale times each row's activation scale, plus the
+// zero (stored after the scales, or -2^(BITS-1) scale) times the row's activation sum. `affine`: the record's
+// float16 scales; `first`: row r0's index into x's per-block scale and sum, `stride` the next row's distance.
+// Both activation forms (int16: QuantizedRows, int8: QuantizedRows8) end a block here.
+template <int BITS, bool ZERO, int R, typename Rows>
+inline void fold_block(const uint8_t* affine, const __m512i* dot, const Rows& x, int64_t first, int64_t stride,
+                       __m512* acc) {
+  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(affine)));
+  const __m512 z = ZERO ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(affine + 32)))
+                        : _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = first + r * stride;
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, _mm512_set1_ps(x.scale[i])), acc[r]);
+    acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(x.sum[i]), acc[r]);
+  }
+}
+
 template <int BITS, bool ZERO, int R>
 inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int64_t blocks, float* out) {
   constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS, ZERO>();
@@ -73,14 +90,7 @@ inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
         for (int r = 0; r < R; ++r) dot[r] = _mm512_dpwssd_epi32(dot[r], v, _mm512_set1_epi32(xq[r][q]));
       }
     }
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes)));
-    const __m512 z = ZERO ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes + 32)))
-                          : _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (r0 + r) * blocks_per_row + b;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, _mm512_set1_ps(x.scale[i])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(x.sum[i]), acc[r]);
-    }
+    fold_block<BITS, ZERO, R>(wb + code_bytes, dot, x, r0 * blocks_per_row + b, blocks_per_row, acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
@@ -155,14 +165,7 @@ inline void vnni8_tile(const uint8_t* w, const QuantizedRows8& x, int64_t r0, in
         for (int r = 0; r < R; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], v, _mm512_set1_epi32(xq[r][m]));
       }
     }
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes)));
-    const __m512 z = ZERO ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes + 32)))
-                          : _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (r0 + r) * blocks_per_row + b;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, _mm512_set1_ps(x.scale[i])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(x.sum[i]), acc[r]);
-    }
+    fold_block<BITS, ZERO, R>(wb + code_bytes, dot, x, r0 * blocks_per_row + b, blocks_per_row, acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
