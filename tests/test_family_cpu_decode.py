@@ -33,10 +33,11 @@ def _no_weight_cache(monkeypatch):
 
 
 @functools.lru_cache(maxsize=None)
-def _gguf(family: str, root: str, kind: str = "q8_0") -> str:
-    model = LlamaForCausalLM(tiny_family_shape(family), torch.float32)
+def _gguf(family: str, root: str, kind: str = "q8_0", head_dim: int | None = None) -> str:
+    shape = tiny_family_shape(family)
+    model = LlamaForCausalLM(shape.with_(head_dim=head_dim) if head_dim else shape, torch.float32)
     init_random_weights(model, seed=5, norm_std=0.1)
-    path = f"{root}/{family}-{kind}.gguf"
+    path = f"{root}/{family}-{kind}{f'-d{head_dim}' if head_dim else ''}.gguf"
     write_family(path, model, kind, tokenizer=False)
     return path
 
@@ -64,10 +65,13 @@ def _python_path(runner: ModelRunner):
 
 
 # Q8_0 (8-bit tiles), Q5_0 (5-bit tiles: the Q4_K_M fallback of rows not a multiple of 256) and F16 (float
-# projections: oneDNN's copy or ATen's linear inside the compiled forward).
-@pytest.mark.parametrize("family,kind", [("qwen3", "q8_0"), ("gemma3", "q8_0"), ("gemma3", "q5_0"), ("qwen3", "f16")])
-def test_compiled_forward_follows_the_python_forward(family, kind, root):
-    runner = _runner(_gguf(family, root, kind))
+# projections: oneDNN's copy or ATen's linear inside the compiled forward); head_dim 256 (Gemma 3's: the decode
+# attention kernel's widest rows, windowed on the sliding layers).
+@pytest.mark.parametrize("family,kind,head_dim", [("qwen3", "q8_0", None), ("gemma3", "q8_0", None),
+                                                  ("gemma3", "q5_0", None), ("qwen3", "f16", None),
+                                                  ("gemma3", "q8_0", 256)])
+def test_compiled_forward_follows_the_python_forward(family, kind, head_dim, root):
+    runner = _runner(_gguf(family, root, kind, head_dim))
     assert runner.cpu_decode is not None, cpu_decode.unsupported(runner.model)
     decodes = []
     for i, n in enumerate((5, 9, 30)):  # Gemma's tiny window is 8: the first decode sees all its keys

@@ -298,8 +298,8 @@ void rope_and_write(const uint16_t* qkv, const int64_t* positions, const int64_t
 
 // The decode rows' query heads against their sequences' cached keys and values (the row's own included),
 // float32: decode k of the batch is row rows[k] of sequence seqs[k].
-// window > 0 (a sliding layer): the row sees only its sequence's last `window` keys; a row whose window is cut takes
-// the float32 loop.
+// window > 0 (a sliding layer): the row sees only its sequence's last `window` keys. Head sizes other than 64, 128
+// and 256, or a tier without either kernel, take the float32 loop.
 void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* tables,
                       const int32_t* seq_lens, const std::vector<int64_t>& rows, const std::vector<int64_t>& seqs,
                       uint16_t* out, const Dims& d, float scale, int64_t window) {
@@ -318,12 +318,14 @@ void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t
       const uint16_t* vh = v_cache + g * d.num_slots * D;
       const uint16_t* qg = q + (r * d.heads + g * group) * D;
 #ifdef STALLFREE_DECODE_ATTENTION_KERNEL
-      if ((D == 64 || D == 128) && start == 0) {  // the AVX512-BF16 or AVX2 kernel (cpu_decode_attention.h)
+      if (D == 64 || D == 128 || D == 256) {  // the AVX512-BF16 or AVX2 kernel (cpu_decode_attention.h)
         uint16_t* o = out + (r * d.heads + g * group) * D;
         if (D == 64)
-          decode_attention_bf16<4>(qg, kh, vh, table, d.block_size, L, group, scale, scores.data(), o);
+          decode_attention_bf16<4>(qg, kh, vh, table, d.block_size, start, L, group, scale, scores.data(), o);
+        else if (D == 128)
+          decode_attention_bf16<8>(qg, kh, vh, table, d.block_size, start, L, group, scale, scores.data(), o);
         else
-          decode_attention_bf16<8>(qg, kh, vh, table, d.block_size, L, group, scale, scores.data(), o);
+          decode_attention_bf16<16>(qg, kh, vh, table, d.block_size, start, L, group, scale, scores.data(), o);
         continue;
       }
 #endif

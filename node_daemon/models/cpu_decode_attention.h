@@ -31,19 +31,22 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
 }
 
-// One decode row's `group` query heads (q: bfloat16 [group, D]) against one kv head's L cached keys and values
-// (kh, vh: that head's [slots, D] planes; table: the sequence's block table); out [group, D] bfloat16.
-// scores: scratch of group * L floats. DV = D / 16 (the float32 accumulators of one output row).
+// One decode row's `group` query heads (q: bfloat16 [group, D]) against one kv head's cached keys and values at
+// positions start .. L - 1 (kh, vh: that head's [slots, D] planes; table: the sequence's block table; start > 0: a
+// sliding layer's window); out [group, D] bfloat16. scores: scratch of group * (L - start) floats. DV = D / 16 (the
+// float32 accumulators of one output row: 4, 8 or 16 for head_dim 64, 128 or 256).
 template <int DV>
 void decode_attention_bf16(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, const int32_t* table,
-                           int64_t block_size, int64_t L, int64_t group, float scale, float* scores, uint16_t* out) {
+                           int64_t block_size, int64_t start, int64_t L, int64_t group, float scale, float* scores,
+                           uint16_t* out) {
   constexpr int64_t D = 16 * DV, QV = D / 32;
+  const int64_t keys = L - start;
   for (int64_t j = 0; j < group; ++j) {
     __m512bh qv[QV];
     for (int64_t c = 0; c < QV; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + j * D + 32 * c);
-    float* sj = scores + j * L;
-    for (int64_t t0 = 0; t0 < L; t0 += 16) {
-      const int64_t n = std::min<int64_t>(16, L - t0);
+    float* sj = scores + j * keys;
+    for (int64_t i0 = 0; i0 < keys; i0 += 16) {
+      const int64_t n = std::min<int64_t>(16, keys - i0), t0 = start + i0;
       __m512 acc[16];
       int64_t block = t0 / block_size, offset = t0 % block_size;  // stepped, not divided, key by key
       for (int64_t tt = 0; tt < 16; ++tt) {
@@ -65,17 +68,19 @@ void decode_attention_bf16(const uint16_t* q, const uint16_t* kh, const uint16_t
           acc[tt] = _mm512_dpbf16_ps(acc[tt], qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
         if (++offset == block_size) offset = 0, ++block;
       }
-      _mm512_mask_storeu_ps(sj + t0, static_cast<__mmask16>((1u << n) - 1),
+      _mm512_mask_storeu_ps(sj + i0, static_cast<__mmask16>((1u << n) - 1),
                             _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
     }
-    const float inv = exp_shifted(sj, L);
+    const float inv = exp_shifted(sj, keys);
     __m512 o[DV];
     for (int d = 0; d < DV; ++d) o[d] = _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < L; t0 += block_size) {  // block by block: the table read once a block
-      const uint16_t* v = vh + static_cast<int64_t>(table[t0 / block_size]) * block_size * D;
-      const int64_t n = std::min(block_size, L - t0);
+    for (int64_t t0 = start; t0 < L;) {  // block by block: the table read once a block
+      const int64_t offset = t0 % block_size, n = std::min(block_size - offset, L - t0);
+      const uint16_t* v = vh + (static_cast<int64_t>(table[t0 / block_size]) * block_size + offset) * D;
+      const float* p_row = sj + (t0 - start);
+      t0 += n;
       for (int64_t tt = 0; tt < n; ++tt, v += D) {
-        const __m512 p = _mm512_set1_ps(sj[t0 + tt] * inv);
+        const __m512 p = _mm512_set1_ps(p_row[tt] * inv);
         for (int d = 0; d < DV; ++d) {
           const __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(
               _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * d))), 16));
@@ -111,14 +116,16 @@ inline __m256 load_bf16x8(const uint16_t* p) {
 // by side and summed by one tree (sum8); the softmax and the product with V in float32. DV = D / 16.
 template <int DV>
 void decode_attention_bf16(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, const int32_t* table,
-                           int64_t block_size, int64_t L, int64_t group, float scale, float* scores, uint16_t* out) {
+                           int64_t block_size, int64_t start, int64_t L, int64_t group, float scale, float* scores,
+                           uint16_t* out) {
   constexpr int64_t D = 16 * DV, QV = D / 8;
+  const int64_t keys = L - start;
   for (int64_t j = 0; j < group; ++j) {
     __m256 qv[QV];
     for (int64_t c = 0; c < QV; ++c) qv[c] = load_bf16x8(q + j * D + 8 * c);
-    float* sj = scores + j * L;
-    for (int64_t t0 = 0; t0 < L; t0 += 8) {
-      const int64_t n = std::min<int64_t>(8, L - t0);
+    float* sj = scores + j * keys;
+    for (int64_t i0 = 0; i0 < keys; i0 += 8) {
+      const int64_t n = std::min<int64_t>(8, keys - i0), t0 = start + i0;
       __m256 acc[8];
       int64_t block = t0 / block_size, offset = t0 % block_size;  // stepped, not divided, key by key
       for (int64_t tt = 0; tt < 8; ++tt) {
@@ -130,16 +137,18 @@ void decode_attention_bf16(const uint16_t* q, const uint16_t* kh, const uint16_t
       }
       float dots[8];
       _mm256_storeu_ps(dots, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));
-      std::memcpy(sj + t0, dots, n * sizeof(float));
+      std::memcpy(sj + i0, dots, n * sizeof(float));
     }
-    const float inv = exp_shifted(sj, L);
+    const float inv = exp_shifted(sj, keys);
     __m256 o[2 * DV];
     for (int d = 0; d < 2 * DV; ++d) o[d] = _mm256_setzero_ps();
-    for (int64_t t0 = 0; t0 < L; t0 += block_size) {  // block by block: the table read once a block
-      const uint16_t* v = vh + static_cast<int64_t>(table[t0 / block_size]) * block_size * D;
-      const int64_t n = std::min(block_size, L - t0);
+    for (int64_t t0 = start; t0 < L;) {  // block by block: the table read once a block
+      const int64_t offset = t0 % block_size, n = std::min(block_size - offset, L - t0);
+      const uint16_t* v = vh + (static_cast<int64_t>(table[t0 / block_size]) * block_size + offset) * D;
+      const float* p_row = sj + (t0 - start);
+      t0 += n;
       for (int64_t tt = 0; tt < n; ++tt, v += D) {
-        const __m256 p = _mm256_set1_ps(sj[t0 + tt] * inv);
+        const __m256 p = _mm256_set1_ps(p_row[tt] * inv);
         for (int d = 0; d < 2 * DV; ++d) o[d] = _mm256_fmadd_ps(p, load_bf16x8(v + 8 * d), o[d]);
       }
     }
