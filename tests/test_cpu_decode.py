@@ -83,7 +83,10 @@ def test_compiled_decode_follows_the_python_forward(lengths):
         want_k, want_v = k_cache.flatten(1, 2)[:, slots].clone(), v_cache.flatten(1, 2)[:, slots].clone()
     got = step(runner, _decode_chunks(reqs))  # rewrites the same slots
     got_k, got_v = k_cache.flatten(1, 2)[:, slots], v_cache.flatten(1, 2)[:, slots]
-    assert relative_error(got, want) < PATH_TOLERANCE
+    # 12 rows take int8 activations into the LM head (and, without oneDNN copies for them, the projections) where
+    # the tier has int8 products
+    int8_head = cpu_decode.int8_min_rows() and len(lengths) >= cpu_decode.int8_min_rows()
+    assert relative_error(got, want) < (INT8_PATH_TOLERANCE if int8_head else PATH_TOLERANCE)
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
     assert relative_error(got_k, want_k) < PATH_TOLERANCE and torch.equal(got_v, want_v)  # v is copied as is
 
