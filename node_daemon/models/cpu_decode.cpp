@@ -408,6 +408,7 @@ bool g_chunk_kernel = true;
 // mask (query j at position p sees keys p - window + 1 .. p).
 void chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const Plan& plan,
                      at::Tensor& out, const Dims& d, double scale, int64_t window = 0) {
+  if (plan.chunks.empty()) return;  // a decode-only iteration: not even the views below (a few us a layer)
   std::vector<const Chunk*> banded, whole;
   for (const Chunk& c : plan.chunks) (window > 0 && c.gather.size(0) > window ? banded : whole).push_back(&c);
 #ifdef STALLFREE_CHUNK_KERNEL
