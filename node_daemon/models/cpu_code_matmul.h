@@ -146,10 +146,6 @@ inline Affine record_affine(const uint8_t* rb, int bits, bool has_zero, int c) {
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kMaxRowsAtOnce = 4;  // rows sharing one pass over a tile's codes (3: no faster at 16 or 256 rows)
 
-// One tile's 16 columns for rows r0 .. r0 + R - 1 -> out[r][c] (float32, 16 a row). The float32 sums live in `out`
-// (read and written once a block), so the 2R int32 sums, the codes and the broadcast activations keep AVX2's 16
-// registers: held in registers too they spilled, and the int32 sums went through the stack at every product (1.6x
-// slower at 16 rows). (A block in two halves of 8 columns, one sum a row: 1.4x slower at one row.)
 // One record's integer sums (columns 0-7 in dot[r][0], 8-15 in dot[r][1]) added into R rows of `out`: the codes'
 // scale times each row's activation scale, plus the zero (stored, or -2^(BITS-1) scale) times the row's activation
 // sum. `first`: row r0's index into x's per-block scale and sum, `stride` the next row's distance. Both activation
@@ -173,6 +169,10 @@ inline void fold_block(const uint8_t* affine, const __m256i (*dot)[2], const Row
   }
 }
 
+// One tile's 16 columns for rows r0 .. r0 + R - 1 -> out[r][c] (float32, 16 a row). The float32 sums live in `out`
+// (read and written once a block), so the 2R int32 sums, the codes and the broadcast activations keep AVX2's 16
+// registers: held in registers too they spilled, and the int32 sums went through the stack at every product (1.6x
+// slower at 16 rows). (A block in two halves of 8 columns, one sum a row: 1.4x slower at one row.)
 template <int BITS, bool ZERO, int R>
 inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int64_t blocks, float* out) {
   constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS, ZERO>();

@@ -37,7 +37,6 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
   });
 }
 
-// One tile's 16 columns for rows r0 .. r0 + R - 1: out[r][c] (float32, 16 a row).
 // One record's integer sums into R rows' 16 columns: the codes' scale times each row's activation scale, plus the
 // zero (stored after the scales, or -2^(BITS-1) scale) times the row's activation sum. `affine`: the record's
 // float16 scales; `first`: row r0's index into x's per-block scale and sum, `stride` the next row's distance.
@@ -55,6 +54,7 @@ inline void fold_block(const uint8_t* affine, const __m512i* dot, const Rows& x,
   }
 }
 
+// One tile's 16 columns for rows r0 .. r0 + R - 1: out[r][c] (float32, 16 a row).
 template <int BITS, bool ZERO, int R>
 inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int64_t blocks, float* out) {
   constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS, ZERO>();

@@ -355,8 +355,8 @@ class Int4Weight:
             return dequantized[0](x.contiguous(), self.tiles.blocks)
         if self.code_kernel_applies(x.shape[0], any_rows):
             op, _, int8_min_rows = self.code_kernel
-            # an LM head's logits (float_out) take int8 from the same rows as the projections: llama.cpp's head
-            # takes int8 (Q8_0) activations at every row count; a single stream's keep int16
+            # an LM head's logits (float_out) take int8 from the same rows as the projections (llama.cpp's head
+            # takes int8 Q8_0 activations at every row count); one stream's 1-8 rows keep int16
             return op(x, self.tiles.blocks, self.tiles.bits, float_out, int8_min_rows)
         pack = self._torch_pack()
         if pack is None:
