@@ -153,6 +153,22 @@ def test_int8_activations_from_their_row_limit_where_the_tier_has_them(tier, nam
 
 
 @pytest.mark.parametrize("int8_tier", ["avx512_bf16", "avx2"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q8_0"])
+def test_int8_sums_of_a_row_do_not_depend_on_the_rows_beside_it(int8_tier, qtype):
+    """A pass over a tile serves several rows (8 on VNNI, 4 on AVX2) from the same codes: each row's sums are its
+    own, bit for bit, whichever pass and place in it the row lands in."""
+    kernels = cpu_decode.ops(resolve_tier(int8_tier)) if _kernel(int8_tier) else None
+    raw, _ = _gguf_blocks(qtype, 32, 256, seed=5)
+    weight = TiledCodes.from_codes(decode_blocks(raw, qtype, 32, 256))
+    if not kernels.int8_kernel() or (int8_tier == "avx2" and weight.bits == 8):
+        pytest.skip("no int8 body for these codes on this tier")
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(8)).bfloat16()
+    whole = kernels.code_matmul(x, weight.blocks, weight.bits, True, 1)
+    for begin, end in ((0, 1), (3, 12), (9, 25), (17, 40)):
+        assert torch.equal(kernels.code_matmul(x[begin:end], weight.blocks, weight.bits, True, 1), whole[begin:end])
+
+
+@pytest.mark.parametrize("int8_tier", ["avx512_bf16", "avx2"])
 def test_int8_activations_on_five_bit_codes_with_zeros_and_wide_ranging_rows(int8_tier):
     """5-bit tiles (the fifth bits added on bytes) with zeros (Q5_1's offsets), a zero block and rows of very
     different sizes: each block keeps its own int8 scale."""
@@ -173,7 +189,7 @@ def test_int8_activations_on_five_bit_codes_with_zeros_and_wide_ranging_rows(int
 
 def _gguf_blocks(qtype: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(block bytes [rows, bytes per row], gguf's own dequantization [rows, cols]) of random weights: quantized by
-    gguf where it can (Q5_0, Q5_1), else random codes under sane float16 scales (IQ4_NL, IQ4_XS)."""
+    gguf where it can (Q4_0 .. Q8_0), else random codes under sane float16 scales (IQ4_NL, IQ4_XS)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
@@ -181,7 +197,7 @@ def _gguf_blocks(qtype: str, rows: int, cols: int, seed: int) -> tuple[np.ndarra
 
     kind = GGMLQuantizationType[qtype]
     rng = np.random.default_rng(seed)
-    if qtype.startswith("Q5"):
+    if not qtype.startswith("IQ"):
         raw = quantize(rng.standard_normal((rows, cols)).astype(np.float32), kind).reshape(rows, -1)
     else:
         raw = rng.integers(0, 256, (rows, cols // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]), dtype=np.uint8)
