@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention kernels (auto: the best the device has)")
     m.add_argument("--cpu-dense-copy", choices=["auto", "on", "off"], default="auto",
                    help="AVX-512 CPUs: oneDNN bfloat16 copies of a GGUF model's projections for prefill chunks "
-                        "(2 bytes a parameter beside the codes; auto: while they take at most 1 GiB). Without "
+                        "(2 bytes a parameter beside the codes; auto: while they take at most 1 GiB, and never "
+                        "on AVX512-VNNI without AMX, where the code kernel's int8 products are faster). Without "
                         "them prefill chunks dequantize a projection at a time for the same GEMM: 1.1-1.4x slower "
                         "at 512-token chunks, 1.5-2x at the 64-token budgets a tight TPOT SLO holds")
     m.add_argument("--threads", type=int, default=0,

@@ -118,22 +118,28 @@ def test_a_released_int4_pack_is_refused_clearly_when_the_code_kernel_is_off():
 @needs_onednn_bf16()
 def test_on_avx512_the_onednn_copies_are_made_only_where_they_pay_and_without_them_the_codes_serve_many_rows(
         monkeypatch):
-    """auto: SmolLM2's projections' copies (0.21 GB) are made; a model whose copies would pass DENSE_COPY_AUTO_BYTES (a 1B
-    model's 2.5 GB) is served from its codes at every row count, as `off` serves any: past DEQUANT_MIN_ROWS rows
-    through the dequantized scratch and oneDNN's GEMM, below it on the code kernel, with the copy's products."""
+    """`on` makes SmolLM2's projections' copies (0.21 GB). auto makes them too unless the code kernel's int8 products
+    outrun oneDNN's GEMM (VNNI, no AMX: then every row count takes the codes, no scratch either) or the copies would
+    pass DENSE_COPY_AUTO_BYTES (a 1B model's 2.5 GB): such a model is served from its codes at every row count, as
+    `off` serves any, past DEQUANT_MIN_ROWS rows through the dequantized scratch and oneDNN's GEMM where int8 does not
+    outrun it. Either way, the copy's products."""
     from stallfree.node_daemon.models import loader
+    from stallfree.node_daemon.models.cpu_tier import cpu_tier
     from stallfree.node_daemon.models.loader import load_model
-    from stallfree.node_daemon.models.quantized import DEQUANT_MIN_ROWS
+    from stallfree.node_daemon.models.quantized import DEQUANT_MIN_ROWS, int8_switched_on
 
     def coded(model):
         return [m for m in model.modules() if isinstance(m, Linear) and m.int4 is not None]
 
     if not cpu_decode._load_or_build(build=True):
         pytest.skip(f"compiled extension unavailable: {cpu_decode.why_not()}")
-    made = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16")).model
+    int8_faster = cpu_tier().int8_outruns_onednn and int8_switched_on()
+    made = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16", cpu_dense_copy="on")).model
     # the coded tied head takes the code kernel at every row count: no copy of it
     assert all(m.packed is not None for m in coded(made)) and made.tied_lm_head_packed is None
     assert 0.15e9 < made.dense_copy_bytes() < 0.3e9
+    auto = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16")).model
+    assert all((m.packed is None) == int8_faster for m in coded(auto))
     monkeypatch.setattr(loader, "DENSE_COPY_AUTO_BYTES", 100 << 20)
     for setting in ("auto", "off"):
         codes_only = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16", cpu_dense_copy=setting)).model
@@ -141,8 +147,11 @@ def test_on_avx512_the_onednn_copies_are_made_only_where_they_pay_and_without_th
     cpu_decode.publish_code_kernel(codes_only)
     linear = made.layers[3].mlp.gate_up_proj
     twin = codes_only.layers[3].mlp.gate_up_proj
-    assert twin.int4.dequantized is not None and twin.int4.dequantized[1] == DEQUANT_MIN_ROWS
-    for rows in (24, DEQUANT_MIN_ROWS + 32):  # the code kernel; the dequantized scratch
+    if int8_faster:
+        assert twin.int4.dequantized is None
+    else:
+        assert twin.int4.dequantized is not None and twin.int4.dequantized[1] == DEQUANT_MIN_ROWS
+    for rows in (24, DEQUANT_MIN_ROWS + 32):  # the code kernel; the dequantized scratch, or the code kernel again
         hidden = torch.randn(rows, made.shape.hidden_size, generator=torch.Generator().manual_seed(rows)).bfloat16()
         assert relative_error(twin(hidden), linear(hidden)) < 0.01
     with pytest.raises(ValueError, match="cpu_dense_copy must be auto, on or off"):

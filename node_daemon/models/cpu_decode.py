@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from stallfree.node_daemon.models.cpu_tier import CpuTier, cpu_flags, cpu_tier
-from stallfree.node_daemon.models.quantized import CODE_MAX_ROWS, INT4_MAX_ROWS, INT8_MIN_ROWS, dequantize_min_rows
+from stallfree.node_daemon.models.quantized import (CODE_MAX_ROWS, INT4_MAX_ROWS, INT8_MIN_ROWS, dequantize_min_rows,
+                                                    int8_switched_on)
 
 if TYPE_CHECKING:
     from stallfree.node_daemon.models.llama import KVCache, LlamaForCausalLM
@@ -60,7 +61,6 @@ ENV_SWITCH = "STALLFREE_CPU_DECODE"
 MIXED_SWITCH = "STALLFREE_CPU_MIXED"
 CHUNK_KERNEL_SWITCH = "STALLFREE_CPU_CHUNK_KERNEL"
 CODE_KERNEL_SWITCH = "STALLFREE_CPU_CODE_KERNEL"
-INT8_SWITCH = "STALLFREE_CPU_INT8"
 # -fopenmp: ATen's at::parallel_for is a header template over OpenMP pragmas, so without it every kernel here ran
 # on one thread (torch's own libgomp serves the pragmas: the library needs libgomp.so.1, the soname torch loaded).
 _CFLAGS = ["-O3", "-fopenmp"]  # and the tier's target (CpuTier.cflags)
@@ -229,7 +229,7 @@ def int8_min_rows() -> int:
     """Rows from which the compiled forward's code kernel takes int8 activations (quantized.INT8_MIN_ROWS) where the
     loaded library has an int8 kernel (VNNI's VPDPBUSD, AVX2's VPMADDUBSW); 0 (never) elsewhere, before it loads,
     and under STALLFREE_CPU_INT8=0."""
-    if not _state["loaded"] or not enabled(INT8_SWITCH) or not ops().int8_kernel():
+    if not _state["loaded"] or not int8_switched_on() or not ops().int8_kernel():
         return 0
     return INT8_MIN_ROWS
 

@@ -6,6 +6,7 @@ builds one per tier) and which matmul takes a many-row iteration:
     tier         the CPU has                        few rows (decode)        many rows (prefill chunks)
     avx512_bf16  AVX-512 F/BW/VL/DQ + BF16 (+AMX)   VNNI kernel, else int4   oneDNN bfloat16 GEMM (prepacked copy)
     avx512       AVX-512 F/BW/VL/DQ                 VNNI kernel, else int4   oneDNN bfloat16 GEMM (prepacked copy)
+                 ... with VNNI and no AMX                                    VNNI kernel, int8 (no dense copy)
     avx2         AVX2 + FMA + F16C                  AVX2 code kernel         AVX2 code kernel (no dense copy)
     generic      anything else (x86-64, ARM, ...)   portable code kernel     portable code kernel (no dense copy)
 
@@ -79,6 +80,13 @@ class CpuTier:
     def onednn_bf16(self) -> bool:
         """oneDNN's bfloat16 GEMMs (prepacked copies for many-row iterations) run here."""
         return self.name in ("avx512", "avx512_bf16")
+
+    @property
+    def int8_outruns_onednn(self) -> bool:
+        """The code kernel's int8 products (AVX512-VNNI's VPDPBUSD) outrun oneDNN's bfloat16 GEMM at every row count:
+        a VNNI CPU without AMX (AMD Zen 4, Intel Ice Lake). There a coded projection keeps no oneDNN copy and is never
+        dequantized for one (models/quantized.py dequantize_min_rows, models/loader.py dense_copy_wanted)."""
+        return self.vnni and not self.amx
 
     @property
     def bf16_native(self) -> bool:

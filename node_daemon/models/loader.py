@@ -79,20 +79,30 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
 # of 9-63 rows (the mixed iterations a token budget held low for a TPOT SLO runs) take them 1.5-2x faster than the
 # code kernel or a dequantized scratch (models/cpu_code_dequantize.h), and losing them cut the prefill a replica
 # could do at a 64-token budget from 623 to 401 tok/s under `make run`'s SmolLM2 (the operator's verdict): worth
-# 2 bytes a parameter for a small model (SmolLM2's 0.21 GB, Gemma 3 270M's 0.2 GB). A 1B model's 2.5 GB would put
-# its RSS past llama.cpp's by more than the speed is worth: its prefill chunks take the dequantized scratch.
+# 2 bytes a parameter for a small model (SmolLM2's 0.21 GB, Gemma 3 270M's 0.2 GB). A 1B model's 2.5 GB would put its RSS past llama.cpp's by more than the speed is worth: its prefill chunks
+# take the dequantized scratch. Where the code kernel's int8 products outrun oneDNN (CpuTier.int8_outruns_onednn:
+# VNNI, no AMX) "auto" keeps no copy at all: 1,500 prompt tokens in 512-token chunks (the model runner, 2 threads,
+# AMD Zen 4) took 1.13 s on the codes against 1.22 s on SmolLM2's copies, 1.35 against 1.40 s on Gemma 3's, 6.0
+# against 8.5 s for a 1B's dequantized scratch, and peak RSS fell 210 MB (SmolLM2) and 200 MB (Gemma 3).
 DENSE_COPY_AUTO_BYTES = 1 << 30
 
 
 def dense_copy_wanted(setting: str, size: int) -> bool:
     """Whether a GGUF model's coded projections get oneDNN copies of `size` bytes (where the tier runs oneDNN's
-    bfloat16 GEMM at all). Without them, many-row iterations dequantize one projection at a time into a scratch for
-    the same GEMM (from DEQUANT_MIN_ROWS rows: models/quantized.py)."""
+    bfloat16 GEMM at all). Without them, many-row iterations take the code kernel's int8 products where those outrun
+    oneDNN, else dequantize one projection at a time into a scratch for the same GEMM (from DEQUANT_MIN_ROWS rows:
+    models/quantized.py)."""
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"cpu_dense_copy must be auto, on or off, got {setting!r}")
     from stallfree.node_daemon.models.cpu_tier import cpu_tier
+    from stallfree.node_daemon.models.quantized import int8_switched_on
 
-    if not cpu_tier().onednn_bf16 or not size or setting == "off":
+    tier = cpu_tier()
+    if not tier.onednn_bf16 or not size or setting == "off":
+        return False
+    if setting == "auto" and tier.int8_outruns_onednn and int8_switched_on():
+        log.info("no oneDNN copies of the coded projections: on this CPU (AVX512-VNNI, no AMX) the code kernel's "
+                 "int8 products outrun oneDNN's bfloat16 GEMM at every row count")
         return False
     if setting == "on" or size <= DENSE_COPY_AUTO_BYTES:
         log.info("oneDNN bfloat16 copies of the coded projections for many-row iterations: %.0f MB", size / 1e6)

@@ -21,13 +21,15 @@ Every weight with codes also keeps them as TiledCodes, the layout of the compile
 the tier has an int8 body) and the codes multiplied as they are stored, no float weight ever made, on every x86 tier (AVX512-VNNI, AVX2, portable loops; models/cpu_tier.py). Where
 oneDNN runs bfloat16 GEMMs (the AVX-512 tiers) iterations from DEQUANT_MIN_ROWS rows are compute-bound, and there
 each projection is dequantized into a scratch, one at a time, for oneDNN's GEMM (models/cpu_code_dequantize.h); kept
-dense copies prepacked for it (--cpu-dense-copy on) take the iterations past CODE_MAX_ROWS instead. Below AVX-512
+dense copies prepacked for it (--cpu-dense-copy on) take the iterations past CODE_MAX_ROWS instead. Below AVX-512,
+and where the code kernel's int8 products outrun oneDNN's GEMM (VNNI, no AMX: CpuTier.int8_outruns_onednn),
 every row count takes the code kernel and no dense copy is kept. Before the extension is loaded (a first start
 compiles it in the background) torch's int4 kernel serves the same codes. STALLFREE_CPU_CODE_KERNEL=0 keeps torch's
 int4 kernel (an A/B switch).
 """
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -54,6 +56,7 @@ CODE_MAX_ROWS = 8
 # CPU with AMX the few-row iterations of a decode keep int16: memory-bound there, they would gain nothing.
 # STALLFREE_CPU_INT8=0: never.
 INT8_MIN_ROWS = CODE_MAX_ROWS + 1
+INT8_SWITCH = "STALLFREE_CPU_INT8"
 # On a CPU without AMX (AMD Zen 4) oneDNN's bfloat16 GEMM is slower than the code kernel's int8 products, and a
 # decode iteration of up to 64 rows takes the code kernel (int8 from INT8_MIN_ROWS) even where a oneDNN copy is
 # kept (cpu_decode.code_max_rows); the copies keep the prefill chunks past 64 rows. SmolLM2's compiled forward at
@@ -418,10 +421,19 @@ def q8_0_tiles(raw: np.ndarray, rows: int, cols: int) -> TiledCodes | None:
 
 
 def dequantize_min_rows() -> int:
-    """DEQUANT_MIN_ROWS where oneDNN runs bfloat16 GEMMs on this CPU's tier, else 0 (never: the code kernel)."""
+    """DEQUANT_MIN_ROWS where oneDNN runs bfloat16 GEMMs on this CPU's tier, else 0 (never: the code kernel). 0 too
+    where the code kernel's int8 products outrun oneDNN's GEMM (CpuTier.int8_outruns_onednn) and are switched on."""
     from stallfree.node_daemon.models.cpu_tier import cpu_tier
 
-    return DEQUANT_MIN_ROWS if cpu_tier().onednn_bf16 else 0
+    tier = cpu_tier()
+    if not tier.onednn_bf16 or (tier.int8_outruns_onednn and int8_switched_on()):
+        return 0
+    return DEQUANT_MIN_ROWS
+
+
+def int8_switched_on() -> bool:
+    """STALLFREE_CPU_INT8 is not 0: the code kernel may take int8 activations (where its tier has them)."""
+    return os.environ.get(INT8_SWITCH, "1") not in ("0", "false", "no", "off")
 
 
 def int4_supported(dtype: torch.dtype, device: torch.device) -> bool:
