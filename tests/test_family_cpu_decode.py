@@ -80,12 +80,13 @@ def test_compiled_forward_follows_the_python_forward(family, kind, head_dim, roo
             req.append_output_token(int(prefill_all_rows(runner, req, 16)[-1].argmax()))
         decodes.append(req)
     decode_chunks = [ScheduledChunk(r, r.num_tokens - 1, 1, is_prefill=False, samples=True) for r in decodes]
-    prompt = [(17 * j) % 500 + 7 for j in range(40)]
-    chunked = make_request("c", prompt, [10, 11, 12])
+    prompt = [(17 * j) % 500 + 7 for j in range(60)]
+    chunked = make_request("c", prompt, [10, 11, 12, 13])
     with _python_path(runner):
         prefill_all_rows(runner, chunked, 16, start=0)
-    # A decode-only iteration, then the decodes beside a 21-token chunk over a 19-token cached prefix.
-    for chunks in (decode_chunks, decode_chunks + [ScheduledChunk(chunked, 19, 21, is_prefill=True, samples=True)]):
+    # A decode-only iteration, then the decodes beside a 21-token chunk over a 39-token cached prefix (on a sliding
+    # layer the chunk's first rows see none of the first 32 keys: the kernel's scores start past them).
+    for chunks in (decode_chunks, decode_chunks + [ScheduledChunk(chunked, 39, 21, is_prefill=True, samples=True)]):
         k_cache, _ = runner.kv_caches[0]
         with _python_path(runner):
             want = step(runner, chunks, all_logits=True)

@@ -80,9 +80,12 @@ inline float softmax_numerators(float* s, uint16_t* pr, int64_t limit, int64_t w
 }
 
 // One chunk of `len` query rows starting at row `first`, over a sequence of `keys` cached tokens (its own last):
-// query j sees keys 0 .. keys - len + j. q and out: [rows, heads * D] bfloat16; packed: one PackedKV per kv head.
+// query j sees keys 0 .. keys - len + j, or under a sliding `window` (> 0) its last `window` of them. q and out:
+// [rows, heads * D] bfloat16; packed: one PackedKV per kv head. A block of rows starts its scores at the key block
+// of its first row's first visible key: a sliding layer's cost stays the window's, however long the sequence.
 inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>& packed, int64_t first, int64_t len,
-                                 int64_t keys, uint16_t* out, int64_t heads, int64_t kv_heads, int64_t D, float scale) {
+                                 int64_t keys, uint16_t* out, int64_t heads, int64_t kv_heads, int64_t D, float scale,
+                                 int64_t window) {
   const int64_t group = heads / kv_heads, pairs = D / 2, blocks = (len + kQueryRows - 1) / kQueryRows;
   TORCH_CHECK(D % 64 == 0, "chunk attention: head_dim a multiple of 64");
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
@@ -94,7 +97,9 @@ inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>&
       const int64_t g = task / blocks, i0 = (task % blocks) * kQueryRows;
       const int64_t i1 = std::min(len, i0 + kQueryRows), vecs = (i1 - i0) * group;
       const int64_t visible = keys - len + i1;  // keys the block's last row sees
-      const int64_t width = (visible + kKeyPad - 1) / kKeyPad * kKeyPad;  // <= kv.padded
+      // the first row's first visible key, down to a whole key pad: scores [u][t - base] for keys base .. visible
+      const int64_t base = window > 0 ? std::max<int64_t>(0, keys - len + i0 + 1 - window) / kKeyPad * kKeyPad : 0;
+      const int64_t width = (visible - base + kKeyPad - 1) / kKeyPad * kKeyPad;  // base + width <= kv.padded
       const PackedKV& kv = packed[g];
       // Query vector u: row i0 + u / group, head g * group + u % group; padded to whole passes by repeating the
       // last one (its results are dropped).
@@ -111,7 +116,7 @@ inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>&
       for (int64_t u0 = 0; u0 < padded_vecs; u0 += kVecs) {
         const uint32_t* qv[kVecs];
         for (int64_t u = 0; u < kVecs; ++u) qv[u] = query(u0 + u);
-        for (int64_t kb = 0; kb < width / kKeyBlock; kb += 2) {  // two key blocks: 8 independent accumulators
+        for (int64_t kb = base / kKeyBlock; kb < (base + width) / kKeyBlock; kb += 2) {  // 8 accumulators
           const uint32_t* kp = kv.k.data() + kb * pairs * kKeyBlock;
           __m512 acc[kVecs][2];
           for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
@@ -125,27 +130,32 @@ inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>&
             }
           }
           for (int64_t u = 0; u < kVecs; ++u) {
-            float* s = scores.data() + (u0 + u) * width + kb * kKeyBlock;
+            float* s = scores.data() + (u0 + u) * width + kb * kKeyBlock - base;
             _mm512_storeu_ps(s, _mm512_mul_ps(acc[u][0], sc));
             _mm512_storeu_ps(s + kKeyBlock, _mm512_mul_ps(acc[u][1], sc));
           }
         }
       }
       for (int64_t u = 0; u < padded_vecs; ++u) {
-        const int64_t limit = keys - len + i0 + std::min(u, vecs - 1) / group + 1;  // causal: keys 0 .. limit - 1
+        const int64_t limit = keys - len + i0 + std::min(u, vecs - 1) / group + 1;  // causal: keys .. limit - 1
+        const int64_t skip = (window > 0 ? std::max<int64_t>(0, limit - window) : 0) - base;  // before its window
         limits[u] = limit;
-        inv[u] = 1.f / softmax_numerators(scores.data() + u * width, probs.data() + u * width, limit, width);
+        uint16_t* pr = probs.data() + u * width;
+        std::fill(pr, pr + skip, static_cast<uint16_t>(0));
+        inv[u] = 1.f / softmax_numerators(scores.data() + u * width + skip, pr + skip, limit - base - skip,
+                                          width - skip);
       }
       for (int64_t u0 = 0; u0 < padded_vecs; u0 += kVecs) {
         int64_t reach = 0;  // key pairs any of the pass's vectors sees
         for (int64_t u = 0; u < kVecs; ++u) reach = std::max(reach, (limits[u0 + u] + 1) / 2);
         const uint32_t* pv[kVecs];
-        for (int64_t u = 0; u < kVecs; ++u) pv[u] = reinterpret_cast<const uint32_t*>(probs.data() + (u0 + u) * width);
+        for (int64_t u = 0; u < kVecs; ++u)
+          pv[u] = reinterpret_cast<const uint32_t*>(probs.data() + (u0 + u) * width) - base / 2;
         for (int64_t c = 0; c < D; c += 64) {  // 64 dims (4 zmm) of the output at a time: 16 accumulators
           __m512 acc[kVecs][4];
           for (auto& row : acc)
             for (auto& a : row) a = _mm512_setzero_ps();
-          for (int64_t sp = 0; sp < reach; ++sp) {
+          for (int64_t sp = base / 2; sp < reach; ++sp) {
             const uint32_t* vp = kv.v.data() + sp * D + c;
             const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vp), v1 = (__m512bh)_mm512_loadu_si512(vp + 16);
             const __m512bh v2 = (__m512bh)_mm512_loadu_si512(vp + 32), v3 = (__m512bh)_mm512_loadu_si512(vp + 48);
@@ -215,7 +225,8 @@ inline float softmax_numerators(float* s, int64_t limit, int64_t width) {
 }
 
 inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>& packed, int64_t first, int64_t len,
-                                 int64_t keys, uint16_t* out, int64_t heads, int64_t kv_heads, int64_t D, float scale) {
+                                 int64_t keys, uint16_t* out, int64_t heads, int64_t kv_heads, int64_t D, float scale,
+                                 int64_t window) {
   const int64_t group = heads / kv_heads, blocks = (len + kQueryRows - 1) / kQueryRows;
   TORCH_CHECK(D % 16 == 0, "chunk attention: head_dim a multiple of 16");
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
@@ -225,7 +236,9 @@ inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>&
       const int64_t g = task / blocks, i0 = (task % blocks) * kQueryRows;
       const int64_t i1 = std::min(len, i0 + kQueryRows), vecs = (i1 - i0) * group;
       const int64_t visible = keys - len + i1;  // keys the block's last row sees
-      const int64_t width = (visible + kKeyPad - 1) / kKeyPad * kKeyPad;  // <= kv.padded
+      // the first row's first visible key, down to a whole key pad: scores [u][t - base] for keys base .. visible
+      const int64_t base = window > 0 ? std::max<int64_t>(0, keys - len + i0 + 1 - window) / kKeyPad * kKeyPad : 0;
+      const int64_t width = (visible - base + kKeyPad - 1) / kKeyPad * kKeyPad;  // base + width <= kv.padded
       const PackedKV& kv = packed[g];
       // Query vector u: row i0 + u / group, head g * group + u % group, widened to float32; padded to whole passes
       // by repeating the last one (its results are dropped).
@@ -242,7 +255,7 @@ inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>&
       const __m256 sc = _mm256_set1_ps(scale);
       for (int64_t u0 = 0; u0 < padded_vecs; u0 += kVecs) {
         const float* qv = qf.data() + u0 * D;
-        for (int64_t kb = 0; kb < width / kKeyBlock; kb += 2) {  // two key blocks: 8 independent accumulators
+        for (int64_t kb = base / kKeyBlock; kb < (base + width) / kKeyBlock; kb += 2) {  // 8 accumulators
           const float* kp = kv.k.data() + kb * D * kKeyBlock;
           __m256 acc[kVecs][2];
           for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
@@ -255,26 +268,29 @@ inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>&
             }
           }
           for (int64_t u = 0; u < kVecs; ++u) {
-            float* s = scores.data() + (u0 + u) * width + kb * kKeyBlock;
+            float* s = scores.data() + (u0 + u) * width + kb * kKeyBlock - base;
             _mm256_storeu_ps(s, _mm256_mul_ps(acc[u][0], sc));
             _mm256_storeu_ps(s + kKeyBlock, _mm256_mul_ps(acc[u][1], sc));
           }
         }
       }
       for (int64_t u = 0; u < padded_vecs; ++u) {
-        const int64_t limit = keys - len + i0 + std::min(u, vecs - 1) / group + 1;  // causal: keys 0 .. limit - 1
+        const int64_t limit = keys - len + i0 + std::min(u, vecs - 1) / group + 1;  // causal: keys .. limit - 1
+        const int64_t skip = (window > 0 ? std::max<int64_t>(0, limit - window) : 0) - base;  // before its window
         limits[u] = limit;
-        inv[u] = 1.f / softmax_numerators(scores.data() + u * width, limit, width);
+        float* su = scores.data() + u * width;
+        std::fill(su, su + skip, 0.f);
+        inv[u] = 1.f / softmax_numerators(su + skip, limit - base - skip, width - skip);
       }
       for (int64_t u0 = 0; u0 < padded_vecs; u0 += kVecs) {
         int64_t reach = 0;  // keys any of the pass's vectors sees
         for (int64_t u = 0; u < kVecs; ++u) reach = std::max(reach, limits[u0 + u]);
         const float* pv[kVecs];
-        for (int64_t u = 0; u < kVecs; ++u) pv[u] = scores.data() + (u0 + u) * width;
+        for (int64_t u = 0; u < kVecs; ++u) pv[u] = scores.data() + (u0 + u) * width - base;
         for (int64_t c = 0; c < D; c += 16) {  // 16 dims (2 ymm) of the output at a time: 8 accumulators
           __m256 acc[kVecs][2];
           for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
-          for (int64_t t = 0; t < reach; ++t) {
+          for (int64_t t = base; t < reach; ++t) {
             const float* vp = kv.v.data() + t * D + c;
             const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
             for (int64_t u = 0; u < kVecs; ++u) {

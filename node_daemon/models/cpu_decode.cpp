@@ -404,15 +404,19 @@ Plan plan_rows(const int32_t* query_start, const int32_t* tables, const int32_t*
 // Whether chunks take the AVX512-BF16 or AVX2 kernel (cpu_chunk_attention.h) where it was compiled in (set_chunk_kernel).
 bool g_chunk_kernel = true;
 
-// window > 0 (a sliding layer): a chunk of a sequence longer than the window takes ATen's attention under a banded
-// mask (query j at position p sees keys p - window + 1 .. p).
+// window > 0 (a sliding layer): query j at position p sees keys p - window + 1 .. p; the kernel starts each block
+// of rows at its window, ATen's attention (without the kernel) takes a chunk of a sequence longer than the window
+// under a banded mask, every (query, key) pair computed. Gemma 3's 512-token chunk over a 512-token prefix spent
+// 228 ms a forward in chunk attention that way (15 of its 18 layers sliding), 101 ms in the kernel (2 threads, Zen 4).
 void chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const Plan& plan,
                      at::Tensor& out, const Dims& d, double scale, int64_t window = 0) {
   if (plan.chunks.empty()) return;  // a decode-only iteration: not even the views below (a few us a layer)
   std::vector<const Chunk*> banded, whole;
   for (const Chunk& c : plan.chunks) (window > 0 && c.gather.size(0) > window ? banded : whole).push_back(&c);
 #ifdef STALLFREE_CHUNK_KERNEL
-  if (g_chunk_kernel && d.head_dim % 64 == 0 && !whole.empty()) {  // the AVX512-BF16 or AVX2 kernel
+  if (g_chunk_kernel && d.head_dim % 64 == 0) {  // the AVX512-BF16 or AVX2 kernel, banded chunks too
+    whole.insert(whole.end(), banded.begin(), banded.end());
+    banded.clear();
     std::vector<PackedKV> packed(d.kv_heads);
     for (const Chunk* chunk : whole) {
       const Chunk& c = *chunk;
@@ -424,7 +428,7 @@ void chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                   gather, keys, d.head_dim, packed[g]);
       });
       chunk_attention_bf16(bf16_ptr(q), packed, c.first, c.len, keys, bf16_mut(out), d.heads, d.kv_heads,
-                           d.head_dim, static_cast<float>(scale));
+                           d.head_dim, static_cast<float>(scale), window);
     }
     whole.clear();
   }
