@@ -119,10 +119,10 @@ def test_a_released_int4_pack_is_refused_clearly_when_the_code_kernel_is_off():
 def test_on_avx512_the_onednn_copies_are_made_only_where_they_pay_and_without_them_the_codes_serve_many_rows(
         monkeypatch):
     """`on` makes SmolLM2's projections' copies (0.21 GB). auto makes them too unless the code kernel's int8 products
-    outrun oneDNN's GEMM (VNNI, no AMX: then every row count takes the codes, no scratch either) or the copies would
-    pass DENSE_COPY_AUTO_BYTES (a 1B model's 2.5 GB): such a model is served from its codes at every row count, as
-    `off` serves any, past DEQUANT_MIN_ROWS rows through the dequantized scratch and oneDNN's GEMM where int8 does not
-    outrun it. Either way, the copy's products."""
+    outrun oneDNN's GEMM (VNNI, no AMX) and the compiled forward will serve (then every row count takes the codes,
+    no scratch either), or the copies would pass DENSE_COPY_AUTO_BYTES (a 1B model's 2.5 GB): such a model is served
+    from its codes at every row count, as `off` serves any, past DEQUANT_MIN_ROWS rows through the dequantized
+    scratch and oneDNN's GEMM where int8 does not outrun it. Either way, the copy's products."""
     from stallfree.node_daemon.models import loader
     from stallfree.node_daemon.models.cpu_tier import cpu_tier
     from stallfree.node_daemon.models.loader import load_model
@@ -138,8 +138,11 @@ def test_on_avx512_the_onednn_copies_are_made_only_where_they_pay_and_without_th
     # the coded tied head takes the code kernel at every row count: no copy of it
     assert all(m.packed is not None for m in coded(made)) and made.tied_lm_head_packed is None
     assert 0.15e9 < made.dense_copy_bytes() < 0.3e9
-    auto = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16")).model
+    auto = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16", compiled_decode="now")).model
     assert all((m.packed is None) == int8_faster for m in coded(auto))
+    # without the compiled forward nothing publishes the code kernel: the copies take the many-row iterations
+    python_path = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16", compiled_decode="off")).model
+    assert all(m.packed is not None for m in coded(python_path))
     monkeypatch.setattr(loader, "DENSE_COPY_AUTO_BYTES", 100 << 20)
     for setting in ("auto", "off"):
         codes_only = load_model(ModelConfig(model="smollm2-135m", dtype="bfloat16", cpu_dense_copy=setting)).model

@@ -82,10 +82,11 @@ def embedded_gguf_path() -> str:
 
 
 def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
-              name: str | None = None, dense_copy: str = "auto", release_dense: bool = False) -> LoadedModel:
-    """`dense_copy` (loader.dense_copy_wanted): whether the coded projections also get oneDNN copies; with
-    `release_dense` a projection served by its codes never has its dense weight written (its pages are never
-    resident; released after the load), and its oneDNN copy, if any, is made from the codes."""
+              name: str | None = None, dense_copy: str = "auto", release_dense: bool = False,
+              code_kernel: bool = True) -> LoadedModel:
+    """`dense_copy` (loader.dense_copy_wanted, with `code_kernel`): whether the coded projections also get oneDNN
+    copies; with `release_dense` a projection served by its codes never has its dense weight written (its pages are
+    never resident; released after the load), and its oneDNN copy, if any, is made from the codes."""
     from stallfree.node_daemon.models.gguf_file import GGUFFile
     from stallfree.node_daemon.text.tokenizer import gave_metadata
 
@@ -106,7 +107,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: torch.device, max_model_len
     int4 = int4_supported(dtype, device)
     # The copies are the projections' (a tied head with codes takes the code kernel alone: llama.py)
     copied = shape.num_parameters - (shape.vocab_size * shape.hidden_size if shape.tie_word_embeddings else 0)
-    model.dense_copy_wanted = not int4 or dense_copy_wanted(dense_copy, 2 * copied)
+    model.dense_copy_wanted = not int4 or dense_copy_wanted(dense_copy, 2 * copied, code_kernel)
     # Released dense weights are never decoded: oneDNN copies, where wanted, are made from the codes (layers.py).
     keep_dense = not int4 or not release_dense
     cached = weight_cache.cache_file(path, dtype, dense=keep_dense) if int4 else None

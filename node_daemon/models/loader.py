@@ -87,11 +87,13 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
 DENSE_COPY_AUTO_BYTES = 1 << 30
 
 
-def dense_copy_wanted(setting: str, size: int) -> bool:
+def dense_copy_wanted(setting: str, size: int, code_kernel: bool = True) -> bool:
     """Whether a GGUF model's coded projections get oneDNN copies of `size` bytes (where the tier runs oneDNN's
     bfloat16 GEMM at all). Without them, many-row iterations take the code kernel's int8 products where those outrun
     oneDNN, else dequantize one projection at a time into a scratch for the same GEMM (from DEQUANT_MIN_ROWS rows:
-    models/quantized.py)."""
+    models/quantized.py). `code_kernel`: whether the model will be served by the compiled library (its runner's
+    compiled forward is on); where it will not, or the library is not built yet (a first start compiles it while
+    torch's int4 kernel serves), auto keeps the copies even where int8 would outrun them."""
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"cpu_dense_copy must be auto, on or off, got {setting!r}")
     from stallfree.node_daemon.models.cpu_tier import cpu_tier
@@ -100,7 +102,7 @@ def dense_copy_wanted(setting: str, size: int) -> bool:
     tier = cpu_tier()
     if not tier.onednn_bf16 or not size or setting == "off":
         return False
-    if setting == "auto" and tier.int8_outruns_onednn and int8_switched_on():
+    if setting == "auto" and tier.int8_outruns_onednn and int8_switched_on() and code_kernel and _code_kernel_built():
         log.info("no oneDNN copies of the coded projections: on this CPU (AVX512-VNNI, no AMX) the code kernel's "
                  "int8 products outrun oneDNN's bfloat16 GEMM at every row count")
         return False
@@ -113,6 +115,13 @@ def dense_copy_wanted(setting: str, size: int) -> bool:
     return False
 
 
+def _code_kernel_built() -> bool:
+    """The compiled library is on, its code kernel too, and it is built for this tier (loaded here if so)."""
+    from stallfree.node_daemon.models import cpu_decode
+
+    return cpu_decode.enabled() and cpu_decode.enabled(cpu_decode.CODE_KERNEL_SWITCH) and cpu_decode.load_if_built()
+
+
 def _load(model_config: ModelConfig) -> LoadedModel:
     device = resolve_device(model_config.device)
     name = model_config.model
@@ -121,7 +130,8 @@ def _load(model_config: ModelConfig) -> LoadedModel:
 
         return load_gguf(embedded_gguf_path(), resolve_dtype(model_config.dtype, device, quantized=True), device,
                          model_config.max_model_len, name=EMBEDDED_MODEL, dense_copy=model_config.cpu_dense_copy,
-                         release_dense=model_config.release_dense_weights)
+                         release_dense=model_config.release_dense_weights,
+                         code_kernel=model_config.compiled_decode != "off")
     if name.lower() in SHAPES or name.lower().startswith(RANDOM_PREFIX):
         shape = get_shape(name.lower().removeprefix(RANDOM_PREFIX))
         return load_random(shape, resolve_dtype(model_config.dtype, device), device, model_config.max_model_len,
@@ -136,7 +146,8 @@ def _load(model_config: ModelConfig) -> LoadedModel:
 
         return load_gguf(name, resolve_dtype(model_config.dtype, device, quantized=True), device,
                          model_config.max_model_len, dense_copy=model_config.cpu_dense_copy,
-                         release_dense=model_config.release_dense_weights)
+                         release_dense=model_config.release_dense_weights,
+                         code_kernel=model_config.compiled_decode != "off")
     raise ValueError(f"unknown model {name!r}: give one of {', '.join(known_model_names())}, "
                      f"'random:<shape>', a Hugging Face model folder or a .gguf file")
 
