@@ -241,6 +241,11 @@ def code_max_rows() -> int:
     return MAX_ROWS if int8_min_rows() and not cpu_tier().amx else CODE_MAX_ROWS
 
 
+def is_built() -> bool:
+    """Whether the serving tier's library is loaded or compiled and cached (never compiles nor loads it)."""
+    return is_loaded() or _library_path(build_key(cpu_tier())).exists()
+
+
 def load_if_built() -> bool:
     """Load the serving tier's library where it is already built (never compiles): True once loaded."""
     return _load_or_build(build=False)

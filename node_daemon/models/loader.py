@@ -116,10 +116,10 @@ def dense_copy_wanted(setting: str, size: int, code_kernel: bool = True) -> bool
 
 
 def _code_kernel_built() -> bool:
-    """The compiled library is on, its code kernel too, and it is built for this tier (loaded here if so)."""
+    """The compiled library is on, its code kernel too, and it is built for this tier (its runner loads it)."""
     from stallfree.node_daemon.models import cpu_decode
 
-    return cpu_decode.enabled() and cpu_decode.enabled(cpu_decode.CODE_KERNEL_SWITCH) and cpu_decode.load_if_built()
+    return cpu_decode.enabled() and cpu_decode.enabled(cpu_decode.CODE_KERNEL_SWITCH) and cpu_decode.is_built()
 
 
 def _load(model_config: ModelConfig) -> LoadedModel:
