@@ -82,8 +82,9 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
 # 2 bytes a parameter for a small model (SmolLM2's 0.21 GB, Gemma 3 270M's 0.2 GB). A 1B model's 2.5 GB would put
 # its RSS past llama.cpp's by more than the speed is worth: its prefill chunks take the dequantized scratch. Where
 # the code kernel's int8 products outrun oneDNN (CpuTier.int8_outruns_onednn: VNNI, no AMX) "auto" keeps no copy at
-# all: 1,500 prompt tokens in 512-token chunks (the model runner, 2 threads, AMD Zen 4) took 1.13 s on the codes against 1.22 s on SmolLM2's copies, 1.35 against 1.40 s on Gemma 3's, 6.0
-# against 8.5 s for a 1B's dequantized scratch, and peak RSS fell 210 MB (SmolLM2) and 200 MB (Gemma 3).
+# all: 1,500 prompt tokens in 512-token chunks (the model runner, 2 threads, AMD Zen 4) took 1.13 s on the codes
+# against 1.22 s on SmolLM2's copies, 1.35 against 1.40 s on Gemma 3's, 6.0 against 8.5 s for a 1B's dequantized
+# scratch, and peak RSS fell 210 MB (SmolLM2) and 200 MB (Gemma 3).
 DENSE_COPY_AUTO_BYTES = 1 << 30
 
 
