@@ -146,6 +146,7 @@ def start_engine(opts: ServeConfig, daemon) -> None:
     gc.freeze()  # the profile's leftovers too
     return_freed_memory(after="the profile")
     async_engine = AsyncEngine(engine, opts.served_model_name, watch=StallWatch(threads=compute_threads()))
+    async_engine.after_each_burst(_release_after_burst)  # the heap an iteration reuses, handed back when quiet
     if retry is not None:
         def take(measured) -> None:  # on the engine thread: the daemon's one hand-off after start-up
             daemon.startup.give_profile(measured)
@@ -173,6 +174,14 @@ def start_engine(opts: ServeConfig, daemon) -> None:
     log.info("start-up: ready in %.1f s (%.1f s since the process started): serving %s on %s (max_model_len %d, "
              "%d KV blocks of %d)", time.monotonic() - started, _process_age_s(), opts.served_model_name, device,
              engine.max_model_len, kv_cache.num_blocks, kv_cache.block_size)
+
+
+def _release_after_burst() -> None:
+    from stallfree.node_daemon.process_memory import release_freed_heap
+
+    released = release_freed_heap()
+    if released >= 1 << 20:
+        log.debug("quiet: %d MB of freed heap returned to the system", released >> 20)
 
 
 def _report_cpu_paths(daemon, engine, engine_info: dict) -> None:

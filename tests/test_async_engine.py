@@ -300,6 +300,27 @@ async def test_a_quiet_task_runs_once_after_a_quiet_spell(client: AsyncEngine, r
     assert len(ran) == 1 and ran[0] - answered >= 0.6 - 0.05
 
 
+async def test_burst_tasks_run_once_after_each_burst_and_never_between_its_steps(client: AsyncEngine, reference,
+                                                                                  monkeypatch) -> None:
+    """The freed heap is handed back after a burst: once per quiet spell that follows steps, none before any."""
+    from stallfree.node_daemon.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "IDLE_TASK_QUIET_S", 0.4)
+    ran: list[float] = []
+    client.after_each_burst(lambda: ran.append(time.monotonic()))
+    await asyncio.sleep(0.6)
+    assert ran == [], "no burst has run yet"
+    for burst in (1, 2):
+        assert tokens_of(await collect(client, f"burst-{burst}", PROMPTS["a"])) == reference["a"]
+        answered = time.monotonic()
+        for _ in range(200):
+            if len(ran) == burst:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.6)
+        assert len(ran) == burst and ran[-1] - answered >= 0.4 - 0.05
+
+
 async def test_an_idle_task_runs_when_idle_and_yields_to_a_request(client: AsyncEngine, reference,
                                                                    monkeypatch) -> None:
     from stallfree.node_daemon.engine import async_engine

@@ -99,6 +99,8 @@ class AsyncEngine:
         self._idle_task: tuple[float, Callable[..., float | None]] | None = None
         self._last_step = time.monotonic()  # when the engine last ran a step: idle tasks wait for a quiet spell
         self._quiet_tasks: deque[Callable[[], Any]] = deque()
+        self._burst_tasks: list[Callable[[], Any]] = []
+        self._burst_tasks_ran = self._last_step  # they run after each burst of steps, not before the first
         self.stall_watch: TurnWatch = watch or _NoWatch()
         self._thread = threading.Thread(target=self._run, name="stallfree-engine", daemon=True)
         self._thread.start()
@@ -280,18 +282,29 @@ class AsyncEngine:
         self._quiet_tasks.append(task)
         self._wake.set()
 
+    def after_each_burst(self, task: Callable[[], Any]) -> None:
+        """Run task() on the engine thread after every quiet spell that follows steps (no step for
+        IDLE_TASK_QUIET_S): what a burst of serving left behind is tidied once, never between its steps."""
+        self._burst_tasks.append(task)
+
     def _idle(self) -> None:
-        """Nothing to run: sleep until woken, or run a quiet task or the idle task when it is due."""
-        if self._quiet_tasks:
+        """Nothing to run: sleep until woken, or run a quiet task, the burst tasks or the idle task when due."""
+        burst_done = bool(self._burst_tasks) and self._last_step > self._burst_tasks_ran
+        if self._quiet_tasks or burst_done:
             wait = self._last_step + IDLE_TASK_QUIET_S - time.monotonic()
             if wait > 0 or self._commands:
                 self._wake.wait(max(wait, 0.0))
                 self._wake.clear()
                 return
-            try:
-                self._quiet_tasks.popleft()()
-            except Exception:  # noqa: BLE001 - an idle task must never take the loop down
-                log.exception("quiet task failed")
+            if self._quiet_tasks:
+                tasks = [self._quiet_tasks.popleft()]
+            else:
+                tasks, self._burst_tasks_ran = self._burst_tasks, self._last_step
+            for task in tasks:
+                try:
+                    task()
+                except Exception:  # noqa: BLE001 - an idle task must never take the loop down
+                    log.exception("quiet task failed")
             return
         task = self._idle_task
         if task is None:
