@@ -5,8 +5,10 @@ commands (add, abort, tuning) to the engine thread through a deque and wake it w
 thread applies them between iterations, runs `LLMEngine.step()`, and hands each iteration's outputs
 back in one `call_soon_threadsafe` per event loop. With nothing to do it sleeps on the event (no
 spinning), or runs a task handed to `when_idle` (the start-up profile measured again), which stops at
-the next iteration when a command arrives. Each turn is reported to a `TurnWatch` (the daemon hands in
-measure/stall_watch.py's, which logs a slow turn with its cause). An exception in a step fails every in-flight request with finish_reason "error" and its
+the next iteration when a command arrives, or, once a burst of serving has gone quiet, those handed
+to `after_each_burst` (the freed heap handed back). Each turn is reported to a `TurnWatch` (the
+daemon hands in measure/stall_watch.py's, which logs a slow turn with its cause). An exception in a
+step fails every in-flight request with finish_reason "error" and its
 message, logs the traceback, and the loop carries on for new requests.
 
 Backpressure: a caller PAUSE_BACKLOG outputs behind (a streaming client that stopped reading) has its request
