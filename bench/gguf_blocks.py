@@ -67,9 +67,9 @@ def _random_bytes(rng: np.random.Generator, *shape: int) -> np.ndarray:
 
 
 def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator, std: float = 0.02) -> np.ndarray:
-    """[rows, bytes_per_row] valid blocks of `qtype` (Q4_0, Q4_K, Q5_K, Q6_K) whose weights have about `std`:
-    uniform codes, scales varied by a quarter around the one that gives `std` (signed where the type's are), mins
-    centring each sub-block."""
+    """[rows, bytes_per_row] valid blocks of `qtype` (Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) whose weights have about
+    `std`: uniform codes, scales varied by a quarter around the one that gives `std` (signed where the type's are),
+    mins centring each sub-block (Q2_K and Q3_K: random codes and scales under one d)."""
     if qtype == "Q4_0":  # d of either sign, as llama.cpp's quantizer writes it (d = signed max / -8)
         n = rows * cols // 32
         d = std / _UNIFORM_STD_16 * rng.uniform(0.75, 1.25, n) * rng.choice([-1.0, 1.0], n)
@@ -89,6 +89,14 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator, st
         sc = rng.integers(64, 128, (n, 16)) * rng.choice([-1, 1], (n, 16))  # signed, as in llama.cpp's files
         d = np.full(n, std / _UNIFORM_STD_64 / 96)
         raw = pack_q6_k(d, sc, _random_bytes(rng, n, QK_K) & 63)
+    elif qtype == "Q3_K":  # random masks, 2-bit lows and 6-bit scales (-32..31); q * sc has an RMS of about 43
+        n = rows * cols // QK_K
+        d = np.full(n, std / 43)
+        raw = np.concatenate([_random_bytes(rng, n, 108), _f16_bytes(d)], axis=1)
+    elif qtype == "Q2_K":  # random 4-bit (sc, m) and 2-bit codes; dmin = 1.5 d centres sc * q on average
+        n = rows * cols // QK_K
+        d = np.full(n, std / 10)
+        raw = np.concatenate([_random_bytes(rng, n, 80), _f16_bytes(d), _f16_bytes(1.5 * d)], axis=1)
     else:
         raise ValueError(f"no random blocks for {qtype}")
     return raw.reshape(rows, -1)

@@ -224,6 +224,21 @@ def test_q5_and_iq4_blocks_are_served_from_their_codes(tier, qtype, bits):
         assert relative_error(exact, x.double() @ weight.dequantize().double().T) < FLOAT_OUT_TOLERANCE
 
 
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K"])
+def test_two_and_three_bit_k_quants_take_the_code_kernel(tier, qtype):
+    """Q2_K and Q3_K (the bulk of Q2_K and Q3_K_M files) as 8-bit tiles (Q3_K exact and without zeros, Q2_K
+    re-coded: tests/test_kquants.py): the kernel's matmul is the matmul of the tiles' weights."""
+    from stallfree.bench.gguf_blocks import random_blocks
+
+    raw = random_blocks(qtype, 48, 512, np.random.default_rng(len(qtype)))
+    weight = TiledCodes.from_codes(decode_blocks(raw, qtype, 48, 512))
+    assert weight.bits == 8 and weight.has_zeros == (qtype == "Q2_K")
+    for rows in (1, 5, 11):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        exact = _matmul(tier, weight, x, float_out=True)
+        assert relative_error(exact, x.double() @ weight.dequantize().double().T) < FLOAT_OUT_TOLERANCE
+
+
 @pytest.mark.parametrize("qtype,zeros", [("Q4_0", False), ("Q5_0", False), ("Q8_0", False), ("IQ4_NL", False),
                                          ("Q4_1", True), ("Q5_1", True)])
 def test_symmetric_types_keep_the_files_bytes(qtype, zeros):

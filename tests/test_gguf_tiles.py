@@ -1,7 +1,7 @@
 """GGUF K-quant blocks tiled by the compiled library at load (models/cpu_gguf_tiles.h, models/gguf_tiles.py): the
-same bytes as the Python path's decode (kquant_codes.py) and layout (TiledCodes.from_codes), for Q4_K, Q5_K and Q6_K
-alone, for the fused projections of a Q4_K_M (Q4_K q/k beside a Q6_K or Q4_K v, in any order of arrival, q's rows
-unpermuted), for Q6_K blocks whose float16 scales cannot give their zeros (the layout then stores zeros, as the
+same bytes as the Python path's decode (kquant_codes.py) and layout (TiledCodes.from_codes), for Q2_K .. Q6_K
+alone, for the fused projections of Q4_K_M, Q3_K_M and Q2_K files (Q4_K q/k beside a Q6_K or Q4_K v, Q3_K q/k beside
+a Q5_K or Q6_K v, in any order of arrival, q's rows unpermuted), for Q6_K blocks whose float16 scales cannot give their zeros (the layout then stores zeros, as the
 Python path does), and for a whole model loaded both ways; bad shapes and types are refused with a clear error.
 
 Random valid blocks (every scale, min and code bit pattern) as tests/test_kquants.py makes them. Without a C++
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from stallfree.bench import gguf_blocks
 from stallfree.node_daemon.models import cpu_decode
 from stallfree.node_daemon.models.gguf_tiles import GgufBlocks, int4_of_parts, tiles_of_parts
 from stallfree.node_daemon.models.quantized import TiledCodes, decode_blocks, stack_parts
@@ -36,10 +37,12 @@ def _assert_same_tiles(got: TiledCodes | None, want: TiledCodes) -> None:
     assert torch.equal(got.blocks, want.blocks)
 
 
-@pytest.mark.parametrize("qtype, bits", [("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 8)])
+@pytest.mark.parametrize("qtype, bits", [("Q2_K", 8), ("Q3_K", 8), ("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 8)])
 def test_one_k_quant_tensor_is_tiled_into_the_python_paths_bytes(qtype, bits):
     rows, cols = 48, 512
-    part = GgufBlocks(_random_k_blocks(qtype, rows, cols, seed=11), qtype, cols)
+    raw = _random_k_blocks(qtype, rows, cols, seed=11) if qtype not in ("Q2_K", "Q3_K") else \
+        gguf_blocks.random_blocks(qtype, rows, cols, np.random.default_rng(11))
+    part = GgufBlocks(raw, qtype, cols)
     got = tiles_of_parts([(slice(0, rows), part)], rows)
     _assert_same_tiles(got, _python_tiles([(slice(0, rows), part)], rows))
     assert got.bits == bits
@@ -67,13 +70,21 @@ def test_q6_k_blocks_of_a_normal_size_need_no_zeros():
     _assert_same_tiles(tiles_of_parts([(slice(0, rows), part)], rows), want)
 
 
-@pytest.mark.parametrize("v_type", ["Q4_K", "Q5_K", "Q6_K"])
-def test_fused_q_k_v_parts_of_mixed_types_join_as_the_python_path_joins_them(v_type):
+@pytest.mark.parametrize("qk_type, v_type", [("Q4_K", "Q4_K"), ("Q4_K", "Q5_K"), ("Q4_K", "Q6_K"), ("Q3_K", "Q5_K"),
+                                             ("Q3_K", "Q6_K"), ("Q2_K", "Q3_K")])
+def test_fused_q_k_v_parts_of_mixed_types_join_as_the_python_path_joins_them(qk_type, v_type):
+    """Q4_K_M's q/k/v mixes, Q3_K_M's (Q3_K q/k beside a Q5_K or Q6_K v) and Q2_K's (Q2_K q/k, Q3_K v)."""
     cols, q_rows, kv_rows = 512, 64, 32
     order = np.random.default_rng(0).permutation(q_rows)  # q's rows unpermuted for RoPE, as the loader does
-    q = GgufBlocks(_random_k_blocks("Q4_K", q_rows, cols, seed=14), "Q4_K", cols).take_rows(order)
-    k = GgufBlocks(_random_k_blocks("Q4_K", kv_rows, cols, seed=15), "Q4_K", cols)
-    v = GgufBlocks(_random_k_blocks(v_type, kv_rows, cols, seed=16), v_type, cols)
+
+    def blocks(qtype: str, rows: int, seed: int) -> np.ndarray:
+        if qtype in ("Q2_K", "Q3_K"):
+            return gguf_blocks.random_blocks(qtype, rows, cols, np.random.default_rng(seed))
+        return _random_k_blocks(qtype, rows, cols, seed=seed)
+
+    q = GgufBlocks(blocks(qk_type, q_rows, 14), qk_type, cols).take_rows(order)
+    k = GgufBlocks(blocks(qk_type, kv_rows, 15), qk_type, cols)
+    v = GgufBlocks(blocks(v_type, kv_rows, 16), v_type, cols)
     rows = q_rows + 2 * kv_rows
     parts = [(slice(q_rows + kv_rows, rows), v), (slice(0, q_rows), q), (slice(q_rows, q_rows + kv_rows), k)]
     _assert_same_tiles(tiles_of_parts(parts, rows), _python_tiles(parts, rows))
@@ -98,7 +109,7 @@ def test_the_library_refuses_bad_shapes_and_types_with_a_clear_error():
     out = torch.empty(1, 8, 4 * 64 + 64, dtype=torch.uint8)
     none = torch.empty(0, dtype=torch.int64)
     assert tiler(out, 0, raw, "Q4_K", none)
-    with pytest.raises(RuntimeError, match="Q4_K, Q5_K or Q6_K"):
+    with pytest.raises(RuntimeError, match="Q2_K, Q3_K, Q4_K, Q5_K or Q6_K"):
         tiler(out, 0, raw, "Q8_0", none)
     with pytest.raises(RuntimeError, match="raw"):
         tiler(out, 0, raw[:, :100].contiguous(), "Q4_K", none)

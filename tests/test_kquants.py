@@ -1,5 +1,6 @@
-"""K-quants served from their codes (models/kquant_codes.py): Q4_K and Q5_K reproduce gguf's own dequantization,
-Q6_K within its stated re-coding bound, through BlockCodes, the compiled kernel's TiledCodes and torch's int4 kernel.
+"""K-quants served from their codes (models/kquant_codes.py): Q3_K, Q4_K and Q5_K reproduce gguf's own
+dequantization, Q6_K and Q2_K within their stated re-coding bounds, through BlockCodes, the compiled kernel's
+TiledCodes and torch's int4 kernel.
 
 gguf 0.19 cannot quantize K-quants, so blocks are random valid bytes (every scale, min and code bit pattern) packed
 by bench/gguf_blocks.py, whose packers are checked against gguf's dequantizer first; Q6_K's error is also measured
@@ -145,3 +146,49 @@ def test_mixed_planes_of_a_fused_projection_join_as_two():
 
 def test_k_quant_rows_not_of_whole_super_blocks_are_left_to_dequantization():
     assert decode_blocks(np.zeros((16, 144), np.uint8), "Q4_K", 16, 224) is None
+
+
+def test_q3_k_codes_are_exact_and_keep_no_zeros():
+    """Q3_K (Q3_K_M and Q2_K files): sc * q as an 8-bit code under the scale -d, exactly gguf's values, and
+    symmetric, so its tiles hold no zeros (8.5 bits a weight, where dequantized bfloat16 took 16)."""
+    rows, cols = 32, 512
+    raw = gguf_blocks.random_blocks("Q3_K", rows, cols, np.random.default_rng(9))
+    want = _gguf_dequantize(raw, "Q3_K").reshape(rows, cols)
+    codes = decode_blocks(raw, "Q3_K", rows, cols)
+    np.testing.assert_array_equal(codes.dequantize(), want)
+    tiles = TiledCodes.from_codes(codes)
+    assert (tiles.bits, tiles.has_zeros) == (8, False) and tiles.nbytes * 16 == rows * cols * 17
+    np.testing.assert_array_equal(tiles.dequantize().numpy(), want)  # d is float16 already: nothing rounds
+
+
+def test_q3_k_extreme_product_fits_its_code():
+    """sc = -32 and q = -4 give P = 128, one past int8: the code 128 - P keeps it (0)."""
+    raw = gguf_blocks.random_blocks("Q3_K", 16, 256, np.random.default_rng(10))
+    raw = raw.reshape(16, 110).copy()
+    raw[:, 0:32] = 0  # every high bit clear: q = low - 4
+    raw[:, 32:96] = 0  # low 0: q = -4
+    raw[:, 96:108] = 0  # every 6-bit scale 0: sc = -32
+    want = _gguf_dequantize(raw, "Q3_K").reshape(16, 256)
+    codes = decode_blocks(raw, "Q3_K", 16, 256)
+    np.testing.assert_array_equal(codes.dequantize(), want)
+    assert float(np.abs(want).min()) > 0
+
+
+def test_q2_k_recoding_is_within_a_510th_of_each_blocks_range():
+    """Q2_K's halves of a 32-weight block differ in scale and offset: re-coded on an 8-bit grid over the block's
+    range, each weight within half a grid step (a 510th of the range; Q2_K's own step is a third of a half's)."""
+    rows, cols = 32, 512
+    raw = gguf_blocks.random_blocks("Q2_K", rows, cols, np.random.default_rng(11))
+    want = _gguf_dequantize(raw, "Q2_K").reshape(rows, cols // 32, 32)
+    codes = decode_blocks(raw, "Q2_K", rows, cols)
+    got = codes.dequantize().reshape(rows, cols // 32, 32)
+    half_step = (want.max(axis=-1) - want.min(axis=-1))[..., None] / 510
+    assert (np.abs(got - want) <= half_step * (1 + 1e-4) + 1e-9).all()
+    assert not np.array_equal(got, want)  # re-coded, not exact: the bound above is what holds
+    tiles = TiledCodes.from_codes(codes)
+    assert (tiles.bits, tiles.has_zeros) == (8, True)
+    exact = codes.dequantize().reshape(rows, cols // 32, 32)
+    tiled = tiles.dequantize().numpy().reshape(rows, cols // 32, 32)
+    s = np.abs(codes.scale[:, :cols // 32, None])
+    bound = F16_HALF_ULP * (2 * s * 255 + np.abs(exact).max(axis=-1, keepdims=True)) + 1e-7
+    assert (np.abs(tiled - exact) <= bound).all()

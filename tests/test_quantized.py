@@ -73,7 +73,7 @@ def test_q4_0_blocks_map_with_zero_offset():
     codes = decode_blocks(raw, "Q4_0", rows, cols)
     want = ((q.astype(np.float32) - 8) * d[..., None].astype(np.float32)).reshape(rows, cols)
     np.testing.assert_array_equal(codes.dequantize(), want)
-    assert decode_blocks(raw, "Q2_K", rows, cols) is None  # no code mapping: the loader dequantizes it
+    assert decode_blocks(raw, "IQ2_XXS", rows, cols) is None  # no code mapping: the loader dequantizes it
 
 
 def test_fused_parts_stack_only_when_every_row_is_covered():

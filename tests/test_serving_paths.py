@@ -44,13 +44,15 @@ def _file_with(path: str, tensors: dict[str, tuple[str, int, int]]) -> str:
 def test_the_matrices_no_code_kernel_serves_are_counted_by_type(tmp_path):
     path = _file_with(str(tmp_path / "mixed.gguf"), {
         "blk.0.attn_q.weight": ("Q5_0", 64, 640),  # served from its codes
-        "blk.0.ffn_down.weight": ("Q2_K", 64, 512),  # no code kernel
-        "blk.1.ffn_down.weight": ("Q2_K", 64, 512),
-        "blk.0.attn_k.weight": ("Q3_K", 64, 256),
+        "blk.0.ffn_down.weight": ("IQ2_XXS", 64, 512),  # no code kernel
+        "blk.1.ffn_down.weight": ("IQ2_XXS", 64, 512),
+        "blk.0.attn_k.weight": ("IQ3_XXS", 64, 256),
+        "blk.1.attn_k.weight": ("Q3_K", 64, 256),  # served from its codes (8-bit)
+        "blk.1.attn_q.weight": ("Q2_K", 64, 512),
         "output_norm.weight": ("F32", 1, 64),  # a vector
         "blk.0.attn_v.weight": ("F16", 64, 64),  # a float weight, served as itself
     })
-    assert _dequantized_types(GGUFFile(path), int4=True) == {"Q2_K": 2, "Q3_K": 1}
+    assert _dequantized_types(GGUFFile(path), int4=True) == {"IQ2_XXS": 2, "IQ3_XXS": 1}
     assert _dequantized_types(GGUFFile(path), int4=False) == {}  # float32 or CUDA: no codes at all
 
 
@@ -63,19 +65,19 @@ def _loaded(dequantized: dict[str, int]) -> LoadedModel:
 
 def test_each_slow_path_is_one_line_and_the_fast_path_none():
     assert slow_paths(_loaded({}), compiled=True, why_not_compiled=None) == []
-    lines = slow_paths(_loaded({"Q2_K": 28}), compiled=False, why_not_compiled="no C++ compiler (c++) on PATH")
+    lines = slow_paths(_loaded({"IQ2_XXS": 28}), compiled=False, why_not_compiled="no C++ compiler (c++) on PATH")
     assert lines == ["forward: python (no C++ compiler (c++) on PATH)",
-                     "weights: 28 Q2_K matrices dequantized to bfloat16 (no code kernel for Q2_K at their width)"]
+                     "weights: 28 IQ2_XXS matrices dequantized to bfloat16 (no code kernel for IQ2_XXS at their width)"]
 
 
 def test_slow_paths_reach_metrics_and_the_stats_the_operator_reads():
     metrics = EngineMetrics("m")
-    metrics.set_slow_paths(["forward: python (compiling)", "weights: 2 Q2_K matrices dequantized"])
+    metrics.set_slow_paths(["forward: python (compiling)", "weights: 2 IQ2_XXS matrices dequantized"])
     text = generate_latest(metrics.registry).decode()
     assert 'stallfree_slow_path{model_name="m",path="forward: python (compiling)"} 1.0' in text
     metrics.set_slow_paths([])  # the compile loaded: the series go, not to 0
     assert "stallfree_slow_path{" not in generate_latest(metrics.registry).decode()
-    window = replace(stats(), slow_paths=("weights: 2 Q2_K matrices dequantized",))
+    window = replace(stats(), slow_paths=("weights: 2 IQ2_XXS matrices dequantized",))
     assert WindowStats.from_dict(window.to_dict()) == window
     old_daemon = stats().to_dict()
     del old_daemon["slow_paths"]

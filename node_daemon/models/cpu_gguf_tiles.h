@@ -1,4 +1,4 @@
-// GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) straight into the code kernel's tiles (cpu_code_matmul.h says the layout),
+// GGUF K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) straight into the code kernel's tiles (cpu_code_matmul.h says the layout),
 // at load: the bytes models/kquant_codes.py and TiledCodes.from_codes make, without their intermediate arrays.
 // Included by cpu_decode.cpp after cpu_code_matmul.h (record_kind).
 //
@@ -13,6 +13,7 @@
 //   4-bit tiles (every part Q4_K, one plane):           zero = (8s - dm) - 8s
 //   5- and 8-bit tiles (Q5_K, or parts of mixed types): zero = (((8s - dm) - 8s) + 128s) - 128s
 //   Q6_K (re-coded to an 8-bit code u per 32, kquant_codes.py says how): zero = -128s
+//   Q3_K (u = 128 - sc * q under s = -d) and Q2_K (re-coded per 32): as 8-bit tiles, from z = -128s and z = min
 #pragma once
 
 // A float32 product rounded on its own, never fused into the addition that follows (numpy rounds it first).
@@ -86,6 +87,61 @@ inline void decode_q6_k(const uint8_t* b, SuperBlock& out) {
   }
 }
 
+// The zero of an 8-bit block w = s * u + z as TiledCodes.from_codes joins its two planes (lo zero z + 8s, hi 128s).
+inline float eight_bit_zero(float s, float z) {
+  return (((z + 8.0f * s) - 8.0f * s) + 128.0f * s) - 128.0f * s;
+}
+
+// Q3_K (110 bytes: 32 of high-bit masks, 64 of 2-bit lows, 12 of packed 6-bit scales, d): w = d * sc * q, q in
+// -4..3, sc in -32..31 per 16 weights; exactly the 8-bit code u = 128 - sc * q (0..252) under the scale -d.
+inline void decode_q3_k(const uint8_t* b, SuperBlock& out) {
+  const uint8_t* mask = b;
+  const uint8_t* qs = b + 32;
+  const uint8_t* packed = b + 96;
+  const float s = -half_to_float(b[108] | (b[109] << 8));
+  int sc[16];
+  for (int i = 0; i < 16; ++i)
+    sc[i] = (((packed[i % 8] >> (4 * (i / 8))) & 15) | (((packed[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) - 32;
+  for (int w = 0; w < 256; ++w) {
+    const int low = (qs[32 * (w / 128) + w % 32] >> (2 * ((w % 128) / 32))) & 3;
+    const int q = low - 4 * (1 - ((mask[w % 32] >> (w / 32)) & 1));  // a clear mask bit: 4 below
+    out.u[w] = static_cast<uint8_t>(128 - sc[w / 16] * q);
+  }
+  for (int blk = 0; blk < 8; ++blk) {
+    out.scale[blk] = s;
+    out.zero[blk] = eight_bit_zero(s, -128.0f * s);
+  }
+}
+
+// Q2_K (84 bytes: 16 of packed 4-bit (sc, m), 64 of 2-bit codes, d, dmin): w = d * sc * q - dmin * m per 16 weights,
+// computed as gguf computes it, re-coded per 32 on an 8-bit grid over the block's range (kquant_codes._q2_k).
+inline void decode_q2_k(const uint8_t* b, SuperBlock& out) {
+  const uint8_t* packed = b;
+  const uint8_t* qs = b + 16;
+  const float d = half_to_float(b[80] | (b[81] << 8)), dmin = half_to_float(b[82] | (b[83] << 8));
+  for (int blk = 0; blk < 8; ++blk) {
+    float w[32];
+    float low = 0.0f, high = 0.0f;
+    for (int l = 0; l < 32; ++l) {
+      const int i = 32 * blk + l, sub = i / 16;
+      const float dl = rounded_product(d, static_cast<float>(packed[sub] & 15));
+      const float ml = rounded_product(dmin, static_cast<float>(packed[sub] >> 4));
+      const int q = (qs[32 * (i / 128) + i % 32] >> (2 * ((i % 128) / 32))) & 3;
+      w[l] = rounded_product(dl, static_cast<float>(q)) - ml;
+      low = l == 0 ? w[l] : std::min(low, w[l]);
+      high = l == 0 ? w[l] : std::max(high, w[l]);
+    }
+    const float s = (high - low) / 255.0f;
+    const float step = s > 0.0f ? s : 1.0f;
+    for (int l = 0; l < 32; ++l) {
+      const float u = std::nearbyint((w[l] - low) / step);
+      out.u[32 * blk + l] = static_cast<uint8_t>(std::min(255.0f, std::max(0.0f, u)));
+    }
+    out.scale[blk] = s;
+    out.zero[blk] = eight_bit_zero(s, low);
+  }
+}
+
 // 16 rows' codes [16][K] and affine [16][K / 32] into one tile's records (bits 4, 5 or 8; zeros when `zero`).
 // False where a record without zeros cannot hold a block (its zero is not -2^(bits-1) times its float16 scale).
 inline bool write_tile(const uint8_t* u, const float* scale, const float* zero, int64_t k, int bits, bool with_zero,
@@ -136,9 +192,11 @@ inline bool gguf_tiles(at::Tensor out, int64_t row_start, const at::Tensor& raw,
   const std::optional<RecordKind> kind = record_kind(out.dim() == 3 ? out.size(2) : 0);
   TORCH_CHECK(kind && out.scalar_type() == at::kByte && out.is_contiguous(),
               "gguf_tiles: out [N / 16, K / 32, record] uint8, contiguous");
-  const bool q4 = qtype == "Q4_K", q5 = qtype == "Q5_K", q6 = qtype == "Q6_K";
-  TORCH_CHECK(q4 || q5 || q6, "gguf_tiles: Q4_K, Q5_K or Q6_K, not ", qtype);
-  const int64_t block_bytes = q4 ? 144 : q5 ? 176 : 210;
+  const bool q2 = qtype == "Q2_K", q3 = qtype == "Q3_K", q4 = qtype == "Q4_K", q5 = qtype == "Q5_K",
+             q6 = qtype == "Q6_K";
+  TORCH_CHECK(q2 || q3 || q4 || q5 || q6, "gguf_tiles: Q2_K, Q3_K, Q4_K, Q5_K or Q6_K, not ", qtype);
+  const int64_t block_bytes = q2 ? 84 : q3 ? 110 : q4 ? 144 : q5 ? 176 : 210;
+  const bool eight_bit = q2 || q3 || q6;  // codes past 31
   const int64_t k = out.size(1) * kQBlock, rows = raw.size(0), supers = k / 256;
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && k % 256 == 0 &&
                   raw.size(1) == supers * block_bytes,
@@ -148,7 +206,7 @@ inline bool gguf_tiles(at::Tensor out, int64_t row_start, const at::Tensor& raw,
   const bool ordered = order.numel() > 0;
   TORCH_CHECK(!ordered || (order.numel() == rows && order.scalar_type() == at::kLong),
               "gguf_tiles: order [rows] int64");
-  TORCH_CHECK(kind->bits == 8 || (!q6 && (kind->bits == 5 || !q5)), "gguf_tiles: ", qtype,
+  TORCH_CHECK(kind->bits == 8 || (!eight_bit && (kind->bits == 5 || !q5)), "gguf_tiles: ", qtype,
               " codes do not fit ", kind->bits, "-bit records");
   const int64_t* src = ordered ? order.data_ptr<int64_t>() : nullptr;
   for (int64_t i = 0; src && i < rows; ++i)
@@ -166,7 +224,14 @@ inline bool gguf_tiles(at::Tensor out, int64_t row_start, const at::Tensor& raw,
         const int64_t r = 16 * t + c, from = src ? src[r] : r;
         for (int64_t i = 0; i < supers; ++i) {
           const uint8_t* b = in + from * supers * block_bytes + i * block_bytes;
-          q6 ? decode_q6_k(b, sb) : decode_q45_k(b, q5, kind->bits == 4, sb);
+          if (q6)
+            decode_q6_k(b, sb);
+          else if (q3)
+            decode_q3_k(b, sb);
+          else if (q2)
+            decode_q2_k(b, sb);
+          else
+            decode_q45_k(b, q5, kind->bits == 4, sb);
           std::memcpy(&u[c * k + 256 * i], sb.u, 256);
           std::memcpy(&scale[c * blocks + 8 * i], sb.scale, sizeof sb.scale);
           std::memcpy(&zero[c * blocks + 8 * i], sb.zero, sizeof sb.zero);

@@ -1,9 +1,9 @@
 """Load a Llama-family GGUF file (llama.cpp's format) into LlamaForCausalLM; quantised weights stay quantised.
 
-Serving in bfloat16 on the CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, IQ4_NL and IQ4_XS tensors are served
-from their codes (models/quantized.py, small_block_codes.py, kquant_codes.py: exact up to the rounding of the block
-scales), and Q6_K re-coded to 8-bit codes per 32 weights (within 1/8 of its own step); every other type is
-dequantized, and start-up says which (models/serving_paths.py). Each layer keeps
+Serving in bfloat16 on the CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, IQ4_NL and IQ4_XS tensors are
+served from their codes (models/quantized.py, small_block_codes.py, kquant_codes.py: exact up to the rounding of the
+block scales), and Q6_K and Q2_K re-coded to 8-bit codes per 32 weights (within 1/8 of Q6_K's step, a 510th of a
+Q2_K block's range); every other type is dequantized, and start-up says which (models/serving_paths.py). Each layer keeps
 a dequantized copy in the serving dtype for larger iterations (compute-bound there) and for float32,
 the reference path. llama.cpp's converter permutes the rows of Q and K of `llama` models so its
 RoPE can rotate adjacent pairs; our RoPE rotates halves (Hugging Face's convention), so those rows
@@ -292,7 +292,8 @@ def _log_int4(model: LlamaForCausalLM, reader, codes: dict[str, str]) -> None:
     kinds = sorted(set(codes.values()))
     others = sorted({t.tensor_type.name for t in reader.tensors if _hf_name(t.name, model.shape.family) not in codes
                      and len(t.shape) > 1})
-    recoded = "; Q6_K re-coded to 8-bit codes per 32 weights" if "Q6_K" in kinds else ""
+    recoded_kinds = [kind for kind in ("Q2_K", "Q6_K") if kind in kinds]
+    recoded = f"; {' and '.join(recoded_kinds)} re-coded to 8-bit codes per 32 weights" if recoded_kinds else ""
     log.info("served from their GGUF codes (%s); %d projections dense%s%s%s",
              ", ".join(kinds) or "none", len(dense), f" ({', '.join(dense[:4])}{', ...' if len(dense) > 4 else ''})"
              if dense else "", f"; dequantized types: {', '.join(others)}" if others else "", recoded)

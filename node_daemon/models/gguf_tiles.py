@@ -1,5 +1,5 @@
-"""GGUF K-quant tensors (Q4_K, Q5_K, Q6_K: the weights of every published Q4_K_M and Q5_K_M) tiled for the code
-kernel by the compiled library at load (cpu_gguf_tiles.h), where it is already built for this tier.
+"""GGUF K-quant tensors (Q2_K .. Q6_K: the weights of every published Q2_K, Q3_K_M, Q4_K_M and Q5_K_M) tiled for
+the code kernel by the compiled library at load (cpu_gguf_tiles.h), where it is already built for this tier.
 
 A first start on a new file otherwise decodes every weight through numpy (kquant_codes.py), lays the codes out
 again (TiledCodes.from_codes) and joins the parts of q/k/v and gate/up: 8 s for a 1B Q4_K_M, most of that start.
@@ -20,7 +20,9 @@ from stallfree.node_daemon.models import kquant_codes
 from stallfree.node_daemon.models.quantized import (BlockCodes, Int4Weight, TiledCodes, decode_blocks, stack_parts,
                                                     tiles_from_blocks)
 
-TILED_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+TILED_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+EIGHT_BIT_TYPES = {"Q2_K", "Q3_K", "Q6_K"}  # codes past 31
+SYMMETRIC_TYPES = {"Q3_K", "Q6_K"}  # zeros that follow from the scales, where float16 allows
 
 
 @dataclass
@@ -73,8 +75,8 @@ def file_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> GgufBlocks
 
 def tiles_of_parts(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCodes | None:
     """One matrix's tiles from its row parts (q, k, v or gate, up; one part for the rest) by the compiled library:
-    4-bit codes where every part is Q4_K, 8-bit where any is Q6_K, else 5-bit; zeros unless every part is Q6_K (and
-    then too where a block's float16 scale cannot give its zero), as TiledCodes.from_codes lays the decoded codes out.
+    4-bit codes where every part is Q4_K, 8-bit where any is Q2_K, Q3_K or Q6_K, else 5-bit; zeros unless every part
+    is Q3_K or Q6_K (and then too where a block's float16 scale cannot give its zero), as TiledCodes.from_codes lays the decoded codes out.
     None unless the parts cover the rows in whole tiles and the library is built."""
     tiler = compiled_tiler()
     ordered = sorted(parts, key=lambda item: item[0].start or 0)
@@ -86,9 +88,9 @@ def tiles_of_parts(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCod
     if tiler is None or covered != rows or rows % 16:
         return None
     types = {part.qtype for _, part in ordered}
-    bits = 4 if types == {"Q4_K"} else 8 if "Q6_K" in types else 5
+    bits = 4 if types == {"Q4_K"} else 8 if types & EIGHT_BIT_TYPES else 5
     groups = ordered[0][1].cols // 32
-    for zeros in ([False, True] if types == {"Q6_K"} else [True]):
+    for zeros in ([False, True] if types <= SYMMETRIC_TYPES else [True]):
         out = torch.empty(rows // 16, groups, bits * 64 + (64 if zeros else 32), dtype=torch.uint8)
         written = True
         for rows_slice, part in ordered:

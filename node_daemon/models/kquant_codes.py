@@ -1,5 +1,5 @@
-"""GGUF's K-quants (Q4_K, Q5_K, Q6_K) as code planes of 32-weight groups (models/quantized.py's BlockCodes form:
-value = (code - 8) * scale + zero per group, summed over the planes).
+"""GGUF's K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) as code planes of 32-weight groups (models/quantized.py's
+BlockCodes form: value = (code - 8) * scale + zero per group, summed over the planes).
 
 The byte layouts are read as the installed gguf package's dequantize_blocks read them (gguf/quants.py), with its
 own get_scale_min for the packed 6-bit scales and mins. A 256-weight super-block holds a float16 d (and dmin) and
@@ -12,6 +12,10 @@ per-sub-block integer scales:
                                                                     zero 128s), s = d*sc, z = -dmin*m (exact)
     Q6_K  w = d*sc*q, q in -32..31, sc int8 per 16 weights        -> not affine per 32 where the two 16-scales
                                                                     differ: RE-CODED to an 8-bit code per 32
+    Q3_K  w = d*sc*q, q in -4..3, sc 6 bits (-32..31) per 16      -> the integer P = sc*q (-124..128) as an 8-bit
+                                                                    code u = 128 - P, scale -d (exact: Q8_0's form)
+    Q2_K  w = d*sc*q - dmin*m, q 2 bits, (sc, m) 4 bits per 16    -> two offsets per 32: RE-CODED to an 8-bit code
+                                                                    per 32 on a grid over the block's range
 
 Q6_K's re-coding: per 32 weights the integers P = sc*q (w = d*P). Where both 16-scales are equal in magnitude the
 block is exact (s = d*|sc|, u = P/|sc| + 128). Otherwise the grid is a quarter of the larger 16-scale's step,
@@ -21,6 +25,10 @@ larger 6-bit step d*max|sc| per weight, RMS 0.05 of it (Q6_K's own rounding is u
 tests/test_kquants.py measures both). A grid spread over the range (s = range/255) would round both halves: RMS
 0.07. The codes take Q8_0's form w = s*(u - 128) (zeros 8s and 0: multiples of s, so rounding the scales to
 bfloat16 for torch's int4 kernel adds no offset error).
+
+Q2_K's re-coding: a 32-weight block's two halves differ in scale and offset (d*sc, dmin*m), so no one affine
+grid holds both exactly; its 8-bit grid spans the block's decoded values (s = (max - min)/255, zero = min), each
+within s/2 = a 510th of the block's range (Q2_K's own step is a third of a half's range).
 
 The compiled kernel's layout (quantized.TiledCodes) holds scale and zero in float16: d*sc has up to 17 significant
 bits, so there K-quant scales and zeros are rounded to float16 (a half ulp, 2^-11, of each: under 1% of a 4-bit
@@ -32,8 +40,8 @@ from __future__ import annotations
 import numpy as np
 
 QK_K = 256  # weights per super-block
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-PLANES = {"Q4_K": 1, "Q5_K": 2, "Q6_K": 2}
+BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+PLANES = {"Q2_K": 2, "Q3_K": 2, "Q4_K": 1, "Q5_K": 2, "Q6_K": 2}
 # Weights decoded at a time: bounds the temporaries (a 49k x 2048 embedding would take several hundred MB at
 # start-up) and keeps them in cache.
 _CHUNK_WEIGHTS = 1 << 19
@@ -48,7 +56,7 @@ def decode(raw: np.ndarray, qtype: str, rows: int, cols: int) -> tuple[np.ndarra
     scale = np.empty((rows, planes * groups), np.float32)
     zero = np.empty((rows, planes * groups), np.float32)
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // QK_K, BLOCK_BYTES[qtype])
-    decode_chunk = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}[qtype]
+    decode_chunk = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}[qtype]
     chunk_rows = max(1, _CHUNK_WEIGHTS // cols)
     for start in range(0, rows, chunk_rows):
         part = blocks[start:start + chunk_rows]
@@ -121,3 +129,39 @@ def _q6_k(blocks: np.ndarray):
     # w = s*(u - 128): Q8_0's planes, lo (scale s, zero 8s) and hi (scale 16s, zero 0)
     codes = np.stack([u & 15, u >> 4], axis=1)
     return codes, np.stack([s, 16.0 * s], axis=1), np.stack([8.0 * s, np.zeros_like(s)], axis=1)
+
+
+def _two_bit_values(qs: np.ndarray) -> np.ndarray:
+    """[n, 64] bytes -> [n, 256] 2-bit values: each 32 bytes give four 32-weight runs, bits 0-1, 2-3, 4-5, 6-7."""
+    q = qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    return (q & 3).reshape(-1, QK_K)
+
+
+def _q3_k(blocks: np.ndarray):
+    """110 bytes: 32 of high-bit masks, 64 of 2-bit lows, 12 of packed 6-bit scales, d (gguf's Q3_K layout)."""
+    n = blocks.shape[0]
+    low = blocks[:, 96:104].reshape(n, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)
+    high = blocks[:, 104:108].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)
+    sc = ((low.reshape(n, 16) & 15) | ((high.reshape(n, 16) & 3) << 4)).astype(np.int16) - 32  # one per 16
+    mask = (blocks[:, 0:32].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = _two_bit_values(blocks[:, 32:96]).astype(np.int16) - 4 * (1 - mask.reshape(n, QK_K).astype(np.int16))
+    p = (q.reshape(n, 16, 16) * sc[:, :, None]).reshape(n, QK_K)  # w = d * p, p in -124..128
+    u = (128 - p).astype(np.uint8)  # 0..252: 128 - p, so that p = 128 (sc = -32, q = -4) fits
+    s = np.repeat(-_f16(blocks[:, 108:110])[:, None], 8, axis=1)  # w = -d * (u - 128)
+    return _unsigned_as_planes(u & 15, u >> 4, s, -128.0 * s)
+
+
+def _q2_k(blocks: np.ndarray):
+    """84 bytes: 16 of packed 4-bit (sc, m), 64 of 2-bit codes, d, dmin (gguf's Q2_K layout)."""
+    n = blocks.shape[0]
+    packed = blocks[:, 0:16]
+    d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    dl = d[:, None] * (packed & 15).astype(np.float32)
+    ml = dmin[:, None] * (packed >> 4).astype(np.float32)
+    q = _two_bit_values(blocks[:, 16:80]).reshape(n, 16, 16).astype(np.float32)
+    w = (dl[:, :, None] * q - ml[:, :, None]).reshape(n, 8, 32)  # the values gguf decodes, in its order
+    low = w.min(axis=2)
+    s = (w.max(axis=2) - low) / np.float32(255)
+    u = np.rint((w - low[..., None]) / np.where(s > 0, s, np.float32(1))[..., None])
+    u = np.clip(u, 0, 255).astype(np.uint8).reshape(n, QK_K)
+    return _unsigned_as_planes(u & 15, u >> 4, s, low)

@@ -11,10 +11,11 @@ blocks map onto it exactly, up to the rounding of scale and zero to the activati
                                    -> two code planes along K: lo (scale d, zero 8d), hi (scale 16d, zero 0);
                                       the activations are repeated once along K ([x, x]) to meet both.
 
-The K-quants (Q4_K, Q5_K exactly; Q6_K re-coded to 8-bit codes per 32 weights, within 1/8 of its own 6-bit
-step) map the same way (models/kquant_codes.py), and so do Q5_0, Q5_1, IQ4_NL and IQ4_XS, exactly
-(models/small_block_codes.py). Other types (Q2_K, Q3_K, the IQ1-IQ3 types) have no such mapping here; their tensors
-are dequantized and the daemon names them at start-up, in /metrics and in the stats the operator reads.
+The K-quants (Q3_K, Q4_K, Q5_K exactly; Q6_K re-coded to 8-bit codes per 32 weights, within 1/8 of its own 6-bit
+step; Q2_K re-coded within a 510th of each 32 weights' range) map the same way (models/kquant_codes.py), and so do
+Q5_0, Q5_1, IQ4_NL and IQ4_XS, exactly (models/small_block_codes.py). Other types (the IQ1-IQ3 types, TQ1_0, TQ2_0)
+have no such mapping here; their tensors are dequantized and the daemon names them at start-up, in /metrics and in
+the stats the operator reads.
 
 Every weight with codes also keeps them as TiledCodes, the layout of the compiled extension's code kernel
 (models/cpu_code_matmul.h): activations quantized to int16 per 32-wide block (int8 from INT8_MIN_ROWS rows where
