@@ -1,5 +1,5 @@
-// GGUF K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) straight into the code kernel's tiles (cpu_code_matmul.h says the layout),
-// at load: the bytes models/kquant_codes.py and TiledCodes.from_codes make, without their intermediate arrays.
+// GGUF K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) straight into the code kernel's tiles (cpu_code_matmul.h says
+// the layout), at load: the bytes models/kquant_codes.py and TiledCodes.from_codes make, without their intermediate arrays.
 // Included by cpu_decode.cpp after cpu_code_matmul.h (record_kind).
 //
 // Why: a first start on a new 1B Q4_K_M file spent 8 s decoding 1.2 billion weights through numpy (3 s of K-quant
@@ -119,15 +119,18 @@ inline void decode_q2_k(const uint8_t* b, SuperBlock& out) {
   const uint8_t* packed = b;
   const uint8_t* qs = b + 16;
   const float d = half_to_float(b[80] | (b[81] << 8)), dmin = half_to_float(b[82] | (b[83] << 8));
+  float dl[16], ml[16];  // each 16 weights' scale d * sc and offset dmin * m
+  for (int sub = 0; sub < 16; ++sub) {
+    dl[sub] = rounded_product(d, static_cast<float>(packed[sub] & 15));
+    ml[sub] = rounded_product(dmin, static_cast<float>(packed[sub] >> 4));
+  }
   for (int blk = 0; blk < 8; ++blk) {
     float w[32];
     float low = 0.0f, high = 0.0f;
     for (int l = 0; l < 32; ++l) {
-      const int i = 32 * blk + l, sub = i / 16;
-      const float dl = rounded_product(d, static_cast<float>(packed[sub] & 15));
-      const float ml = rounded_product(dmin, static_cast<float>(packed[sub] >> 4));
+      const int i = 32 * blk + l;
       const int q = (qs[32 * (i / 128) + i % 32] >> (2 * ((i % 128) / 32))) & 3;
-      w[l] = rounded_product(dl, static_cast<float>(q)) - ml;
+      w[l] = rounded_product(dl[i / 16], static_cast<float>(q)) - ml[i / 16];
       low = l == 0 ? w[l] : std::min(low, w[l]);
       high = l == 0 ? w[l] : std::max(high, w[l]);
     }
