@@ -263,6 +263,37 @@ def test_symmetric_types_keep_the_files_bytes(qtype, zeros):
     assert relative_error(_matmul("generic", weight, x, float_out=True), want) < FLOAT_OUT_TOLERANCE
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+def test_super_block_records_on_every_tier(tier, qtype):
+    """Q4_K/Q5_K super-block records (the file's integer sub-block scales under each super-block's float16 d and
+    dmin): the matmul of gguf's dequantized weights within int16's rounding below the int8 limit and int8's above
+    it, each row's sums its own whatever rows pass beside it, and code_dequantize and code_rows give the weights
+    rounded once to bfloat16, bit for bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from stallfree.node_daemon.models.gguf_tiles import GgufBlocks
+    from stallfree.node_daemon.models.kquant_tiles import super_tiles
+    from test_kquants import _random_k_blocks
+
+    ops = _dequantize_op(tier)
+    rows, cols = 48, 512
+    raw = _random_k_blocks(qtype, rows, cols, seed=9)
+    weight = super_tiles([(slice(0, rows), GgufBlocks(raw, qtype, cols))], rows)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols)).double()
+    x = torch.randn(21, cols, generator=torch.Generator().manual_seed(9)).bfloat16()
+    for count in (1, 5, 11, 21):
+        exact = ops.code_matmul(x[:count], weight.blocks, weight.bits, True)
+        assert relative_error(exact, x[:count].double() @ want.T) < FLOAT_OUT_TOLERANCE
+        int8 = ops.code_matmul(x[:count], weight.blocks, weight.bits, True, 9)
+        assert relative_error(int8, x[:count].double() @ want.T) < (INT8_TOLERANCE if count >= 9 else FLOAT_OUT_TOLERANCE)
+    whole = ops.code_matmul(x, weight.blocks, weight.bits, True)
+    assert torch.equal(ops.code_matmul(x[3:12], weight.blocks, weight.bits, True), whole[3:12])
+    torch.testing.assert_close(ops.code_dequantize(weight.blocks), want.float().T.bfloat16(), rtol=0, atol=0)
+    ids = torch.tensor([0, 17, 47])
+    torch.testing.assert_close(ops.code_rows(weight.blocks, ids), want[ids].bfloat16(), rtol=0, atol=0)
+
+
 def _dequantize_op(tier: str):
     _kernel(tier)  # skips where the tier or the library is missing
     return cpu_decode.ops(resolve_tier(tier))

@@ -1,5 +1,6 @@
 """GGUF K-quant blocks tiled by the compiled library at load (models/cpu_gguf_tiles.h, models/gguf_tiles.py): the
-same bytes as the Python path's decode (kquant_codes.py) and layout (TiledCodes.from_codes), for Q2_K .. Q6_K
+same bytes as the Python path's decode (kquant_codes.py) and layout (TiledCodes.from_codes; Q4_K and Q5_K
+matrices: super-block records holding the file's integers, kquant_tiles.py, gguf's values exactly), for Q2_K .. Q6_K
 alone, for the fused projections of Q4_K_M, Q3_K_M and Q2_K files (Q4_K q/k beside a Q6_K or Q4_K v, Q3_K q/k beside
 a Q5_K or Q6_K v, in any order of arrival, q's rows unpermuted), for Q6_K blocks whose float16 scales cannot give their zeros (the layout then stores zeros, as the
 Python path does), and for a whole model loaded both ways; bad shapes and types are refused with a clear error.
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from stallfree.bench import gguf_blocks
-from stallfree.node_daemon.models import cpu_decode
+from stallfree.node_daemon.models import cpu_decode, kquant_tiles
 from stallfree.node_daemon.models.gguf_tiles import GgufBlocks, int4_of_parts, tiles_of_parts
 from stallfree.node_daemon.models.quantized import TiledCodes, decode_blocks, stack_parts
 from test_kquants import _random_k_blocks
@@ -26,6 +27,12 @@ def library():
 
 
 def _python_tiles(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCodes:
+    """The numpy path's tiles: super-block records where every part is Q4_K or Q5_K (kquant_tiles.py), else the
+    decoded codes laid out by TiledCodes.from_codes."""
+    if kquant_tiles.super_bits({p.qtype for _, p in parts}) is not None:
+        tiles = kquant_tiles.super_tiles(parts, rows)
+        assert tiles is not None and tiles.is_super
+        return tiles
     whole = stack_parts([(r, p.decode()) for r, p in parts], rows)
     assert whole is not None
     return TiledCodes.from_codes(whole)
@@ -33,7 +40,8 @@ def _python_tiles(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCode
 
 def _assert_same_tiles(got: TiledCodes | None, want: TiledCodes) -> None:
     assert got is not None
-    assert (got.bits, got.has_zeros, tuple(got.blocks.shape)) == (want.bits, want.has_zeros, tuple(want.blocks.shape))
+    assert (got.bits, got.has_zeros, got.is_super, tuple(got.blocks.shape)) == \
+        (want.bits, want.has_zeros, want.is_super, tuple(want.blocks.shape))
     assert torch.equal(got.blocks, want.blocks)
 
 
@@ -121,12 +129,33 @@ def test_the_library_refuses_bad_shapes_and_types_with_a_clear_error():
         tiler(out, 0, torch.from_numpy(_random_k_blocks("Q6_K", 16, 256, seed=20)), "Q6_K", none)
     with pytest.raises(RuntimeError, match="out"):
         tiler(torch.empty(1, 8, 100, dtype=torch.uint8), 0, raw, "Q4_K", none)
+    with pytest.raises(RuntimeError, match="do not fit"):  # Q3_K's 8-bit codes in 5-bit super-block records
+        tiler(torch.empty(1, 8, kquant_tiles.super_record_bytes(5), dtype=torch.uint8), 0,
+              torch.from_numpy(gguf_blocks.random_blocks("Q3_K", 16, 256, np.random.default_rng(21))), "Q3_K", none)
+
+
+@pytest.mark.parametrize("qtype, bits_a_weight", [("Q4_K", 4.625), ("Q5_K", 5.625)])
+def test_q4_k_and_q5_k_matrices_keep_the_files_integers(qtype, bits_a_weight):
+    """Super-block records hold the file's sub-block scales and mins and its float16 d and dmin: their weights are
+    gguf's dequantized values exactly (no float16 rounding of d * sc), an eighth of a bit a weight over the file."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rows, cols = 32, 768
+    raw = _random_k_blocks(qtype, rows, cols, seed=22)
+    tiles = tiles_of_parts([(slice(0, rows), GgufBlocks(raw, qtype, cols))], rows)
+    assert tiles is not None and tiles.is_super and not tiles.has_zeros
+    want = dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols)
+    np.testing.assert_array_equal(tiles.dequantize().numpy(), want)
+    assert tiles.nbytes * 8 / (rows * cols) == bits_a_weight
+    ids = torch.tensor([0, 7, 31])
+    np.testing.assert_array_equal(tiles.rows(ids).numpy(), want[ids.numpy()])
 
 
 def test_a_k_quant_model_loads_to_the_same_tiles_with_the_library_and_without(tmp_path, monkeypatch):
     """A small Llama-shaped Q4_K_M (Q4_K q/k/o/gate/up, Q6_K v and down in its second layer, a Q6_K tied
     embedding): every coded weight's tiles are the same bytes whether the library tiled them or Python decoded
-    them."""
+    them (super-block records by numpy: kquant_tiles.py)."""
     from stallfree.bench.write_random_gguf import write
     from stallfree.node_daemon.models import gguf_tiles, weight_cache
     from stallfree.node_daemon.models.gguf_loader import load_gguf
@@ -145,3 +174,4 @@ def test_a_k_quant_model_loads_to_the_same_tiles_with_the_library_and_without(tm
     assert tiled.keys() == decoded.keys() and len(tiled) >= 8
     for name in tiled:
         _assert_same_tiles(tiled[name], decoded[name])
+    assert sum(t.is_super for t in tiled.values()) >= 4  # gate/up and o of both layers, q/k/v of the first

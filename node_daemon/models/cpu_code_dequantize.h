@@ -24,17 +24,39 @@ inline __m256i bf16x16(__m512 v) {
 }
 
 // One record (16 columns, 32 k) into out[k][0..15] (row stride n).
-template <int BITS, bool ZERO>
-inline void dequantize_record(const uint8_t* wb, uint16_t* o, int64_t n) {
-  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8;
+// The 16 columns' scale and zero of block b's record at wb (kSuper: from its super-block's header, 8 * (b / 8)
+// records in, and the record's integer scales and mins; cpu_code_matmul.h says the forms).
+template <int BITS, int FORM>
+inline void record_affine16(const uint8_t* wb, int64_t b, __m512& s, __m512& z) {
+  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, rec = record_bytes<BITS, FORM>();
+  if constexpr (FORM == kSuper) {
+    const uint8_t* first = wb - (b % 8) * rec;
+    int64_t h[8];
+    for (int i = 0; i < 8; ++i) std::memcpy(&h[i], first + i * rec + code_bytes + 32, 8);
+    const __m512 d = _mm512_cvtph_ps(_mm256_set_epi64x(h[3], h[2], h[1], h[0]));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_set_epi64x(h[7], h[6], h[5], h[4]));
+    const auto bytes = [](const uint8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    s = _mm512_mul_ps(d, bytes(wb + code_bytes));
+    z = _mm512_xor_ps(_mm512_mul_ps(dmin, bytes(wb + code_bytes + 16)), _mm512_set1_ps(-0.0f));  // -(dmin m)
+  } else {
+    s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes)));
+    z = FORM == kZeros ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes + 32)))
+                       : _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
+  }
+}
+
+// One record (16 columns, 32 k: block b's) into out[k][0..15] (row stride n).
+template <int BITS, int FORM>
+inline void dequantize_record(const uint8_t* wb, int64_t b, uint16_t* o, int64_t n) {
   // lanes 2c (k even) to 0..15, lanes 2c + 1 (k odd) to 16..31
   static constexpr uint16_t kSplit[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
                                           1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
   const __m512i split = _mm512_loadu_si512(kSplit);
   const __m512i nibble = _mm512_set1_epi16(0x0f), sixteen = _mm512_set1_epi16(16);
-  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes)));
-  const __m512 z = ZERO ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes + 32)))
-                        : _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
+  __m512 s, z;
+  record_affine16<BITS, FORM>(wb, b, s, z);
   // codes u of k and k + 1 (32 lanes, column c's at 2c and 2c + 1) -> rows k, k + 1 of W^T
   const auto two_rows = [&](__m512i u, int64_t k) {
     const __m512i cols = _mm512_permutexvar_epi16(split, u);
@@ -62,10 +84,10 @@ inline void dequantize_record(const uint8_t* wb, uint16_t* o, int64_t n) {
 }
 #else
 // The same values in plain loops (record_code and record_affine, as code_rows reads them).
-template <int BITS, bool ZERO>
-inline void dequantize_record(const uint8_t* wb, uint16_t* out, int64_t n) {
+template <int BITS, int FORM>
+inline void dequantize_record(const uint8_t* wb, int64_t b, uint16_t* out, int64_t n) {
   Affine a[16];
-  for (int c = 0; c < 16; ++c) a[c] = record_affine(wb, BITS, ZERO, c);
+  for (int c = 0; c < 16; ++c) a[c] = record_affine(wb, BITS, FORM, c, b);
   for (int p = 0; p < 16; ++p)
     for (int j = 0; j < 2; ++j) {
       uint16_t* o = out + (2 * p + j) * n;
@@ -75,14 +97,14 @@ inline void dequantize_record(const uint8_t* wb, uint16_t* out, int64_t n) {
 }
 #endif
 
-template <int BITS, bool ZERO>
+template <int BITS, int FORM>
 inline void dequantize_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t blocks, uint16_t* out, int64_t n) {
-  constexpr int64_t rec = record_bytes<BITS, ZERO>();
+  constexpr int64_t rec = record_bytes<BITS, FORM>();
   // k-block outer: each of the 32 rows of W^T a block fills is written as one run over the thread's tiles (tile
   // by tile, a row apart, every store would touch another page of a large W^T)
   for (int64_t b = 0; b < blocks; ++b)
     for (int64_t t = t0; t < t1; ++t)
-      dequantize_record<BITS, ZERO>(w + (t * blocks + b) * rec, out + b * kQBlock * n + t * 16, n);
+      dequantize_record<BITS, FORM>(w + (t * blocks + b) * rec, b, out + b * kQBlock * n + t * 16, n);
 }
 
 // W^T [K, N] bfloat16 of blocks [N / 16, K / 32, record] into `out` (resized; its storage kept across calls).
@@ -94,18 +116,11 @@ inline void code_dequantize_into(const at::Tensor& blocks_t, at::Tensor& out) {
   out.resize_({k, n});
   uint16_t* o = bf16_mut(out);
   const uint8_t* w = blocks_t.data_ptr<uint8_t>();
-  const int bits = kind->bits;
-  const bool zero = kind->zero;
+  TORCH_CHECK(kind->form != kSuper || blocks % 8 == 0, "code_dequantize: super-block records in whole super-blocks");
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
-    if (bits == 4)
-      zero ? dequantize_tiles<4, true>(w, begin, end, blocks, o, n)
-           : dequantize_tiles<4, false>(w, begin, end, blocks, o, n);
-    else if (bits == 5)
-      zero ? dequantize_tiles<5, true>(w, begin, end, blocks, o, n)
-           : dequantize_tiles<5, false>(w, begin, end, blocks, o, n);
-    else
-      zero ? dequantize_tiles<8, true>(w, begin, end, blocks, o, n)
-           : dequantize_tiles<8, false>(w, begin, end, blocks, o, n);
+    with_record_kind(*kind, [&](auto bits_c, auto form_c) {
+      dequantize_tiles<decltype(bits_c)::value, decltype(form_c)::value>(w, begin, end, blocks, o, n);
+    });
   });
 }
 

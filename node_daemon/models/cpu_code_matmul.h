@@ -14,7 +14,7 @@
 // rounded activations' sum): VPDPBUSD and VPMADDUBSW, twice the products an instruction.
 //
 // Layout: 16 output columns a tile; per tile and block one record: 8 chunks of 32 bytes of codes (4-bit; 16 chunks
-// 8-bit), then the 16 columns' float16 scales, then their zeros. Chunk q's byte pair 2c, 2c + 1 holds column c's codes
+// 8-bit), then the 16 columns' scales and zeros (RecordForm below says how). Chunk q's byte pair 2c, 2c + 1 holds column c's codes
 // at k = 2q, 2q + 1; with 4-bit codes those are the low nibbles, and the high nibbles hold k = 2q + 16, 2q + 17.
 // 5-bit codes (Q5_0, Q5_1, Q5_K: 6 bits a weight with scale and zero, where 8-bit codes took 9) are the 4-bit record
 // with 64 bytes more before the scales: per chunk q two little-endian uint32 masks, the low nibbles' fifth bits then
@@ -27,26 +27,48 @@
 constexpr int64_t kQBlock = 32;
 constexpr int64_t kPrefetchBytes = 1024;  // about 4 blocks ahead: the stream prefetcher restarts at each 4 KB page
 
-// ZERO false: a symmetric type's record (Q4_0, Q5_0, Q8_0, IQ4, Q6_K re-coded: zero = -2^(BITS-1) scale in every
-// block) holds no zeros; the kernel makes each from its scale (the file's own bytes: 8.5 bits a Q8_0 weight, not 9).
-template <int BITS, bool ZERO = true>
+// How a record holds its 16 columns' scale and zero (w = scale * u + zero):
+//   kZeros      float16 scales, then float16 zeros (Q4_1, Q5_1, mixed parts, re-coded types);
+//   kSymmetric  float16 scales alone: a symmetric type (Q4_0, Q5_0, Q8_0, IQ4, Q3_K, Q6_K re-coded: zero =
+//               -2^(BITS-1) scale in every block), the file's own bytes (8.5 bits a Q8_0 weight, not 9);
+//   kSuper      Q4_K's and Q5_K's own integers: 16 uint8 sub-block scales sc, 16 uint8 mins m, then 8 bytes of the
+//               256-weight super-block's header (16 float16 d, then 16 float16 dmin: 64 bytes over its 8 records, 8
+//               a record, record j of the super-block holding bytes 8j .. 8j + 7); scale = d * sc, zero = -dmin * m,
+//               both exact in float32 (the file's values, as llama.cpp's dequantization gives them), 4.625 bits a
+//               Q4_K weight where float16 scales and zeros took 5 (the file: 4.5).
+enum RecordForm : int { kZeros = 0, kSymmetric = 1, kSuper = 2 };
+
+template <int BITS, int FORM = kZeros>
 constexpr int64_t record_bytes() {
-  return BITS * kQBlock * 16 / 8 + (ZERO ? 2 : 1) * 16 * 2;  // codes (and fifth bits), 16 float16 scales, zeros
+  constexpr int64_t codes = BITS * kQBlock * 16 / 8;  // codes (and fifth bits)
+  return codes + (FORM == kZeros ? 64 : FORM == kSymmetric ? 32 : 40);
 }
 
-// A record's size says its codes' bits and whether it holds zeros (every size differs).
+// How far ahead the one-row kernels prefetch: kSuper records a super-block (8 records) ahead, so that a
+// super-block's header, spread over its 8 records, has arrived when its first record is read.
+template <int BITS, int FORM>
+constexpr int64_t kSuperAhead() {
+  return FORM == kSuper ? 8 * record_bytes<BITS, FORM>() : kPrefetchBytes;
+}
+
+// A record's size says its codes' bits and its form (every size differs).
 struct RecordKind {
   int bits;
-  bool zero;
+  int form;
 };
 inline std::optional<RecordKind> record_kind(int64_t bytes) {
-  if (bytes == record_bytes<4>()) return RecordKind{4, true};
-  if (bytes == record_bytes<5>()) return RecordKind{5, true};
-  if (bytes == record_bytes<8>()) return RecordKind{8, true};
-  if (bytes == record_bytes<4, false>()) return RecordKind{4, false};
-  if (bytes == record_bytes<5, false>()) return RecordKind{5, false};
-  if (bytes == record_bytes<8, false>()) return RecordKind{8, false};
+  if (bytes == record_bytes<4>()) return RecordKind{4, kZeros};
+  if (bytes == record_bytes<5>()) return RecordKind{5, kZeros};
+  if (bytes == record_bytes<8>()) return RecordKind{8, kZeros};
+  if (bytes == record_bytes<4, kSymmetric>()) return RecordKind{4, kSymmetric};
+  if (bytes == record_bytes<5, kSymmetric>()) return RecordKind{5, kSymmetric};
+  if (bytes == record_bytes<8, kSymmetric>()) return RecordKind{8, kSymmetric};
+  if (bytes == record_bytes<4, kSuper>()) return RecordKind{4, kSuper};
+  if (bytes == record_bytes<5, kSuper>()) return RecordKind{5, kSuper};
   return std::nullopt;
+}
+inline int64_t record_size(int bits, int form) {
+  return bits * kQBlock * 16 / 8 + (form == kZeros ? 64 : form == kSymmetric ? 32 : 40);
 }
 
 // Each row's blocks of 32 as int16 codes with their scale and exact sum.
@@ -134,10 +156,27 @@ inline int record_code(const uint8_t* rb, int bits, int p, int c, int j) {
 struct Affine {
   float scale, zero;
 };
-inline Affine record_affine(const uint8_t* rb, int bits, bool has_zero, int c) {
-  const uint16_t* sz = reinterpret_cast<const uint16_t*>(rb + bits * kQBlock * 16 / 8);
+// A kSuper record's super-block header as float32: half i (d of column i, dmin of column i - 16) from `first`, the
+// super-block's first record.
+inline float super_half(const uint8_t* first, int64_t rec, int64_t code_bytes, int i) {
+  uint16_t h;
+  std::memcpy(&h, first + (i / 4) * rec + code_bytes + 32 + 2 * (i % 4), 2);
+  return half_to_float(h);
+}
+
+// `rb`: the record of block b (0-based along K; the tile's records are contiguous, so its super-block's first is
+// 8 * (b / 8) records in).
+inline Affine record_affine(const uint8_t* rb, int bits, int form, int c, int64_t b) {
+  const int64_t code_bytes = bits * kQBlock * 16 / 8;
+  if (form == kSuper) {
+    const int64_t rec = record_size(bits, form);
+    const uint8_t* first = rb - (b % 8) * rec;
+    const float scale = super_half(first, rec, code_bytes, c) * static_cast<float>(rb[code_bytes + c]);
+    return {scale, -(super_half(first, rec, code_bytes, 16 + c) * static_cast<float>(rb[code_bytes + 16 + c]))};
+  }
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(rb + code_bytes);
   const float scale = half_to_float(sz[c]);
-  return {scale, has_zero ? half_to_float(sz[16 + c]) : -static_cast<float>(1 << (bits - 1)) * scale};
+  return {scale, form == kZeros ? half_to_float(sz[16 + c]) : -static_cast<float>(1 << (bits - 1)) * scale};
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -146,26 +185,63 @@ inline Affine record_affine(const uint8_t* rb, int bits, bool has_zero, int c) {
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kMaxRowsAtOnce = 4;  // rows sharing one pass over a tile's codes (3: no faster at 16 or 256 rows)
 
+// The 16 columns' scales and zeros of the records along one tile's K, block by block (s[0], z[0]: columns 0-7;
+// s[1], z[1]: 8-15): read from each record, or made from a super-block's header (read at its first record and
+// kept for its 8) and each record's integer scales and mins.
+template <int BITS, int FORM>
+struct BlockAffine {
+  static constexpr int64_t kCodeBytes = BITS * kQBlock * 16 / 8, kRecord = record_bytes<BITS, FORM>();
+  __m256 d[2], dmin[2];  // kSuper: the current super-block's header
+  __m256 s[2], z[2];
+
+  // Eight float16 of the header from records j and j + 1 of a super-block (8 bytes each).
+  static __m256 header_halves(const uint8_t* first, int j) {
+    int64_t lo, hi;
+    std::memcpy(&lo, first + j * kRecord + kCodeBytes + 32, 8);
+    std::memcpy(&hi, first + (j + 1) * kRecord + kCodeBytes + 32, 8);
+    return _mm256_cvtph_ps(_mm_set_epi64x(hi, lo));
+  }
+  static __m256 bytes_as_float(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+
+  // Block b's record, the blocks taken in order along K (a super-block's header read at its first).
+  inline void at(const uint8_t* wb, int64_t b) {
+    const uint8_t* affine = wb + kCodeBytes;
+    if constexpr (FORM == kSuper) {
+      if (b % 8 == 0)
+        for (int h = 0; h < 2; ++h) d[h] = header_halves(wb, 2 * h), dmin[h] = header_halves(wb, 4 + 2 * h);
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      for (int h = 0; h < 2; ++h) {
+        s[h] = _mm256_mul_ps(d[h], bytes_as_float(affine + 8 * h));
+        z[h] = _mm256_xor_ps(_mm256_mul_ps(dmin[h], bytes_as_float(affine + 16 + 8 * h)), sign);  // -(dmin m)
+      }
+    } else {
+      const __m128i* sp = reinterpret_cast<const __m128i*>(affine);
+      const __m256 implicit = _mm256_set1_ps(-static_cast<float>(1 << (BITS - 1)));
+      for (int h = 0; h < 2; ++h) {
+        s[h] = _mm256_cvtph_ps(_mm_loadu_si128(sp + h));
+        z[h] = FORM == kZeros ? _mm256_cvtph_ps(_mm_loadu_si128(sp + 2 + h)) : _mm256_mul_ps(s[h], implicit);
+      }
+    }
+  }
+};
+
 // One record's integer sums (columns 0-7 in dot[r][0], 8-15 in dot[r][1]) added into R rows of `out`: the codes'
-// scale times each row's activation scale, plus the zero (stored, or -2^(BITS-1) scale) times the row's activation
-// sum. `first`: row r0's index into x's per-block scale and sum, `stride` the next row's distance. Both activation
-// forms (int16: QuantizedRows, int8: QuantizedRows8) end a block here.
-template <int BITS, bool ZERO, int R, typename Rows>
-inline void fold_block(const uint8_t* affine, const __m256i (*dot)[2], const Rows& x, int64_t first, int64_t stride,
-                       float* out) {
-  const __m128i* sp = reinterpret_cast<const __m128i*>(affine);
-  const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(sp)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(sp + 1));
-  const __m256 implicit = _mm256_set1_ps(-static_cast<float>(1 << (BITS - 1)));
-  const __m256 z0 = ZERO ? _mm256_cvtph_ps(_mm_loadu_si128(sp + 2)) : _mm256_mul_ps(s0, implicit);
-  const __m256 z1 = ZERO ? _mm256_cvtph_ps(_mm_loadu_si128(sp + 3)) : _mm256_mul_ps(s1, implicit);
+// scale times each row's activation scale, plus the zero times the row's activation sum. `first`: row r0's index
+// into x's per-block scale and sum, `stride` the next row's distance. Both activation forms (int16:
+// QuantizedRows, int8: QuantizedRows8) end a block here.
+template <int BITS, int FORM, int R, typename Rows>
+inline void fold_block(const BlockAffine<BITS, FORM>& a, const __m256i (*dot)[2], const Rows& x, int64_t first,
+                       int64_t stride, float* out) {
   for (int r = 0; r < R; ++r) {
     const int64_t i = first + r * stride;
     const __m256 xs = _mm256_set1_ps(x.scale[i]), xsum = _mm256_set1_ps(x.sum[i]);
     float* o = out + 16 * r;
-    const __m256 a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, xs), _mm256_loadu_ps(o));
-    const __m256 a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, xs), _mm256_loadu_ps(o + 8));
-    _mm256_storeu_ps(o, _mm256_fmadd_ps(z0, xsum, a0));
-    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(z1, xsum, a1));
+    const __m256 a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(a.s[0], xs), _mm256_loadu_ps(o));
+    const __m256 a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(a.s[1], xs), _mm256_loadu_ps(o + 8));
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(a.z[0], xsum, a0));
+    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(a.z[1], xsum, a1));
   }
 }
 
@@ -173,11 +249,12 @@ inline void fold_block(const uint8_t* affine, const __m256i (*dot)[2], const Row
 // (read and written once a block), so the 2R int32 sums, the codes and the broadcast activations keep AVX2's 16
 // registers: held in registers too they spilled, and the int32 sums went through the stack at every product (1.6x
 // slower at 16 rows). (A block in two halves of 8 columns, one sum a row: 1.4x slower at one row.)
-template <int BITS, bool ZERO, int R>
+template <int BITS, int FORM, int R>
 inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int64_t blocks, float* out) {
-  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS, ZERO>();
+  constexpr int64_t block_bytes = record_bytes<BITS, FORM>();
   constexpr int chunks = BITS == 8 ? 16 : 8;
   const int64_t blocks_per_row = x.k / kQBlock;
+  BlockAffine<BITS, FORM> affine;
   for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(out + 16 * r, _mm256_setzero_ps());
     _mm256_storeu_ps(out + 16 * r + 8, _mm256_setzero_ps());
@@ -194,7 +271,7 @@ inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = w + b * block_bytes;
     for (int64_t line = 0; line < block_bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kSuperAhead<BITS, FORM>() + line), _MM_HINT_T0);
     __m256i dot[R][2];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     const int32_t* xq = reinterpret_cast<const int32_t*>(x.codes.data() + r0 * x.k + b * kQBlock);
@@ -226,17 +303,18 @@ inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
         }
       }
     }
-    fold_block<BITS, ZERO, R>(wb + code_bytes, dot, x, r0 * blocks_per_row + b, blocks_per_row, out);
+    affine.at(wb, b);
+    fold_block<BITS, FORM, R>(affine, dot, x, r0 * blocks_per_row + b, blocks_per_row, out);
   }
 }
 
-template <int BITS, bool ZERO>
+template <int BITS, int FORM>
 void code_tile_rows(const uint8_t* w, const QuantizedRows& x, int64_t r0, int rows, int64_t blocks, float* out) {
   switch (rows) {
-    case 1: return code_tile<BITS, ZERO, 1>(w, x, r0, blocks, out);
-    case 2: return code_tile<BITS, ZERO, 2>(w, x, r0, blocks, out);
-    case 3: return code_tile<BITS, ZERO, 3>(w, x, r0, blocks, out);
-    default: return code_tile<BITS, ZERO, 4>(w, x, r0, blocks, out);
+    case 1: return code_tile<BITS, FORM, 1>(w, x, r0, blocks, out);
+    case 2: return code_tile<BITS, FORM, 2>(w, x, r0, blocks, out);
+    case 3: return code_tile<BITS, FORM, 3>(w, x, r0, blocks, out);
+    default: return code_tile<BITS, FORM, 4>(w, x, r0, blocks, out);
   }
 }
 constexpr const char* kCodeKernel = "avx2";
@@ -264,12 +342,13 @@ inline __m256i fifth_bit_bytes(uint32_t mask) {
   return _mm256_and_si256(hit, _mm256_set1_epi8(16));
 }
 
-template <int BITS, bool ZERO, int R>
+template <int BITS, int FORM, int R>
 inline void code_tile8(const uint8_t* w, const QuantizedRows8& x, int64_t r0, int64_t blocks, float* out) {
   static_assert(BITS == 4 || BITS == 5, "int8 activations on AVX2 take 4- and 5-bit codes");
-  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS, ZERO>();
+  constexpr int64_t block_bytes = record_bytes<BITS, FORM>();
   constexpr int flush = BITS == 4 ? 4 : 2;  // chunks summed in int16 before widening
   const int64_t blocks_per_row = x.k / kQBlock;
+  BlockAffine<BITS, FORM> affine;
   for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(out + 16 * r, _mm256_setzero_ps());
     _mm256_storeu_ps(out + 16 * r + 8, _mm256_setzero_ps());
@@ -278,7 +357,7 @@ inline void code_tile8(const uint8_t* w, const QuantizedRows8& x, int64_t r0, in
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = w + b * block_bytes;
     for (int64_t line = 0; line < block_bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kSuperAhead<BITS, FORM>() + line), _MM_HINT_T0);
     __m256i dot[R][2], part[R];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = part[r] = _mm256_setzero_si256();
     const int16_t* xp = reinterpret_cast<const int16_t*>(x.codes.data() + r0 * x.k + b * kQBlock);
@@ -303,20 +382,21 @@ inline void code_tile8(const uint8_t* w, const QuantizedRows8& x, int64_t r0, in
         }
       }
     }
-    fold_block<BITS, ZERO, R>(wb + code_bytes, dot, x, r0 * blocks_per_row + b, blocks_per_row, out);
+    affine.at(wb, b);
+    fold_block<BITS, FORM, R>(affine, dot, x, r0 * blocks_per_row + b, blocks_per_row, out);
   }
 }
 
-template <int BITS, bool ZERO>
+template <int BITS, int FORM>
 void code_tile_rows8(const uint8_t* w, const QuantizedRows8& x, int64_t r0, int rows, int64_t blocks, float* out) {
   if constexpr (BITS == 8) {
     TORCH_CHECK(false, "code_matmul: no int8 activations for 8-bit codes on AVX2");
   } else {
     switch (rows) {
-      case 1: return code_tile8<BITS, ZERO, 1>(w, x, r0, blocks, out);
-      case 2: return code_tile8<BITS, ZERO, 2>(w, x, r0, blocks, out);
-      case 3: return code_tile8<BITS, ZERO, 3>(w, x, r0, blocks, out);
-      default: return code_tile8<BITS, ZERO, 4>(w, x, r0, blocks, out);
+      case 1: return code_tile8<BITS, FORM, 1>(w, x, r0, blocks, out);
+      case 2: return code_tile8<BITS, FORM, 2>(w, x, r0, blocks, out);
+      case 3: return code_tile8<BITS, FORM, 3>(w, x, r0, blocks, out);
+      default: return code_tile8<BITS, FORM, 4>(w, x, r0, blocks, out);
     }
   }
 }
@@ -326,9 +406,9 @@ constexpr int kMaxRowsAtOnce = 4;
 
 // The same sums in plain loops: column c's codes of pair p are bytes 2c, 2c + 1 of chunk p (4-bit: low nibbles for
 // pairs 0-7, high nibbles for pairs 8-15).
-template <int BITS, bool ZERO>
+template <int BITS, int FORM>
 void code_tile_rows(const uint8_t* w, const QuantizedRows& x, int64_t r0, int rows, int64_t blocks, float* out) {
-  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS, ZERO>();
+  constexpr int64_t block_bytes = record_bytes<BITS, FORM>();
   const int64_t blocks_per_row = x.k / kQBlock;
   float acc[kMaxRowsAtOnce][16] = {};
   for (int64_t b = 0; b < blocks; ++b) {
@@ -348,14 +428,12 @@ void code_tile_rows(const uint8_t* w, const QuantizedRows& x, int64_t r0, int ro
         }
       }
     }
-    const uint16_t* sz = reinterpret_cast<const uint16_t*>(wb + code_bytes);
+    Affine a[16];
+    for (int c = 0; c < 16; ++c) a[c] = record_affine(wb, BITS, FORM, c, b);
     for (int r = 0; r < rows; ++r) {
       const int64_t i = (r0 + r) * blocks_per_row + b;
-      for (int c = 0; c < 16; ++c) {
-        const float scale = half_to_float(sz[c]);
-        const float zero = ZERO ? half_to_float(sz[16 + c]) : -static_cast<float>(1 << (BITS - 1)) * scale;
-        acc[r][c] += static_cast<float>(dot[r][c]) * (scale * x.scale[i]) + zero * x.sum[i];
-      }
+      for (int c = 0; c < 16; ++c)
+        acc[r][c] += static_cast<float>(dot[r][c]) * (a[c].scale * x.scale[i]) + a[c].zero * x.sum[i];
     }
   }
   for (int r = 0; r < rows; ++r) std::memcpy(out + 16 * r, acc[r], 16 * sizeof(float));
@@ -365,6 +443,22 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
   quantize_rows_portable(x, rows, k, q);
 }
 #endif
+
+// f(bits, form) with the record kind's bits and form as compile-time constants (std::integral_constant): the
+// kernels are templates on both. kSuper records hold 4- and 5-bit codes only (Q4_K, Q5_K).
+template <typename F>
+inline void with_record_kind(const RecordKind& kind, F&& f) {
+  using std::integral_constant;
+  const auto forms = [&](auto bits_c) {
+    if (kind.form == kZeros) return f(bits_c, integral_constant<int, kZeros>{});
+    if (kind.form == kSymmetric) return f(bits_c, integral_constant<int, kSymmetric>{});
+    if constexpr (decltype(bits_c)::value != 8) return f(bits_c, integral_constant<int, kSuper>{});
+    TORCH_CHECK(false, "code kernel: no super-block records of 8-bit codes");
+  };
+  if (kind.bits == 4) return forms(integral_constant<int, 4>{});
+  if (kind.bits == 5) return forms(integral_constant<int, 5>{});
+  return forms(integral_constant<int, 8>{});
+}
 
 // x [rows, K] bfloat16 @ W^T -> [rows, N] bfloat16 (rounded once, from the float32 sum), or the float32 sums when
 // float_out (an LM head's logits). blocks: uint8 [N / 16, K / 32, record bytes]. From int8_min_rows rows (0: never)
@@ -382,7 +476,7 @@ at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t 
   const int64_t rows = xc.size(0), k = xc.size(1), tiles = blocks_t.size(0), blocks = k / kQBlock;
   TORCH_CHECK(k % kQBlock == 0 && blocks_t.size(1) == blocks && kind && kind->bits == bits,
               "code_matmul: weight blocks do not match x's width");
-  const bool zero = kind->zero;
+  TORCH_CHECK(kind->form != kSuper || blocks % 8 == 0, "code_matmul: super-block records in whole super-blocks");
   at::Tensor out = at::empty({rows, tiles * 16}, xc.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0) return out;
   QuantizedRows q;
@@ -405,28 +499,13 @@ at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t 
       for (int64_t r0 = 0; r0 < rows; r0 += kMaxRowsAtOnce) {
         const int r = static_cast<int>(std::min<int64_t>(kMaxRowsAtOnce, rows - r0));
         const uint8_t* tile = w + t * tile_bytes;
+        with_record_kind(*kind, [&](auto bits_c, auto form_c) {
+          constexpr int kBits = decltype(bits_c)::value, kForm = decltype(form_c)::value;
 #ifdef STALLFREE_INT8_MATMUL
-        if (int8) {
-          if (bits == 4)
-            zero ? code_tile_rows8<4, true>(tile, q8, r0, r, blocks, partial)
-                 : code_tile_rows8<4, false>(tile, q8, r0, r, blocks, partial);
-          else if (bits == 5)
-            zero ? code_tile_rows8<5, true>(tile, q8, r0, r, blocks, partial)
-                 : code_tile_rows8<5, false>(tile, q8, r0, r, blocks, partial);
-          else
-            zero ? code_tile_rows8<8, true>(tile, q8, r0, r, blocks, partial)
-                 : code_tile_rows8<8, false>(tile, q8, r0, r, blocks, partial);
-        } else
+          if (int8) return code_tile_rows8<kBits, kForm>(tile, q8, r0, r, blocks, partial);
 #endif
-        if (bits == 4)
-          zero ? code_tile_rows<4, true>(tile, q, r0, r, blocks, partial)
-               : code_tile_rows<4, false>(tile, q, r0, r, blocks, partial);
-        else if (bits == 5)
-          zero ? code_tile_rows<5, true>(tile, q, r0, r, blocks, partial)
-               : code_tile_rows<5, false>(tile, q, r0, r, blocks, partial);
-        else
-          zero ? code_tile_rows<8, true>(tile, q, r0, r, blocks, partial)
-               : code_tile_rows<8, false>(tile, q, r0, r, blocks, partial);
+          code_tile_rows<kBits, kForm>(tile, q, r0, r, blocks, partial);
+        });
         for (int i = 0; i < r; ++i) {
           if (of != nullptr)
             std::memcpy(of + (r0 + i) * n + t * 16, partial + 16 * i, 16 * sizeof(float));
@@ -447,8 +526,9 @@ at::Tensor code_rows(const at::Tensor& blocks_t, const at::Tensor& ids_t) {
   const int64_t rec = blocks_t.size(2), blocks = blocks_t.size(1), k = blocks * kQBlock, n_rows = blocks_t.size(0) * 16;
   const std::optional<RecordKind> kind = record_kind(rec);
   TORCH_CHECK(kind.has_value(), "code_rows: unknown record size");
+  TORCH_CHECK(kind->form != kSuper || blocks % 8 == 0, "code_rows: super-block records in whole super-blocks");
   const int bits = kind->bits;
-  const bool has_zero = kind->zero;
+  const int form = kind->form;
   const at::Tensor ids = ids_t.to(at::kLong).contiguous();
   const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -462,7 +542,7 @@ at::Tensor code_rows(const at::Tensor& blocks_t, const at::Tensor& ids_t) {
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* rb = w + (t * blocks + b) * rec;
         const int col = static_cast<int>(c);
-        const Affine a = record_affine(rb, bits, has_zero, col);
+        const Affine a = record_affine(rb, bits, form, col, b);
         uint16_t* dst = o + i * k + b * kQBlock;
         for (int p = 0; p < 16; ++p)  // k = 2p + j
           for (int j = 0; j < 2; ++j)

@@ -7,11 +7,12 @@
 // bytes on the process's threads. The Python decode stays the reference (and the path before this library is
 // built): tests/test_gguf_tiles.py holds the two to the same bytes.
 //
-// The values are computed as numpy computes them, in float32 and in the same order, so that both paths round to the
-// same float16 scales and zeros: d * sc and dmin * m are each rounded before they are added (rounded_product keeps
-// the compiler from fusing them into a multiply-add), and a block's zero takes the path its matrix's planes give it:
-//   4-bit tiles (every part Q4_K, one plane):           zero = (8s - dm) - 8s
-//   5- and 8-bit tiles (Q5_K, or parts of mixed types): zero = (((8s - dm) - 8s) + 128s) - 128s
+// A matrix whose parts are all Q4_K or Q5_K takes kSuper records: the file's own integers (sc, m) and float16 (d,
+// dmin), nothing computed (models/kquant_tiles.py is their reference). Elsewhere the values are computed as numpy
+// computes them, in float32 and in the same order, so that both paths round to the same float16 scales and zeros:
+// d * sc and dmin * m are each rounded before they are added (rounded_product keeps the compiler from fusing them
+// into a multiply-add), and a block's zero takes the path its matrix's planes give it:
+//   Q4_K, Q5_K parts beside 8-bit ones:                zero = (((8s - dm) - 8s) + 128s) - 128s
 //   Q6_K (re-coded to an 8-bit code u per 32, kquant_codes.py says how): zero = -128s
 //   Q3_K (u = 128 - sc * q under s = -d) and Q2_K (re-coded per 32): as 8-bit tiles, from z = -128s and z = min
 #pragma once
@@ -26,6 +27,8 @@ inline float rounded_product(float a, float b) {
 struct SuperBlock {
   uint8_t u[256];
   float scale[8], zero[8];
+  uint8_t sc[8], m[8];  // Q4_K/Q5_K: the integer sub-block scales and mins
+  uint16_t d, dmin;     // and the float16 super-block scales, as bits
 };
 
 // Q4_K/Q5_K's packed 6-bit scale and min of sub-block j (gguf's get_scale_min).
@@ -42,12 +45,14 @@ inline void kquant_scale_min(const uint8_t* q, int j, int& sc, int& m) {
 // Q4_K (144 bytes: d, dmin, 12 bytes of scales, 128 of nibbles) or Q5_K (176: the same with 32 bytes of fifth bits
 // before the nibbles). Sub-block 2c holds the low nibbles of the 32-byte chunk c, 2c + 1 its high ones.
 inline void decode_q45_k(const uint8_t* b, bool five, bool one_plane, SuperBlock& out) {
-  const float d = half_to_float(b[0] | (b[1] << 8)), dmin = half_to_float(b[2] | (b[3] << 8));
+  out.d = static_cast<uint16_t>(b[0] | (b[1] << 8)), out.dmin = static_cast<uint16_t>(b[2] | (b[3] << 8));
+  const float d = half_to_float(out.d), dmin = half_to_float(out.dmin);
   const uint8_t* qh = b + 16;
   const uint8_t* qs = b + (five ? 48 : 16);
   for (int j = 0; j < 8; ++j) {
     int sc, m;
     kquant_scale_min(b + 4, j, sc, m);
+    out.sc[j] = static_cast<uint8_t>(sc), out.m[j] = static_cast<uint8_t>(m);
     const float s = rounded_product(d, static_cast<float>(sc)), dm = rounded_product(dmin, static_cast<float>(m));
     const float lo_zero = 8.0f * s - dm;
     out.scale[j] = s;
@@ -145,10 +150,17 @@ inline void decode_q2_k(const uint8_t* b, SuperBlock& out) {
   }
 }
 
-// 16 rows' codes [16][K] and affine [16][K / 32] into one tile's records (bits 4, 5 or 8; zeros when `zero`).
-// False where a record without zeros cannot hold a block (its zero is not -2^(bits-1) times its float16 scale).
-inline bool write_tile(const uint8_t* u, const float* scale, const float* zero, int64_t k, int bits, bool with_zero,
-                       uint8_t* tile, int64_t record) {
+// 16 rows' Q4_K/Q5_K integers for kSuper records: sc, m [16][K / 32], and d, dmin [16][K / 256] (float16 bits).
+struct SuperInts {
+  std::vector<uint8_t> sc, m;
+  std::vector<uint16_t> d, dmin;
+};
+
+// 16 rows' codes [16][K] and affine [16][K / 32] (or, kSuper, their integers) into one tile's records (bits 4, 5
+// or 8, in `form`). False where a record without zeros cannot hold a block (its zero is not -2^(bits-1) times its
+// float16 scale).
+inline bool write_tile(const uint8_t* u, const float* scale, const float* zero, const SuperInts& ints, int64_t k,
+                       int bits, int form, uint8_t* tile, int64_t record) {
   const int64_t blocks = k / kQBlock;
   const int64_t code_bytes = bits * kQBlock * 16 / 8;
   for (int64_t g = 0; g < blocks; ++g) {
@@ -173,11 +185,24 @@ inline bool write_tile(const uint8_t* u, const float* scale, const float* zero, 
         }
       }
     }
+    if (form == kSuper) {  // sc, m, then this record's 8 bytes of its super-block's header (d, then dmin)
+      const int64_t supers = k / 256, super = g / 8, j = g % 8;
+      for (int c = 0; c < 16; ++c) {
+        rb[code_bytes + c] = ints.sc[c * blocks + g];
+        rb[code_bytes + 16 + c] = ints.m[c * blocks + g];
+      }
+      for (int h = 0; h < 4; ++h) {
+        const int64_t i = 4 * j + h;
+        const uint16_t half = i < 16 ? ints.d[i * supers + super] : ints.dmin[(i - 16) * supers + super];
+        std::memcpy(rb + code_bytes + 32 + 2 * h, &half, 2);
+      }
+      continue;
+    }
     uint16_t* sz = reinterpret_cast<uint16_t*>(rb + code_bytes);
     for (int c = 0; c < 16; ++c) {
       const c10::Half s(scale[c * blocks + g]), z(zero[c * blocks + g]);
       sz[c] = s.x;
-      if (with_zero)
+      if (form == kZeros)
         sz[16 + c] = z.x;
       else if (static_cast<float>(z) != -static_cast<float>(1 << (bits - 1)) * static_cast<float>(s))
         return false;
@@ -221,6 +246,8 @@ inline bool gguf_tiles(at::Tensor out, int64_t row_start, const at::Tensor& raw,
   at::parallel_for(0, rows / 16, 4, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> u(16 * k);
     std::vector<float> scale(16 * blocks), zero(16 * blocks);
+    SuperInts ints{std::vector<uint8_t>(16 * blocks), std::vector<uint8_t>(16 * blocks),
+                   std::vector<uint16_t>(16 * supers), std::vector<uint16_t>(16 * supers)};
     SuperBlock sb;
     for (int64_t t = begin; t < end; ++t) {
       for (int c = 0; c < 16; ++c) {
@@ -238,9 +265,12 @@ inline bool gguf_tiles(at::Tensor out, int64_t row_start, const at::Tensor& raw,
           std::memcpy(&u[c * k + 256 * i], sb.u, 256);
           std::memcpy(&scale[c * blocks + 8 * i], sb.scale, sizeof sb.scale);
           std::memcpy(&zero[c * blocks + 8 * i], sb.zero, sizeof sb.zero);
+          std::memcpy(&ints.sc[c * blocks + 8 * i], sb.sc, 8);
+          std::memcpy(&ints.m[c * blocks + 8 * i], sb.m, 8);
+          ints.d[c * supers + i] = sb.d, ints.dmin[c * supers + i] = sb.dmin;
         }
       }
-      if (!write_tile(u.data(), scale.data(), zero.data(), k, kind->bits, kind->zero,
+      if (!write_tile(u.data(), scale.data(), zero.data(), ints, k, kind->bits, kind->form,
                       o + (row_start / 16 + t) * blocks * record, record))
         held = false;
     }

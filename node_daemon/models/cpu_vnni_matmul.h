@@ -37,35 +37,74 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
   });
 }
 
+// The 16 columns' scales and zeros of the records along one tile's K, block by block: read from each record, or
+// made from a super-block's header (read at its first record and kept for its 8) and each record's integer scales
+// and mins (cpu_code_matmul.h's kSuper).
+template <int BITS, int FORM>
+struct BlockAffine {
+  static constexpr int64_t kCodeBytes = BITS * kQBlock * 16 / 8, kRecord = record_bytes<BITS, FORM>();
+  __m512 d, dmin;  // kSuper: the current super-block's header
+  __m512 s, z;
+
+  // Sixteen float16 of the header from records j .. j + 3 of a super-block (8 bytes each).
+  static __m512 header_halves(const uint8_t* first, int j) {
+    int64_t h[4];
+    for (int i = 0; i < 4; ++i) std::memcpy(&h[i], first + (j + i) * kRecord + kCodeBytes + 32, 8);
+    return _mm512_cvtph_ps(_mm256_set_epi64x(h[3], h[2], h[1], h[0]));
+  }
+
+  // kSuper: the header of the super-block whose first record is `first`.
+  inline void header(const uint8_t* first) { d = header_halves(first, 0), dmin = header_halves(first, 4); }
+
+  // Block b's record, the blocks taken in order along K (a super-block's header read at its first).
+  inline void at(const uint8_t* wb, int64_t b) {
+    if (FORM == kSuper && b % 8 == 0) header(wb);
+    scales(wb);
+  }
+
+  // s and z of the record at wb (kSuper: under the header last read).
+  inline void scales(const uint8_t* wb) {
+    const uint8_t* affine = wb + kCodeBytes;
+    if constexpr (FORM == kSuper) {
+      const auto bytes = [](const uint8_t* p) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      };
+      s = _mm512_mul_ps(d, bytes(affine));
+      z = _mm512_xor_ps(_mm512_mul_ps(dmin, bytes(affine + 16)), _mm512_set1_ps(-0.0f));  // -(dmin m)
+    } else {
+      s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(affine)));
+      z = FORM == kZeros ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(affine + 32)))
+                         : _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
+    }
+  }
+};
+
 // One record's integer sums into R rows' 16 columns: the codes' scale times each row's activation scale, plus the
-// zero (stored after the scales, or -2^(BITS-1) scale) times the row's activation sum. `affine`: the record's
-// float16 scales; `first`: row r0's index into x's per-block scale and sum, `stride` the next row's distance.
-// Both activation forms (int16: QuantizedRows, int8: QuantizedRows8) end a block here.
-template <int BITS, bool ZERO, int R, typename Rows>
-inline void fold_block(const uint8_t* affine, const __m512i* dot, const Rows& x, int64_t first, int64_t stride,
-                       __m512* acc) {
-  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(affine)));
-  const __m512 z = ZERO ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(affine + 32)))
-                        : _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
+// zero times the row's activation sum. `first`: row r0's index into x's per-block scale and sum, `stride` the next
+// row's distance. Both activation forms (int16: QuantizedRows, int8: QuantizedRows8) end a block here.
+template <int BITS, int FORM, int R, typename Rows>
+inline void fold_block(const BlockAffine<BITS, FORM>& a, const __m512i* dot, const Rows& x, int64_t first,
+                       int64_t stride, __m512* acc) {
   for (int r = 0; r < R; ++r) {
     const int64_t i = first + r * stride;
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, _mm512_set1_ps(x.scale[i])), acc[r]);
-    acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(x.sum[i]), acc[r]);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(a.s, _mm512_set1_ps(x.scale[i])), acc[r]);
+    acc[r] = _mm512_fmadd_ps(a.z, _mm512_set1_ps(x.sum[i]), acc[r]);
   }
 }
 
 // One tile's 16 columns for rows r0 .. r0 + R - 1: out[r][c] (float32, 16 a row).
-template <int BITS, bool ZERO, int R>
+template <int BITS, int FORM, int R>
 inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int64_t blocks, float* out) {
-  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS, ZERO>();
+  constexpr int64_t block_bytes = record_bytes<BITS, FORM>();
   const int64_t blocks_per_row = x.k / kQBlock;
+  BlockAffine<BITS, FORM> affine;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi16(0x0f), sixteen = _mm512_set1_epi16(16);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = w + b * block_bytes;
     for (int64_t line = 0; line < block_bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kSuperAhead<BITS, FORM>() + line), _MM_HINT_T0);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     const int32_t* xq[R];  // the rows' block as int16 pairs
@@ -90,7 +129,8 @@ inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
         for (int r = 0; r < R; ++r) dot[r] = _mm512_dpwssd_epi32(dot[r], v, _mm512_set1_epi32(xq[r][q]));
       }
     }
-    fold_block<BITS, ZERO, R>(wb + code_bytes, dot, x, r0 * blocks_per_row + b, blocks_per_row, acc);
+    affine.at(wb, b);
+    fold_block<BITS, FORM, R>(affine, dot, x, r0 * blocks_per_row + b, blocks_per_row, acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
@@ -129,10 +169,11 @@ inline void quantize_rows_int8(const uint16_t* x, int64_t rows, int64_t k, Quant
 // in the model runner: Gemma 3 27-28 -> 22-23 ms, the 1B 81-90 -> 69-75 ms. (AVX2's int8 body: no change.)
 constexpr int64_t kInt8PrefetchBytes = 4096;
 
-template <int BITS, bool ZERO, int R>
+template <int BITS, int FORM, int R>
 inline void vnni8_tile(const uint8_t* w, const QuantizedRows8& x, int64_t r0, int64_t blocks, float* out) {
-  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, block_bytes = record_bytes<BITS, ZERO>();
+  constexpr int64_t block_bytes = record_bytes<BITS, FORM>();
   const int64_t blocks_per_row = x.k / kQBlock;
+  BlockAffine<BITS, FORM> affine;
   // word c of the first chunk, then word c of the second: column c's four codes in dword c
   static constexpr uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -171,37 +212,38 @@ inline void vnni8_tile(const uint8_t* w, const QuantizedRows8& x, int64_t r0, in
         for (int r = 0; r < R; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], v, _mm512_set1_epi32(xq[r][m]));
       }
     }
-    fold_block<BITS, ZERO, R>(wb + code_bytes, dot, x, r0 * blocks_per_row + b, blocks_per_row, acc);
+    affine.at(wb, b);
+    fold_block<BITS, FORM, R>(affine, dot, x, r0 * blocks_per_row + b, blocks_per_row, acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
 #define STALLFREE_INT8_MATMUL 1
 constexpr bool int8_takes(int) { return true; }
-template <int BITS, bool ZERO>
+template <int BITS, int FORM>
 void code_tile_rows8(const uint8_t* w, const QuantizedRows8& x, int64_t r0, int rows, int64_t blocks, float* out) {
   switch (rows) {
-    case 1: return vnni8_tile<BITS, ZERO, 1>(w, x, r0, blocks, out);
-    case 2: return vnni8_tile<BITS, ZERO, 2>(w, x, r0, blocks, out);
-    case 3: return vnni8_tile<BITS, ZERO, 3>(w, x, r0, blocks, out);
-    case 4: return vnni8_tile<BITS, ZERO, 4>(w, x, r0, blocks, out);
-    case 5: return vnni8_tile<BITS, ZERO, 5>(w, x, r0, blocks, out);
-    case 6: return vnni8_tile<BITS, ZERO, 6>(w, x, r0, blocks, out);
-    case 7: return vnni8_tile<BITS, ZERO, 7>(w, x, r0, blocks, out);
-    default: return vnni8_tile<BITS, ZERO, 8>(w, x, r0, blocks, out);
+    case 1: return vnni8_tile<BITS, FORM, 1>(w, x, r0, blocks, out);
+    case 2: return vnni8_tile<BITS, FORM, 2>(w, x, r0, blocks, out);
+    case 3: return vnni8_tile<BITS, FORM, 3>(w, x, r0, blocks, out);
+    case 4: return vnni8_tile<BITS, FORM, 4>(w, x, r0, blocks, out);
+    case 5: return vnni8_tile<BITS, FORM, 5>(w, x, r0, blocks, out);
+    case 6: return vnni8_tile<BITS, FORM, 6>(w, x, r0, blocks, out);
+    case 7: return vnni8_tile<BITS, FORM, 7>(w, x, r0, blocks, out);
+    default: return vnni8_tile<BITS, FORM, 8>(w, x, r0, blocks, out);
   }
 }
 
-template <int BITS, bool ZERO>
+template <int BITS, int FORM>
 void code_tile_rows(const uint8_t* w, const QuantizedRows& x, int64_t r0, int rows, int64_t blocks, float* out) {
   switch (rows) {
-    case 1: return vnni_tile<BITS, ZERO, 1>(w, x, r0, blocks, out);
-    case 2: return vnni_tile<BITS, ZERO, 2>(w, x, r0, blocks, out);
-    case 3: return vnni_tile<BITS, ZERO, 3>(w, x, r0, blocks, out);
-    case 4: return vnni_tile<BITS, ZERO, 4>(w, x, r0, blocks, out);
-    case 5: return vnni_tile<BITS, ZERO, 5>(w, x, r0, blocks, out);
-    case 6: return vnni_tile<BITS, ZERO, 6>(w, x, r0, blocks, out);
-    case 7: return vnni_tile<BITS, ZERO, 7>(w, x, r0, blocks, out);
-    default: return vnni_tile<BITS, ZERO, 8>(w, x, r0, blocks, out);
+    case 1: return vnni_tile<BITS, FORM, 1>(w, x, r0, blocks, out);
+    case 2: return vnni_tile<BITS, FORM, 2>(w, x, r0, blocks, out);
+    case 3: return vnni_tile<BITS, FORM, 3>(w, x, r0, blocks, out);
+    case 4: return vnni_tile<BITS, FORM, 4>(w, x, r0, blocks, out);
+    case 5: return vnni_tile<BITS, FORM, 5>(w, x, r0, blocks, out);
+    case 6: return vnni_tile<BITS, FORM, 6>(w, x, r0, blocks, out);
+    case 7: return vnni_tile<BITS, FORM, 7>(w, x, r0, blocks, out);
+    default: return vnni_tile<BITS, FORM, 8>(w, x, r0, blocks, out);
   }
 }

@@ -1,5 +1,6 @@
 """GGUF K-quant tensors (Q2_K .. Q6_K: the weights of every published Q2_K, Q3_K_M, Q4_K_M and Q5_K_M) tiled for
-the code kernel by the compiled library at load (cpu_gguf_tiles.h), where it is already built for this tier.
+the code kernel by the compiled library at load (cpu_gguf_tiles.h), where it is already built for this tier; Q4_K
+and Q5_K matrices into super-block records that keep the file's integers (kquant_tiles.py).
 
 A first start on a new file otherwise decodes every weight through numpy (kquant_codes.py), lays the codes out
 again (TiledCodes.from_codes) and joins the parts of q/k/v and gate/up: 8 s for a 1B Q4_K_M, most of that start.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stallfree.node_daemon.models import kquant_codes
+from stallfree.node_daemon.models import kquant_codes, kquant_tiles
 from stallfree.node_daemon.models.quantized import (BlockCodes, Int4Weight, TiledCodes, decode_blocks, stack_parts,
                                                     tiles_from_blocks)
 
@@ -66,19 +67,28 @@ def compiled_tiler():
 
 
 def file_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> GgufBlocks | None:
-    """A tensor's bytes as GgufBlocks where the compiled library can tile them (a K-quant in whole tiles of 16 rows,
-    the library built), else None (the Python path decodes it)."""
-    if qtype not in TILED_TYPES or rows % 16 or cols % kquant_codes.QK_K or compiled_tiler() is None:
+    """A tensor's bytes as GgufBlocks where they can be tiled from the file's bytes (a K-quant in whole tiles of 16
+    rows: by the compiled library where it is built; Q4_K and Q5_K by numpy too), else None (the Python path
+    decodes it)."""
+    if qtype not in TILED_TYPES or rows % 16 or cols % kquant_codes.QK_K:
+        return None
+    if qtype not in kquant_tiles.SUPER_TYPES and compiled_tiler() is None:
         return None
     return GgufBlocks(np.asarray(raw).reshape(rows, -1), qtype, cols)
 
 
 def tiles_of_parts(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCodes | None:
     """One matrix's tiles from its row parts (q, k, v or gate, up; one part for the rest) by the compiled library:
-    4-bit codes where every part is Q4_K, 8-bit where any is Q2_K, Q3_K or Q6_K, else 5-bit; zeros unless every part
-    is Q3_K or Q6_K (and then too where a block's float16 scale cannot give its zero), as TiledCodes.from_codes lays the decoded codes out.
-    None unless the parts cover the rows in whole tiles and the library is built."""
+    super-block records where every part is Q4_K or Q5_K (4-bit codes where all are Q4_K, else 5: kquant_tiles.py,
+    which makes the same bytes without the library); else 8-bit codes (some part Q2_K, Q3_K or Q6_K) with zeros
+    unless every part is Q3_K or Q6_K (and then too where a block's float16 scale cannot give its zero), as
+    TiledCodes.from_codes lays the decoded codes out. None unless the parts cover the rows in whole tiles and,
+    but for super-block records, the library is built."""
     tiler = compiled_tiler()
+    types = {part.qtype for _, part in parts}
+    super_bits = kquant_tiles.super_bits(types)
+    if super_bits is not None and tiler is None:
+        return kquant_tiles.super_tiles(parts, rows)
     ordered = sorted(parts, key=lambda item: item[0].start or 0)
     covered = 0
     for rows_slice, part in ordered:
@@ -87,11 +97,11 @@ def tiles_of_parts(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCod
         covered += part.rows
     if tiler is None or covered != rows or rows % 16:
         return None
-    types = {part.qtype for _, part in ordered}
-    bits = 4 if types == {"Q4_K"} else 8 if types & EIGHT_BIT_TYPES else 5
+    bits = super_bits or (8 if types & EIGHT_BIT_TYPES else 5)
     groups = ordered[0][1].cols // 32
     for zeros in ([False, True] if types <= SYMMETRIC_TYPES else [True]):
-        out = torch.empty(rows // 16, groups, bits * 64 + (64 if zeros else 32), dtype=torch.uint8)
+        record = kquant_tiles.super_record_bytes(bits) if super_bits else bits * 64 + (64 if zeros else 32)
+        out = torch.empty(rows // 16, groups, record, dtype=torch.uint8)
         written = True
         for rows_slice, part in ordered:
             with warnings.catch_warnings():  # the file's read-only mapping: only read

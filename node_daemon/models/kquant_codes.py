@@ -82,7 +82,7 @@ def _sub_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d[:, None] * sc.astype(np.float32), dmin[:, None] * m.astype(np.float32)
 
 
-def _low_nibbles_then_high(qs: np.ndarray) -> np.ndarray:
+def low_nibbles_then_high(qs: np.ndarray) -> np.ndarray:
     """[n, 128] bytes -> [n, 256] 4-bit values: each 32 bytes give one sub-block in their low nibbles, the next
     sub-block in their high ones."""
     q = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
@@ -91,7 +91,7 @@ def _low_nibbles_then_high(qs: np.ndarray) -> np.ndarray:
 
 def _q4_k(blocks: np.ndarray):
     s, dm = _sub_scales(blocks)
-    codes = _low_nibbles_then_high(blocks[:, 16:144])
+    codes = low_nibbles_then_high(blocks[:, 16:144])
     return codes[:, None], s[:, None], (8.0 * s - dm)[:, None]  # (q - 8)*s + 8s - dm = s*q - dm
 
 
@@ -99,7 +99,7 @@ def _q5_k(blocks: np.ndarray):
     s, dm = _sub_scales(blocks)
     qh = blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
     hi = (qh & 1).reshape(-1, QK_K)  # sub-block i's fifth bit: bit i of the 32 qh bytes
-    lo = _low_nibbles_then_high(blocks[:, 48:176])
+    lo = low_nibbles_then_high(blocks[:, 48:176])
     return _unsigned_as_planes(lo, hi, s, -dm)
 
 

@@ -148,16 +148,41 @@ def decode_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> BlockCod
     return BlockCodes(codes, d, m + 8.0 * d, planes, qtype)
 
 
+# A kSuper record's bytes past its codes: 16 sc, 16 m, 8 of its super-block's header.
+SUPER_AFFINE_BYTES = 40
+
+
+def tile_code_bytes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes [N, K] uint8 (0..15, 0..31 or 0..255) as the records' code bytes [N / 16, K / 32, bits * 64]:
+    chunks of 16 columns' pairs of k (4-bit: pair q in the low nibbles, q + 8 in the high ones; 5-bit: then a
+    32-bit mask of pair q's fifth bits and one of pair q + 8's per chunk, bit 2c + j)."""
+    n, k = codes.shape
+    groups = k // GROUP_SIZE
+    # [tile, column, block, pair of k, k in pair] -> [tile, block, pair, column, k in pair]
+    tiled = codes.reshape(n // 16, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
+    fifth = None
+    if bits == 5:
+        bit_values = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+        masks = ((tiled >> 4) & 1).reshape(n // 16, groups, 16, 4, 8).mul(bit_values).sum(-1, dtype=torch.uint8)
+        fifth = masks.reshape(n // 16, groups, 2, 8, 4).transpose(2, 3).reshape(n // 16, groups, 64)
+        tiled = tiled & 15
+    if bits != 8:
+        tiled = tiled[:, :, :8] | (tiled[:, :, 8:] << 4)
+    parts = [tiled.reshape(n // 16, groups, -1)] + ([fifth] if fifth is not None else [])
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+
 @dataclass
 class TiledCodes:
     """The same codes laid out for the compiled code kernel (models/cpu_code_matmul.h): an unsigned code per weight
     (4 bits; two planes joined: 5 bits where the high plane is one bit, as Q5_0's, else 8), value = scale * code +
     zero per 32-weight block (zero = -2^(bits-1) scale, not stored, for symmetric types), scale and zero
     float16 (GGUF's own precision), 16 output rows to a tile, and per tile and block one record: the codes, then
-    the 16 rows' scales, then their zeros."""
+    the 16 rows' scales, then their zeros. Q4_K and Q5_K matrices keep their own integers instead (is_super:
+    models/kquant_tiles.py)."""
 
     # uint8 [N / 16, K / 32, bits * 64 + 64] (5 bits: 256 bytes of nibbles, 64 of fifth bits), or bits * 64 + 32
-    # where a symmetric type's zeros follow from its scales (has_zeros)
+    # where a symmetric type's zeros follow from its scales (has_zeros), or bits * 64 + 40 (is_super)
     blocks: torch.Tensor
     bits: int
 
@@ -186,22 +211,12 @@ class TiledCodes:
                 raise ValueError("two code planes whose scales are not 1 : 16")
             scale = s0
             zero = block.zero[:, :groups] - 8.0 * s0 + block.zero[:, groups:] - 8.0 * s1
-        # [tile, column, block, pair of k, k in pair] -> [tile, block, pair, column, k in pair]
-        tiled = codes.reshape(n // 16, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
-        fifth = None
-        if bits == 5:  # per chunk q a 32-bit mask of pair q's fifth bits, then one of pair q + 8's (bit 2c + j)
-            bit_values = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
-            masks = ((tiled >> 4) & 1).reshape(n // 16, groups, 16, 4, 8).mul(bit_values).sum(-1, dtype=torch.uint8)
-            fifth = masks.reshape(n // 16, groups, 2, 8, 4).transpose(2, 3).reshape(n // 16, groups, 64)
-            tiled = tiled & 15
-        if bits != 8:  # pair q in the low nibbles, q + 8 in the high ones
-            tiled = tiled[:, :, :8] | (tiled[:, :, 8:] << 4)
 
         def per_tile(values: np.ndarray) -> torch.Tensor:  # [tile, block, 16 columns] float16 as bytes
             half = torch.from_numpy(values).to(torch.float16).view(n // 16, 16, groups).transpose(1, 2)
             return half.contiguous().view(torch.uint8)
 
-        parts = [tiled.reshape(n // 16, groups, -1)] + ([fifth] if fifth is not None else [])
+        parts = [tile_code_bytes(codes, bits)]
         scale16 = scale.astype(np.float16).astype(np.float32)
         symmetric = np.array_equal(zero.astype(np.float16).astype(np.float32), -float(1 << (bits - 1)) * scale16)
         if zeros is None:
@@ -215,8 +230,15 @@ class TiledCodes:
 
     @property
     def has_zeros(self) -> bool:
-        """Whether the records hold zeros (else zero = -2^(bits-1) scale: a symmetric type's)."""
+        """Whether the records hold float16 zeros (else zero = -2^(bits-1) scale: a symmetric type's, or made from
+        a super-block's integers: is_super)."""
         return self.blocks.shape[2] == self.bits * 64 + 64
+
+    @property
+    def is_super(self) -> bool:
+        """Q4_K/Q5_K super-block records (cpu_code_matmul.h's kSuper): the file's integer sub-block scales and mins
+        under each super-block's float16 d and dmin (models/kquant_tiles.py makes them)."""
+        return self.blocks.shape[2] == self.bits * 64 + SUPER_AFFINE_BYTES
 
     @property
     def nbytes(self) -> int:
@@ -239,9 +261,25 @@ class TiledCodes:
             return (self.blocks[..., at:at + 32].contiguous().view(torch.float16).float().transpose(1, 2)
                     .reshape(tiles * 16, groups))
 
-        scale = affine(code_bytes)
-        zero = affine(code_bytes + 32) if self.has_zeros else -float(1 << (self.bits - 1)) * scale
+        if self.is_super:
+            scale, zero = self._super_affine()
+        else:
+            scale = affine(code_bytes)
+            zero = affine(code_bytes + 32) if self.has_zeros else -float(1 << (self.bits - 1)) * scale
         return codes, scale, zero
+
+    def _super_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kSuper records' scale d * sc and zero -(dmin * m), [N, K / 32] float32: exact (a float16 times a 6-bit
+        integer)."""
+        tiles, groups, _ = self.blocks.shape
+        at = self.bits * 64
+        ints = self.blocks[..., at:at + 32].float()  # [tile, block, sc of 16 columns | m of 16 columns]
+        # each super-block's 8 records hold 8 bytes each of its header: 16 float16 d, then 16 dmin
+        header = self.blocks[..., at + 32:at + 40].reshape(tiles, groups // 8, 64).contiguous().view(torch.float16)
+        header = header.float().repeat_interleave(8, dim=1)  # [tile, block, 32]
+        scale = header[..., :16] * ints[..., :16]
+        zero = -(header[..., 16:] * ints[..., 16:])
+        return (scale.transpose(1, 2).reshape(tiles * 16, groups), zero.transpose(1, 2).reshape(tiles * 16, groups))
 
     def to_block_codes(self) -> BlockCodes:
         """The same weights as BlockCodes (one plane of 4-bit codes, or two for 8-bit ones): what torch's int4

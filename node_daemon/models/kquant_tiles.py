@@ -1,0 +1,83 @@
+"""Q4_K and Q5_K matrices as the code kernel's super-block records (models/cpu_code_matmul.h's kSuper): each record
+keeps its 16 columns' 6-bit sub-block scales sc and mins m as bytes, and each super-block of 8 records its 16
+columns' float16 d and dmin (8 bytes in each record). A weight is then (d * sc) * q - dmin * m exactly as the file
+holds it, in 4.625 bits (Q4_K; 5.625 for Q5_K) where float16 scales and zeros per 32 weights took 5 (6) and were
+rounded (the file: 4.5 and 5.5 bits).
+
+These are made in numpy here (the reference, and the path while the compiled library is not built) and by the
+compiled tiler (models/cpu_gguf_tiles.h) from the same bytes; tests/test_gguf_tiles.py holds the two equal.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from stallfree.node_daemon.models import kquant_codes
+from stallfree.node_daemon.models.quantized import SUPER_AFFINE_BYTES, TiledCodes, tile_code_bytes
+
+SUPER_TYPES = ("Q4_K", "Q5_K")
+
+
+def super_bits(qtypes: set[str]) -> int | None:
+    """The code bits of a matrix whose parts have these types, where they take super-block records (4: every part
+    Q4_K; 5: Q5_K among them); None for any other type."""
+    if not qtypes or not qtypes <= set(SUPER_TYPES):
+        return None
+    return 4 if qtypes == {"Q4_K"} else 5
+
+
+def super_record_bytes(bits: int) -> int:
+    return bits * 64 + SUPER_AFFINE_BYTES
+
+
+def file_integers(raw: np.ndarray, qtype: str, rows: int, cols: int) \
+        -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_K/Q5_K tensor's block bytes [rows, cols / 256 * bytes] -> (codes [rows, cols] uint8 in 0..15 or 0..31,
+    sc and m [rows, cols / 32] uint8, d and dmin [rows, cols / 256] float16 bits as uint16), as gguf reads them."""
+    from gguf.quants import Q4_K
+
+    supers = cols // kquant_codes.QK_K
+    blocks = np.ascontiguousarray(raw).reshape(rows * supers, kquant_codes.BLOCK_BYTES[qtype])
+    d = blocks[:, 0:2].copy().view(np.uint16).reshape(rows, supers)
+    dmin = blocks[:, 2:4].copy().view(np.uint16).reshape(rows, supers)
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+    codes = kquant_codes.low_nibbles_then_high(blocks[:, -128:])
+    if qtype == "Q5_K":
+        qh = blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        codes = codes | ((qh & 1).reshape(-1, kquant_codes.QK_K) << 4)
+    return (codes.reshape(rows, cols), sc.astype(np.uint8).reshape(rows, -1), m.astype(np.uint8).reshape(rows, -1),
+            d, dmin)
+
+
+def super_tiles(parts: list, rows: int) -> TiledCodes | None:
+    """One matrix's super-block records from its row parts (models/gguf_tiles.py GgufBlocks: q, k, v or gate, up;
+    one part for the rest, each part's rows in its `order`). None unless every part is Q4_K or Q5_K and the parts
+    cover the rows in whole tiles of 16."""
+    bits = super_bits({part.qtype for _, part in parts})
+    ordered = sorted(parts, key=lambda item: item[0].start or 0)
+    covered = 0
+    for rows_slice, part in ordered:
+        if (rows_slice.start or 0) != covered or part.rows % 16:
+            return None
+        covered += part.rows
+    if bits is None or covered != rows or rows % 16:
+        return None
+    cols = ordered[0][1].cols
+    joined = [file_integers(part.raw, part.qtype, part.rows, cols) for _, part in ordered]
+    joined = [[a if part.order is None else a[part.order] for a in arrays]
+              for (_, part), arrays in zip(ordered, joined)]
+    codes, sc, m, d, dmin = (np.concatenate(column) for column in zip(*joined))
+    tiles, groups, supers = rows // 16, cols // 32, cols // kquant_codes.QK_K
+
+    def per_tile(values: np.ndarray) -> torch.Tensor:  # [rows, n] -> [tile, n, 16 columns]
+        return torch.from_numpy(values).reshape(tiles, 16, -1).transpose(1, 2)
+
+    # the header: per tile and super-block 16 float16 d, then 16 dmin (64 bytes), 8 bytes to each of its 8 records
+    header = torch.cat([per_tile(d), per_tile(dmin)], dim=-1).contiguous().view(torch.uint8)  # [tile, super, 64]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        code_bytes = tile_code_bytes(torch.from_numpy(codes), bits)
+    record = torch.cat([code_bytes, per_tile(sc), per_tile(m), header.reshape(tiles, supers * 8, 8)], dim=-1)
+    return TiledCodes(record.contiguous(), bits)
