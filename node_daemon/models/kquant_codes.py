@@ -30,10 +30,11 @@ Q2_K's re-coding: a 32-weight block's two halves differ in scale and offset (d*s
 grid holds both exactly; its 8-bit grid spans the block's decoded values (s = (max - min)/255, zero = min), each
 within s/2 = a 510th of the block's range (Q2_K's own step is a third of a half's range).
 
-The compiled kernel's layout (quantized.TiledCodes) holds scale and zero in float16: d*sc has up to 17 significant
-bits, so there K-quant scales and zeros are rounded to float16 (a half ulp, 2^-11, of each: under 1% of a 4-bit
-step); an exact kernel would multiply the integer sub-block scales and apply d once per super-block, as llama.cpp's
-does.
+These planes are the Python path's codes. Where they are laid out in the compiled kernel's per-32 records
+(quantized.TiledCodes.from_codes) scale and zero are float16: d*sc has up to 17 significant bits, so there K-quant
+scales and zeros are rounded to float16 (a half ulp, 2^-11, of each: under 1% of a 4-bit step). A matrix whose parts
+are all Q4_K or Q5_K does not take that path when it is loaded from a file: kquant_tiles.py keeps the file's
+integers (super-block records), and the kernel makes d*sc and dmin*m exactly.
 """
 from __future__ import annotations
 
