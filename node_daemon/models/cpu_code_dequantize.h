@@ -23,40 +23,38 @@ inline __m256i bf16x16(__m512 v) {
 #endif
 }
 
-// One record (16 columns, 32 k) into out[k][0..15] (row stride n).
-// The 16 columns' scale and zero of block b's record at wb (kSuper: from its super-block's header, 8 * (b / 8)
-// records in, and the record's integer scales and mins; cpu_code_matmul.h says the forms).
+// The 16 columns' scale and zero of block b of the tile whose first record is `tile` (kSuper: from its super-block's
+// header and the block's integer scales and mins; cpu_code_matmul.h says the forms).
 template <int BITS, int FORM>
-inline void record_affine16(const uint8_t* wb, int64_t b, __m512& s, __m512& z) {
-  constexpr int64_t code_bytes = BITS * kQBlock * 16 / 8, rec = record_bytes<BITS, FORM>();
+inline void record_affine16(const uint8_t* tile, int64_t b, __m512& s, __m512& z) {
+  const uint8_t* affine = tile + affine_offset(BITS, FORM, b);
   if constexpr (FORM == kSuper) {
-    const uint8_t* first = wb - (b % 8) * rec;
-    int64_t h[8];
-    for (int i = 0; i < 8; ++i) std::memcpy(&h[i], first + i * rec + code_bytes + 32, 8);
-    const __m512 d = _mm512_cvtph_ps(_mm256_set_epi64x(h[3], h[2], h[1], h[0]));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_set_epi64x(h[7], h[6], h[5], h[4]));
+    const __m256i* header = reinterpret_cast<const __m256i*>(tile + header_offset(BITS, b));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(header));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(header + 1));
     const auto bytes = [](const uint8_t* p) {
       return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     };
-    s = _mm512_mul_ps(d, bytes(wb + code_bytes));
-    z = _mm512_xor_ps(_mm512_mul_ps(dmin, bytes(wb + code_bytes + 16)), _mm512_set1_ps(-0.0f));  // -(dmin m)
+    s = _mm512_mul_ps(d, bytes(affine));
+    z = _mm512_xor_ps(_mm512_mul_ps(dmin, bytes(affine + 16)), _mm512_set1_ps(-0.0f));  // -(dmin m)
   } else {
-    s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes)));
-    z = FORM == kZeros ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + code_bytes + 32)))
+    s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(affine)));
+    z = FORM == kZeros ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(affine + 32)))
                        : _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
   }
 }
 
 // One record (16 columns, 32 k: block b's) into out[k][0..15] (row stride n).
 template <int BITS, int FORM>
-inline void dequantize_record(const uint8_t* wb, int64_t b, uint16_t* o, int64_t n) {
+inline void dequantize_record(const uint8_t* tile, int64_t b, uint16_t* o, int64_t n) {
+  const uint8_t* wb = tile + codes_offset(BITS, FORM, b);
   // lanes 2c (k even) to 0..15, lanes 2c + 1 (k odd) to 16..31
   static constexpr uint16_t kSplit[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
                                           1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
   const __m512i split = _mm512_loadu_si512(kSplit);
   const __m512i nibble = _mm512_set1_epi16(0x0f), sixteen = _mm512_set1_epi16(16);
   __m512 s, z;
-  record_affine16<BITS, FORM>(wb, b, s, z);
+  record_affine16<BITS, FORM>(tile, b, s, z);
   // codes u of k and k + 1 (32 lanes, column c's at 2c and 2c + 1) -> rows k, k + 1 of W^T
   const auto two_rows = [&](__m512i u, int64_t k) {
     const __m512i cols = _mm512_permutexvar_epi16(split, u);
@@ -69,13 +67,14 @@ inline void dequantize_record(const uint8_t* wb, int64_t b, uint16_t* o, int64_t
     for (int q = 0; q < 16; ++q)
       two_rows(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * q))), 2 * q);
   } else {
-    const uint32_t* fifth = reinterpret_cast<const uint32_t*>(wb + 256);  // BITS 5: the codes' fifth bits
     for (int q = 0; q < 8; ++q) {
       const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * q)));
       __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_srli_epi16(v, 4);
-      if constexpr (BITS == 5) {
-        lo = _mm512_mask_add_epi16(lo, fifth[2 * q], lo, sixteen);
-        hi = _mm512_mask_add_epi16(hi, fifth[2 * q + 1], hi, sixteen);
+      if constexpr (BITS == 5) {  // the codes' fifth bits: chunk q's low nibbles' mask, then its high ones'
+        uint32_t fifth[2];
+        std::memcpy(fifth, wb + 256 + 8 * q, 8);
+        lo = _mm512_mask_add_epi16(lo, fifth[0], lo, sixteen);
+        hi = _mm512_mask_add_epi16(hi, fifth[1], hi, sixteen);
       }
       two_rows(lo, 2 * q);
       two_rows(hi, 2 * q + 16);
@@ -85,9 +84,10 @@ inline void dequantize_record(const uint8_t* wb, int64_t b, uint16_t* o, int64_t
 #else
 // The same values in plain loops (record_code and record_affine, as code_rows reads them).
 template <int BITS, int FORM>
-inline void dequantize_record(const uint8_t* wb, int64_t b, uint16_t* out, int64_t n) {
+inline void dequantize_record(const uint8_t* tile, int64_t b, uint16_t* out, int64_t n) {
+  const uint8_t* wb = tile + codes_offset(BITS, FORM, b);
   Affine a[16];
-  for (int c = 0; c < 16; ++c) a[c] = record_affine(wb, BITS, FORM, c, b);
+  for (int c = 0; c < 16; ++c) a[c] = record_affine(tile, BITS, FORM, c, b);
   for (int p = 0; p < 16; ++p)
     for (int j = 0; j < 2; ++j) {
       uint16_t* o = out + (2 * p + j) * n;
@@ -104,7 +104,7 @@ inline void dequantize_tiles(const uint8_t* w, int64_t t0, int64_t t1, int64_t b
   // by tile, a row apart, every store would touch another page of a large W^T)
   for (int64_t b = 0; b < blocks; ++b)
     for (int64_t t = t0; t < t1; ++t)
-      dequantize_record<BITS, FORM>(w + (t * blocks + b) * rec, b, out + b * kQBlock * n + t * 16, n);
+      dequantize_record<BITS, FORM>(w + t * blocks * rec, b, out + b * kQBlock * n + t * 16, n);
 }
 
 // W^T [K, N] bfloat16 of blocks [N / 16, K / 32, record] into `out` (resized; its storage kept across calls).

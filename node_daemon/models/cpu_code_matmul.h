@@ -31,11 +31,12 @@ constexpr int64_t kPrefetchBytes = 1024;  // about 4 blocks ahead: the stream pr
 //   kZeros      float16 scales, then float16 zeros (Q4_1, Q5_1, mixed parts, re-coded types);
 //   kSymmetric  float16 scales alone: a symmetric type (Q4_0, Q5_0, Q8_0, IQ4, Q3_K, Q6_K re-coded: zero =
 //               -2^(BITS-1) scale in every block), the file's own bytes (8.5 bits a Q8_0 weight, not 9);
-//   kSuper      Q4_K's and Q5_K's own integers: 16 uint8 sub-block scales sc, 16 uint8 mins m, then 8 bytes of the
-//               256-weight super-block's header (16 float16 d, then 16 float16 dmin: 64 bytes over its 8 records, 8
-//               a record, record j of the super-block holding bytes 8j .. 8j + 7); scale = d * sc, zero = -dmin * m,
-//               both exact in float32 (the file's values, as llama.cpp's dequantization gives them), 4.625 bits a
-//               Q4_K weight where float16 scales and zeros took 5 (the file: 4.5).
+//   kSuper      Q4_K's and Q5_K's own integers, a 256-weight super-block's 8 records grouped: their 8 codes (each
+//               on whole 64-byte lines), then their 8 x 32 bytes of 16 uint8 sub-block scales sc and 16 uint8 mins
+//               m, then the super-block's header, 16 float16 d and 16 float16 dmin; scale = d * sc, zero = -dmin *
+//               m, both exact in float32 (the file's values, as llama.cpp's dequantization gives them). 4.625 bits
+//               a Q4_K weight where float16 scales and zeros took 5 (the file: 4.5); codes_offset and
+//               affine_offset say where a block's parts lie.
 enum RecordForm : int { kZeros = 0, kSymmetric = 1, kSuper = 2 };
 
 template <int BITS, int FORM = kZeros>
@@ -45,7 +46,8 @@ constexpr int64_t record_bytes() {
 }
 
 // How far ahead the one-row kernels prefetch: kSuper records a super-block (8 records) ahead, so that a
-// super-block's header, spread over its 8 records, has arrived when its first record is read.
+// super-block's header, stored after its 8 records' codes and integers, has arrived when its first block is read
+// (with 1 KB the header's load stalled the kernel: one row of a 64k x 2k Q4_K matrix took 1.43 ms against 1.26).
 template <int BITS, int FORM>
 constexpr int64_t kSuperAhead() {
   return FORM == kSuper ? 8 * record_bytes<BITS, FORM>() : kPrefetchBytes;
@@ -67,8 +69,22 @@ inline std::optional<RecordKind> record_kind(int64_t bytes) {
   if (bytes == record_bytes<5, kSuper>()) return RecordKind{5, kSuper};
   return std::nullopt;
 }
-inline int64_t record_size(int bits, int form) {
+constexpr int64_t record_size(int bits, int form) {
   return bits * kQBlock * 16 / 8 + (form == kZeros ? 64 : form == kSymmetric ? 32 : 40);
+}
+
+// Where block b's codes and its scales (or sc and m) lie from its tile's first record; kSuper: its super-block's
+// header too. Every form but kSuper keeps a record whole: codes, then the affine part.
+constexpr int64_t codes_offset(int bits, int form, int64_t b) {
+  const int64_t rec = record_size(bits, form), code_bytes = bits * kQBlock * 16 / 8;
+  return form == kSuper ? (b / 8) * 8 * rec + (b % 8) * code_bytes : b * rec;
+}
+constexpr int64_t affine_offset(int bits, int form, int64_t b) {
+  const int64_t rec = record_size(bits, form), code_bytes = bits * kQBlock * 16 / 8;
+  return form == kSuper ? (b / 8) * 8 * rec + 8 * code_bytes + (b % 8) * 32 : b * rec + code_bytes;
+}
+constexpr int64_t header_offset(int bits, int64_t b) {
+  return (b / 8) * 8 * record_size(bits, kSuper) + 8 * (bits * kQBlock * 16 / 8 + 32);
 }
 
 // Each row's blocks of 32 as int16 codes with their scale and exact sum.
@@ -156,25 +172,15 @@ inline int record_code(const uint8_t* rb, int bits, int p, int c, int j) {
 struct Affine {
   float scale, zero;
 };
-// A kSuper record's super-block header as float32: half i (d of column i, dmin of column i - 16) from `first`, the
-// super-block's first record.
-inline float super_half(const uint8_t* first, int64_t rec, int64_t code_bytes, int i) {
-  uint16_t h;
-  std::memcpy(&h, first + (i / 4) * rec + code_bytes + 32 + 2 * (i % 4), 2);
-  return half_to_float(h);
-}
-
-// `rb`: the record of block b (0-based along K; the tile's records are contiguous, so its super-block's first is
-// 8 * (b / 8) records in).
-inline Affine record_affine(const uint8_t* rb, int bits, int form, int c, int64_t b) {
-  const int64_t code_bytes = bits * kQBlock * 16 / 8;
+// Column c's scale and zero in block b of the tile whose first record is `tile`.
+inline Affine record_affine(const uint8_t* tile, int bits, int form, int c, int64_t b) {
+  const uint8_t* a = tile + affine_offset(bits, form, b);
   if (form == kSuper) {
-    const int64_t rec = record_size(bits, form);
-    const uint8_t* first = rb - (b % 8) * rec;
-    const float scale = super_half(first, rec, code_bytes, c) * static_cast<float>(rb[code_bytes + c]);
-    return {scale, -(super_half(first, rec, code_bytes, 16 + c) * static_cast<float>(rb[code_bytes + 16 + c]))};
+    const uint16_t* header = reinterpret_cast<const uint16_t*>(tile + header_offset(bits, b));
+    return {half_to_float(header[c]) * static_cast<float>(a[c]),
+            -(half_to_float(header[16 + c]) * static_cast<float>(a[16 + c]))};
   }
-  const uint16_t* sz = reinterpret_cast<const uint16_t*>(rb + code_bytes);
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(a);
   const float scale = half_to_float(sz[c]);
   return {scale, form == kZeros ? half_to_float(sz[16 + c]) : -static_cast<float>(1 << (bits - 1)) * scale};
 }
@@ -186,31 +192,26 @@ inline Affine record_affine(const uint8_t* rb, int bits, int form, int c, int64_
 constexpr int kMaxRowsAtOnce = 4;  // rows sharing one pass over a tile's codes (3: no faster at 16 or 256 rows)
 
 // The 16 columns' scales and zeros of the records along one tile's K, block by block (s[0], z[0]: columns 0-7;
-// s[1], z[1]: 8-15): read from each record, or made from a super-block's header (read at its first record and
-// kept for its 8) and each record's integer scales and mins.
+// s[1], z[1]: 8-15): read from each record, or made from a super-block's header (read at its first block and kept
+// for its 8) and each block's integer scales and mins.
 template <int BITS, int FORM>
 struct BlockAffine {
-  static constexpr int64_t kCodeBytes = BITS * kQBlock * 16 / 8, kRecord = record_bytes<BITS, FORM>();
   __m256 d[2], dmin[2];  // kSuper: the current super-block's header
   __m256 s[2], z[2];
 
-  // Eight float16 of the header from records j and j + 1 of a super-block (8 bytes each).
-  static __m256 header_halves(const uint8_t* first, int j) {
-    int64_t lo, hi;
-    std::memcpy(&lo, first + j * kRecord + kCodeBytes + 32, 8);
-    std::memcpy(&hi, first + (j + 1) * kRecord + kCodeBytes + 32, 8);
-    return _mm256_cvtph_ps(_mm_set_epi64x(hi, lo));
-  }
   static __m256 bytes_as_float(const uint8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
 
-  // Block b's record, the blocks taken in order along K (a super-block's header read at its first).
-  inline void at(const uint8_t* wb, int64_t b) {
-    const uint8_t* affine = wb + kCodeBytes;
+  // Block b of the tile whose first record is `tile`, the blocks taken in order along K.
+  inline void at(const uint8_t* tile, int64_t b) {
+    const uint8_t* affine = tile + affine_offset(BITS, FORM, b);
     if constexpr (FORM == kSuper) {
-      if (b % 8 == 0)
-        for (int h = 0; h < 2; ++h) d[h] = header_halves(wb, 2 * h), dmin[h] = header_halves(wb, 4 + 2 * h);
+      if (b % 8 == 0) {
+        const __m128i* header = reinterpret_cast<const __m128i*>(tile + header_offset(BITS, b));
+        for (int h = 0; h < 2; ++h)
+          d[h] = _mm256_cvtph_ps(_mm_loadu_si128(header + h)), dmin[h] = _mm256_cvtph_ps(_mm_loadu_si128(header + 2 + h));
+      }
       const __m256 sign = _mm256_set1_ps(-0.0f);
       for (int h = 0; h < 2; ++h) {
         s[h] = _mm256_mul_ps(d[h], bytes_as_float(affine + 8 * h));
@@ -269,9 +270,9 @@ inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
     return _mm256_and_si256(hit, _mm256_set1_epi16(16));
   };
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* wb = w + b * block_bytes;
-    for (int64_t line = 0; line < block_bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kSuperAhead<BITS, FORM>() + line), _MM_HINT_T0);
+    const uint8_t* wb = w + codes_offset(BITS, FORM, b);
+    for (int64_t line = 0; line < block_bytes; line += 64)  // the records' bytes as a stream, a block's worth a block
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * block_bytes + kSuperAhead<BITS, FORM>() + line), _MM_HINT_T0);
     __m256i dot[R][2];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     const int32_t* xq = reinterpret_cast<const int32_t*>(x.codes.data() + r0 * x.k + b * kQBlock);
@@ -303,7 +304,7 @@ inline void code_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
         }
       }
     }
-    affine.at(wb, b);
+    affine.at(w, b);
     fold_block<BITS, FORM, R>(affine, dot, x, r0 * blocks_per_row + b, blocks_per_row, out);
   }
 }
@@ -355,9 +356,9 @@ inline void code_tile8(const uint8_t* w, const QuantizedRows8& x, int64_t r0, in
   }
   const __m256i nibble = _mm256_set1_epi8(0x0f);
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* wb = w + b * block_bytes;
-    for (int64_t line = 0; line < block_bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kSuperAhead<BITS, FORM>() + line), _MM_HINT_T0);
+    const uint8_t* wb = w + codes_offset(BITS, FORM, b);
+    for (int64_t line = 0; line < block_bytes; line += 64)  // the records' bytes as a stream, a block's worth a block
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * block_bytes + kSuperAhead<BITS, FORM>() + line), _MM_HINT_T0);
     __m256i dot[R][2], part[R];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = part[r] = _mm256_setzero_si256();
     const int16_t* xp = reinterpret_cast<const int16_t*>(x.codes.data() + r0 * x.k + b * kQBlock);
@@ -382,7 +383,7 @@ inline void code_tile8(const uint8_t* w, const QuantizedRows8& x, int64_t r0, in
         }
       }
     }
-    affine.at(wb, b);
+    affine.at(w, b);
     fold_block<BITS, FORM, R>(affine, dot, x, r0 * blocks_per_row + b, blocks_per_row, out);
   }
 }
@@ -408,11 +409,10 @@ constexpr int kMaxRowsAtOnce = 4;
 // pairs 0-7, high nibbles for pairs 8-15).
 template <int BITS, int FORM>
 void code_tile_rows(const uint8_t* w, const QuantizedRows& x, int64_t r0, int rows, int64_t blocks, float* out) {
-  constexpr int64_t block_bytes = record_bytes<BITS, FORM>();
   const int64_t blocks_per_row = x.k / kQBlock;
   float acc[kMaxRowsAtOnce][16] = {};
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* wb = w + b * block_bytes;
+    const uint8_t* wb = w + codes_offset(BITS, FORM, b);
     int32_t dot[kMaxRowsAtOnce][16] = {};
     for (int p = 0; p < 16; ++p) {
       const uint8_t* chunk = wb + 32 * (BITS == 8 ? p : p % 8);
@@ -429,7 +429,7 @@ void code_tile_rows(const uint8_t* w, const QuantizedRows& x, int64_t r0, int ro
       }
     }
     Affine a[16];
-    for (int c = 0; c < 16; ++c) a[c] = record_affine(wb, BITS, FORM, c, b);
+    for (int c = 0; c < 16; ++c) a[c] = record_affine(w, BITS, FORM, c, b);
     for (int r = 0; r < rows; ++r) {
       const int64_t i = (r0 + r) * blocks_per_row + b;
       for (int c = 0; c < 16; ++c)
@@ -540,9 +540,10 @@ at::Tensor code_rows(const at::Tensor& blocks_t, const at::Tensor& ids_t) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = id[i] / 16, c = id[i] % 16;
       for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* rb = w + (t * blocks + b) * rec;
+        const uint8_t* tile = w + t * blocks * rec;
+        const uint8_t* rb = tile + codes_offset(bits, form, b);
         const int col = static_cast<int>(c);
-        const Affine a = record_affine(rb, bits, form, col, b);
+        const Affine a = record_affine(tile, bits, form, col, b);
         uint16_t* dst = o + i * k + b * kQBlock;
         for (int p = 0; p < 16; ++p)  // k = 2p + j
           for (int j = 0; j < 2; ++j)

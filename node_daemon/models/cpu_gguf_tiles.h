@@ -156,15 +156,15 @@ struct SuperInts {
   std::vector<uint16_t> d, dmin;
 };
 
-// 16 rows' codes [16][K] and affine [16][K / 32] (or, kSuper, their integers) into one tile's records (bits 4, 5
-// or 8, in `form`). False where a record without zeros cannot hold a block (its zero is not -2^(bits-1) times its
-// float16 scale).
+// 16 rows' codes [16][K] and affine [16][K / 32] (or, kSuper, their integers) into one tile's records at `tile`
+// (bits 4, 5 or 8, in `form`: codes_offset and affine_offset place each block's parts). False where a record
+// without zeros cannot hold a block (its zero is not -2^(bits-1) times its float16 scale).
 inline bool write_tile(const uint8_t* u, const float* scale, const float* zero, const SuperInts& ints, int64_t k,
-                       int bits, int form, uint8_t* tile, int64_t record) {
+                       int bits, int form, uint8_t* tile) {
   const int64_t blocks = k / kQBlock;
-  const int64_t code_bytes = bits * kQBlock * 16 / 8;
   for (int64_t g = 0; g < blocks; ++g) {
-    uint8_t* rb = tile + g * record;
+    uint8_t* rb = tile + codes_offset(bits, form, g);
+    uint8_t* affine = tile + affine_offset(bits, form, g);
     const auto code = [&](int c, int kk) { return u[c * k + g * kQBlock + kk]; };
     if (bits == 8) {
       for (int p = 0; p < 16; ++p)
@@ -185,20 +185,16 @@ inline bool write_tile(const uint8_t* u, const float* scale, const float* zero, 
         }
       }
     }
-    if (form == kSuper) {  // sc, m, then this record's 8 bytes of its super-block's header (d, then dmin)
-      const int64_t supers = k / 256, super = g / 8, j = g % 8;
-      for (int c = 0; c < 16; ++c) {
-        rb[code_bytes + c] = ints.sc[c * blocks + g];
-        rb[code_bytes + 16 + c] = ints.m[c * blocks + g];
-      }
-      for (int h = 0; h < 4; ++h) {
-        const int64_t i = 4 * j + h;
-        const uint16_t half = i < 16 ? ints.d[i * supers + super] : ints.dmin[(i - 16) * supers + super];
-        std::memcpy(rb + code_bytes + 32 + 2 * h, &half, 2);
+    if (form == kSuper) {  // sc, m; at a super-block's first block its header (16 d, then 16 dmin)
+      const int64_t supers = k / 256, super = g / 8;
+      for (int c = 0; c < 16; ++c) affine[c] = ints.sc[c * blocks + g], affine[16 + c] = ints.m[c * blocks + g];
+      if (g % 8 == 0) {
+        uint16_t* header = reinterpret_cast<uint16_t*>(tile + header_offset(bits, g));
+        for (int c = 0; c < 16; ++c) header[c] = ints.d[c * supers + super], header[16 + c] = ints.dmin[c * supers + super];
       }
       continue;
     }
-    uint16_t* sz = reinterpret_cast<uint16_t*>(rb + code_bytes);
+    uint16_t* sz = reinterpret_cast<uint16_t*>(affine);
     for (int c = 0; c < 16; ++c) {
       const c10::Half s(scale[c * blocks + g]), z(zero[c * blocks + g]);
       sz[c] = s.x;
@@ -271,7 +267,7 @@ inline bool gguf_tiles(at::Tensor out, int64_t row_start, const at::Tensor& raw,
         }
       }
       if (!write_tile(u.data(), scale.data(), zero.data(), ints, k, kind->bits, kind->form,
-                      o + (row_start / 16 + t) * blocks * record, record))
+                      o + (row_start / 16 + t) * blocks * record))
         held = false;
     }
   });

@@ -38,33 +38,27 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
 }
 
 // The 16 columns' scales and zeros of the records along one tile's K, block by block: read from each record, or
-// made from a super-block's header (read at its first record and kept for its 8) and each record's integer scales
+// made from a super-block's header (read at its first block and kept for its 8) and each block's integer scales
 // and mins (cpu_code_matmul.h's kSuper).
 template <int BITS, int FORM>
 struct BlockAffine {
-  static constexpr int64_t kCodeBytes = BITS * kQBlock * 16 / 8, kRecord = record_bytes<BITS, FORM>();
   __m512 d, dmin;  // kSuper: the current super-block's header
   __m512 s, z;
 
-  // Sixteen float16 of the header from records j .. j + 3 of a super-block (8 bytes each).
-  static __m512 header_halves(const uint8_t* first, int j) {
-    int64_t h[4];
-    for (int i = 0; i < 4; ++i) std::memcpy(&h[i], first + (j + i) * kRecord + kCodeBytes + 32, 8);
-    return _mm512_cvtph_ps(_mm256_set_epi64x(h[3], h[2], h[1], h[0]));
+  // Block b of the tile whose first record is `tile`, the blocks taken in order along K (a super-block's header
+  // read at its first block).
+  inline void at(const uint8_t* tile, int64_t b) {
+    if constexpr (FORM == kSuper) {
+      if (b % 8 == 0) {
+        const __m256i* header = reinterpret_cast<const __m256i*>(tile + header_offset(BITS, b));
+        d = _mm512_cvtph_ps(_mm256_loadu_si256(header)), dmin = _mm512_cvtph_ps(_mm256_loadu_si256(header + 1));
+      }
+    }
+    scales(tile + affine_offset(BITS, FORM, b));
   }
 
-  // kSuper: the header of the super-block whose first record is `first`.
-  inline void header(const uint8_t* first) { d = header_halves(first, 0), dmin = header_halves(first, 4); }
-
-  // Block b's record, the blocks taken in order along K (a super-block's header read at its first).
-  inline void at(const uint8_t* wb, int64_t b) {
-    if (FORM == kSuper && b % 8 == 0) header(wb);
-    scales(wb);
-  }
-
-  // s and z of the record at wb (kSuper: under the header last read).
-  inline void scales(const uint8_t* wb) {
-    const uint8_t* affine = wb + kCodeBytes;
+  // s and z of the block whose scales (or sc and m) are at `affine` (kSuper: under the header last read).
+  inline void scales(const uint8_t* affine) {
     if constexpr (FORM == kSuper) {
       const auto bytes = [](const uint8_t* p) {
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -102,9 +96,9 @@ inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi16(0x0f), sixteen = _mm512_set1_epi16(16);
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* wb = w + b * block_bytes;
-    for (int64_t line = 0; line < block_bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kSuperAhead<BITS, FORM>() + line), _MM_HINT_T0);
+    const uint8_t* wb = w + codes_offset(BITS, FORM, b);
+    for (int64_t line = 0; line < block_bytes; line += 64)  // the records' bytes as a stream, a block's worth a block
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * block_bytes + kSuperAhead<BITS, FORM>() + line), _MM_HINT_T0);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     const int32_t* xq[R];  // the rows' block as int16 pairs
@@ -129,7 +123,7 @@ inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
         for (int r = 0; r < R; ++r) dot[r] = _mm512_dpwssd_epi32(dot[r], v, _mm512_set1_epi32(xq[r][q]));
       }
     }
-    affine.at(wb, b);
+    affine.at(w, b);
     fold_block<BITS, FORM, R>(affine, dot, x, r0 * blocks_per_row + b, blocks_per_row, acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
@@ -182,9 +176,9 @@ inline void vnni8_tile(const uint8_t* w, const QuantizedRows8& x, int64_t r0, in
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* wb = w + b * block_bytes;
+    const uint8_t* wb = w + codes_offset(BITS, FORM, b);
     for (int64_t line = 0; line < block_bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kInt8PrefetchBytes + line), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * block_bytes + kInt8PrefetchBytes + line), _MM_HINT_T1);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     const int32_t* xq[R];  // the rows' block as int8 quads
@@ -212,7 +206,7 @@ inline void vnni8_tile(const uint8_t* w, const QuantizedRows8& x, int64_t r0, in
         for (int r = 0; r < R; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], v, _mm512_set1_epi32(xq[r][m]));
       }
     }
-    affine.at(wb, b);
+    affine.at(w, b);
     fold_block<BITS, FORM, R>(affine, dot, x, r0 * blocks_per_row + b, blocks_per_row, acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);

@@ -1,6 +1,7 @@
-"""Q4_K and Q5_K matrices as the code kernel's super-block records (models/cpu_code_matmul.h's kSuper): each record
-keeps its 16 columns' 6-bit sub-block scales sc and mins m as bytes, and each super-block of 8 records its 16
-columns' float16 d and dmin (8 bytes in each record). A weight is then (d * sc) * q - dmin * m exactly as the file
+"""Q4_K and Q5_K matrices as the code kernel's super-block records (models/cpu_code_matmul.h's kSuper): each block
+keeps its 16 columns' 6-bit sub-block scales sc and mins m as bytes, and each super-block of 8 blocks its 16
+columns' float16 d and dmin; a super-block's 8 records are stored grouped, their codes first (each on whole 64-byte
+lines), then their integers, then the header. A weight is then (d * sc) * q - dmin * m exactly as the file
 holds it, in 4.625 bits (Q4_K; 5.625 for Q5_K) where float16 scales and zeros per 32 weights took 5 (6) and were
 rounded (the file: 4.5 and 5.5 bits).
 
@@ -74,10 +75,11 @@ def super_tiles(parts: list, rows: int) -> TiledCodes | None:
     def per_tile(values: np.ndarray) -> torch.Tensor:  # [rows, n] -> [tile, n, 16 columns]
         return torch.from_numpy(values).reshape(tiles, 16, -1).transpose(1, 2)
 
-    # the header: per tile and super-block 16 float16 d, then 16 dmin (64 bytes), 8 bytes to each of its 8 records
+    # per tile and super-block: its 8 blocks' codes, their 8 x (16 sc, 16 m), its header (16 float16 d, 16 dmin)
     header = torch.cat([per_tile(d), per_tile(dmin)], dim=-1).contiguous().view(torch.uint8)  # [tile, super, 64]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        code_bytes = tile_code_bytes(torch.from_numpy(codes), bits)
-    record = torch.cat([code_bytes, per_tile(sc), per_tile(m), header.reshape(tiles, supers * 8, 8)], dim=-1)
-    return TiledCodes(record.contiguous(), bits)
+        code_bytes = tile_code_bytes(torch.from_numpy(codes), bits)  # [tile, block, bits * 64]
+    ints = torch.cat([per_tile(sc), per_tile(m)], dim=-1)  # [tile, block, 32]
+    grouped = torch.cat([code_bytes.reshape(tiles, supers, -1), ints.reshape(tiles, supers, -1), header], dim=-1)
+    return TiledCodes(grouped.reshape(tiles, groups, super_record_bytes(bits)).contiguous(), bits)

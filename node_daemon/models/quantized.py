@@ -248,11 +248,12 @@ class TiledCodes:
         """(unsigned codes [N, K] uint8, scale and zero [N, K / 32] float32): value = scale * code + zero."""
         tiles, groups, _ = self.blocks.shape
         code_bytes = self.bits * 64
-        raw = self.blocks[..., :512 if self.bits == 8 else 256].reshape(tiles, groups, -1, 16, 2)
+        records = self._super_parts()[0] if self.is_super else self.blocks  # [tile, block, codes ...]
+        raw = records[..., :512 if self.bits == 8 else 256].reshape(tiles, groups, -1, 16, 2)
         if self.bits != 8:
             raw = torch.cat([raw & 15, raw >> 4], dim=2)
         if self.bits == 5:  # [tile, block, q, lo|hi, 4 bytes] masks -> [tile, block, pair, column, k in pair] bits
-            masks = self.blocks[..., 256:320].reshape(tiles, groups, 8, 2, 4).transpose(2, 3).reshape(tiles, groups, 16, 4)
+            masks = records[..., 256:320].reshape(tiles, groups, 8, 2, 4).transpose(2, 3).reshape(tiles, groups, 16, 4)
             bits = (masks[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
             raw = raw | (bits.reshape(tiles, groups, 16, 16, 2) << 4)
         codes = raw.permute(0, 3, 1, 2, 4).reshape(tiles * 16, groups * GROUP_SIZE)
@@ -268,15 +269,24 @@ class TiledCodes:
             zero = affine(code_bytes + 32) if self.has_zeros else -float(1 << (self.bits - 1)) * scale
         return codes, scale, zero
 
+    def _super_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """kSuper records' three parts, each super-block's 8 records grouped as codes, integers, header:
+        (codes [tile, block, bits * 64] uint8, sc | m [tile, block, 32] uint8, d | dmin [tile, super-block, 32]
+        float16)."""
+        tiles, groups, record = self.blocks.shape
+        code_bytes = self.bits * 64
+        grouped = self.blocks.reshape(tiles, groups // 8, 8 * record)
+        codes = grouped[..., :8 * code_bytes].reshape(tiles, groups, code_bytes)
+        ints = grouped[..., 8 * code_bytes:8 * code_bytes + 256].reshape(tiles, groups, 32)
+        return codes, ints, grouped[..., 8 * code_bytes + 256:].contiguous().view(torch.float16)
+
     def _super_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kSuper records' scale d * sc and zero -(dmin * m), [N, K / 32] float32: exact (a float16 times a 6-bit
         integer)."""
         tiles, groups, _ = self.blocks.shape
-        at = self.bits * 64
-        ints = self.blocks[..., at:at + 32].float()  # [tile, block, sc of 16 columns | m of 16 columns]
-        # each super-block's 8 records hold 8 bytes each of its header: 16 float16 d, then 16 dmin
-        header = self.blocks[..., at + 32:at + 40].reshape(tiles, groups // 8, 64).contiguous().view(torch.float16)
-        header = header.float().repeat_interleave(8, dim=1)  # [tile, block, 32]
+        _, ints, header = self._super_parts()
+        ints = ints.float()  # [tile, block, sc of 16 columns | m of 16 columns]
+        header = header.float().repeat_interleave(8, dim=1)  # [tile, block, 16 d | 16 dmin]
         scale = header[..., :16] * ints[..., :16]
         zero = -(header[..., 16:] * ints[..., 16:])
         return (scale.transpose(1, 2).reshape(tiles * 16, groups), zero.transpose(1, 2).reshape(tiles * 16, groups))
