@@ -89,13 +89,8 @@ def tiles_of_parts(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCod
     super_bits = kquant_tiles.super_bits(types)
     if super_bits is not None and tiler is None:
         return kquant_tiles.super_tiles(parts, rows)
-    ordered = sorted(parts, key=lambda item: item[0].start or 0)
-    covered = 0
-    for rows_slice, part in ordered:
-        if (rows_slice.start or 0) != covered or part.rows % 16:
-            return None
-        covered += part.rows
-    if tiler is None or covered != rows or rows % 16:
+    ordered = kquant_tiles.in_whole_tiles(parts, rows)
+    if tiler is None or ordered is None:
         return None
     bits = super_bits or (8 if types & EIGHT_BIT_TYPES else 5)
     groups = ordered[0][1].cols // 32

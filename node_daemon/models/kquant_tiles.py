@@ -52,18 +52,24 @@ def file_integers(raw: np.ndarray, qtype: str, rows: int, cols: int) \
             d, dmin)
 
 
-def super_tiles(parts: list, rows: int) -> TiledCodes | None:
-    """One matrix's super-block records from its row parts (models/gguf_tiles.py GgufBlocks: q, k, v or gate, up;
-    one part for the rest, each part's rows in its `order`). None unless every part is Q4_K or Q5_K and the parts
-    cover the rows in whole tiles of 16."""
-    bits = super_bits({part.qtype for _, part in parts})
+def in_whole_tiles(parts: list, rows: int) -> list | None:
+    """A matrix's (row slice, part) pairs in row order where they cover its rows in whole tiles of 16, else None."""
     ordered = sorted(parts, key=lambda item: item[0].start or 0)
     covered = 0
     for rows_slice, part in ordered:
         if (rows_slice.start or 0) != covered or part.rows % 16:
             return None
         covered += part.rows
-    if bits is None or covered != rows or rows % 16:
+    return ordered if ordered and covered == rows and rows % 16 == 0 else None
+
+
+def super_tiles(parts: list, rows: int) -> TiledCodes | None:
+    """One matrix's super-block records from its row parts (models/gguf_tiles.py GgufBlocks: q, k, v or gate, up;
+    one part for the rest, each part's rows in its `order`). None unless every part is Q4_K or Q5_K and the parts
+    cover the rows in whole tiles of 16."""
+    bits = super_bits({part.qtype for _, part in parts})
+    ordered = in_whole_tiles(parts, rows)
+    if bits is None or ordered is None:
         return None
     cols = ordered[0][1].cols
     joined = [file_integers(part.raw, part.qtype, part.rows, cols) for _, part in ordered]
