@@ -286,7 +286,8 @@ def test_super_block_records_on_every_tier(tier, qtype):
         exact = ops.code_matmul(x[:count], weight.blocks, weight.bits, True)
         assert relative_error(exact, x[:count].double() @ want.T) < FLOAT_OUT_TOLERANCE
         int8 = ops.code_matmul(x[:count], weight.blocks, weight.bits, True, 9)
-        assert relative_error(int8, x[:count].double() @ want.T) < (INT8_TOLERANCE if count >= 9 else FLOAT_OUT_TOLERANCE)
+        tolerance = INT8_TOLERANCE if count >= 9 else FLOAT_OUT_TOLERANCE
+        assert relative_error(int8, x[:count].double() @ want.T) < tolerance
     whole = ops.code_matmul(x, weight.blocks, weight.bits, True)
     assert torch.equal(ops.code_matmul(x[3:12], weight.blocks, weight.bits, True), whole[3:12])
     torch.testing.assert_close(ops.code_dequantize(weight.blocks), want.float().T.bfloat16(), rtol=0, atol=0)

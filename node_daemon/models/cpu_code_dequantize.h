@@ -27,21 +27,12 @@ inline __m256i bf16x16(__m512 v) {
 // header and the block's integer scales and mins; cpu_code_matmul.h says the forms).
 template <int BITS, int FORM>
 inline void record_affine16(const uint8_t* tile, int64_t b, __m512& s, __m512& z) {
-  const uint8_t* affine = tile + affine_offset(BITS, FORM, b);
+  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
   if constexpr (FORM == kSuper) {
     const __m256i* header = reinterpret_cast<const __m256i*>(tile + header_offset(BITS, b));
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(header));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(header + 1));
-    const auto bytes = [](const uint8_t* p) {
-      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    };
-    s = _mm512_mul_ps(d, bytes(affine));
-    z = _mm512_xor_ps(_mm512_mul_ps(dmin, bytes(affine + 16)), _mm512_set1_ps(-0.0f));  // -(dmin m)
-  } else {
-    s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(affine)));
-    z = FORM == kZeros ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(affine + 32)))
-                       : _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(header)), dmin = _mm512_cvtph_ps(_mm256_loadu_si256(header + 1));
   }
+  affine16<BITS, FORM>(tile + affine_offset(BITS, FORM, b), d, dmin, s, z);
 }
 
 // One record (16 columns, 32 k: block b's) into out[k][0..15] (row stride n).

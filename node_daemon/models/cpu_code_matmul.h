@@ -14,8 +14,8 @@
 // rounded activations' sum): VPDPBUSD and VPMADDUBSW, twice the products an instruction.
 //
 // Layout: 16 output columns a tile; per tile and block one record: 8 chunks of 32 bytes of codes (4-bit; 16 chunks
-// 8-bit), then the 16 columns' scales and zeros (RecordForm below says how). Chunk q's byte pair 2c, 2c + 1 holds column c's codes
-// at k = 2q, 2q + 1; with 4-bit codes those are the low nibbles, and the high nibbles hold k = 2q + 16, 2q + 17.
+// 8-bit), then the 16 columns' scales and zeros (RecordForm below says how). Chunk q's byte pair 2c, 2c + 1 holds
+// column c's codes at k = 2q, 2q + 1; with 4-bit codes those are the low nibbles, and the high nibbles hold k = 2q + 16, 2q + 17.
 // 5-bit codes (Q5_0, Q5_1, Q5_K: 6 bits a weight with scale and zero, where 8-bit codes took 9) are the 4-bit record
 // with 64 bytes more before the scales: per chunk q two little-endian uint32 masks, the low nibbles' fifth bits then
 // the high nibbles', bit i for byte i of the chunk.
@@ -39,10 +39,12 @@ constexpr int64_t kPrefetchBytes = 1024;  // about 4 blocks ahead: the stream pr
 //               affine_offset say where a block's parts lie.
 enum RecordForm : int { kZeros = 0, kSymmetric = 1, kSuper = 2 };
 
+constexpr int64_t record_size(int bits, int form) {  // codes (and fifth bits), then the form's scales and zeros
+  return bits * kQBlock * 16 / 8 + (form == kZeros ? 64 : form == kSymmetric ? 32 : 40);
+}
 template <int BITS, int FORM = kZeros>
 constexpr int64_t record_bytes() {
-  constexpr int64_t codes = BITS * kQBlock * 16 / 8;  // codes (and fifth bits)
-  return codes + (FORM == kZeros ? 64 : FORM == kSymmetric ? 32 : 40);
+  return record_size(BITS, FORM);
 }
 
 // How far ahead the one-row kernels prefetch: kSuper records a super-block (8 records) ahead, so that a
@@ -68,9 +70,6 @@ inline std::optional<RecordKind> record_kind(int64_t bytes) {
   if (bytes == record_bytes<4, kSuper>()) return RecordKind{4, kSuper};
   if (bytes == record_bytes<5, kSuper>()) return RecordKind{5, kSuper};
   return std::nullopt;
-}
-constexpr int64_t record_size(int bits, int form) {
-  return bits * kQBlock * 16 / 8 + (form == kZeros ? 64 : form == kSymmetric ? 32 : 40);
 }
 
 // Where block b's codes and its scales (or sc and m) lie from its tile's first record; kSuper: its super-block's
@@ -185,6 +184,25 @@ inline Affine record_affine(const uint8_t* tile, int bits, int form, int c, int6
   return {scale, form == kZeros ? half_to_float(sz[16 + c]) : -static_cast<float>(1 << (bits - 1)) * scale};
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The 16 columns' scale and zero of a block whose scales (or sc and m) are at `affine`; kSuper: under its
+// super-block's d and dmin. What the VNNI kernel and the AVX-512 dequantization both read.
+template <int BITS, int FORM>
+inline void affine16(const uint8_t* affine, __m512 d, __m512 dmin, __m512& s, __m512& z) {
+  if constexpr (FORM == kSuper) {
+    const auto bytes = [](const uint8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    s = _mm512_mul_ps(d, bytes(affine));
+    z = _mm512_xor_ps(_mm512_mul_ps(dmin, bytes(affine + 16)), _mm512_set1_ps(-0.0f));  // -(dmin m)
+  } else {
+    s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(affine)));
+    z = FORM == kZeros ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(affine + 32)))
+                       : _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
+  }
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include "cpu_vnni_matmul.h"  // quantize_rows, code_tile_rows and kMaxRowsAtOnce for AVX512-VNNI
 
@@ -209,8 +227,10 @@ struct BlockAffine {
     if constexpr (FORM == kSuper) {
       if (b % 8 == 0) {
         const __m128i* header = reinterpret_cast<const __m128i*>(tile + header_offset(BITS, b));
-        for (int h = 0; h < 2; ++h)
-          d[h] = _mm256_cvtph_ps(_mm_loadu_si128(header + h)), dmin[h] = _mm256_cvtph_ps(_mm_loadu_si128(header + 2 + h));
+        for (int h = 0; h < 2; ++h) {
+          d[h] = _mm256_cvtph_ps(_mm_loadu_si128(header + h));
+          dmin[h] = _mm256_cvtph_ps(_mm_loadu_si128(header + 2 + h));
+        }
       }
       const __m256 sign = _mm256_set1_ps(-0.0f);
       for (int h = 0; h < 2; ++h) {

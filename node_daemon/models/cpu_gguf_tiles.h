@@ -1,5 +1,6 @@
 // GGUF K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) straight into the code kernel's tiles (cpu_code_matmul.h says
-// the layout), at load: the bytes models/kquant_codes.py and TiledCodes.from_codes make, without their intermediate arrays.
+// the layout), at load: the bytes models/kquant_codes.py and TiledCodes.from_codes make (kquant_tiles.py for
+// super-block records), without their intermediate arrays.
 // Included by cpu_decode.cpp after cpu_code_matmul.h (record_kind).
 //
 // Why: a first start on a new 1B Q4_K_M file spent 8 s decoding 1.2 billion weights through numpy (3 s of K-quant
@@ -190,7 +191,8 @@ inline bool write_tile(const uint8_t* u, const float* scale, const float* zero, 
       for (int c = 0; c < 16; ++c) affine[c] = ints.sc[c * blocks + g], affine[16 + c] = ints.m[c * blocks + g];
       if (g % 8 == 0) {
         uint16_t* header = reinterpret_cast<uint16_t*>(tile + header_offset(bits, g));
-        for (int c = 0; c < 16; ++c) header[c] = ints.d[c * supers + super], header[16 + c] = ints.dmin[c * supers + super];
+        for (int c = 0; c < 16; ++c)
+          header[c] = ints.d[c * supers + super], header[16 + c] = ints.dmin[c * supers + super];
       }
       continue;
     }

@@ -42,7 +42,7 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
 // and mins (cpu_code_matmul.h's kSuper).
 template <int BITS, int FORM>
 struct BlockAffine {
-  __m512 d, dmin;  // kSuper: the current super-block's header
+  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();  // kSuper: the current super-block's header
   __m512 s, z;
 
   // Block b of the tile whose first record is `tile`, the blocks taken in order along K (a super-block's header
@@ -58,19 +58,7 @@ struct BlockAffine {
   }
 
   // s and z of the block whose scales (or sc and m) are at `affine` (kSuper: under the header last read).
-  inline void scales(const uint8_t* affine) {
-    if constexpr (FORM == kSuper) {
-      const auto bytes = [](const uint8_t* p) {
-        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-      };
-      s = _mm512_mul_ps(d, bytes(affine));
-      z = _mm512_xor_ps(_mm512_mul_ps(dmin, bytes(affine + 16)), _mm512_set1_ps(-0.0f));  // -(dmin m)
-    } else {
-      s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(affine)));
-      z = FORM == kZeros ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(affine + 32)))
-                         : _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
-    }
-  }
+  inline void scales(const uint8_t* affine) { affine16<BITS, FORM>(affine, d, dmin, s, z); }
 };
 
 // One record's integer sums into R rows' 16 columns: the codes' scale times each row's activation scale, plus the

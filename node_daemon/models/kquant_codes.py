@@ -96,12 +96,16 @@ def _q4_k(blocks: np.ndarray):
     return codes[:, None], s[:, None], (8.0 * s - dm)[:, None]  # (q - 8)*s + 8s - dm = s*q - dm
 
 
+def q5_k_fifth_bits(blocks: np.ndarray) -> np.ndarray:
+    """Q5_K blocks [n, 176] -> [n, 256] fifth bits (0 or 1): sub-block i's is bit i of the 32 qh bytes."""
+    qh = blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    return (qh & 1).reshape(-1, QK_K)
+
+
 def _q5_k(blocks: np.ndarray):
     s, dm = _sub_scales(blocks)
-    qh = blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-    hi = (qh & 1).reshape(-1, QK_K)  # sub-block i's fifth bit: bit i of the 32 qh bytes
     lo = low_nibbles_then_high(blocks[:, 48:176])
-    return _unsigned_as_planes(lo, hi, s, -dm)
+    return _unsigned_as_planes(lo, q5_k_fifth_bits(blocks), s, -dm)
 
 
 def _unsigned_as_planes(lo, hi, s, z):

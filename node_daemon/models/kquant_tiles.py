@@ -46,8 +46,7 @@ def file_integers(raw: np.ndarray, qtype: str, rows: int, cols: int) \
     sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
     codes = kquant_codes.low_nibbles_then_high(blocks[:, -128:])
     if qtype == "Q5_K":
-        qh = blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-        codes = codes | ((qh & 1).reshape(-1, kquant_codes.QK_K) << 4)
+        codes = codes | (kquant_codes.q5_k_fifth_bits(blocks) << 4)
     return (codes.reshape(rows, cols), sc.astype(np.uint8).reshape(rows, -1), m.astype(np.uint8).reshape(rows, -1),
             d, dmin)
 
