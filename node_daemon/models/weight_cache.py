@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from stallfree.node_daemon.models.quantized import Int4Weight, TiledCodes
-from stallfree.node_daemon.text.tokenizer_cache import ENV, cache_folder
 
 if TYPE_CHECKING:
     from stallfree.node_daemon.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
+ENV = "STALLFREE_WEIGHT_CACHE"
 FORMAT = 6  # 3: the code kernel's tiles on every tier (TiledCodes); 4: the tiles alone (torch's int4 pack made at use),
 # and no dense copy of a projection that its codes alone serve; 5: nor of a tied embedding (looked up in its codes),
 # nor of a projection with a oneDNN copy (made from the codes at load); 6: Q4_K/Q5_K in super-block records
@@ -38,9 +38,19 @@ _VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "kquant_code
 _TIED_HEAD = "tied_lm_head_int4"
 
 
+def cache_folder() -> Path | None:
+    """The folder of per-GGUF-file caches: $STALLFREE_WEIGHT_CACHE, else $XDG_CACHE_HOME/stallfree/weights; None
+    when it is 0/off (no cache)."""
+    setting = os.environ.get(ENV, "")
+    if setting.lower() in ("0", "off", "no", "false"):
+        return None
+    return Path(setting) if setting else \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stallfree" / "weights"
+
+
 def cache_file(gguf_path: str, dtype: torch.dtype, dense: bool = True) -> Path | None:
     """Where this GGUF file's tensors in `dtype` are (or would be) cached; None when the cache is off."""
-    root = cache_folder()  # the one rule for the folder, shared with the tokenizer's cache
+    root = cache_folder()
     if root is None:
         return None
     stat = os.stat(gguf_path)

@@ -18,8 +18,7 @@ from stallfree.node_daemon.text.tool_calls.tools import ToolChoice
 
 def special_token_lookup(tokenizer: Tokenizer) -> Callable[[str], int | None]:
     """text -> the id of the special token spelled so ([TOOL_CALLS], <|python_tag|>), None for anything else."""
-    specials = {added.content: i for i, added in tokenizer.backend.get_added_tokens_decoder().items() if added.special}
-    return specials.get
+    return tokenizer.special_tokens().get
 
 
 def request_grammar(response_format: Mapping[str, Any] | None, choice: ToolChoice | None, format: ToolCallFormat,

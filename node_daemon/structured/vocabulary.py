@@ -5,20 +5,18 @@ on Gemma 3's 262k pieces that took 2-3.4 s of a start, held the GIL throughout, 
 the daemon's life. The tokenizer already here knows each token's bytes, so the library gets just those (and
 tokenizes through this one when it must): 0.9 s, and 110 MB resident for Gemma 3 (the library's own tables of
 262k tokens; 16 MB of it this list). The bytes follow the two decoders this project
-builds (GPT-2's byte-level alphabet; SentencePiece's "▁" with <0xNN> byte pieces); any other decoder (a Hugging
-Face folder's own) takes the library's JSON path as before.
+builds (GPT-2's byte-level alphabet; SentencePiece's "▁" with <0xNN> byte pieces, text/sentencepiece_bpe.py); any
+other decoder (a Hugging Face folder's own) takes the library's JSON path as before.
 """
 from __future__ import annotations
 
 import json
-import re
 
 import llguidance
 from tokenizers import decoders
 
+from stallfree.node_daemon.text.sentencepiece_bpe import BYTE_PIECE, SentencePieceBPE
 from stallfree.node_daemon.text.tokenizer import Tokenizer, bytes_to_unicode
-
-_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def grammar_vocabulary(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
@@ -36,6 +34,8 @@ def grammar_vocabulary(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTo
 def token_bytes(tokenizer: Tokenizer) -> tuple[list[bytes], list[int]] | None:
     """(each id's bytes, the special ids), or None when the decoder is not one of the two known here."""
     backend = tokenizer.backend
+    if isinstance(backend, SentencePieceBPE):
+        return _sentencepiece_bytes(backend)
     kind = _decoder_kind(backend.decoder)
     if kind is None:
         return None
@@ -51,14 +51,24 @@ def token_bytes(tokenizer: Tokenizer) -> tuple[list[bytes], list[int]] | None:
             else:
                 tokens.append(bytes(to_byte[c] for c in piece) if all(c in to_byte for c in piece) else piece.encode())
     else:
-        for i in range(n):
-            piece = backend.id_to_token(i) or ""
-            byte = None if i in added else _BYTE_PIECE.fullmatch(piece)
-            tokens.append(bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode())
+        tokens = [_sentencepiece_piece(backend.id_to_token(i) or "", i in added) for i in range(n)]
+    return _without_marks(tokens), sorted(i for i, token in added.items() if token.special)
+
+
+def _sentencepiece_bytes(backend: SentencePieceBPE) -> tuple[list[bytes], list[int]]:
+    tokens = [_sentencepiece_piece(piece, i in backend.added) for i, piece in enumerate(backend.tokens)]
+    return _without_marks(tokens), sorted(i for i, added in backend.added.items() if added.special)
+
+
+def _sentencepiece_piece(piece: str, added: bool) -> bytes:
+    """A SentencePiece piece's bytes: <0xNN> is the byte NN, "▁" a space; an added token is its text."""
+    byte = None if added else BYTE_PIECE.fullmatch(piece)
+    return bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
+
+
+def _without_marks(tokens: list[bytes]) -> list[bytes]:
     # The library keeps byte 0xFF as its mark of a special token: a piece that starts with it is empty there.
-    tokens = [b"" if t.startswith(b"\xff") else t for t in tokens]
-    special = sorted(i for i, token in added.items() if token.special)
-    return tokens, special
+    return [b"" if t.startswith(b"\xff") else t for t in tokens]
 
 
 def _decoder_kind(decoder) -> str | None:
@@ -82,9 +92,9 @@ class _Vocabulary:
         self.tokens = tokens
         self.special_token_ids = special
         self.eos_token_id = eos
-        self._backend = tokenizer.backend
+        self._tokenizer = tokenizer
 
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):  # TokenizerWrapper probes with bytes: str only, so it hands over text
             raise TypeError("text only")
-        return self._backend.encode(text, add_special_tokens=False).ids
+        return self._tokenizer.encode(text, add_special_tokens=False)

@@ -1,8 +1,10 @@
-"""Tokenizers for every model source, built on the `tokenizers` library.
+"""Tokenizers for every model source.
 
-- Hugging Face folder: tokenizer.json plus tokenizer_config.json (chat template, bos/eos, add_bos_token).
-- GGUF: rebuilt from tokenizer.ggml.* metadata; "gpt2" byte-level BPE with the pre-tokenizer named by
-  tokenizer.ggml.pre (SmolLM2's "smollm" splits digits one by one), or "llama" SentencePiece BPE.
+- Hugging Face folder: tokenizer.json plus tokenizer_config.json (chat template, bos/eos, add_bos_token), on the
+  `tokenizers` library.
+- GGUF: rebuilt from tokenizer.ggml.* metadata; "gpt2" byte-level BPE (the `tokenizers` library, with the file's
+  merges and the pre-tokenizer named by tokenizer.ggml.pre: SmolLM2's "smollm" splits digits one by one), or
+  "llama" SentencePiece BPE (text/sentencepiece_bpe.py: from the pieces' scores, no merges table).
 - Random weights of a named shape: a byte-level tokenizer (256 byte tokens plus ChatML specials) that
   fits inside the shape's vocab, so the tiny test model round-trips any text.
 """
@@ -15,13 +17,13 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from stallfree.node_daemon.text.chat_template import render_chat
-from stallfree.node_daemon.text.tokenizer_cache import cached_backend, read_cached_backend
+from stallfree.node_daemon.text.sentencepiece_bpe import SentencePieceBPE
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +52,9 @@ _TOKEN_TYPE_USER_DEFINED = 4
 
 @dataclass
 class Tokenizer:
-    """Encode, decode and chat-format for one model. Thread-safe: `tokenizers` releases no shared state."""
+    """Encode, decode and chat-format for one model. Thread-safe: neither backend changes after it is built."""
 
-    backend: HFTokenizer
+    backend: HFTokenizer | SentencePieceBPE
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     add_bos_token: bool
@@ -66,16 +68,26 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
+        if isinstance(self.backend, SentencePieceBPE):
+            return len(self.backend.tokens)
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def normalizes(self) -> bool:
+        """Whether text is rewritten before it is split (then one token's text may differ in length from its piece)."""
+        return isinstance(self.backend, SentencePieceBPE) or self.backend.normalizer is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; a BOS is added when the model wants one and the text has none yet.
 
         Rendered chat templates often start with the BOS text already, so it is never doubled.
         """
-        # encode_batch releases the GIL (encode holds it): a huge prompt tokenizing on a worker thread
-        # does not stall the event loop or the engine thread.
-        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        if isinstance(self.backend, SentencePieceBPE):
+            ids = self.backend.encode(text)
+        else:
+            # encode_batch releases the GIL (encode holds it): a huge prompt tokenizing on a worker thread
+            # does not stall the event loop or the engine thread.
+            ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and not (ids and ids[0] == self.bos_token_id)):
             ids.insert(0, self.bos_token_id)
@@ -85,7 +97,15 @@ class Tokenizer:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
+        if isinstance(self.backend, SentencePieceBPE):
+            return self.backend.vocab.get(token)
         return self.backend.token_to_id(token)
+
+    def special_tokens(self) -> dict[str, int]:
+        """The special (control) tokens' texts and ids."""
+        if isinstance(self.backend, SentencePieceBPE):
+            return {added.content: i for i, added in self.backend.added.items() if added.special}
+        return {added.content: i for i, added in self.backend.get_added_tokens_decoder().items() if added.special}
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
         """Render OpenAI-style messages into the prompt text (ChatML when the model has no template)."""
@@ -245,12 +265,11 @@ def from_gguf(path: str | Path) -> Tokenizer:
 _started: dict[str, tuple[Future, Future]] = {}  # GGUF path -> (the tokenizer, its tokenizer.* metadata)
 
 
-def start_from_gguf(path: str, built_elsewhere: Callable[[], None] | None = None) -> None:
-    """Read back (or build) this GGUF file's tokenizer on a thread, so that it is made while the weights load:
-    Gemma 3's 262k pieces take 1 s to read back from the cache, with the GIL held (the tokenizers library's
-    parse), 2.5 s of Python to build. `built_elsewhere` returns once another process has built it into the
-    cache (models/tokenizer_child.py). The loader hands over the header it parsed (gave_metadata); the next
-    from_gguf_metadata() for this file takes the result. Call it only where that call follows (the daemon)."""
+def start_from_gguf(path: str) -> None:
+    """Build this GGUF file's tokenizer on a thread once the loader has parsed the header, while the weights
+    decode (their kernels release the GIL): Gemma 3's 262k pieces take 0.15 s. The loader hands over the header
+    it parsed (gave_metadata); the next from_gguf_metadata() for this file takes the result. Call it only where
+    that call follows (the daemon)."""
     key = os.path.abspath(path)
     if key in _started or not os.path.isfile(path):
         return
@@ -260,13 +279,10 @@ def start_from_gguf(path: str, built_elsewhere: Callable[[], None] | None = None
 
     def build() -> None:
         try:
-            if built_elsewhere is not None:
-                built_elsewhere()
-            backend = read_cached_backend(path)  # the slow part, before the header is even needed
             # The loader's header. A load that fails before giving it leaves this daemon thread waiting (no one
             # asks for the tokenizer then) until the timeout.
             meta = metadata.result(timeout=600)
-            tokenizer.set_result(_from_gguf_metadata(meta, path, backend))
+            tokenizer.set_result(_from_gguf_metadata(meta, path))
         except BaseException as exc:  # noqa: BLE001 - handed to from_gguf_metadata, which builds again
             tokenizer.set_exception(exc)
 
@@ -293,7 +309,7 @@ def from_gguf_metadata(meta: dict[str, Any], path: str) -> Tokenizer:
     return _from_gguf_metadata(meta, path)
 
 
-def _from_gguf_metadata(meta: dict[str, Any], path: str, backend: HFTokenizer | None = None) -> Tokenizer:
+def _from_gguf_metadata(meta: dict[str, Any], path: str) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
     tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
     if not tokens:
@@ -303,13 +319,10 @@ def _from_gguf_metadata(meta: dict[str, Any], path: str, backend: HFTokenizer | 
         raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported (gpt2 and llama are)")
     add_bos_default = kind == "llama"
 
-    def build() -> HFTokenizer:
-        if kind == "gpt2":
-            backend = _gguf_byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [],
-                                           meta.get("tokenizer.ggml.pre", "default"))
-        else:
-            backend = _gguf_sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens),
-                                              types, meta.get("tokenizer.ggml.add_space_prefix", True))
+    backend: HFTokenizer | SentencePieceBPE
+    if kind == "gpt2":
+        backend = _gguf_byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [],
+                                       meta.get("tokenizer.ggml.pre", "default"))
         specials = [AddedToken(t, special=True, normalized=False)
                     for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL]
         user = [AddedToken(t, special=False, normalized=False)
@@ -317,9 +330,9 @@ def _from_gguf_metadata(meta: dict[str, Any], path: str, backend: HFTokenizer | 
         backend.add_special_tokens(specials)
         if user:
             backend.add_tokens(user)
-        return backend
-
-    backend = backend if backend is not None else cached_backend(path, build)
+    else:  # its control and user-defined pieces are its added tokens, as they would be in the library
+        backend = SentencePieceBPE(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types,
+                                   meta.get("tokenizer.ggml.add_space_prefix", True))
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     eos_id = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = [eos_id] if eos_id is not None else []
@@ -365,36 +378,4 @@ def _gguf_byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTo
     backend = HFTokenizer(model)
     backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
     backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def _gguf_sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int], add_space_prefix: bool) -> HFTokenizer:
-    """llama.cpp's SPM vocab (pieces with scores, byte tokens <0xNN>) as a byte-fallback BPE.
-
-    Merges are recovered the way Hugging Face's converter does: every split of a piece into two pieces
-    of the vocab is a merge, ranked by the merged piece's score.
-    """
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    order = sorted(range(len(tokens)), key=lambda i: -scores[i])
-    merges: list[tuple[str, str]] = []
-    for i in order:
-        piece = tokens[i]
-        if types[i] not in (1,):  # only normal pieces merge (not bytes, controls, unknown)
-            continue
-        # Python throughout (Gemma 3: 1.3M splits tried): each slice made once, one split left unsorted
-        splits = [(left, right) for k in range(1, len(piece))
-                  if (left := piece[:k]) in vocab and (right := piece[k:]) in vocab]
-        if len(splits) > 1:
-            splits.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
-        merges += splits
-    unk = next((t for t, ty in zip(tokens, types) if ty == 2), None)
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    steps = [normalizers.Replace(" ", "\u2581")]
-    if add_space_prefix:
-        steps.insert(0, normalizers.Prepend("\u2581"))
-    backend.normalizer = normalizers.Sequence(steps)
-    backend.decoder = decoders.Sequence([
-        decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-        *([decoders.Strip(" ", 1, 0)] if add_space_prefix else []),
-    ])
     return backend
