@@ -86,8 +86,8 @@ def test_chunk_kernel_follows_aten_attention_and_the_float64_reference(ops, seqs
 
 def test_chunks_take_the_avx512_bf16_kernel_only_without_amx_unless_the_switch_says(monkeypatch):
     """On AMX (the top tier, not forced lower) ATen's attention, whose GEMMs oneDNN runs on AMX tiles, is the
-    faster, and so it is over the float32 AVX2 form; the AVX512-BF16 kernel serves the other AVX512-BF16 CPUs;
-    STALLFREE_CPU_CHUNK_KERNEL decides where it is set."""
+    faster, and so it is over the float32 AVX2 form on Intel; the AVX512-BF16 kernel serves the other AVX512-BF16
+    CPUs, the AVX2 kernel AMD's AVX2 tier; STALLFREE_CPU_CHUNK_KERNEL decides where it is set."""
     from stallfree.node_daemon.models import cpu_tier as tiers
 
     flags = "flags : avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni amx_bf16 amx_tile"
@@ -99,8 +99,11 @@ def test_chunks_take_the_avx512_bf16_kernel_only_without_amx_unless_the_switch_s
         monkeypatch.setattr(cpu_decode, "cpu_tier", lambda amx=amx: tiers.resolve_tier(
             None, flags if amx else flags.replace(" amx_bf16 amx_tile", "")))
         assert cpu_decode.chunk_kernel_wanted() is (not amx)
-        monkeypatch.setattr(cpu_decode, "cpu_tier", lambda: tiers.resolve_tier("avx2", flags))
+        monkeypatch.setattr(cpu_decode, "cpu_tier", lambda: tiers.resolve_tier("avx2", flags, "GenuineIntel"))
         assert cpu_decode.chunk_kernel_wanted() is False
+        monkeypatch.setattr(cpu_decode, "cpu_tier", lambda: tiers.resolve_tier("avx2", flags, "AuthenticAMD"))
+        assert cpu_decode.chunk_kernel_wanted() is True
+        monkeypatch.setattr(cpu_decode, "cpu_tier", lambda: tiers.resolve_tier("avx2", flags, "GenuineIntel"))
         monkeypatch.setenv(cpu_decode.CHUNK_KERNEL_SWITCH, "1")
         assert cpu_decode.chunk_kernel_wanted() is True
         monkeypatch.setenv(cpu_decode.CHUNK_KERNEL_SWITCH, "0")

@@ -187,13 +187,19 @@ inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>&
 constexpr const char* kChunkAttentionKernel = "avx2";
 
 // The AVX2 form: the same blocking (a task is a kv head and 16 query rows, its rows stop at their last visible key,
-// the group's heads share one packing of the keys and values), in float32 throughout: AVX2 has no bfloat16 dot
-// product, so keys and values are widened once per layer as they are packed, and the probabilities stay float32
-// (a rounding fewer than the flash kernel's).
-constexpr int64_t kKeyBlock = 8;    // keys per ymm of scores
-constexpr int64_t kKeyPad = 16;     // keys are padded to this: the score loop takes two key blocks at a time
-constexpr int64_t kQueryRows = 16;  // query rows per task (times the group's heads)
-constexpr int64_t kVecs = 4;        // query vectors per pass: 8 score accumulators, or 8 output ones (16 dims)
+// the group's heads share one packing of the keys and values), in float32: AVX2 has no bfloat16 dot product, so
+// keys and values are widened once per layer as they are packed; the probabilities are rounded to bfloat16 values
+// as the flash kernel rounds them (softmax_numerators). Keys and values are the outer loops: 16 keys' (or values')
+// float32 rows stay in L1 while every pass of query vectors reads them (with the passes outer they were read from L2
+// or L3 once a pass, 16 passes a task for Gemma 3's 4 heads a kv head). With the softmax vectorized, a 256-token chunk
+// over a 1,024-token prefix (`stallfree bench iteration --chunk 256 --prefix 1024 --breakdown`, Zen 4 forced to
+// AVX2, 2 threads) went from 122 to 59-64 ms a forward on Gemma 3, 235 to 112-116 on SmolLM2, 450 to 213-218 on
+// the 1B.
+constexpr int64_t kKeyBlock = 8;     // keys per ymm of scores
+constexpr int64_t kKeyPad = 16;      // keys are padded to this: the score loop takes two key blocks at a time
+constexpr int64_t kQueryRows = 16;   // query rows per task (times the group's heads)
+constexpr int64_t kVecs = 4;         // query vectors per pass: 8 score accumulators, or 8 output ones (16 dims)
+constexpr int64_t kValueBlock = 16;  // value rows the passes share (16 KB at head_dim 256)
 
 // Keys of one kv head, [key block][dim][8 keys] float32; values [key][dim] float32; keys past the sequence zero.
 struct PackedKV {
@@ -217,11 +223,45 @@ inline void pack_kv(const uint16_t* kh, const uint16_t* vh, const int64_t* gathe
   }
 }
 
-// s[0 .. limit - 1] -> exp(s - max s) in place (exp_shifted), zeros up to width; returns their sum.
+// x rounded to the nearest bfloat16 (ties to even), kept in float32: finite x only (probabilities here).
+inline __m256 round_to_bf16(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// s[0 .. limit - 1] -> exp(s - max s), rounded to bfloat16 as the flash kernel and the AVX-512 form round them (so
+// this tier follows the Python path's attention as closely as the others: with float32 probabilities a random-weight
+// SmolLM2's logits drifted 12% from it over 30 layers), zeros up to width; returns the float32 sum of the unrounded
+// values. Vectorized: the scalar max and sum chains cost a fifth of the dot products.
 inline float softmax_numerators(float* s, int64_t limit, int64_t width) {
-  const float inv = exp_shifted(s, limit);
+  const int64_t whole = limit / 8 * 8;
+  __m256 top8 = _mm256_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < whole; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + t));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, top8);
+  float top = *std::max_element(lanes, lanes + 8);
+  for (int64_t t = whole; t < limit; ++t) top = std::max(top, s[t]);
+  const __m256 shift = _mm256_set1_ps(top);
+  for (int64_t t = 0; t < whole; t += 8) _mm256_storeu_ps(s + t, _mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+  for (int64_t t = whole; t < limit; ++t) s[t] -= top;
+  exp_inplace(s, limit);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (int64_t t = 0; t < whole; t += 8) {
+    const __m256 e = _mm256_loadu_ps(s + t);
+    sum8 = _mm256_add_ps(sum8, e);
+    _mm256_storeu_ps(s + t, round_to_bf16(e));
+  }
+  _mm256_storeu_ps(lanes, sum8);
+  float total = 0.f;
+  for (float lane : lanes) total += lane;
+  for (int64_t t = whole; t < limit; ++t) {
+    total += s[t];
+    s[t] = bf2f(f2bf(s[t]));
+  }
   std::fill(s + limit, s + width, 0.f);
-  return 1.f / inv;
+  return total;
 }
 
 inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>& packed, int64_t first, int64_t len,
@@ -230,8 +270,8 @@ inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>&
   const int64_t group = heads / kv_heads, blocks = (len + kQueryRows - 1) / kQueryRows;
   TORCH_CHECK(D % 16 == 0, "chunk attention: head_dim a multiple of 16");
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf, inv;
-    std::vector<int64_t> limits;
+    std::vector<float> scores, qf, inv, sums;
+    std::vector<int64_t> limits, reach;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task / blocks, i0 = (task % blocks) * kQueryRows;
       const int64_t i1 = std::min(len, i0 + kQueryRows), vecs = (i1 - i0) * group;
@@ -253,10 +293,10 @@ inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>&
         for (int64_t d = 0; d < D; ++d) qf[u * D + d] = bf2f(src[d]);
       }
       const __m256 sc = _mm256_set1_ps(scale);
-      for (int64_t u0 = 0; u0 < padded_vecs; u0 += kVecs) {
-        const float* qv = qf.data() + u0 * D;
-        for (int64_t kb = base / kKeyBlock; kb < (base + width) / kKeyBlock; kb += 2) {  // 8 accumulators
-          const float* kp = kv.k.data() + kb * D * kKeyBlock;
+      for (int64_t kb = base / kKeyBlock; kb < (base + width) / kKeyBlock; kb += 2) {  // 8 accumulators
+        const float* kp = kv.k.data() + kb * D * kKeyBlock;
+        for (int64_t u0 = 0; u0 < padded_vecs; u0 += kVecs) {
+          const float* qv = qf.data() + u0 * D;
           __m256 acc[kVecs][2];
           for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
           for (int64_t d = 0; d < D; ++d) {
@@ -282,32 +322,44 @@ inline void chunk_attention_bf16(const uint16_t* q, const std::vector<PackedKV>&
         std::fill(su, su + skip, 0.f);
         inv[u] = 1.f / softmax_numerators(su + skip, limit - base - skip, width - skip);
       }
-      for (int64_t u0 = 0; u0 < padded_vecs; u0 += kVecs) {
-        int64_t reach = 0;  // keys any of the pass's vectors sees
-        for (int64_t u = 0; u < kVecs; ++u) reach = std::max(reach, limits[u0 + u]);
-        const float* pv[kVecs];
-        for (int64_t u = 0; u < kVecs; ++u) pv[u] = scores.data() + (u0 + u) * width - base;
-        for (int64_t c = 0; c < D; c += 16) {  // 16 dims (2 ymm) of the output at a time: 8 accumulators
-          __m256 acc[kVecs][2];
-          for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
-          for (int64_t t = base; t < reach; ++t) {
-            const float* vp = kv.v.data() + t * D + c;
-            const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
+      // probabilities times values, summed in float32 in `sums` [vector][D]: a block of value rows outer
+      reach.resize(padded_vecs / kVecs);
+      for (int64_t u0 = 0; u0 < padded_vecs; u0 += kVecs) {  // keys any of the pass's vectors sees
+        reach[u0 / kVecs] = *std::max_element(limits.begin() + u0, limits.begin() + u0 + kVecs);
+      }
+      sums.assign(padded_vecs * D, 0.f);
+      for (int64_t t0 = base; t0 < base + width; t0 += kValueBlock) {
+        for (int64_t u0 = 0; u0 < padded_vecs; u0 += kVecs) {
+          const int64_t t1 = std::min(t0 + kValueBlock, reach[u0 / kVecs]);
+          const float* pv[kVecs];
+          for (int64_t u = 0; u < kVecs; ++u) pv[u] = scores.data() + (u0 + u) * width - base;
+          for (int64_t c = 0; c < D && t0 < t1; c += 16) {  // 16 dims (2 ymm) of the output at a time: 8 accumulators
+            __m256 acc[kVecs][2];
             for (int64_t u = 0; u < kVecs; ++u) {
-              const __m256 p = _mm256_broadcast_ss(pv[u] + t);
-              acc[u][0] = _mm256_fmadd_ps(p, v0, acc[u][0]);
-              acc[u][1] = _mm256_fmadd_ps(p, v1, acc[u][1]);
+              acc[u][0] = _mm256_loadu_ps(sums.data() + (u0 + u) * D + c);
+              acc[u][1] = _mm256_loadu_ps(sums.data() + (u0 + u) * D + c + 8);
+            }
+            for (int64_t t = t0; t < t1; ++t) {
+              const float* vp = kv.v.data() + t * D + c;
+              const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
+              for (int64_t u = 0; u < kVecs; ++u) {
+                const __m256 p = _mm256_broadcast_ss(pv[u] + t);
+                acc[u][0] = _mm256_fmadd_ps(p, v0, acc[u][0]);
+                acc[u][1] = _mm256_fmadd_ps(p, v1, acc[u][1]);
+              }
+            }
+            for (int64_t u = 0; u < kVecs; ++u) {
+              _mm256_storeu_ps(sums.data() + (u0 + u) * D + c, acc[u][0]);
+              _mm256_storeu_ps(sums.data() + (u0 + u) * D + c + 8, acc[u][1]);
             }
           }
-          for (int64_t u = 0; u < kVecs && u0 + u < vecs; ++u) {
-            const int64_t row = first + i0 + (u0 + u) / group, head = g * group + (u0 + u) % group;
-            uint16_t* o = out + (row * heads + head) * D + c;
-            float tmp[16];
-            _mm256_storeu_ps(tmp, _mm256_mul_ps(acc[u][0], _mm256_set1_ps(inv[u0 + u])));
-            _mm256_storeu_ps(tmp + 8, _mm256_mul_ps(acc[u][1], _mm256_set1_ps(inv[u0 + u])));
-            for (int64_t i = 0; i < 16; ++i) o[i] = f2bf(tmp[i]);
-          }
         }
+      }
+      for (int64_t u = 0; u < vecs; ++u) {
+        const int64_t row = first + i0 + u / group, head = g * group + u % group;
+        uint16_t* o = out + (row * heads + head) * D;
+        const float* su = sums.data() + u * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = f2bf(su[d] * inv[u]);
       }
     }
   });

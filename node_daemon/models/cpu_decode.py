@@ -273,15 +273,21 @@ def publish_code_kernel(model: "LlamaForCausalLM") -> None:
 
 def chunk_kernel_wanted() -> bool:
     """Whether prefill chunks take the compiled chunk kernel (cpu_chunk_attention.h) rather than ATen's attention:
-    STALLFREE_CPU_CHUNK_KERNEL where set; else only the AVX512-BF16 kernel, and not on AMX. It ran a 256-token
-    chunk over a 1,024-token prefix 1.7x faster than ATen's on the AMD Zen 4 it was written on. On an Intel
-    Sapphire Rapids, where oneDNN runs ATen's bfloat16 GEMMs on AMX tiles, ATen's took 59 ms a SmolLM2 forward
-    against the kernel's 138, and 30 against 47 for Gemma 3; capped at AVX2 there (both sides), 91 against the
-    float32 AVX2 form's 313 for SmolLM2, 53 against 91 for Gemma 3 (`stallfree bench iteration --chunk 256
-    --prefix 1024 --breakdown`, 2 threads, STALLFREE_CPU_CHUNK_KERNEL=0 and 1)."""
+    STALLFREE_CPU_CHUNK_KERNEL where set; else the AVX512-BF16 kernel where there is no AMX, and the AVX2 kernel on
+    AMD. Measured with `stallfree bench iteration --chunk 256 --prefix 1024 --breakdown` (2 threads, the switch 0
+    and 1; ms of chunk attention a forward):
+    - AMD Zen 4: the AVX512-BF16 kernel 1.7x faster than ATen's. Forced to AVX2, where ATen's attention runs on
+      MKL's float32 GEMM (its AMD path), the AVX2 kernel: SmolLM2 112-116 against 161, the 1B 213-218 against 298,
+      Gemma 3 59-64 against 141 (ATen computes every pair of a sliding layer's band).
+    - Intel Sapphire Rapids, where oneDNN runs ATen's bfloat16 GEMMs on AMX tiles: ATen's 59 against the kernel's
+      138 for SmolLM2, 30 against 47 for Gemma 3; capped at AVX2 (both sides), ATen's 91 and 53 against 313 and 91
+      for the AVX2 kernel before its loops were turned around and its softmax vectorized (2-2.1x faster since, on
+      the Zen 4: not measured on an Intel since, so Intel keeps ATen's)."""
     if CHUNK_KERNEL_SWITCH in os.environ:
         return enabled(CHUNK_KERNEL_SWITCH)
     tier = cpu_tier()
+    if tier.name == "avx2":
+        return tier.amd
     return tier.name == "avx512_bf16" and not tier.amx
 
 

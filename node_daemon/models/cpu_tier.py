@@ -53,6 +53,17 @@ def cpu_flags() -> str:
         return ""
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (AuthenticAMD, GenuineIntel; "" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.split(":", 1)[-1].strip()
+
+
 def detected_tier(flags: str | None = None) -> str:
     """The highest tier whose instructions the CPU has (generic off x86)."""
     have = set((cpu_flags() if flags is None else flags).split(":", 1)[-1].split())
@@ -71,6 +82,7 @@ class CpuTier:
     detected: str  # what the CPU could take; name is lower when forced
     vnni: bool  # AVX512-VNNI integer dot products for the code kernel (AVX-512 tiers only)
     amx: bool = False  # AMX bfloat16 tiles, where oneDNN runs ATen's bfloat16 GEMMs (the top tier, not forced lower)
+    amd: bool = False  # an AMD CPU: MKL's float32 GEMM (ATen's attention below AVX512-BF16) takes its slower path
 
     @property
     def forced(self) -> bool:
@@ -102,7 +114,7 @@ class CpuTier:
         return self.name + (f" (forced by {ENV}; the CPU has {self.detected})" if self.forced else "")
 
 
-def resolve_tier(requested: str | None, flags: str | None = None) -> CpuTier:
+def resolve_tier(requested: str | None, flags: str | None = None, vendor: str | None = None) -> CpuTier:
     """The tier to run: the CPU's own, or a lower one asked for. ValueError for an unknown or missing tier."""
     detected = detected_tier(flags)
     have = set((cpu_flags() if flags is None else flags).split())
@@ -115,7 +127,8 @@ def resolve_tier(requested: str | None, flags: str | None = None) -> CpuTier:
         name = requested
     vnni = name.startswith("avx512") and "avx512_vnni" in have
     amx = name == "avx512_bf16" and name == detected and "amx_bf16" in have
-    return CpuTier(name=name, detected=detected, vnni=vnni, amx=amx)
+    amd = (cpu_vendor() if vendor is None else vendor) == "AuthenticAMD"
+    return CpuTier(name=name, detected=detected, vnni=vnni, amx=amx, amd=amd)
 
 
 @functools.lru_cache(maxsize=1)
