@@ -84,3 +84,14 @@ def test_gemma3s_file_tokenizes_as_the_library_does(tmp_path) -> None:
         *(" ".join(rng.choice(words) for _ in range(rng.randint(1, 30))) for _ in range(150)),
     ]
     _same(mine, library, texts)
+
+
+@pytest.mark.parametrize("unknown", [True, False])
+def test_characters_without_pieces_or_bytes_become_one_unknown_piece_a_run(unknown) -> None:
+    """A vocabulary with only some byte pieces: a character none of whose pieces exist is the unknown piece (one
+    for a run of such characters), or dropped where there is no unknown piece, as the library does."""
+    tokens = ["<unk>" if unknown else "<pad>", "<s>", "</s>", "<0xC3>", "<0xA9>", "▁", "a", "b", "ab"]
+    types = [2 if unknown else 3, 3, 3, 6, 6, 1, 1, 1, 1]
+    scores = [0.0] * len(tokens)
+    mine = SentencePieceBPE(tokens, scores, types, True)
+    _same(mine, library_tokenizer(tokens, scores, types, True), ["ab é ab", "aß€b", "ß€ab€", "€", "a b"])

@@ -26,6 +26,7 @@ import numpy as np
 
 SPACE = "\u2581"
 _NORMAL = 1  # llama.cpp's token types: only normal pieces are ever the result of a merge
+_UNKNOWN = 2
 _CONTROL = 3
 _USER_DEFINED = 4
 _BYTE = 6
@@ -67,6 +68,8 @@ class SentencePieceBPE:
             match = BYTE_PIECE.fullmatch(self.tokens[i])
             if match:
                 self._byte_ids[int(match.group(1), 16)] = i
+        unknown = np.flatnonzero(kinds == _UNKNOWN)
+        self._unknown = int(unknown[0]) if len(unknown) else None
 
     # -- encoding --------------------------------------------------------------------------------------------------
 
@@ -110,13 +113,19 @@ class SentencePieceBPE:
         return SPACE + span if self.add_space_prefix else span
 
     def _symbols(self, span: str) -> list[int]:
-        vocab, symbols = self.vocab, []
+        """The span's characters as pieces; one the vocabulary lacks as its UTF-8 bytes' <0xNN> pieces, else (a
+        byte piece missing too) the unknown piece, one for a run of them, else nothing (as the library does)."""
+        vocab, byte_ids, symbols = self.vocab, self._byte_ids, []
         for char in span:
             i = vocab.get(char)
             if i is not None:
                 symbols.append(i)
-            else:  # byte fallback: the character's UTF-8 bytes as <0xNN> pieces
-                symbols += [self._byte_ids[b] for b in char.encode()]
+                continue
+            pieces = [byte_ids.get(b) for b in char.encode()]
+            if None not in pieces:
+                symbols += pieces
+            elif self._unknown is not None and not (symbols and symbols[-1] == self._unknown):
+                symbols.append(self._unknown)
         return symbols
 
     def _rank(self, left: int, right: int) -> tuple[int, int, int, int] | None:
