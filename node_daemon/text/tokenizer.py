@@ -267,7 +267,7 @@ _started: dict[str, tuple[Future, Future]] = {}  # GGUF path -> (the tokenizer, 
 
 def start_from_gguf(path: str) -> None:
     """Build this GGUF file's tokenizer on a thread once the loader has parsed the header, while the weights
-    decode (their kernels release the GIL): Gemma 3's 262k pieces take 0.15 s. The loader hands over the header
+    decode (their kernels release the GIL): Gemma 3's 262k pieces take 0.1 s. The loader hands over the header
     it parsed (gave_metadata); the next from_gguf_metadata() for this file takes the result. Call it only where
     that call follows (the daemon)."""
     key = os.path.abspath(path)
