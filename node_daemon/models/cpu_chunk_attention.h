@@ -234,7 +234,7 @@ inline __m256 round_to_bf16(__m256 x) {
 // s[0 .. limit - 1] -> exp(s - max s), rounded to bfloat16 as the flash kernel and the AVX-512 form round them (so
 // this tier follows the Python path's attention as closely as the others: with float32 probabilities a random-weight
 // SmolLM2's logits drifted 12% from it over 30 layers), zeros up to width; returns the float32 sum of the unrounded
-// values. Vectorized: the scalar max and sum chains cost a fifth of the dot products.
+// values. Vectorized (the scalar max and sum were a dependency chain a score).
 inline float softmax_numerators(float* s, int64_t limit, int64_t width) {
   const int64_t whole = limit / 8 * 8;
   __m256 top8 = _mm256_set1_ps(-INFINITY);

@@ -44,24 +44,23 @@ _ONEDNN_ISA = {"avx2": "AVX2", "avx512": "AVX512_CORE_VNNI", "generic": "SSE41"}
 
 
 @functools.lru_cache(maxsize=1)
+def _cpuinfo() -> list[str]:
+    """/proc/cpuinfo's first processor's lines ([] where there is none), read once."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read().split("\n\n", 1)[0].splitlines()
+    except OSError:
+        return []
+
+
 def cpu_flags() -> str:
     """/proc/cpuinfo's flags line ("" where there is none): what the CPU kernels can use."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
+    return next((line for line in _cpuinfo() if line.startswith("flags")), "")
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id (AuthenticAMD, GenuineIntel; "" where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-    return line.split(":", 1)[-1].strip()
+    return next((line for line in _cpuinfo() if line.startswith("vendor_id")), "").split(":", 1)[-1].strip()
 
 
 def detected_tier(flags: str | None = None) -> str:

@@ -150,12 +150,12 @@ class SentencePieceBPE:
                 heap.append((rank[0], rank[1], rank[2], pos, rank[3]))
         heapq.heapify(heap)
         while heap:
-            _, _, _, pos, merged = heapq.heappop(heap)
+            _, left_id, right_id, pos, merged = heapq.heappop(heap)
             right = nxt[pos]
-            if not alive[pos] or right >= n:
-                continue
-            rank = self._rank(ids[pos], ids[right])
-            if rank is None or rank[3] != merged:  # stale: a neighbour changed since it was pushed
+            # Stale: a neighbour changed since it was pushed. (The library asks whether the pair now there merges
+            # into the same piece; a symbol only grows by taking its right neighbour, so the same merged piece at
+            # this position is the same pair.)
+            if not alive[pos] or right >= n or ids[pos] != left_id or ids[right] != right_id:
                 continue
             ids[pos] = merged
             alive[right] = False
