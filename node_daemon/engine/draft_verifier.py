@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from stallfree.node_daemon.engine.sampler import (Sampler, TokenLogprobs, _logprobs, _restricts, _RowSource,
-                                                  restricted_support)
+                                                  argmax_rows, restricted_support)
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 
 
@@ -40,7 +40,7 @@ def verify_draft(sampler: Sampler, logits: torch.Tensor, params: SamplingParams,
         raise ValueError(f"{logits.shape[0]} logit rows for a draft of {k} tokens")
     rows = _processed(sampler, logits, params, request_id)
     if params.greedy:
-        best = rows.argmax(dim=-1).tolist()
+        best = argmax_rows(rows)
         accepted = 0
         while accepted < k and best[accepted] == draft[accepted]:
             accepted += 1

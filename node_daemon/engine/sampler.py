@@ -27,6 +27,18 @@ from stallfree.node_daemon.engine.sampling_params import SamplingParams
 CANDIDATES = 256  # tokens kept by topk before the top-p / min_p cut (the full sort is the rare fallback)
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax as torch gives it (the first largest logit; the first NaN where there is one). On the CPU,
+    once the compiled library has loaded, its vectorised scan: torch's took 140 us over Gemma 3's 262,144 logits,
+    3% of a one-stream step; the library's 11 (models/cpu_argmax.h)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        from stallfree.node_daemon.models import cpu_decode
+
+        if cpu_decode.is_loaded():
+            return cpu_decode.ops().argmax_rows(logits).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 class TokenHistory(Protocol):
     """What penalties read from a request (engine Request satisfies it): the prompt, then the outputs so far."""
 
@@ -114,7 +126,7 @@ class Sampler:
         if not params:
             return SamplerOutput([])
         if all(p.plain_greedy for p in params):
-            return SamplerOutput(logits.argmax(dim=-1).tolist())  # the common case: nothing else runs
+            return SamplerOutput(argmax_rows(logits))  # the common case: nothing else runs
         greedy = [p.greedy for p in params]
         processed = [i for i, p in enumerate(params) if p.processes_logits]
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -124,12 +136,12 @@ class Sampler:
         if any(greedy):
             plain = [i for i in range(num_rows) if greedy[i] and not params[i].processes_logits]
             if plain:
-                argmax = logits.argmax(dim=-1).tolist()
+                argmax = argmax_rows(logits)
                 for i in plain:
                     tokens[i] = argmax[i]
             biased = [i for i in processed if greedy[i]]
             if biased:
-                for i, token in zip(biased, rows.get(biased).argmax(dim=-1).tolist()):
+                for i, token in zip(biased, argmax_rows(rows.get(biased))):
                     tokens[i] = token
         random_rows = [i for i in range(num_rows) if not greedy[i]]
         if random_rows:

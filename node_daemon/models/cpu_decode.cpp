@@ -104,15 +104,21 @@ inline void exp_inplace(float* x, int64_t n) {
   for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
 
-// s[t] = exp(s[t] - max s) over t < n; returns 1 / their sum (the softmax's normaliser).
-inline float exp_shifted(float* s, int64_t n) {
+// A softmax over some scores before its normalisation: their max, and the sum of exp(score - top).
+struct SoftmaxPart {
+  float top, total;
+};
+
+// s[t] = exp(s[t] - max s) over t < n; returns the max and their sum (no scores: -inf and 0).
+inline SoftmaxPart softmax_part(float* s, int64_t n) {
+  if (n == 0) return {-INFINITY, 0.f};
   float top = s[0];
   for (int64_t t = 1; t < n; ++t) top = std::max(top, s[t]);
   for (int64_t t = 0; t < n; ++t) s[t] -= top;
   exp_inplace(s, n);
   float total = 0.f;
   for (int64_t t = 0; t < n; ++t) total += s[t];
-  return 1.f / total;
+  return {top, total};
 }
 
 // sum_i q[i] * k[i], q float, k bfloat16. AVX-512 (AVX2): 16 (8) lanes and one horizontal sum (the compiler's own
@@ -149,6 +155,7 @@ inline const uint16_t* bf16_ptr(const at::Tensor& t) {
 inline uint16_t* bf16_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 // Inside this namespace: they use the helpers above.
+#include "cpu_argmax.h"
 #include "cpu_chunk_attention.h"
 #include "cpu_decode_attention.h"
 #include "cpu_code_matmul.h"
@@ -296,21 +303,78 @@ void rope_and_write(const uint16_t* qkv, const int64_t* positions, const int64_t
   });
 }
 
+// How many parts to split each (decode, kv head) task's keys into, so that `threads` threads share the work evenly
+// when there are few tasks: one stream of a model with one kv head (Gemma 3 270M) left a core idle, and three kv heads
+// on two threads (SmolLM2) ran two against one. The smallest count that balances the parts across the threads (a
+// part of at least kMinPartKeys keys); many tasks already balance, and stay whole.
+constexpr int64_t kMinPartKeys = 64, kMaxParts = 8;
+int64_t decode_parts(int64_t tasks, int64_t keys, int64_t threads) {
+  if (threads <= 1 || tasks >= 4 * threads) return 1;
+  int64_t best = 1;
+  double best_share = 0.0;
+  for (int64_t parts = 1; parts <= kMaxParts && (parts == 1 || keys / parts >= kMinPartKeys); ++parts) {
+    const int64_t items = tasks * parts;
+    const double share = static_cast<double>(items) / static_cast<double>(threads * ((items + threads - 1) / threads));
+    if (share > best_share + 1e-9) best = parts, best_share = share;
+    if (share >= 1.0) break;
+  }
+  return best;
+}
+
+// One task's parts (decode_attention_bf16's partial: per part and head D sums, top, total) rescaled to their largest
+// top and summed: the task's normalised output, out [group, D] bfloat16.
+void merge_parts(const float* partial, int64_t parts, int64_t group, int64_t D, uint16_t* out) {
+  const int64_t stride = group * (D + 2);
+  std::vector<float> sum(D), weight(parts);
+  for (int64_t j = 0; j < group; ++j) {
+    float top = -INFINITY, total = 0.f;
+    for (int64_t p = 0; p < parts; ++p) top = std::max(top, partial[p * stride + j * (D + 2) + D]);
+    for (int64_t p = 0; p < parts; ++p) {
+      const float* pj = partial + p * stride + j * (D + 2);
+      weight[p] = pj[D + 1] > 0.f ? std::exp(pj[D] - top) : 0.f;  // an empty part (a short sequence) weighs nothing
+      total += pj[D + 1] * weight[p];
+    }
+    std::fill(sum.begin(), sum.end(), 0.f);
+    for (int64_t p = 0; p < parts; ++p) {
+      const float* pj = partial + p * stride + j * (D + 2);
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) sum[i] += pj[i] * weight[p];
+    }
+    const float inv = 1.f / total;
+    for (int64_t i = 0; i < D; ++i) out[j * D + i] = f2bf(sum[i] * inv);
+  }
+}
+
 // The decode rows' query heads against their sequences' cached keys and values (the row's own included),
 // float32: decode k of the batch is row rows[k] of sequence seqs[k].
 // window > 0 (a sliding layer): the row sees only its sequence's last `window` keys. Head sizes other than 64, 128
-// and 256, or a tier without either kernel, take the float32 loop.
+// and 256, or a tier without either kernel, take the float32 loop. parts 0: decode_parts decides; else the keys of
+// every task in that many parts (tests).
 void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* tables,
                       const int32_t* seq_lens, const std::vector<int64_t>& rows, const std::vector<int64_t>& seqs,
-                      uint16_t* out, const Dims& d, float scale, int64_t window) {
+                      uint16_t* out, const Dims& d, float scale, int64_t window, int64_t parts = 0) {
   const int64_t D = d.head_dim, group = d.heads / d.kv_heads, count = static_cast<int64_t>(rows.size());
   int64_t longest = 0;
   for (int64_t s : seqs) longest = std::max<int64_t>(longest, seq_lens[s]);
-  // One task per (decode, kv head); split only when there is enough work to pay for the threads.
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, longest * D * group));
-  at::parallel_for(0, count * d.kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * longest), acc(group * D), qf(group * D);
-    for (int64_t task = begin; task < end; ++task) {
+  const int64_t tasks = count * d.kv_heads, keys = window > 0 ? std::min(longest, window) : longest;
+#ifdef STALLFREE_DECODE_ATTENTION_KERNEL
+  const bool kernel = D == 64 || D == 128 || D == 256;
+#else
+  const bool kernel = false;
+#endif
+  if (!kernel)
+    parts = 1;
+  else if (parts <= 0)
+    parts = decode_parts(tasks, keys, at::get_num_threads());
+  // Split parts write their sums here; merged once every part is done.
+  std::vector<float> partial(parts > 1 ? tasks * parts * group * (D + 2) : 0);
+  const int64_t part_keys = (keys + parts - 1) / parts;
+  // One item per (decode, kv head, part); split only when there is enough work to pay for the threads.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, part_keys * D * group));
+  at::parallel_for(0, tasks * parts, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * (parts > 1 ? part_keys : longest)), acc(group * D), qf(group * D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t task = item / parts, part = item % parts;
       const int64_t r = rows[task / d.kv_heads], s = seqs[task / d.kv_heads], g = task % d.kv_heads;
       const int64_t L = seq_lens[s], start = window > 0 ? std::max<int64_t>(0, L - window) : 0, n = L - start;
       const int32_t* table = tables + s * d.width;
@@ -318,14 +382,18 @@ void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t
       const uint16_t* vh = v_cache + g * d.num_slots * D;
       const uint16_t* qg = q + (r * d.heads + g * group) * D;
 #ifdef STALLFREE_DECODE_ATTENTION_KERNEL
-      if (D == 64 || D == 128 || D == 256) {  // the AVX512-BF16 or AVX2 kernel (cpu_decode_attention.h)
+      if (kernel) {  // the AVX512-BF16 or AVX2 kernel (cpu_decode_attention.h)
         uint16_t* o = out + (r * d.heads + g * group) * D;
+        // a part's keys: an even share of this sequence's (a shorter sequence's later parts may have none)
+        const int64_t first = start + std::min(n, part * part_keys), last = start + std::min(n, (part + 1) * part_keys);
+        float* sums = parts > 1 ? partial.data() + item * group * (D + 2) : nullptr;
         if (D == 64)
-          decode_attention_bf16<4>(qg, kh, vh, table, d.block_size, start, L, group, scale, scores.data(), o);
+          decode_attention_bf16<4>(qg, kh, vh, table, d.block_size, first, last, group, scale, scores.data(), o, sums);
         else if (D == 128)
-          decode_attention_bf16<8>(qg, kh, vh, table, d.block_size, start, L, group, scale, scores.data(), o);
+          decode_attention_bf16<8>(qg, kh, vh, table, d.block_size, first, last, group, scale, scores.data(), o, sums);
         else
-          decode_attention_bf16<16>(qg, kh, vh, table, d.block_size, start, L, group, scale, scores.data(), o);
+          decode_attention_bf16<16>(qg, kh, vh, table, d.block_size, first, last, group, scale, scores.data(), o,
+                                    sums);
         continue;
       }
 #endif
@@ -337,7 +405,7 @@ void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < group; ++j) {
         float* sj = scores.data() + j * n;
-        const float inv = exp_shifted(sj, n);
+        const float inv = 1.f / softmax_part(sj, n).total;
         for (int64_t t = 0; t < n; ++t) sj[t] *= inv;
       }
       for (int64_t t = start; t < L; ++t) {
@@ -355,6 +423,10 @@ void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t
       }
     }
   });
+  if (parts > 1)
+    for (int64_t task = 0; task < tasks; ++task)
+      merge_parts(partial.data() + task * parts * group * (D + 2), parts, group, D,
+                  out + (rows[task / d.kv_heads] * d.heads + task % d.kv_heads * group) * D);
 }
 
 // A prefill chunk: rows first .. first + len - 1 of one sequence of seq_len cached tokens (the chunk's own
@@ -651,6 +723,29 @@ at::Tensor chunk_attention_only(const at::Tensor& q, const at::Tensor& k_cache, 
   return out.view({rows, heads, D});
 }
 
+// Decode attention alone (tests: split parts against whole tasks and a float64 reference): q [seqs, heads, D]
+// bfloat16, one decode row a sequence; the caches head-major; parts 0: as the forward splits, else that many.
+at::Tensor decode_attention_only(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                 int64_t window, int64_t parts) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "decode_attention: q [seqs, heads, D] and head-major caches, bfloat16");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  seq_lens.size(0) == q.size(0) && block_tables.size(0) == q.size(0),
+              "decode_attention: int32 block tables and lengths, one a sequence");
+  const int64_t seqs = q.size(0), heads = q.size(1), D = q.size(2);
+  Dims d{seqs, heads, k_cache.size(0), D, k_cache.size(2), k_cache.size(1) * k_cache.size(2), block_tables.size(1)};
+  std::vector<int64_t> rows(seqs);
+  for (int64_t i = 0; i < seqs; ++i) rows[i] = i;
+  const at::Tensor flat = q.contiguous().view({seqs, heads * D}), tables = block_tables.contiguous(),
+                   lens = seq_lens.contiguous();
+  at::Tensor out = at::empty_like(flat);
+  decode_attention(bf16_ptr(flat), bf16_ptr(k_cache), bf16_ptr(v_cache), tables.data_ptr<int32_t>(),
+                   lens.data_ptr<int32_t>(), rows, rows, bf16_mut(out), d, static_cast<float>(scale), window, parts);
+  return out.view({seqs, heads, D});
+}
+
 // Chunks through the AVX512-BF16 or AVX2 kernel (true) or ATen's scaled_dot_product_attention; returns whether the
 // kernel is in use (false where the tier has neither, whatever was asked).
 bool set_chunk_kernel(bool on) {
@@ -717,6 +812,10 @@ TORCH_LIBRARY(STALLFREE_OPS_NS, m) {
   m.def("int8_kernel() -> bool", &int8_kernel);
   m.def("chunk_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor", &chunk_attention_only);
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "float scale, int window=0, int parts=0) -> Tensor", &decode_attention_only);
+  m.def("decode_parts(int tasks, int keys, int threads) -> int", &decode_parts);
+  m.def("argmax_rows(Tensor logits) -> Tensor", &argmax_rows);
   m.def("forward(Tensor input_ids, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor embed, Tensor cos_sin, Tensor[] norms, Tensor[] weights, "
         "int[] planes, int[] bits, Tensor[] kv, int num_heads, int num_kv_heads, int head_dim, float eps, "

@@ -55,8 +55,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 # Included by SOURCE: part of the build key.
 HEADERS = [Path(__file__).with_name(name)
-           for name in ("cpu_chunk_attention.h", "cpu_code_dequantize.h", "cpu_code_matmul.h", "cpu_decode_attention.h",
-                        "cpu_gguf_tiles.h", "cpu_vnni_matmul.h")]
+           for name in ("cpu_argmax.h", "cpu_chunk_attention.h", "cpu_code_dequantize.h", "cpu_code_matmul.h",
+                        "cpu_decode_attention.h", "cpu_gguf_tiles.h", "cpu_vnni_matmul.h")]
 ENV_SWITCH = "STALLFREE_CPU_DECODE"
 MIXED_SWITCH = "STALLFREE_CPU_MIXED"
 CHUNK_KERNEL_SWITCH = "STALLFREE_CPU_CHUNK_KERNEL"

@@ -1,6 +1,6 @@
 // Decode attention (one query row per sequence) over the paged KV cache with AVX512-BF16 dot products (and an AVX2
 // form of the same below, for the tiers without them); included by
-// cpu_decode.cpp inside its anonymous namespace (it uses f2bf and exp_shifted from there).
+// cpu_decode.cpp inside its anonymous namespace (it uses f2bf and softmax_part from there).
 //
 // Why: scoring key by key with a float dot product ends every key in a 16-lane horizontal sum, and those sums were
 // most of a 16-stream step (10 ms of 35 at 128 cached tokens, `stallfree bench iteration --breakdown`). Here 16
@@ -32,15 +32,18 @@ inline __m512 sum16(const __m512* v) {
 }
 
 // One decode row's `group` query heads (q: bfloat16 [group, D]) against one kv head's cached keys and values at
-// positions start .. L - 1 (kh, vh: that head's [slots, D] planes; table: the sequence's block table; start > 0: a
-// sliding layer's window); out [group, D] bfloat16. scores: scratch of group * (L - start) floats. DV = D / 16 (the
-// float32 accumulators of one output row: 4, 8 or 16 for head_dim 64, 128 or 256).
+// positions start .. end - 1 (kh, vh: that head's [slots, D] planes; table: the sequence's block table; start > 0: a
+// sliding layer's window, or a later part of the keys); out [group, D] bfloat16. scores: scratch of
+// group * (end - start) floats. DV = D / 16 (the float32 accumulators of one output row: 4, 8 or 16 for head_dim
+// 64, 128 or 256). With `partial`, a part of the keys (decode_attention splits one sequence's keys across threads):
+// per head D float32 sums of exp(score - top) * v, then top and the sum of exp(score - top), unnormalised
+// (softmax_part), for merge_parts; out is not written.
 template <int DV>
 void decode_attention_bf16(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, const int32_t* table,
-                           int64_t block_size, int64_t start, int64_t L, int64_t group, float scale, float* scores,
-                           uint16_t* out) {
+                           int64_t block_size, int64_t start, int64_t end, int64_t group, float scale, float* scores,
+                           uint16_t* out, float* partial) {
   constexpr int64_t D = 16 * DV, QV = D / 32;
-  const int64_t keys = L - start;
+  const int64_t keys = end - start;
   for (int64_t j = 0; j < group; ++j) {
     __m512bh qv[QV];
     for (int64_t c = 0; c < QV; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + j * D + 32 * c);
@@ -58,7 +61,7 @@ void decode_attention_bf16(const uint16_t* q, const uint16_t* kh, const uint16_t
           for (int64_t line = 0; line < D * 2; line += 64)
             _mm_prefetch(reinterpret_cast<const char*>(vh + slot * D) + line, _MM_HINT_T0);
           const int64_t ahead = t0 + tt + 16;
-          if (ahead < L) {
+          if (ahead < end) {
             const int64_t far = static_cast<int64_t>(table[ahead / block_size]) * block_size + ahead % block_size;
             for (int64_t line = 0; line < D * 2; line += 64)
               _mm_prefetch(reinterpret_cast<const char*>(kh + far * D) + line, _MM_HINT_T0);
@@ -71,11 +74,12 @@ void decode_attention_bf16(const uint16_t* q, const uint16_t* kh, const uint16_t
       _mm512_mask_storeu_ps(sj + i0, static_cast<__mmask16>((1u << n) - 1),
                             _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
     }
-    const float inv = exp_shifted(sj, keys);
+    const SoftmaxPart part = softmax_part(sj, keys);
+    const float inv = partial != nullptr ? 1.f : 1.f / part.total;
     __m512 o[DV];
     for (int d = 0; d < DV; ++d) o[d] = _mm512_setzero_ps();
-    for (int64_t t0 = start; t0 < L;) {  // block by block: the table read once a block
-      const int64_t offset = t0 % block_size, n = std::min(block_size - offset, L - t0);
+    for (int64_t t0 = start; t0 < end;) {  // block by block: the table read once a block
+      const int64_t offset = t0 % block_size, n = std::min(block_size - offset, end - t0);
       const uint16_t* v = vh + (static_cast<int64_t>(table[t0 / block_size]) * block_size + offset) * D;
       const float* p_row = sj + (t0 - start);
       t0 += n;
@@ -87,6 +91,12 @@ void decode_attention_bf16(const uint16_t* q, const uint16_t* kh, const uint16_t
           o[d] = _mm512_fmadd_ps(p, vf, o[d]);
         }
       }
+    }
+    if (partial != nullptr) {
+      float* pj = partial + j * (D + 2);
+      for (int d = 0; d < DV; ++d) _mm512_storeu_ps(pj + 16 * d, o[d]);
+      pj[D] = part.top, pj[D + 1] = part.total;
+      continue;
     }
     float row[D];
     for (int d = 0; d < DV; ++d) _mm512_storeu_ps(row + 16 * d, o[d]);
@@ -116,10 +126,10 @@ inline __m256 load_bf16x8(const uint16_t* p) {
 // by side and summed by one tree (sum8); the softmax and the product with V in float32. DV = D / 16.
 template <int DV>
 void decode_attention_bf16(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, const int32_t* table,
-                           int64_t block_size, int64_t start, int64_t L, int64_t group, float scale, float* scores,
-                           uint16_t* out) {
+                           int64_t block_size, int64_t start, int64_t end, int64_t group, float scale, float* scores,
+                           uint16_t* out, float* partial) {
   constexpr int64_t D = 16 * DV, QV = D / 8;
-  const int64_t keys = L - start;
+  const int64_t keys = end - start;
   for (int64_t j = 0; j < group; ++j) {
     __m256 qv[QV];
     for (int64_t c = 0; c < QV; ++c) qv[c] = load_bf16x8(q + j * D + 8 * c);
@@ -139,11 +149,12 @@ void decode_attention_bf16(const uint16_t* q, const uint16_t* kh, const uint16_t
       _mm256_storeu_ps(dots, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));
       std::memcpy(sj + i0, dots, n * sizeof(float));
     }
-    const float inv = exp_shifted(sj, keys);
+    const SoftmaxPart part = softmax_part(sj, keys);
+    const float inv = partial != nullptr ? 1.f : 1.f / part.total;
     __m256 o[2 * DV];
     for (int d = 0; d < 2 * DV; ++d) o[d] = _mm256_setzero_ps();
-    for (int64_t t0 = start; t0 < L;) {  // block by block: the table read once a block
-      const int64_t offset = t0 % block_size, n = std::min(block_size - offset, L - t0);
+    for (int64_t t0 = start; t0 < end;) {  // block by block: the table read once a block
+      const int64_t offset = t0 % block_size, n = std::min(block_size - offset, end - t0);
       const uint16_t* v = vh + (static_cast<int64_t>(table[t0 / block_size]) * block_size + offset) * D;
       const float* p_row = sj + (t0 - start);
       t0 += n;
@@ -151,6 +162,12 @@ void decode_attention_bf16(const uint16_t* q, const uint16_t* kh, const uint16_t
         const __m256 p = _mm256_set1_ps(p_row[tt] * inv);
         for (int d = 0; d < 2 * DV; ++d) o[d] = _mm256_fmadd_ps(p, load_bf16x8(v + 8 * d), o[d]);
       }
+    }
+    if (partial != nullptr) {
+      float* pj = partial + j * (D + 2);
+      for (int d = 0; d < 2 * DV; ++d) _mm256_storeu_ps(pj + 8 * d, o[d]);
+      pj[D] = part.top, pj[D + 1] = part.total;
+      continue;
     }
     float row[D];
     for (int d = 0; d < 2 * DV; ++d) _mm256_storeu_ps(row + 8 * d, o[d]);
