@@ -11,18 +11,12 @@ from stallfree.node_daemon.engine import sampler as sampler_module
 from stallfree.node_daemon.engine.sampler import Sampler
 from stallfree.node_daemon.engine.sampling_params import SamplingParams
 from stallfree.node_daemon.models import cpu_decode
-from stallfree.node_daemon.models.cpu_tier import TIERS, _NEEDS, detected_tier, resolve_tier
+from tier_kernels import KERNEL_TIERS, tier_kernels
 
 
-@pytest.fixture(scope="module", params=["avx512_bf16", "avx2"])
+@pytest.fixture(scope="module", params=KERNEL_TIERS)
 def ops(request):
-    tier = request.param
-    if TIERS.index(tier) > TIERS.index(detected_tier()):
-        pytest.skip(f"this CPU lacks the {tier} tier ({', '.join(_NEEDS[tier])})")
-    kernels = cpu_decode.kernels_for(resolve_tier(tier))
-    if kernels is None:
-        pytest.skip("compiled extension unavailable (no C++ compiler, or the compile failed: see the log)")
-    return kernels
+    return tier_kernels(request.param)
 
 
 def _rows(rows: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:

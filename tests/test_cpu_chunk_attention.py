@@ -10,21 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from stallfree.node_daemon.models import cpu_decode
-from stallfree.node_daemon.models.cpu_tier import TIERS, _NEEDS, detected_tier, resolve_tier
+from tier_kernels import KERNEL_TIERS, tier_kernels
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
 
-@pytest.fixture(scope="module", params=["avx512_bf16", "avx2"])
+@pytest.fixture(scope="module", params=KERNEL_TIERS)
 def ops(request):
     """The chunk kernel of each tier this CPU has: AVX512-BF16, and AVX2 (forced on a bigger CPU, its own library)."""
-    tier = request.param
-    if TIERS.index(tier) > TIERS.index(detected_tier()):
-        pytest.skip(f"this CPU lacks the {tier} tier ({', '.join(_NEEDS[tier])})")
-    kernels = cpu_decode.kernels_for(resolve_tier(tier))
-    if kernels is None:
-        pytest.skip("compiled extension unavailable (no C++ compiler, or the compile failed: see the log)")
-    assert kernels.set_chunk_kernel(True) and str(kernels.chunk_attention_kernel()) == tier
+    kernels = tier_kernels(request.param)
+    assert kernels.set_chunk_kernel(True) and str(kernels.chunk_attention_kernel()) == request.param
     yield kernels
     kernels.set_chunk_kernel(cpu_decode.chunk_kernel_wanted())  # as the process chose
 

@@ -8,21 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stallfree.node_daemon.models import cpu_decode
-from stallfree.node_daemon.models.cpu_tier import TIERS, _NEEDS, detected_tier, resolve_tier
+from tier_kernels import KERNEL_TIERS, tier_kernels
 
 BLOCK = 16
 
 
-@pytest.fixture(scope="module", params=["avx512_bf16", "avx2"])
+@pytest.fixture(scope="module", params=KERNEL_TIERS)
 def ops(request):
-    tier = request.param
-    if TIERS.index(tier) > TIERS.index(detected_tier()):
-        pytest.skip(f"this CPU lacks the {tier} tier ({', '.join(_NEEDS[tier])})")
-    kernels = cpu_decode.kernels_for(resolve_tier(tier))
-    if kernels is None:
-        pytest.skip("compiled extension unavailable (no C++ compiler, or the compile failed: see the log)")
-    assert str(kernels.attention_kernel()) == tier
+    kernels = tier_kernels(request.param)
+    assert str(kernels.attention_kernel()) == request.param
     return kernels
 
 
