@@ -85,8 +85,7 @@ inline ArgmaxPart argmax_part(const float* x, int64_t begin, int64_t end) {
 #endif
   const ArgmaxPart tail = argmax_scalar(x, i, end, {-INFINITY, i, -1});
   if (tail.nan >= 0) return argmax_scalar(x, begin, end, {-INFINITY, begin, -1});
-  if (i < end) take_better(best, tail.value, tail.index);
-  if (best.value == -INFINITY) best.index = begin;  // all -inf: the first
+  take_better(best, tail.value, tail.index);  // a row of -inf keeps its first index: ties go to the smaller
   return best;
 }
 
