@@ -1,7 +1,7 @@
 """GGUF K-quant blocks tiled by the compiled library at load (models/cpu_gguf_tiles.h, models/gguf_tiles.py): the
 same bytes as the Python path's decode (kquant_codes.py) and layout (TiledCodes.from_codes; Q4_K and Q5_K
-matrices: super-block records holding the file's integers, kquant_tiles.py, gguf's values exactly), for Q2_K .. Q6_K
-alone, for the fused projections of Q4_K_M, Q3_K_M and Q2_K files (Q4_K q/k beside a Q6_K or Q4_K v, Q3_K q/k beside
+matrices, and Q6_K ones where the tier runs 6-bit records: records holding the file's integers, kquant_tiles.py,
+gguf's values exactly), for Q2_K .. Q6_K alone, for the fused projections of Q4_K_M, Q3_K_M and Q2_K files (Q4_K q/k beside a Q6_K or Q4_K v, Q3_K q/k beside
 a Q5_K or Q6_K v, in any order of arrival, q's rows unpermuted), for Q6_K blocks whose float16 scales cannot give their zeros (the layout then stores zeros, as the
 Python path does), and for a whole model loaded both ways; bad shapes and types are refused with a clear error.
 
@@ -27,11 +27,11 @@ def library():
 
 
 def _python_tiles(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCodes:
-    """The numpy path's tiles: super-block records where every part is Q4_K or Q5_K (kquant_tiles.py), else the
-    decoded codes laid out by TiledCodes.from_codes."""
-    if kquant_tiles.super_bits({p.qtype for _, p in parts}) is not None:
+    """The numpy path's tiles: records of the file's integers where every part is Q4_K or Q5_K, or every part
+    Q6_K on a tier that runs them (kquant_tiles.py), else the decoded codes laid out by TiledCodes.from_codes."""
+    if kquant_tiles.own_bits({p.qtype for _, p in parts}) is not None:
         tiles = kquant_tiles.super_tiles(parts, rows)
-        assert tiles is not None and tiles.is_super
+        assert tiles is not None and (tiles.is_super or tiles.is_halves)
         return tiles
     whole = stack_parts([(r, p.decode()) for r, p in parts], rows)
     assert whole is not None
@@ -40,12 +40,12 @@ def _python_tiles(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCode
 
 def _assert_same_tiles(got: TiledCodes | None, want: TiledCodes) -> None:
     assert got is not None
-    assert (got.bits, got.has_zeros, got.is_super, tuple(got.blocks.shape)) == \
-        (want.bits, want.has_zeros, want.is_super, tuple(want.blocks.shape))
+    assert (got.bits, got.has_zeros, got.is_super, got.is_halves, tuple(got.blocks.shape)) == \
+        (want.bits, want.has_zeros, want.is_super, want.is_halves, tuple(want.blocks.shape))
     assert torch.equal(got.blocks, want.blocks)
 
 
-@pytest.mark.parametrize("qtype, bits", [("Q2_K", 8), ("Q3_K", 8), ("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 8)])
+@pytest.mark.parametrize("qtype, bits", [("Q2_K", 8), ("Q3_K", 8), ("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 6)])
 def test_one_k_quant_tensor_is_tiled_into_the_python_paths_bytes(qtype, bits):
     rows, cols = 48, 512
     raw = _random_k_blocks(qtype, rows, cols, seed=11) if qtype not in ("Q2_K", "Q3_K") else \
@@ -53,29 +53,33 @@ def test_one_k_quant_tensor_is_tiled_into_the_python_paths_bytes(qtype, bits):
     part = GgufBlocks(raw, qtype, cols)
     got = tiles_of_parts([(slice(0, rows), part)], rows)
     _assert_same_tiles(got, _python_tiles([(slice(0, rows), part)], rows))
-    assert got.bits == bits
+    assert got.bits == (8 if qtype == "Q6_K" and not kquant_tiles.six_bit_records() else bits)
+
+
+def _q6_k_beside_q3_k(d: float, seed: int) -> tuple[list[tuple[slice, GgufBlocks]], int]:
+    """A Q6_K part of float16 d beside a Q3_K one (both symmetric: 8-bit records, zeros only where needed)."""
+    rows, cols = 32, 256
+    raw = _random_k_blocks("Q6_K", rows, cols, seed=seed).reshape(-1, 210)
+    raw[:, 208:210] = np.full((raw.shape[0], 1), d, "<f2").view(np.uint8)
+    q3 = GgufBlocks(gguf_blocks.random_blocks("Q3_K", 16, cols, np.random.default_rng(seed)), "Q3_K", cols)
+    return [(slice(0, rows), GgufBlocks(raw.reshape(rows, -1), "Q6_K", cols)), (slice(rows, rows + 16), q3)], rows + 16
 
 
 def test_q6_k_blocks_whose_float16_scales_cannot_give_their_zeros_store_zeros():
     """d of 2e-6: a block's scale d*step is subnormal in float16, so -128 times it rounded is not its zero
-    rounded; the Python path then lays the matrix out with zeros, and so must the library."""
-    rows, cols = 32, 256
-    raw = _random_k_blocks("Q6_K", rows, cols, seed=12).reshape(-1, 210)
-    raw[:, 208:210] = np.full((raw.shape[0], 1), 2e-6, "<f2").view(np.uint8)
-    part = GgufBlocks(raw.reshape(rows, -1), "Q6_K", cols)
-    want = _python_tiles([(slice(0, rows), part)], rows)
-    assert want.has_zeros  # the case under test
-    _assert_same_tiles(tiles_of_parts([(slice(0, rows), part)], rows), want)
+    rounded; the Python path then lays the matrix out with zeros, and so must the library (8-bit records: Q6_K
+    beside another type)."""
+    parts, rows = _q6_k_beside_q3_k(2e-6, seed=12)
+    want = _python_tiles(parts, rows)
+    assert want.has_zeros and want.bits == 8  # the case under test
+    _assert_same_tiles(tiles_of_parts(parts, rows), want)
 
 
 def test_q6_k_blocks_of_a_normal_size_need_no_zeros():
-    rows, cols = 32, 256
-    raw = _random_k_blocks("Q6_K", rows, cols, seed=13).reshape(-1, 210)
-    raw[:, 208:210] = np.full((raw.shape[0], 1), 0.02, "<f2").view(np.uint8)
-    part = GgufBlocks(raw.reshape(rows, -1), "Q6_K", cols)
-    want = _python_tiles([(slice(0, rows), part)], rows)
-    assert not want.has_zeros
-    _assert_same_tiles(tiles_of_parts([(slice(0, rows), part)], rows), want)
+    parts, rows = _q6_k_beside_q3_k(0.02, seed=13)
+    want = _python_tiles(parts, rows)
+    assert not want.has_zeros and want.bits == 8
+    _assert_same_tiles(tiles_of_parts(parts, rows), want)
 
 
 @pytest.mark.parametrize("qk_type, v_type", [("Q4_K", "Q4_K"), ("Q4_K", "Q5_K"), ("Q4_K", "Q6_K"), ("Q3_K", "Q5_K"),
@@ -134,17 +138,20 @@ def test_the_library_refuses_bad_shapes_and_types_with_a_clear_error():
               torch.from_numpy(gguf_blocks.random_blocks("Q3_K", 16, 256, np.random.default_rng(21))), "Q3_K", none)
 
 
-@pytest.mark.parametrize("qtype, bits_a_weight", [("Q4_K", 4.625), ("Q5_K", 5.625)])
-def test_q4_k_and_q5_k_matrices_keep_the_files_integers(qtype, bits_a_weight):
-    """Super-block records hold the file's sub-block scales and mins and its float16 d and dmin: their weights are
-    gguf's dequantized values exactly (no float16 rounding of d * sc), an eighth of a bit a weight over the file."""
+@pytest.mark.parametrize("qtype, bits_a_weight", [("Q4_K", 4.625), ("Q5_K", 5.625), ("Q6_K", 6.625)])
+def test_k_quant_matrices_keep_the_files_integers(qtype, bits_a_weight):
+    """Super-block records hold the file's sub-block scales and mins and its float16 d and dmin, 6-bit records
+    Q6_K's codes, int8 scales and d: their weights are gguf's dequantized values exactly (no float16 rounding of
+    d * sc, no re-coding), a sixteenth to an eighth of a bit a weight over the file."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    if qtype == "Q6_K" and not kquant_tiles.six_bit_records():
+        pytest.skip("this tier keeps Q6_K's 8-bit re-coding (kquant_tiles.six_bit_records)")
     rows, cols = 32, 768
     raw = _random_k_blocks(qtype, rows, cols, seed=22)
     tiles = tiles_of_parts([(slice(0, rows), GgufBlocks(raw, qtype, cols))], rows)
-    assert tiles is not None and tiles.is_super and not tiles.has_zeros
+    assert tiles is not None and (tiles.is_halves if qtype == "Q6_K" else tiles.is_super) and not tiles.has_zeros
     want = dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols)
     np.testing.assert_array_equal(tiles.dequantize().numpy(), want)
     assert tiles.nbytes * 8 / (rows * cols) == bits_a_weight
@@ -175,3 +182,5 @@ def test_a_k_quant_model_loads_to_the_same_tiles_with_the_library_and_without(tm
     for name in tiled:
         _assert_same_tiles(tiled[name], decoded[name])
     assert sum(t.is_super for t in tiled.values()) >= 4  # gate/up and o of both layers, q/k/v of the first
+    if kquant_tiles.six_bit_records():
+        assert sum(t.is_halves for t in tiled.values()) >= 2  # the second layer's down and the tied embedding

@@ -24,11 +24,11 @@ inline __m256i bf16x16(__m512 v) {
 }
 
 // The 16 columns' scale and zero of block b of the tile whose first record is `tile` (kSuper: from its super-block's
-// header and the block's integer scales and mins; cpu_code_matmul.h says the forms).
+// header and the block's integer scales and mins; kHalves: each half's scale; cpu_code_matmul.h says the forms).
 template <int BITS, int FORM>
 inline void record_affine16(const uint8_t* tile, int64_t b, __m512& s, __m512& z) {
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
-  if constexpr (FORM == kSuper) {
+  if constexpr (grouped(FORM)) {
     const __m256i* header = reinterpret_cast<const __m256i*>(tile + header_offset(BITS, b));
     d = _mm512_cvtph_ps(_mm256_loadu_si256(header)), dmin = _mm512_cvtph_ps(_mm256_loadu_si256(header + 1));
   }
@@ -46,13 +46,20 @@ inline void dequantize_record(const uint8_t* tile, int64_t b, uint16_t* o, int64
   const __m512i nibble = _mm512_set1_epi16(0x0f), sixteen = _mm512_set1_epi16(16);
   __m512 s, z;
   record_affine16<BITS, FORM>(tile, b, s, z);
+  // kHalves: w = s_half * u - 32 s_half (one rounding of an exact value: 18-bit scales, 6-bit codes)
+  __m512 scale[2] = {s, s}, zero[2] = {z, z};
+  if constexpr (FORM == kHalves) {
+    const __m512 minus32 = _mm512_set1_ps(-32.0f);
+    scale[1] = z, zero[0] = _mm512_mul_ps(s, minus32), zero[1] = _mm512_mul_ps(z, minus32);
+  }
   // codes u of k and k + 1 (32 lanes, column c's at 2c and 2c + 1) -> rows k, k + 1 of W^T
   const auto two_rows = [&](__m512i u, int64_t k) {
+    const __m512 sk = scale[k >= 16], zk = zero[k >= 16];
     const __m512i cols = _mm512_permutexvar_epi16(split, u);
     const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(cols)));
     const __m512 odd = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(cols, 1)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k * n), bf16x16(_mm512_fmadd_ps(even, s, z)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (k + 1) * n), bf16x16(_mm512_fmadd_ps(odd, s, z)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k * n), bf16x16(_mm512_fmadd_ps(even, sk, zk)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (k + 1) * n), bf16x16(_mm512_fmadd_ps(odd, sk, zk)));
   };
   if constexpr (BITS == 8) {
     for (int q = 0; q < 16; ++q)
@@ -67,6 +74,9 @@ inline void dequantize_record(const uint8_t* tile, int64_t b, uint16_t* o, int64
         lo = _mm512_mask_add_epi16(lo, fifth[0], lo, sixteen);
         hi = _mm512_mask_add_epi16(hi, fifth[1], hi, sixteen);
       }
+      if constexpr (BITS == 6)
+        six_bit_lanes16(v, _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256 + 32 * (q / 2)))),
+                        q, lo, hi);
       two_rows(lo, 2 * q);
       two_rows(hi, 2 * q + 16);
     }
@@ -77,13 +87,15 @@ inline void dequantize_record(const uint8_t* tile, int64_t b, uint16_t* o, int64
 template <int BITS, int FORM>
 inline void dequantize_record(const uint8_t* tile, int64_t b, uint16_t* out, int64_t n) {
   const uint8_t* wb = tile + codes_offset(BITS, FORM, b);
-  Affine a[16];
-  for (int c = 0; c < 16; ++c) a[c] = record_affine(tile, BITS, FORM, c, b);
+  Affine a[2][16];  // kHalves: each half's; the other forms' one pair twice
+  for (int c = 0; c < 16; ++c)
+    for (int half = 0; half < 2; ++half) a[half][c] = record_affine(tile, BITS, FORM, c, b, FORM == kHalves && half);
   for (int p = 0; p < 16; ++p)
     for (int j = 0; j < 2; ++j) {
       uint16_t* o = out + (2 * p + j) * n;
+      const Affine* ah = a[p >= 8];
       for (int c = 0; c < 16; ++c)
-        o[c] = f2bf(a[c].scale * static_cast<float>(record_code(wb, BITS, p, c, j)) + a[c].zero);
+        o[c] = f2bf(ah[c].scale * static_cast<float>(record_code(wb, BITS, p, c, j)) + ah[c].zero);
     }
 }
 #endif
@@ -107,7 +119,7 @@ inline void code_dequantize_into(const at::Tensor& blocks_t, at::Tensor& out) {
   out.resize_({k, n});
   uint16_t* o = bf16_mut(out);
   const uint8_t* w = blocks_t.data_ptr<uint8_t>();
-  TORCH_CHECK(kind->form != kSuper || blocks % 8 == 0, "code_dequantize: super-block records in whole super-blocks");
+  TORCH_CHECK(!grouped(kind->form) || blocks % 8 == 0, "code_dequantize: super-block records in whole super-blocks");
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
     with_record_kind(*kind, [&](auto bits_c, auto form_c) {
       dequantize_tiles<decltype(bits_c)::value, decltype(form_c)::value>(w, begin, end, blocks, o, n);

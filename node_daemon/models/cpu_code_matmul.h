@@ -41,9 +41,20 @@ constexpr int64_t kPrefetchBytes = 4096;
 //               m, both exact in float32 (the file's values, as llama.cpp's dequantization gives them). 4.625 bits
 //               a Q4_K weight where float16 scales and zeros took 5 (the file: 4.5); codes_offset and
 //               affine_offset say where a block's parts lie.
-enum RecordForm : int { kZeros = 0, kSymmetric = 1, kSuper = 2 };
+//   kHalves     Q6_K's own integers, grouped as kSuper's: 6-bit codes u = q + 32 (the 4-bit record's nibbles,
+//               then per pair of chunks 2m, 2m + 1 32 bytes of their codes' high two bits: byte i holds those of
+//               chunk 2m's byte i's low nibble in bits 0-1, chunk 2m + 1's in 2-3, and of their high nibbles in
+//               4-5 and 6-7, so that a shift and a masked merge make a code), each block's 16 int8 scales of its
+//               first 16 k (the low nibbles) and 16 of its last 16, the header's 16 float16 d (its dmin half
+//               zero); w = (d * sc) * (u - 32), exactly gguf's. 6.625 bits a weight, the file's 6.5625,
+//               where the 8-bit re-coding took 8.5. Run by the AVX512-VNNI kernel (the other tiers' tilers keep
+//               the 8-bit re-coding: models/kquant_tiles.py six_bit_records).
+enum RecordForm : int { kZeros = 0, kSymmetric = 1, kSuper = 2, kHalves = 3 };
 
-constexpr int64_t record_size(int bits, int form) {  // codes (and fifth bits), then the form's scales and zeros
+// kSuper and kHalves: a super-block's 8 records stored grouped (codes, integers, header).
+constexpr bool grouped(int form) { return form == kSuper || form == kHalves; }
+
+constexpr int64_t record_size(int bits, int form) {  // codes (and fifth, sixth bits), then scales and zeros
   return bits * kQBlock * 16 / 8 + (form == kZeros ? 64 : form == kSymmetric ? 32 : 40);
 }
 template <int BITS, int FORM = kZeros>
@@ -51,12 +62,12 @@ constexpr int64_t record_bytes() {
   return record_size(BITS, FORM);
 }
 
-// How far ahead the one-row kernels prefetch: kSuper records a super-block (8 records) ahead, so that a
+// How far ahead the one-row kernels prefetch: grouped records a super-block (8 records) ahead, so that a
 // super-block's header, stored after its 8 records' codes and integers, has arrived when its first block is read
 // (with 1 KB the header's load stalled the kernel: one row of a 64k x 2k Q4_K matrix took 1.43 ms against 1.26).
 template <int BITS, int FORM>
 constexpr int64_t kSuperAhead() {
-  return FORM == kSuper ? 8 * record_bytes<BITS, FORM>() : kPrefetchBytes;
+  return grouped(FORM) ? 8 * record_bytes<BITS, FORM>() : kPrefetchBytes;
 }
 
 // A record's size says its codes' bits and its form (every size differs).
@@ -73,18 +84,19 @@ inline std::optional<RecordKind> record_kind(int64_t bytes) {
   if (bytes == record_bytes<8, kSymmetric>()) return RecordKind{8, kSymmetric};
   if (bytes == record_bytes<4, kSuper>()) return RecordKind{4, kSuper};
   if (bytes == record_bytes<5, kSuper>()) return RecordKind{5, kSuper};
+  if (bytes == record_bytes<6, kHalves>()) return RecordKind{6, kHalves};
   return std::nullopt;
 }
 
-// Where block b's codes and its scales (or sc and m) lie from its tile's first record; kSuper: its super-block's
-// header too. Every form but kSuper keeps a record whole: codes, then the affine part.
+// Where block b's codes and its scales (or sc and m) lie from its tile's first record; grouped forms: its
+// super-block's header too. The other forms keep a record whole: codes, then the affine part.
 constexpr int64_t codes_offset(int bits, int form, int64_t b) {
   const int64_t rec = record_size(bits, form), code_bytes = bits * kQBlock * 16 / 8;
-  return form == kSuper ? (b / 8) * 8 * rec + (b % 8) * code_bytes : b * rec;
+  return grouped(form) ? (b / 8) * 8 * rec + (b % 8) * code_bytes : b * rec;
 }
 constexpr int64_t affine_offset(int bits, int form, int64_t b) {
   const int64_t rec = record_size(bits, form), code_bytes = bits * kQBlock * 16 / 8;
-  return form == kSuper ? (b / 8) * 8 * rec + 8 * code_bytes + (b % 8) * 32 : b * rec + code_bytes;
+  return grouped(form) ? (b / 8) * 8 * rec + 8 * code_bytes + (b % 8) * 32 : b * rec + code_bytes;
 }
 constexpr int64_t header_offset(int bits, int64_t b) {
   return (b / 8) * 8 * record_size(bits, kSuper) + 8 * (bits * kQBlock * 16 / 8 + 32);
@@ -94,6 +106,7 @@ constexpr int64_t header_offset(int bits, int64_t b) {
 struct QuantizedRows {
   std::vector<int16_t> codes;  // [rows, K]
   std::vector<float> scale, sum;  // [rows, K / 32]
+  std::vector<int32_t> half_sum;  // [rows, K / 32, 2]: each block's first and last 16 codes summed (kHalves, VNNI)
   int64_t rows = 0, k = 0;
 };
 
@@ -101,6 +114,7 @@ struct QuantizedRows {
 struct QuantizedRows8 {
   std::vector<int8_t> codes;  // [rows, K]
   std::vector<float> scale, sum;  // [rows, K / 32]
+  std::vector<int32_t> half_sum;  // [rows, K / 32, 2]: each block's first and last 16 codes summed (kHalves, VNNI)
   int64_t rows = 0, k = 0;
 };
 
@@ -158,8 +172,8 @@ inline float half_to_float(uint16_t h) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
-// One record's code u of column c at k = 2p + j (the layout above; bits 4, 5 or 8), and column c's scale and zero
-// (w = scale * u + zero): what code_rows and the portable dequantization read, one value at a time.
+// One record's code u of column c at k = 2p + j (the layout above; bits 4, 5, 6 or 8), and column c's scale and
+// zero (w = scale * u + zero): what code_rows and the portable dequantization read, one value at a time.
 inline int record_code(const uint8_t* rb, int bits, int p, int c, int j) {
   if (bits == 8) return rb[32 * p + 2 * c + j];
   const uint8_t byte = rb[32 * (p % 8) + 2 * c + j];
@@ -169,15 +183,25 @@ inline int record_code(const uint8_t* rb, int bits, int p, int c, int j) {
     std::memcpy(&mask, rb + 256 + 4 * (2 * (p % 8) + (p >= 8)), 4);
     u += 16 * static_cast<int>((mask >> (2 * c + j)) & 1);
   }
+  if (bits == 6) {  // the chunk pair's byte of high bits (kHalves above)
+    const int q = p % 8, high = rb[256 + 32 * (q / 2) + 2 * c + j];
+    u += 16 * ((high >> (2 * (q % 2) + 4 * (p >= 8))) & 3);
+  }
   return u;
 }
 
 struct Affine {
   float scale, zero;
 };
-// Column c's scale and zero in block b of the tile whose first record is `tile`.
-inline Affine record_affine(const uint8_t* tile, int bits, int form, int c, int64_t b) {
+// Column c's scale and zero in block b of the tile whose first record is `tile`; kHalves: of the block's first
+// (half 0: k < 16) or last 16 k, zero = -32 scale (exact: the float16 d times an int8 scale has 18 bits).
+inline Affine record_affine(const uint8_t* tile, int bits, int form, int c, int64_t b, int half = 0) {
   const uint8_t* a = tile + affine_offset(bits, form, b);
+  if (form == kHalves) {
+    const uint16_t* header = reinterpret_cast<const uint16_t*>(tile + header_offset(bits, b));
+    const float scale = half_to_float(header[c]) * static_cast<float>(static_cast<int8_t>(a[16 * half + c]));
+    return {scale, -32.0f * scale};
+  }
   if (form == kSuper) {
     const uint16_t* header = reinterpret_cast<const uint16_t*>(tile + header_offset(bits, b));
     return {half_to_float(header[c]) * static_cast<float>(a[c]),
@@ -190,10 +214,17 @@ inline Affine record_affine(const uint8_t* tile, int bits, int form, int c, int6
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // The 16 columns' scale and zero of a block whose scales (or sc and m) are at `affine`; kSuper: under its
-// super-block's d and dmin. What the VNNI kernel and the AVX-512 dequantization both read.
+// super-block's d and dmin; kHalves: s the first 16 k's scale d * sc, z the last 16's (the kernels take u - 32).
+// What the VNNI kernel and the AVX-512 dequantization both read.
 template <int BITS, int FORM>
 inline void affine16(const uint8_t* affine, __m512 d, __m512 dmin, __m512& s, __m512& z) {
-  if constexpr (FORM == kSuper) {
+  if constexpr (FORM == kHalves) {
+    const auto bytes = [](const uint8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    s = _mm512_mul_ps(d, bytes(affine));
+    z = _mm512_mul_ps(d, bytes(affine + 16));
+  } else if constexpr (FORM == kSuper) {
     const auto bytes = [](const uint8_t* p) {
       return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     };
@@ -204,6 +235,17 @@ inline void affine16(const uint8_t* affine, __m512 d, __m512 dmin, __m512& s, __
     z = FORM == kZeros ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(affine + 32)))
                        : _mm512_mul_ps(s, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
   }
+}
+
+// kHalves: chunk q's 6-bit codes as int16 lanes from its bytes v (16-bit lanes, one byte each) and its pair's plane
+// of high bits h (the same lanes): the low nibbles' codes (k = 2q, 2q + 1) in lo, the high nibbles' in hi.
+inline void six_bit_lanes16(__m512i v, __m512i h, int q, __m512i& lo, __m512i& hi) {
+  constexpr int kOrMasked = 0xf8;  // ternary logic: a | (b & c)
+  const __m512i bits45 = _mm512_set1_epi16(0x30);
+  if (q % 2) h = _mm512_srli_epi16(h, 2);  // chunk 2m + 1's bits to where chunk 2m's are
+  lo = _mm512_ternarylogic_epi32(_mm512_and_si512(v, _mm512_set1_epi16(0x0f)), _mm512_slli_epi16(h, 4), bits45,
+                                 kOrMasked);
+  hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), h, bits45, kOrMasked);
 }
 #endif
 
@@ -469,10 +511,18 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
 #endif
 
 // f(bits, form) with the record kind's bits and form as compile-time constants (std::integral_constant): the
-// kernels are templates on both. kSuper records hold 4- and 5-bit codes only (Q4_K, Q5_K).
+// kernels are templates on both. kSuper records hold 4- and 5-bit codes only (Q4_K, Q5_K), kHalves 6-bit ones
+// (Q6_K), run where the tier has AVX512-VNNI.
 template <typename F>
 inline void with_record_kind(const RecordKind& kind, F&& f) {
   using std::integral_constant;
+  if (kind.form == kHalves) {
+#ifdef STALLFREE_VNNI_MATMUL
+    return f(integral_constant<int, 6>{}, integral_constant<int, kHalves>{});
+#else
+    TORCH_CHECK(false, "code kernel: 6-bit records (Q6_K's own) run on AVX512-VNNI only");
+#endif
+  }
   const auto forms = [&](auto bits_c) {
     if (kind.form == kZeros) return f(bits_c, integral_constant<int, kZeros>{});
     if (kind.form == kSymmetric) return f(bits_c, integral_constant<int, kSymmetric>{});
@@ -492,7 +542,7 @@ inline void with_record_kind(const RecordKind& kind, F&& f) {
 at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t bits, bool float_out,
                        int64_t int8_min_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "code_matmul: x [rows, K] bfloat16");
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "code_matmul: 4-, 5- or 8-bit codes");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "code_matmul: 4-, 5-, 6- or 8-bit codes");
   const std::optional<RecordKind> kind = record_kind(blocks_t.dim() == 3 ? blocks_t.size(2) : 0);
   TORCH_CHECK(blocks_t.dim() == 3 && blocks_t.scalar_type() == at::kByte && blocks_t.is_contiguous(),
               "code_matmul: weight blocks [N / 16, K / 32, bytes] uint8, contiguous");
@@ -500,7 +550,7 @@ at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t 
   const int64_t rows = xc.size(0), k = xc.size(1), tiles = blocks_t.size(0), blocks = k / kQBlock;
   TORCH_CHECK(k % kQBlock == 0 && blocks_t.size(1) == blocks && kind && kind->bits == bits,
               "code_matmul: weight blocks do not match x's width");
-  TORCH_CHECK(kind->form != kSuper || blocks % 8 == 0, "code_matmul: super-block records in whole super-blocks");
+  TORCH_CHECK(!grouped(kind->form) || blocks % 8 == 0, "code_matmul: super-block records in whole super-blocks");
   at::Tensor out = at::empty({rows, tiles * 16}, xc.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0) return out;
   QuantizedRows q;
@@ -550,7 +600,7 @@ at::Tensor code_rows(const at::Tensor& blocks_t, const at::Tensor& ids_t) {
   const int64_t rec = blocks_t.size(2), blocks = blocks_t.size(1), k = blocks * kQBlock, n_rows = blocks_t.size(0) * 16;
   const std::optional<RecordKind> kind = record_kind(rec);
   TORCH_CHECK(kind.has_value(), "code_rows: unknown record size");
-  TORCH_CHECK(kind->form != kSuper || blocks % 8 == 0, "code_rows: super-block records in whole super-blocks");
+  TORCH_CHECK(!grouped(kind->form) || blocks % 8 == 0, "code_rows: super-block records in whole super-blocks");
   const int bits = kind->bits;
   const int form = kind->form;
   const at::Tensor ids = ids_t.to(at::kLong).contiguous();
@@ -567,11 +617,13 @@ at::Tensor code_rows(const at::Tensor& blocks_t, const at::Tensor& ids_t) {
         const uint8_t* tile = w + t * blocks * rec;
         const uint8_t* rb = tile + codes_offset(bits, form, b);
         const int col = static_cast<int>(c);
-        const Affine a = record_affine(tile, bits, form, col, b);
+        const Affine halves[2] = {record_affine(tile, bits, form, col, b, 0), record_affine(tile, bits, form, col, b, 1)};
         uint16_t* dst = o + i * k + b * kQBlock;
-        for (int p = 0; p < 16; ++p)  // k = 2p + j
+        for (int p = 0; p < 16; ++p) {  // k = 2p + j
+          const Affine& a = halves[p >= 8 && form == kHalves];
           for (int j = 0; j < 2; ++j)
             dst[2 * p + j] = f2bf(a.scale * static_cast<float>(record_code(rb, bits, p, col, j)) + a.zero);
+        }
       }
     }
   });

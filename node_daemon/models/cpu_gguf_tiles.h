@@ -9,7 +9,8 @@
 // built): tests/test_gguf_tiles.py holds the two to the same bytes.
 //
 // A matrix whose parts are all Q4_K or Q5_K takes kSuper records: the file's own integers (sc, m) and float16 (d,
-// dmin), nothing computed (models/kquant_tiles.py is their reference). Elsewhere the values are computed as numpy
+// dmin), nothing computed; one that is all Q6_K, on a tier that runs them, kHalves records (its codes, int8 scales
+// and d); models/kquant_tiles.py is the reference of both. Elsewhere the values are computed as numpy
 // computes them, in float32 and in the same order, so that both paths round to the same float16 scales and zeros:
 // d * sc and dmin * m are each rounded before they are added (rounded_product keeps the compiler from fusing them
 // into a multiply-add), and a block's zero takes the path its matrix's planes give it:
@@ -93,6 +94,20 @@ inline void decode_q6_k(const uint8_t* b, SuperBlock& out) {
   }
 }
 
+// Q6_K's own integers (kHalves records): u = q + 32 (0..63), its 16 int8 scales, its float16 d as bits.
+inline void decode_q6_k_codes(const uint8_t* b, SuperBlock& out, int8_t* scales) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  for (int w = 0; w < 256; ++w) {
+    const int h = w / 128, r = w % 128;
+    const int low = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 15;
+    const int high = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+    out.u[w] = static_cast<uint8_t>(low | (high << 4));
+  }
+  std::memcpy(scales, b + 192, 16);
+  out.d = static_cast<uint16_t>(b[208] | (b[209] << 8));
+}
+
 // The zero of an 8-bit block w = s * u + z as TiledCodes.from_codes joins its two planes (lo zero z + 8s, hi 128s).
 inline float eight_bit_zero(float s, float z) {
   return (((z + 8.0f * s) - 8.0f * s) + 128.0f * s) - 128.0f * s;
@@ -151,14 +166,16 @@ inline void decode_q2_k(const uint8_t* b, SuperBlock& out) {
   }
 }
 
-// 16 rows' Q4_K/Q5_K integers for kSuper records: sc, m [16][K / 32], and d, dmin [16][K / 256] (float16 bits).
+// 16 rows' Q4_K/Q5_K integers for kSuper records: sc, m [16][K / 32], and d, dmin [16][K / 256] (float16 bits);
+// Q6_K's for kHalves: halves [16][K / 16] (an int8 scale per 16 weights) and d.
 struct SuperInts {
   std::vector<uint8_t> sc, m;
   std::vector<uint16_t> d, dmin;
+  std::vector<int8_t> halves;
 };
 
 // 16 rows' codes [16][K] and affine [16][K / 32] (or, kSuper, their integers) into one tile's records at `tile`
-// (bits 4, 5 or 8, in `form`: codes_offset and affine_offset place each block's parts). False where a record
+// (bits 4, 5, 6 or 8, in `form`: codes_offset and affine_offset place each block's parts). False where a record
 // without zeros cannot hold a block (its zero is not -2^(bits-1) times its float16 scale).
 inline bool write_tile(const uint8_t* u, const float* scale, const float* zero, const SuperInts& ints, int64_t k,
                        int bits, int form, uint8_t* tile) {
@@ -185,6 +202,27 @@ inline bool write_tile(const uint8_t* u, const float* scale, const float* zero, 
           std::memcpy(rb + 256 + 4 * (2 * (p % 8) + (p >= 8)), &mask, 4);
         }
       }
+      if (bits == 6)  // per chunk pair, byte i: the high two bits of chunk 2m's and 2m + 1's low nibbles, then highs'
+        for (int m = 0; m < 4; ++m)
+          for (int c = 0; c < 16; ++c)
+            for (int j = 0; j < 2; ++j) {
+              const int q = 2 * m;
+              rb[256 + 32 * m + 2 * c + j] = static_cast<uint8_t>(
+                  (code(c, 2 * q + j) >> 4) | ((code(c, 2 * q + 2 + j) >> 4) << 2) |
+                  ((code(c, 2 * q + 16 + j) >> 4) << 4) | ((code(c, 2 * q + 18 + j) >> 4) << 6));
+            }
+    }
+    if (form == kHalves) {  // the halves' int8 scales; at a super-block's first block its header (16 d, 32 zeros)
+      const int64_t supers = k / 256, super = g / 8;
+      for (int c = 0; c < 16; ++c) {
+        affine[c] = static_cast<uint8_t>(ints.halves[c * 2 * blocks + 2 * g]);
+        affine[16 + c] = static_cast<uint8_t>(ints.halves[c * 2 * blocks + 2 * g + 1]);
+      }
+      if (g % 8 == 0) {
+        uint16_t* header = reinterpret_cast<uint16_t*>(tile + header_offset(bits, g));
+        for (int c = 0; c < 16; ++c) header[c] = ints.d[c * supers + super], header[16 + c] = 0;
+      }
+      continue;
     }
     if (form == kSuper) {  // sc, m; at a super-block's first block its header (16 d, then 16 dmin)
       const int64_t supers = k / 256, super = g / 8;
@@ -232,8 +270,8 @@ inline bool gguf_tiles(at::Tensor out, int64_t row_start, const at::Tensor& raw,
   const bool ordered = order.numel() > 0;
   TORCH_CHECK(!ordered || (order.numel() == rows && order.scalar_type() == at::kLong),
               "gguf_tiles: order [rows] int64");
-  TORCH_CHECK(kind->bits == 8 || (!eight_bit && (kind->bits == 5 || !q5)), "gguf_tiles: ", qtype,
-              " codes do not fit ", kind->bits, "-bit records");
+  TORCH_CHECK(kind->form == kHalves ? q6 : kind->bits == 8 || (!eight_bit && (kind->bits == 5 || !q5)),
+              "gguf_tiles: ", qtype, " codes do not fit ", kind->bits, "-bit records");
   const int64_t* src = ordered ? order.data_ptr<int64_t>() : nullptr;
   for (int64_t i = 0; src && i < rows; ++i)
     TORCH_CHECK(src[i] >= 0 && src[i] < rows, "gguf_tiles: order names row ", src[i], " of ", rows);
@@ -245,13 +283,20 @@ inline bool gguf_tiles(at::Tensor out, int64_t row_start, const at::Tensor& raw,
     std::vector<uint8_t> u(16 * k);
     std::vector<float> scale(16 * blocks), zero(16 * blocks);
     SuperInts ints{std::vector<uint8_t>(16 * blocks), std::vector<uint8_t>(16 * blocks),
-                   std::vector<uint16_t>(16 * supers), std::vector<uint16_t>(16 * supers)};
+                   std::vector<uint16_t>(16 * supers), std::vector<uint16_t>(16 * supers),
+                   std::vector<int8_t>(kind->form == kHalves ? 16 * 2 * blocks : 0)};
     SuperBlock sb;
     for (int64_t t = begin; t < end; ++t) {
       for (int c = 0; c < 16; ++c) {
         const int64_t r = 16 * t + c, from = src ? src[r] : r;
         for (int64_t i = 0; i < supers; ++i) {
           const uint8_t* b = in + from * supers * block_bytes + i * block_bytes;
+          if (kind->form == kHalves) {
+            decode_q6_k_codes(b, sb, &ints.halves[c * 2 * blocks + 16 * i]);
+            std::memcpy(&u[c * k + 256 * i], sb.u, 256);
+            ints.d[c * supers + i] = sb.d;
+            continue;
+          }
           if (q6)
             decode_q6_k(b, sb);
           else if (q3)

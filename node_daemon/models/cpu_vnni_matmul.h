@@ -1,6 +1,8 @@
 // The AVX512-VNNI kernel of cpu_code_matmul.h (which says the math and the layout): VPDPWSSD multiplies two codes
 // by two int16 activations a lane and adds, 16 columns to a register, up to 8 rows a pass over a tile's codes.
-// 5-bit codes add their fifth bit from a 32-bit mask per half chunk (one masked add).
+// 5-bit codes add their fifth bit from a 32-bit mask per half chunk (one masked add); 6-bit ones (Q6_K's kHalves)
+// merge their high two bits from a plane of them (six_bit_lanes16), and sum each half of a block apart (its own
+// scale), then take the offset 32 off with the half's activation sum.
 // Included by cpu_code_matmul.h where the compiler targets AVX512-VNNI.
 //
 // int16 activations for a few rows, not llama.cpp's int8: int16's rounding (1/65534 of a block's largest value) does
@@ -21,6 +23,7 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
   const int64_t blocks = k / kQBlock;
   q.rows = rows, q.k = k;
   q.codes.resize(rows * k), q.scale.resize(rows * blocks), q.sum.resize(rows * blocks);
+  q.half_sum.resize(2 * rows * blocks);
   at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {  // block i of the flattened [rows, K]
       const __m512 lo = load_bf16x16(x + i * kQBlock), hi = load_bf16x16(x + i * kQBlock + 16);
@@ -31,6 +34,8 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
       int16_t* dst = q.codes.data() + i * kQBlock;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtsepi32_epi16(qlo));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), _mm512_cvtsepi32_epi16(qhi));
+      // the rounded codes' sums (no code saturates: |x| / amax * 32767 <= 32767)
+      q.half_sum[2 * i] = _mm512_reduce_add_epi32(qlo), q.half_sum[2 * i + 1] = _mm512_reduce_add_epi32(qhi);
       q.scale[i] = amax / 32767.f;
       q.sum[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     }
@@ -39,16 +44,16 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
 
 // The 16 columns' scales and zeros of the records along one tile's K, block by block: read from each record, or
 // made from a super-block's header (read at its first block and kept for its 8) and each block's integer scales
-// and mins (cpu_code_matmul.h's kSuper).
+// and mins (cpu_code_matmul.h's kSuper; kHalves: s and z the scales of a block's two halves).
 template <int BITS, int FORM>
 struct BlockAffine {
-  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();  // kSuper: the current super-block's header
+  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();  // grouped forms: the current super-block's header
   __m512 s, z;
 
   // Block b of the tile whose first record is `tile`, the blocks taken in order along K (a super-block's header
   // read at its first block).
   inline void at(const uint8_t* tile, int64_t b) {
-    if constexpr (FORM == kSuper) {
+    if constexpr (grouped(FORM)) {
       if (b % 8 == 0) {
         const __m256i* header = reinterpret_cast<const __m256i*>(tile + header_offset(BITS, b));
         d = _mm512_cvtph_ps(_mm256_loadu_si256(header)), dmin = _mm512_cvtph_ps(_mm256_loadu_si256(header + 1));
@@ -74,6 +79,18 @@ inline void fold_block(const BlockAffine<BITS, FORM>& a, const __m512i* dot, con
   }
 }
 
+// kHalves: each half's integer sums (of codes u - 32: the caller took 32 times the activations' sum off) under its
+// own scale, no zero.
+template <int BITS, int FORM, int R, typename Rows>
+inline void fold_halves(const BlockAffine<BITS, FORM>& a, const __m512i* first_half, const __m512i* last_half,
+                        const Rows& x, int64_t first, int64_t stride, __m512* acc) {
+  for (int r = 0; r < R; ++r) {
+    const __m512 xs = _mm512_set1_ps(x.scale[first + r * stride]);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first_half[r]), _mm512_mul_ps(a.s, xs), acc[r]);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(last_half[r]), _mm512_mul_ps(a.z, xs), acc[r]);
+  }
+}
+
 // One tile's 16 columns for rows r0 .. r0 + R - 1: out[r][c] (float32, 16 a row).
 // Each row's int32 sums of a block go to C accumulators in turn, summed before the fold: VPDPWSSD adds into its own
 // destination, so with one accumulator a row's 16 products of a block wait on each other (a chain of the
@@ -82,7 +99,8 @@ inline void fold_block(const BlockAffine<BITS, FORM>& a, const __m512i* dot, con
 template <int BITS, int FORM, int R>
 inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int64_t blocks, float* out) {
   constexpr int64_t block_bytes = record_bytes<BITS, FORM>();
-  constexpr int C = R == 1 ? 4 : R < 4 ? 2 : 1;
+  // kHalves keeps at least two: the low nibbles' sums (k < 16) on the even ones, the high nibbles' on the odd
+  constexpr int C = R == 1 ? 4 : R < 4 || BITS == 6 ? 2 : 1;
   const int64_t blocks_per_row = x.k / kQBlock;
   BlockAffine<BITS, FORM> affine;
   __m512 acc[R];
@@ -99,9 +117,17 @@ inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
     for (int r = 0; r < R; ++r) xq[r] = reinterpret_cast<const int32_t*>(x.codes.data() + (r0 + r) * x.k + b * kQBlock);
     if constexpr (BITS != 8) {
       const uint32_t* fifth = reinterpret_cast<const uint32_t*>(wb + 256);  // BITS 5: the codes' fifth bits
+      __m512i high = _mm512_setzero_si512();  // BITS 6: the chunk pair's plane of high bits
       for (int q = 0; q < 8; ++q) {
         const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * q)));
-        __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_srli_epi16(v, 4);
+        __m512i lo, hi;
+        if constexpr (BITS == 6) {
+          if (q % 2 == 0)
+            high = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256 + 16 * q)));
+          six_bit_lanes16(v, high, q, lo, hi);
+        } else {
+          lo = _mm512_and_si512(v, nibble), hi = _mm512_srli_epi16(v, 4);
+        }
         if constexpr (BITS == 5) {  // lane i's code gains 16 where bit i of its half's mask is set
           lo = _mm512_mask_add_epi16(lo, fifth[2 * q], lo, sixteen);
           hi = _mm512_mask_add_epi16(hi, fifth[2 * q + 1], hi, sixteen);
@@ -119,12 +145,24 @@ inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
         for (int r = 0; r < R; ++r) dot[r][q % C] = _mm512_dpwssd_epi32(dot[r][q % C], v, _mm512_set1_epi32(xq[r][q]));
       }
     }
+    affine.at(w, b);
+    if constexpr (BITS == 6) {
+      __m512i even[R], odd[R];
+      for (int r = 0; r < R; ++r) {  // exact in int32: sum (u - 32) x = sum u x - 32 sum x, a half at a time
+        const int32_t* half = x.half_sum.data() + 2 * ((r0 + r) * blocks_per_row + b);
+        even[r] = _mm512_sub_epi32(dot[r][0], _mm512_set1_epi32(32 * half[0]));
+        odd[r] = _mm512_sub_epi32(dot[r][1], _mm512_set1_epi32(32 * half[1]));
+        for (int c = 2; c < C; c += 2)
+          even[r] = _mm512_add_epi32(even[r], dot[r][c]), odd[r] = _mm512_add_epi32(odd[r], dot[r][c + 1]);
+      }
+      fold_halves<BITS, FORM, R>(affine, even, odd, x, r0 * blocks_per_row + b, blocks_per_row, acc);
+      continue;
+    }
     __m512i sums[R];
     for (int r = 0; r < R; ++r) {
       sums[r] = dot[r][0];
       for (int c = 1; c < C; ++c) sums[r] = _mm512_add_epi32(sums[r], dot[r][c]);
     }
-    affine.at(w, b);
     fold_block<BITS, FORM, R>(affine, sums, x, r0 * blocks_per_row + b, blocks_per_row, acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
@@ -139,6 +177,7 @@ inline void quantize_rows_int8(const uint16_t* x, int64_t rows, int64_t k, Quant
   const int64_t blocks = k / kQBlock;
   q.rows = rows, q.k = k;
   q.codes.resize(rows * k), q.scale.resize(rows * blocks), q.sum.resize(rows * blocks);
+  q.half_sum.resize(2 * rows * blocks);
   at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const __m512 lo = load_bf16x16(x + i * kQBlock), hi = load_bf16x16(x + i * kQBlock + 16);
@@ -153,7 +192,8 @@ inline void quantize_rows_int8(const uint16_t* x, int64_t rows, int64_t k, Quant
       // the zero term multiplies the quantized activations' sum, not the exact one: sum_k (s u + z) x^ is then the
       // weights times the rounded activations, whose error follows the weights; with the exact sum, the codes'
       // offset (u averages 7.5 for 4-bit codes) times the rounding error would stay uncancelled (3x the error)
-      q.sum[i] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi))) * q.scale[i];
+      q.half_sum[2 * i] = _mm512_reduce_add_epi32(qlo), q.half_sum[2 * i + 1] = _mm512_reduce_add_epi32(qhi);
+      q.sum[i] = static_cast<float>(q.half_sum[2 * i] + q.half_sum[2 * i + 1]) * q.scale[i];
     }
   });
 }
@@ -184,7 +224,35 @@ inline void vnni8_tile(const uint8_t* w, const QuantizedRows8& x, int64_t r0, in
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     const int32_t* xq[R];  // the rows' block as int8 quads
     for (int r = 0; r < R; ++r) xq[r] = reinterpret_cast<const int32_t*>(x.codes.data() + (r0 + r) * x.k + b * kQBlock);
-    if constexpr (BITS != 8) {
+    if constexpr (BITS == 6) {  // unsigned codes, each half summed apart; u - 32 by the half's activation sum
+      __m512i last[R];
+      for (int r = 0; r < R; ++r) last[r] = _mm512_setzero_si512();
+      constexpr int kOrMasked = 0xf8;  // ternary logic: a | (b & c)
+      const __m512i bits45 = _mm512_set1_epi8(0x30);
+      for (int m = 0; m < 4; ++m) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * m);
+        // the pair's plane of high bits for chunk 2m's bytes, then (shifted to the same bits) for chunk 2m + 1's
+        const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256 + 32 * m));
+        const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(plane), _mm256_srli_epi16(plane, 2), 1);
+        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(v, nibble), _mm512_slli_epi16(h, 4), bits45,
+                                                     kOrMasked);
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), h, bits45,
+                                                     kOrMasked);
+        const __m512i lo4 = _mm512_permutexvar_epi16(pairs, lo), hi4 = _mm512_permutexvar_epi16(pairs, hi);
+        for (int r = 0; r < R; ++r) {
+          dot[r] = _mm512_dpbusd_epi32(dot[r], lo4, _mm512_set1_epi32(xq[r][m]));
+          last[r] = _mm512_dpbusd_epi32(last[r], hi4, _mm512_set1_epi32(xq[r][m + 4]));
+        }
+      }
+      for (int r = 0; r < R; ++r) {  // exact in int32: sum (u - 32) x = sum u x - 32 sum x
+        const int32_t* half = x.half_sum.data() + 2 * ((r0 + r) * blocks_per_row + b);
+        dot[r] = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(32 * half[0]));
+        last[r] = _mm512_sub_epi32(last[r], _mm512_set1_epi32(32 * half[1]));
+      }
+      affine.at(w, b);
+      fold_halves<BITS, FORM, R>(affine, dot, last, x, r0 * blocks_per_row + b, blocks_per_row, acc);
+      continue;
+    } else if constexpr (BITS != 8) {
       for (int m = 0; m < 4; ++m) {
         const __m512i v = _mm512_loadu_si512(wb + 64 * m);
         __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);

@@ -292,8 +292,12 @@ def _log_int4(model: LlamaForCausalLM, reader, codes: dict[str, str]) -> None:
     kinds = sorted(set(codes.values()))
     others = sorted({t.tensor_type.name for t in reader.tensors if _hf_name(t.name, model.shape.family) not in codes
                      and len(t.shape) > 1})
+    six_bit = sum(w.tiles.is_halves for w in model.int4_weights()) if "Q6_K" in kinds else 0
     recoded_kinds = [kind for kind in ("Q2_K", "Q6_K") if kind in kinds]
     recoded = f"; {' and '.join(recoded_kinds)} re-coded to 8-bit codes per 32 weights" if recoded_kinds else ""
+    if six_bit:  # the AVX512-VNNI tier: re-coded only where a Q6_K part joins another type's (a Q4_K_M's q/k/v)
+        recoded += f" ({six_bit} Q6_K matrices not: in their own 6-bit records)"
+
     log.info("served from their GGUF codes (%s); %d projections dense%s%s%s",
              ", ".join(kinds) or "none", len(dense), f" ({', '.join(dense[:4])}{', ...' if len(dense) > 4 else ''})"
              if dense else "", f"; dequantized types: {', '.join(others)}" if others else "", recoded)

@@ -72,7 +72,7 @@ def file_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> GgufBlocks
     decodes it)."""
     if qtype not in TILED_TYPES or rows % 16 or cols % kquant_codes.QK_K:
         return None
-    if qtype not in kquant_tiles.SUPER_TYPES and compiled_tiler() is None:
+    if kquant_tiles.own_bits({qtype}) is None and compiled_tiler() is None:
         return None
     return GgufBlocks(np.asarray(raw).reshape(rows, -1), qtype, cols)
 
@@ -80,22 +80,23 @@ def file_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> GgufBlocks
 def tiles_of_parts(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCodes | None:
     """One matrix's tiles from its row parts (q, k, v or gate, up; one part for the rest) by the compiled library:
     super-block records where every part is Q4_K or Q5_K (4-bit codes where all are Q4_K, else 5: kquant_tiles.py,
-    which makes the same bytes without the library); else 8-bit codes (some part Q2_K, Q3_K or Q6_K) with zeros
+    which makes the same bytes without the library), 6-bit ones where every part is Q6_K and the tier runs them;
+    else 8-bit codes (some part Q2_K, Q3_K or Q6_K) with zeros
     unless every part is Q3_K or Q6_K (and then too where a block's float16 scale cannot give its zero), as
     TiledCodes.from_codes lays the decoded codes out. None unless the parts cover the rows in whole tiles and,
     but for super-block records, the library is built."""
     tiler = compiled_tiler()
     types = {part.qtype for _, part in parts}
-    super_bits = kquant_tiles.super_bits(types)
-    if super_bits is not None and tiler is None:
+    own_bits = kquant_tiles.own_bits(types)
+    if own_bits is not None and tiler is None:
         return kquant_tiles.super_tiles(parts, rows)
     ordered = kquant_tiles.in_whole_tiles(parts, rows)
     if tiler is None or ordered is None:
         return None
-    bits = super_bits or (8 if types & EIGHT_BIT_TYPES else 5)
+    bits = own_bits or (8 if types & EIGHT_BIT_TYPES else 5)
     groups = ordered[0][1].cols // 32
-    for zeros in ([False, True] if types <= SYMMETRIC_TYPES else [True]):
-        record = kquant_tiles.super_record_bytes(bits) if super_bits else bits * 64 + (64 if zeros else 32)
+    for zeros in ([False] if own_bits else [False, True] if types <= SYMMETRIC_TYPES else [True]):
+        record = kquant_tiles.super_record_bytes(bits) if own_bits else bits * 64 + (64 if zeros else 32)
         out = torch.empty(rows // 16, groups, record, dtype=torch.uint8)
         written = True
         for rows_slice, part in ordered:

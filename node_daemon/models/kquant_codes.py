@@ -33,8 +33,10 @@ within s/2 = a 510th of the block's range (Q2_K's own step is a third of a half'
 These planes are the Python path's codes. Where they are laid out in the compiled kernel's per-32 records
 (quantized.TiledCodes.from_codes) scale and zero are float16: d*sc has up to 17 significant bits, so there K-quant
 scales and zeros are rounded to float16 (a half ulp, 2^-11, of each: under 1% of a 4-bit step). A matrix whose parts
-are all Q4_K or Q5_K does not take that path when it is loaded from a file: kquant_tiles.py keeps the file's
-integers (super-block records), and the kernel makes d*sc and dmin*m exactly.
+are all Q4_K or Q5_K (or, on a tier with AVX512-VNNI, all Q6_K) does not take that path when it is loaded from a
+file: kquant_tiles.py keeps the file's integers (super-block and 6-bit records), and the kernel makes d*sc and
+dmin*m exactly. Q6_K's re-coding here serves the other tiers and a Q6_K part beside another type (a Q4_K_M's v
+beside Q4_K q and k).
 """
 from __future__ import annotations
 
@@ -63,11 +65,19 @@ def decode(raw: np.ndarray, qtype: str, rows: int, cols: int) -> tuple[np.ndarra
         part = blocks[start:start + chunk_rows]
         n = part.shape[0]
         c, s, z = decode_chunk(part.reshape(-1, BLOCK_BYTES[qtype]))
-        # c: [n * supers, planes, 256]; s, z: [n * supers, planes, 8] -> planes side by side along K
-        codes[start:start + n] = c.reshape(n, -1, planes, QK_K).transpose(0, 2, 1, 3).reshape(n, -1)
-        scale[start:start + n] = s.reshape(n, -1, planes, 8).transpose(0, 2, 1, 3).reshape(n, -1)
-        zero[start:start + n] = z.reshape(n, -1, planes, 8).transpose(0, 2, 1, 3).reshape(n, -1)
+        codes[start:start + n], scale[start:start + n], zero[start:start + n] = as_block_codes(n, c, s, z)
     return codes, scale, zero, planes
+
+
+def as_block_codes(rows: int, c: np.ndarray, s: np.ndarray, z: np.ndarray) \
+        -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A decoder's per-super-block planes (c [rows * supers, planes, 256]; s, z [rows * supers, planes, 8]) as
+    BlockCodes' arrays: the planes side by side along K."""
+    planes = c.shape[1]
+    codes = c.reshape(rows, -1, planes, QK_K).transpose(0, 2, 1, 3).reshape(rows, -1)
+    scale = s.reshape(rows, -1, planes, 8).transpose(0, 2, 1, 3).reshape(rows, -1)
+    zero = z.reshape(rows, -1, planes, 8).transpose(0, 2, 1, 3).reshape(rows, -1)
+    return codes, scale, zero
 
 
 def _f16(two_bytes: np.ndarray) -> np.ndarray:
@@ -114,13 +124,24 @@ def _unsigned_as_planes(lo, hi, s, z):
     return codes, np.stack([s, 16.0 * s], axis=1), np.stack([z + 8.0 * s, 128.0 * s], axis=1)
 
 
-def _q6_k(blocks: np.ndarray):
+def q6_k_integers(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K blocks [n, 210] -> (q [n, 256] int32 in -32..31, sc [n, 16] int32 (one per 16 weights), d [n]
+    float32): w = d * sc * q."""
     n = blocks.shape[0]
     ql = blocks[:, 0:128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
     qh = blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
     q = ((ql & 15).reshape(n, QK_K) | ((qh & 3).reshape(n, QK_K) << 4)).astype(np.int32) - 32
-    sc = blocks[:, 192:208].view(np.int8).astype(np.int32)  # one per 16 weights
-    d = _f16(blocks[:, 208:210])
+    return q, blocks[:, 192:208].view(np.int8).astype(np.int32), _f16(blocks[:, 208:210])
+
+
+def _q6_k(blocks: np.ndarray):
+    return recode_q6_k(*q6_k_integers(blocks))
+
+
+def recode_q6_k(q: np.ndarray, sc: np.ndarray, d: np.ndarray):
+    """Q6_K's integers (q6_k_integers) re-coded to an 8-bit code per 32 weights (the module's docstring says how):
+    (codes [n, 2, 256], scale and zero [n, 2, 8]), two planes."""
+    n = q.shape[0]
     p = (q.reshape(n, 16, 16) * sc[:, :, None]).reshape(n, 8, 32).astype(np.float32)  # w = d * p, |p| <= 4096
     pairs = sc.reshape(n, 8, 2)
     a, b = np.abs(pairs[..., 0]), np.abs(pairs[..., 1])

@@ -5,6 +5,12 @@ lines), then their integers, then the header. A weight is then (d * sc) * q - dm
 holds it, in 4.625 bits (Q4_K; 5.625 for Q5_K) where float16 scales and zeros per 32 weights took 5 (6) and were
 rounded (the file: 4.5 and 5.5 bits).
 
+Q6_K matrices take 6-bit records of the same grouping (cpu_code_matmul.h's kHalves) where the tier's kernel runs
+them (six_bit_records): the file's codes u = q + 32, its int8 scale of each 16 weights, each super-block's float16 d;
+a weight is (d * sc) * q exactly as gguf computes it, in 6.625 bits (the file: 6.5625) where the 8-bit re-coding
+took 8.5. AVX2 would make each 6-bit code from its bit masks in several instructions at every product; that tier
+keeps the re-coding.
+
 These are made in numpy here (the reference, and the path while the compiled library is not built) and by the
 compiled tiler (models/cpu_gguf_tiles.h) from the same bytes; tests/test_gguf_tiles.py holds the two equal.
 """
@@ -21,9 +27,19 @@ from stallfree.node_daemon.models.quantized import SUPER_AFFINE_BYTES, TiledCode
 SUPER_TYPES = ("Q4_K", "Q5_K")
 
 
-def super_bits(qtypes: set[str]) -> int | None:
-    """The code bits of a matrix whose parts have these types, where they take super-block records (4: every part
-    Q4_K; 5: Q5_K among them); None for any other type."""
+def six_bit_records() -> bool:
+    """Whether Q6_K matrices take their own 6-bit records here: the AVX512-VNNI kernel runs them."""
+    from stallfree.node_daemon.models.cpu_tier import cpu_tier
+
+    return cpu_tier().vnni
+
+
+def own_bits(qtypes: set[str]) -> int | None:
+    """The code bits of a matrix whose parts have these types, where they keep the file's integers (4: every part
+    Q4_K; 5: Q5_K among them, super-block records; 6: every part Q6_K, on a tier that runs 6-bit records); None
+    for any other type."""
+    if qtypes == {"Q6_K"}:
+        return 6 if six_bit_records() else None
     if not qtypes or not qtypes <= set(SUPER_TYPES):
         return None
     return 4 if qtypes == {"Q4_K"} else 5
@@ -63,14 +79,17 @@ def in_whole_tiles(parts: list, rows: int) -> list | None:
 
 
 def super_tiles(parts: list, rows: int) -> TiledCodes | None:
-    """One matrix's super-block records from its row parts (models/gguf_tiles.py GgufBlocks: q, k, v or gate, up;
-    one part for the rest, each part's rows in its `order`). None unless every part is Q4_K or Q5_K and the parts
-    cover the rows in whole tiles of 16."""
-    bits = super_bits({part.qtype for _, part in parts})
+    """One matrix's records of the file's integers from its row parts (models/gguf_tiles.py GgufBlocks: q, k, v or
+    gate, up; one part for the rest, each part's rows in its `order`): super-block records where every part is Q4_K
+    or Q5_K, 6-bit ones where every part is Q6_K (own_bits). None for other types or unless the parts cover the rows
+    in whole tiles of 16."""
+    bits = own_bits({part.qtype for _, part in parts})
     ordered = in_whole_tiles(parts, rows)
     if bits is None or ordered is None:
         return None
     cols = ordered[0][1].cols
+    if bits == 6:
+        return halves_tiles(ordered, rows, cols)
     joined = [file_integers(part.raw, part.qtype, part.rows, cols) for _, part in ordered]
     joined = [[a if part.order is None else a[part.order] for a in arrays]
               for (_, part), arrays in zip(ordered, joined)]
@@ -88,3 +107,28 @@ def super_tiles(parts: list, rows: int) -> TiledCodes | None:
     ints = torch.cat([per_tile(sc), per_tile(m)], dim=-1)  # [tile, block, 32]
     grouped = torch.cat([code_bytes.reshape(tiles, supers, -1), ints.reshape(tiles, supers, -1), header], dim=-1)
     return TiledCodes(grouped.reshape(tiles, groups, super_record_bytes(bits)).contiguous(), bits)
+
+
+def halves_tiles(ordered: list, rows: int, cols: int) -> TiledCodes:
+    """Q6_K parts (in row order, covering the rows in whole tiles: in_whole_tiles) as kHalves records, grouped as
+    super_tiles' (per super-block: 8 blocks' codes, their 8 x (16 first-half and 16 last-half int8 scales), a
+    header of 16 float16 d and 32 zero bytes)."""
+    joined = []
+    for _, part in ordered:
+        blocks = np.ascontiguousarray(part.raw).reshape(-1, kquant_codes.BLOCK_BYTES["Q6_K"])
+        q, sc, d = kquant_codes.q6_k_integers(blocks)
+        arrays = [(q + 32).astype(np.uint8).reshape(part.rows, cols), sc.astype(np.int8).reshape(part.rows, -1),
+                  d.astype(np.float16).view(np.uint16).reshape(part.rows, -1)]
+        joined.append([a if part.order is None else a[part.order] for a in arrays])
+    codes, sc, d = (np.concatenate(column) for column in zip(*joined))
+    tiles, groups, supers = rows // 16, cols // 32, cols // kquant_codes.QK_K
+    # [row, block, half] -> [tile, block, half, 16 columns]
+    scales = torch.from_numpy(sc.view(np.uint8)).reshape(tiles, 16, groups, 2).permute(0, 2, 3, 1) \
+        .reshape(tiles, groups, 32)
+    header = torch.from_numpy(d).reshape(tiles, 16, supers).transpose(1, 2).contiguous().view(torch.uint8)
+    header = torch.cat([header, torch.zeros(tiles, supers, 32, dtype=torch.uint8)], dim=-1)  # [tile, super, 64]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        code_bytes = tile_code_bytes(torch.from_numpy(codes), 6)  # [tile, block, 384]
+    grouped = torch.cat([code_bytes.reshape(tiles, supers, -1), scales.reshape(tiles, supers, -1), header], dim=-1)
+    return TiledCodes(grouped.reshape(tiles, groups, super_record_bytes(6)).contiguous(), 6)

@@ -12,7 +12,7 @@ blocks map onto it exactly, up to the rounding of scale and zero to the activati
                                       the activations are repeated once along K ([x, x]) to meet both.
 
 The K-quants (Q3_K, Q4_K, Q5_K exactly; Q6_K re-coded to 8-bit codes per 32 weights, within 1/8 of its own 6-bit
-step; Q2_K re-coded within a 510th of each 32 weights' range) map the same way (models/kquant_codes.py), and so do
+step, where it is not kept in its own 6-bit records; Q2_K re-coded within a 510th of each 32 weights' range) map the same way (models/kquant_codes.py), and so do
 Q5_0, Q5_1, IQ4_NL and IQ4_XS, exactly (models/small_block_codes.py). Other types (the IQ1-IQ3 types, TQ1_0, TQ2_0)
 have no such mapping here; their tensors are dequantized and the daemon names them at start-up, in /metrics and in
 the stats the operator reads.
@@ -148,27 +148,35 @@ def decode_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> BlockCod
     return BlockCodes(codes, d, m + 8.0 * d, planes, qtype)
 
 
-# A kSuper record's bytes past its codes: 16 sc, 16 m, 8 of its super-block's header.
+# A grouped record's bytes past its codes: kSuper's 16 sc and 16 m, kHalves' 32 int8 scales; 8 of its
+# super-block's header (64 bytes a super-block).
 SUPER_AFFINE_BYTES = 40
 
 
 def tile_code_bytes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unsigned codes [N, K] uint8 (0..15, 0..31 or 0..255) as the records' code bytes [N / 16, K / 32, bits * 64]:
-    chunks of 16 columns' pairs of k (4-bit: pair q in the low nibbles, q + 8 in the high ones; 5-bit: then a
-    32-bit mask of pair q's fifth bits and one of pair q + 8's per chunk, bit 2c + j)."""
+    """Unsigned codes [N, K] uint8 (0..15, 0..31, 0..63 or 0..255) as the records' code bytes [N / 16, K / 32,
+    bits * 64]: chunks of 16 columns' pairs of k (4-bit: pair q in the low nibbles, q + 8 in the high ones; 5-bit:
+    then a 32-bit mask of pair q's fifth bits and one of pair q + 8's per chunk, bit 2c + j; 6-bit: then per pair of
+    chunks 2m, 2m + 1 32 bytes of their high two bits, byte i: chunk 2m's byte i's low nibble's in bits 0-1, chunk
+    2m + 1's in 2-3, their high nibbles' in 4-5 and 6-7)."""
     n, k = codes.shape
     groups = k // GROUP_SIZE
     # [tile, column, block, pair of k, k in pair] -> [tile, block, pair, column, k in pair]
     tiled = codes.reshape(n // 16, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
-    fifth = None
+    masks = []
     if bits == 5:
         bit_values = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
-        masks = ((tiled >> 4) & 1).reshape(n // 16, groups, 16, 4, 8).mul(bit_values).sum(-1, dtype=torch.uint8)
-        fifth = masks.reshape(n // 16, groups, 2, 8, 4).transpose(2, 3).reshape(n // 16, groups, 64)
+        mask = ((tiled >> 4) & 1).reshape(n // 16, groups, 16, 4, 8).mul(bit_values).sum(-1, dtype=torch.uint8)
+        masks.append(mask.reshape(n // 16, groups, 2, 8, 4).transpose(2, 3).reshape(n // 16, groups, 64))
+        tiled = tiled & 15
+    if bits == 6:
+        high = (tiled >> 4).reshape(n // 16, groups, 2, 4, 2, 32)  # [tile, block, lo|hi, m, chunk in pair, byte]
+        plane = high[:, :, 0, :, 0] | (high[:, :, 0, :, 1] << 2) | (high[:, :, 1, :, 0] << 4) | (high[:, :, 1, :, 1] << 6)
+        masks.append(plane.reshape(n // 16, groups, 128))
         tiled = tiled & 15
     if bits != 8:
         tiled = tiled[:, :, :8] | (tiled[:, :, 8:] << 4)
-    parts = [tiled.reshape(n // 16, groups, -1)] + ([fifth] if fifth is not None else [])
+    parts = [tiled.reshape(n // 16, groups, -1)] + masks
     return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
 
@@ -178,11 +186,12 @@ class TiledCodes:
     (4 bits; two planes joined: 5 bits where the high plane is one bit, as Q5_0's, else 8), value = scale * code +
     zero per 32-weight block (zero = -2^(bits-1) scale, not stored, for symmetric types), scale and zero
     float16 (GGUF's own precision), 16 output rows to a tile, and per tile and block one record: the codes, then
-    the 16 rows' scales, then their zeros. Q4_K and Q5_K matrices keep their own integers instead (is_super:
-    models/kquant_tiles.py)."""
+    the 16 rows' scales, then their zeros. Q4_K, Q5_K and Q6_K matrices keep their own integers instead (is_super,
+    is_halves: models/kquant_tiles.py)."""
 
     # uint8 [N / 16, K / 32, bits * 64 + 64] (5 bits: 256 bytes of nibbles, 64 of fifth bits), or bits * 64 + 32
-    # where a symmetric type's zeros follow from its scales (has_zeros), or bits * 64 + 40 (is_super)
+    # where a symmetric type's zeros follow from its scales (has_zeros), or bits * 64 + 40 (is_super; 6 bits:
+    # is_halves)
     blocks: torch.Tensor
     bits: int
 
@@ -238,17 +247,23 @@ class TiledCodes:
     def is_super(self) -> bool:
         """Q4_K/Q5_K super-block records (cpu_code_matmul.h's kSuper): the file's integer sub-block scales and mins
         under each super-block's float16 d and dmin (models/kquant_tiles.py makes them)."""
-        return self.blocks.shape[2] == self.bits * 64 + SUPER_AFFINE_BYTES
+        return self.bits in (4, 5) and self.blocks.shape[2] == self.bits * 64 + SUPER_AFFINE_BYTES
+
+    @property
+    def is_halves(self) -> bool:
+        """Q6_K's own records (cpu_code_matmul.h's kHalves): 6-bit codes u = q + 32, an int8 scale per 16 weights
+        under each super-block's float16 d, grouped as is_super's (models/kquant_tiles.py makes them)."""
+        return self.bits == 6
 
     @property
     def nbytes(self) -> int:
         return self.blocks.numel()
 
-    def _codes_and_affine(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(unsigned codes [N, K] uint8, scale and zero [N, K / 32] float32): value = scale * code + zero."""
+    def _codes(self) -> torch.Tensor:
+        """The unsigned codes [N, K] uint8."""
         tiles, groups, _ = self.blocks.shape
-        code_bytes = self.bits * 64
-        records = self._super_parts()[0] if self.is_super else self.blocks  # [tile, block, codes ...]
+        grouped = self.is_super or self.is_halves
+        records = self._super_parts()[0] if grouped else self.blocks  # [tile, block, codes ...]
         raw = records[..., :512 if self.bits == 8 else 256].reshape(tiles, groups, -1, 16, 2)
         if self.bits != 8:
             raw = torch.cat([raw & 15, raw >> 4], dim=2)
@@ -256,7 +271,30 @@ class TiledCodes:
             masks = records[..., 256:320].reshape(tiles, groups, 8, 2, 4).transpose(2, 3).reshape(tiles, groups, 16, 4)
             bits = (masks[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
             raw = raw | (bits.reshape(tiles, groups, 16, 16, 2) << 4)
-        codes = raw.permute(0, 3, 1, 2, 4).reshape(tiles * 16, groups * GROUP_SIZE)
+        if self.bits == 6:  # per chunk pair m, byte i: bits 2 * (chunk in pair) + 4 * (high nibble) of each code
+            plane = records[..., 256:384].reshape(tiles, groups, 1, 4, 1, 32)
+            shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8).reshape(1, 1, 2, 1, 2, 1)
+            high = ((plane >> shifts) & 3).reshape(tiles, groups, 16, 16, 2)  # [.., lo|hi, m, chunk in pair, byte]
+            raw = raw | (high << 4)
+        return raw.permute(0, 3, 1, 2, 4).reshape(tiles * 16, groups * GROUP_SIZE)
+
+    def _halves(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """kHalves records' (signed codes q = u - 32 [N, K] int32, int8 scales [N, K / 16] int32, d [N, K / 256]
+        float32): w = (d * sc) * q."""
+        tiles, groups, _ = self.blocks.shape
+        _, ints, header = self._super_parts()  # ints: [tile, block, 16 first-half scales | 16 last-half]
+        scales = ints.contiguous().view(torch.int8).reshape(tiles, groups, 2, 16).permute(0, 3, 1, 2)
+        d = header[..., :16].float().transpose(1, 2).reshape(tiles * 16, groups // 8)
+        return self._codes().int() - 32, scales.reshape(tiles * 16, groups * 2).int(), d
+
+    def _codes_and_affine(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(unsigned codes [N, K] uint8, scale and zero [N, K / 32] float32): value = scale * code + zero. Not for
+        kHalves records (two scales a block: _halves)."""
+        if self.is_halves:
+            raise ValueError("6-bit records hold two scales a block: _halves")
+        tiles, groups, _ = self.blocks.shape
+        code_bytes = self.bits * 64
+        codes = self._codes()
 
         def affine(at: int) -> torch.Tensor:
             return (self.blocks[..., at:at + 32].contiguous().view(torch.float16).float().transpose(1, 2)
@@ -270,9 +308,9 @@ class TiledCodes:
         return codes, scale, zero
 
     def _super_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """kSuper records' three parts, each super-block's 8 records grouped as codes, integers, header:
-        (codes [tile, block, bits * 64] uint8, sc | m [tile, block, 32] uint8, d | dmin [tile, super-block, 32]
-        float16)."""
+        """Grouped records' three parts, each super-block's 8 records as codes, integers, header: (codes [tile,
+        block, bits * 64] uint8, sc | m (kHalves: two int8 scales) [tile, block, 32] uint8, d | dmin (kHalves: d,
+        then zeros) [tile, super-block, 32] float16)."""
         tiles, groups, record = self.blocks.shape
         code_bytes = self.bits * 64
         grouped = self.blocks.reshape(tiles, groups // 8, 8 * record)
@@ -293,7 +331,16 @@ class TiledCodes:
 
     def to_block_codes(self) -> BlockCodes:
         """The same weights as BlockCodes (one plane of 4-bit codes, or two for 8-bit ones): what torch's int4
-        pack is made from."""
+        pack is made from. kHalves records are re-coded to 8 bits per 32 weights as the Python path decodes Q6_K
+        (kquant_codes.recode_q6_k)."""
+        if self.is_halves:
+            from stallfree.node_daemon.models import kquant_codes
+
+            q, sc, d = (t.numpy() for t in self._halves())
+            n = q.shape[0]
+            planes, scale, zero = kquant_codes.recode_q6_k(q.reshape(-1, 256), sc.reshape(-1, 16),
+                                                          d.reshape(-1).astype(np.float32))
+            return BlockCodes(*kquant_codes.as_block_codes(n, planes, scale, zero), 2, "tiles")
         codes, scale, zero = (t.numpy() for t in self._codes_and_affine())
         if self.bits == 4:  # (u - 8) s + (z + 8s) = s u + z
             return BlockCodes(np.ascontiguousarray(codes), scale, zero + 8.0 * scale, 1, "tiles")
@@ -310,13 +357,20 @@ class TiledCodes:
         """float32 [len(ids), K]: the rows of these ids (an embedding lookup in its codes; the compiled forward's
         code_rows computes the same values)."""
         ids = ids.reshape(-1).long()
-        codes, scale, zero = TiledCodes(self.blocks.index_select(0, ids // 16), self.bits)._codes_and_affine()
         pick = torch.arange(ids.numel()) * 16 + ids % 16
+        if self.is_halves:
+            return TiledCodes(self.blocks.index_select(0, ids // 16), self.bits).dequantize()[pick]
+        codes, scale, zero = TiledCodes(self.blocks.index_select(0, ids // 16), self.bits)._codes_and_affine()
         values = codes[pick].view(ids.numel(), -1, GROUP_SIZE).float() * scale[pick][..., None] + zero[pick][..., None]
         return values.view(ids.numel(), -1)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: what the kernel multiplies by (tests)."""
+        if self.is_halves:  # (d * sc) * q, as gguf computes Q6_K
+            q, sc, d = self._halves()
+            n = q.shape[0]
+            scale = d.repeat_interleave(16, dim=1) * sc.float()  # [N, K / 16]
+            return (scale[..., None] * q.view(n, -1, 16).float()).reshape(n, -1)
         codes, scale, zero = self._codes_and_affine()
         n = codes.shape[0]
         values = codes.view(n, -1, GROUP_SIZE).float() * scale[..., None] + zero[..., None]
