@@ -115,3 +115,26 @@ def test_what_the_load_left_unreachable_is_collected_in_the_first_quiet_spell(mo
         while refs[0]() is not None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert refs[0]() is None
+
+
+def test_the_grammar_vocabulary_is_built_after_ready_in_the_first_quiet_spell(monkeypatch) -> None:
+    """The structured-output library's view of the vocabulary holds the GIL while it builds (0.14-0.2 s for a 49k
+    vocabulary): never on the way to ready, once the engine is first quiet."""
+    import time
+
+    from stallfree.node_daemon.engine import async_engine
+    from server_helpers import running_daemon
+
+    monkeypatch.setattr(async_engine, "IDLE_TASK_QUIET_S", 600.0)  # no quiet spell yet, however slow the machine
+    with running_daemon(["--no-profile"]) as live:
+        deadline = time.monotonic() + 60
+        while not live.daemon.startup.serving and time.monotonic() < deadline:
+            time.sleep(0.05)
+        compiler = live.daemon.startup.serving.structured.compiler
+        assert compiler is not None and not compiler.has_vocabulary  # ready without it
+        monkeypatch.setattr(async_engine, "IDLE_TASK_QUIET_S", 0.2)
+        live.daemon.engine.when_quiet(lambda: None)  # wakes the engine loop, which sees the shorter spell
+        deadline = time.monotonic() + 30
+        while not compiler.has_vocabulary and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert compiler.has_vocabulary
