@@ -72,3 +72,35 @@ def test_an_unreadable_cache_file_is_decoded_again_and_rewritten(tmp_path, monke
     target.write_bytes(b"not a safetensors file")
     model = _load()
     assert model.tied_lm_head_int4 is not None and target.stat().st_size > 1 << 20  # rewritten whole
+
+
+def test_a_write_keeps_the_most_recently_used_files_of_its_model_and_removes_the_rest(tmp_path):
+    """Each upgrade, tier or dtype is a new key: without pruning the folder grew by a model's size at each (40 GB on
+    a development machine). A write keeps KEEP_PER_MODEL files of its GGUF name, the newest by last use, and leaves
+    other models' files alone; a name that merely starts the same is another model."""
+    import os
+
+    def cache(stem: str, digest: str, age_s: float):
+        path = tmp_path / f"{stem}-{digest * 20}.safetensors"
+        path.write_bytes(b"x")
+        os.utime(path, (path.stat().st_atime, path.stat().st_mtime - age_s))
+        return path
+
+    old = [cache("gemma-3-270m-q4_k_m", d, age) for d, age in zip("abcde", (50, 40, 30, 20, 10))]
+    other = cache("gemma-3-270m-q4_k_m-extra", "f", 100)  # another file name, however old
+    elsewhere = cache("SmolLM2-135M-Instruct.Q4_1", "0", 100)
+    kept = tmp_path / f"gemma-3-270m-q4_k_m-{'9' * 20}.safetensors"
+    assert weight_cache._write({"t": torch.zeros(1)}, {}, kept)  # writes, then prunes
+    assert {p for p in tmp_path.iterdir()} == {kept, old[3], old[4], other, elsewhere}  # the 3 least recently used gone
+    assert weight_cache.prune(kept) == []
+
+
+def test_loading_a_cache_file_marks_it_used(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv(weight_cache.ENV, str(tmp_path))
+    _load()  # writes the cache
+    (path,) = tmp_path.glob("*.safetensors")
+    os.utime(path, (0, 0))
+    _load()
+    assert path.stat().st_mtime > 0

@@ -8,8 +8,8 @@ rounded (the file: 4.5 and 5.5 bits).
 Q6_K matrices take 6-bit records of the same grouping (cpu_code_matmul.h's kHalves) where the tier's kernel runs
 them (six_bit_records): the file's codes u = q + 32, its int8 scale of each 16 weights, each super-block's float16 d;
 a weight is (d * sc) * q exactly as gguf computes it, in 6.625 bits (the file: 6.5625) where the 8-bit re-coding
-took 8.5. AVX2 would make each 6-bit code from its bit masks in several instructions at every product; that tier
-keeps the re-coding.
+took 8.5. The AVX2 kernel, whose one-row rate its int16 products already bound, does not run them (they would add
+instructions at every product: no ternary logic, half the lanes); that tier keeps the re-coding.
 
 These are made in numpy here (the reference, and the path while the compiled library is not built) and by the
 compiled tiler (models/cpu_gguf_tiles.h) from the same bytes; tests/test_gguf_tiles.py holds the two equal.

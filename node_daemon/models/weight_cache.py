@@ -8,9 +8,12 @@ dense weights released (a daemon) it holds the tiles and norms alone: about the 
 (path, size, mtime), the dtype, whether dense copies of the coded projections are kept, torch's version and CPU
 capability, the tier, FORMAT and the source of the modules that decide the tensors' values, so a change in any of
 them is a new file. $STALLFREE_WEIGHT_CACHE is the folder (0/off: no cache), else $XDG_CACHE_HOME/stallfree/weights.
+So that upgrades, tiers and dtypes (each a new key) never fill the disk, a write keeps KEEP_PER_MODEL files of that
+GGUF file name, the most recently used (a load marks its file used), and removes the rest.
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -37,6 +40,10 @@ FORMAT = 7  # 3: the code kernel's tiles on every tier (TiledCodes); 4: the tile
 _VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "kquant_codes.py", "kquant_tiles.py",
                   "small_block_codes.py", "llama.py", "gguf_tiles.py", "cpu_gguf_tiles.h")
 _TIED_HEAD = "tied_lm_head_int4"
+_DIGEST_CHARS = 20
+# Cache files kept per GGUF file name, the one just written among them (a daemon's native tier, a forced AVX2 tier
+# and one more); a process mapping a removed file keeps its pages (only the name goes).
+KEEP_PER_MODEL = 3
 
 
 def cache_folder() -> Path | None:
@@ -65,7 +72,7 @@ def cache_file(gguf_path: str, dtype: torch.dtype, dense: bool = True) -> Path |
     here = Path(__file__).parent
     for name in _VALUE_SOURCES:
         digest.update((here / name).read_bytes())
-    return root / f"{Path(gguf_path).stem}-{digest.hexdigest()[:20]}.safetensors"
+    return root / f"{Path(gguf_path).stem}-{digest.hexdigest()[:_DIGEST_CHARS]}.safetensors"
 
 
 def _int4_weights(model: "LlamaForCausalLM") -> dict[str, Int4Weight]:
@@ -119,7 +126,31 @@ def _write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Pat
         return False
     log.info("weight cache: wrote %s (%.0f MiB) in %.2f s", path, path.stat().st_size / 2**20,
              time.monotonic() - started)
+    prune(path)
     return True
+
+
+def prune(kept: Path) -> list[Path]:
+    """Remove the cache files of `kept`'s GGUF file name past the KEEP_PER_MODEL most recently used (`kept`
+    always stays); the files removed."""
+    stem = kept.name[:-len(f"-{'0' * _DIGEST_CHARS}.safetensors")]
+    pattern = f"{glob.escape(stem)}-{'?' * _DIGEST_CHARS}.safetensors"
+    try:
+        others = sorted((p for p in kept.parent.glob(pattern) if p != kept), key=lambda p: p.stat().st_mtime,
+                        reverse=True)
+    except OSError:  # a file removed while listed (another process pruning)
+        return []
+    removed = []
+    for old in others[KEEP_PER_MODEL - 1:]:
+        try:
+            old.unlink()
+            removed.append(old)
+        except OSError:
+            pass
+    if removed:
+        log.info("weight cache: removed %d older file(s) of %s (kept the %d most recently used)", len(removed), stem,
+                 KEEP_PER_MODEL)
+    return removed
 
 
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8,
@@ -196,4 +227,8 @@ def load(model: "LlamaForCausalLM", path: Path) -> bool:
         model.release_coded_dense_weights()
     if embed_from_codes:
         model.release_dense_embedding()
+    try:
+        os.utime(path)  # used: the last to be pruned
+    except OSError:
+        pass
     return True
