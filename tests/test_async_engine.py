@@ -451,3 +451,41 @@ async def test_an_internal_fault_adding_a_request_is_logged_and_not_a_validation
         await collect(client, "bad", [10 ** 9])
     assert not caplog.records
     assert tokens_of(await collect(client, "c", PROMPTS["c"])) == reference["c"]
+
+
+def test_a_slow_readers_merged_update_keeps_every_field() -> None:
+    """A reader that falls behind gets queued updates merged: the new tokens, text and logprobs of both, and the
+    later update's counts, every one of them (the speculation counts were once dropped, so a loaded server's usage
+    lost its speculation field). Every field of RequestOutput is checked, so a new one cannot be dropped silently."""
+    import dataclasses
+
+    from stallfree.node_daemon.engine.async_engine import _merge
+    from stallfree.node_daemon.engine.engine_protocol import TokenLogprob
+
+    concatenated = {"new_token_ids", "text", "logprobs"}
+
+    def update(seed: int, finished: bool) -> RequestOutput:
+        values = {}
+        for field in dataclasses.fields(RequestOutput):
+            if field.name == "request_id":
+                values[field.name] = "r"
+            elif field.name == "new_token_ids":
+                values[field.name] = [seed, seed + 1]
+            elif field.name == "logprobs":
+                values[field.name] = [TokenLogprob(seed, "t", -0.5, [])]
+            elif field.name == "finished":
+                values[field.name] = finished
+            elif field.type in ("str", "str | None"):
+                values[field.name] = f"{field.name}-{seed}"
+            else:
+                values[field.name] = seed * 100 + len(field.name)
+        return RequestOutput(**values)
+
+    a, b = update(1, False), update(2, True)
+    merged = _merge(a, b)
+    for field in dataclasses.fields(RequestOutput):
+        got, first, later = (getattr(o, field.name) for o in (merged, a, b))
+        if field.name in concatenated:
+            assert got == first + later, field.name
+        else:
+            assert got == later, field.name

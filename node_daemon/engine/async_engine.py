@@ -411,7 +411,9 @@ def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
 
 
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """Two queued updates of one request as one (a slow reader gets fewer, larger updates)."""
+    """Two queued updates of one request as one (a slow reader gets fewer, larger updates): the new tokens, text and
+    logprobs of both, the later one's counts (every count is the request's so far)."""
     return RequestOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.text + b.text, b.finished,
                          b.finish_reason, b.num_prompt_tokens, b.num_output_tokens, b.num_cached_tokens, b.error,
-                         a.logprobs + b.logprobs if a.logprobs and b.logprobs else a.logprobs or b.logprobs)
+                         a.logprobs + b.logprobs if a.logprobs and b.logprobs else a.logprobs or b.logprobs,
+                         num_drafted_tokens=b.num_drafted_tokens, num_accepted_tokens=b.num_accepted_tokens)
