@@ -74,9 +74,7 @@ inline void dequantize_record(const uint8_t* tile, int64_t b, uint16_t* o, int64
         lo = _mm512_mask_add_epi16(lo, fifth[0], lo, sixteen);
         hi = _mm512_mask_add_epi16(hi, fifth[1], hi, sixteen);
       }
-      if constexpr (BITS == 6)
-        six_bit_lanes16(v, _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256 + 32 * (q / 2)))),
-                        q, lo, hi);
+      if constexpr (BITS == 6) six_bit_lanes16(v, high_bits16(wb + 256 + 32 * (q / 2)), q, lo, hi);
       two_rows(lo, 2 * q);
       two_rows(hi, 2 * q + 16);
     }

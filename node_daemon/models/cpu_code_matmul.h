@@ -237,15 +237,24 @@ inline void affine16(const uint8_t* affine, __m512 d, __m512 dmin, __m512& s, __
   }
 }
 
+// kHalves: a 4-bit code in each byte of `low` with the high two bits that `high` holds at bits 4-5 of the same byte
+// (one ternary-logic op: low | (high & 0x30)). Bytes or int16 lanes alike: only bits 4-5 of each byte are taken.
+inline __m512i with_high_bits(__m512i low, __m512i high) {
+  constexpr int kOrMasked = 0xf8;  // a | (b & c)
+  return _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(0x30), kOrMasked);
+}
+
 // kHalves: chunk q's 6-bit codes as int16 lanes from its bytes v (16-bit lanes, one byte each) and its pair's plane
 // of high bits h (the same lanes): the low nibbles' codes (k = 2q, 2q + 1) in lo, the high nibbles' in hi.
 inline void six_bit_lanes16(__m512i v, __m512i h, int q, __m512i& lo, __m512i& hi) {
-  constexpr int kOrMasked = 0xf8;  // ternary logic: a | (b & c)
-  const __m512i bits45 = _mm512_set1_epi16(0x30);
   if (q % 2) h = _mm512_srli_epi16(h, 2);  // chunk 2m + 1's bits to where chunk 2m's are
-  lo = _mm512_ternarylogic_epi32(_mm512_and_si512(v, _mm512_set1_epi16(0x0f)), _mm512_slli_epi16(h, 4), bits45,
-                                 kOrMasked);
-  hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), h, bits45, kOrMasked);
+  lo = with_high_bits(_mm512_and_si512(v, _mm512_set1_epi16(0x0f)), _mm512_slli_epi16(h, 4));
+  hi = with_high_bits(_mm512_srli_epi16(v, 4), h);
+}
+
+// kHalves: a chunk pair's plane of high bits (32 bytes at `plane`) as int16 lanes, one byte each.
+inline __m512i high_bits16(const uint8_t* plane) {
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane)));
 }
 #endif
 
@@ -617,7 +626,8 @@ at::Tensor code_rows(const at::Tensor& blocks_t, const at::Tensor& ids_t) {
         const uint8_t* tile = w + t * blocks * rec;
         const uint8_t* rb = tile + codes_offset(bits, form, b);
         const int col = static_cast<int>(c);
-        const Affine halves[2] = {record_affine(tile, bits, form, col, b, 0), record_affine(tile, bits, form, col, b, 1)};
+        const Affine halves[2] = {record_affine(tile, bits, form, col, b, 0),
+                                  record_affine(tile, bits, form, col, b, 1)};
         uint16_t* dst = o + i * k + b * kQBlock;
         for (int p = 0; p < 16; ++p) {  // k = 2p + j
           const Affine& a = halves[p >= 8 && form == kHalves];

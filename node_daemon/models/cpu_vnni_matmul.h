@@ -79,15 +79,20 @@ inline void fold_block(const BlockAffine<BITS, FORM>& a, const __m512i* dot, con
   }
 }
 
-// kHalves: each half's integer sums (of codes u - 32: the caller took 32 times the activations' sum off) under its
-// own scale, no zero.
+// kHalves: each half's integer sums of unsigned codes u, the offset 32 taken off with the half's activation sum
+// (exact in int32: sum (u - 32) x = sum u x - 32 sum x), then under the half's own scale, no zero. Both activation
+// forms keep each block's half sums (half_sum).
 template <int BITS, int FORM, int R, typename Rows>
 inline void fold_halves(const BlockAffine<BITS, FORM>& a, const __m512i* first_half, const __m512i* last_half,
                         const Rows& x, int64_t first, int64_t stride, __m512* acc) {
   for (int r = 0; r < R; ++r) {
-    const __m512 xs = _mm512_set1_ps(x.scale[first + r * stride]);
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first_half[r]), _mm512_mul_ps(a.s, xs), acc[r]);
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(last_half[r]), _mm512_mul_ps(a.z, xs), acc[r]);
+    const int64_t i = first + r * stride;
+    const int32_t* half = x.half_sum.data() + 2 * i;
+    const __m512 xs = _mm512_set1_ps(x.scale[i]);
+    const __m512i lo = _mm512_sub_epi32(first_half[r], _mm512_set1_epi32(32 * half[0]));
+    const __m512i hi = _mm512_sub_epi32(last_half[r], _mm512_set1_epi32(32 * half[1]));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(a.s, xs), acc[r]);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(a.z, xs), acc[r]);
   }
 }
 
@@ -122,8 +127,7 @@ inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
         const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * q)));
         __m512i lo, hi;
         if constexpr (BITS == 6) {
-          if (q % 2 == 0)
-            high = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256 + 16 * q)));
+          if (q % 2 == 0) high = high_bits16(wb + 256 + 16 * q);
           six_bit_lanes16(v, high, q, lo, hi);
         } else {
           lo = _mm512_and_si512(v, nibble), hi = _mm512_srli_epi16(v, 4);
@@ -148,10 +152,8 @@ inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
     affine.at(w, b);
     if constexpr (BITS == 6) {
       __m512i even[R], odd[R];
-      for (int r = 0; r < R; ++r) {  // exact in int32: sum (u - 32) x = sum u x - 32 sum x, a half at a time
-        const int32_t* half = x.half_sum.data() + 2 * ((r0 + r) * blocks_per_row + b);
-        even[r] = _mm512_sub_epi32(dot[r][0], _mm512_set1_epi32(32 * half[0]));
-        odd[r] = _mm512_sub_epi32(dot[r][1], _mm512_set1_epi32(32 * half[1]));
+      for (int r = 0; r < R; ++r) {
+        even[r] = dot[r][0], odd[r] = dot[r][1];
         for (int c = 2; c < C; c += 2)
           even[r] = _mm512_add_epi32(even[r], dot[r][c]), odd[r] = _mm512_add_epi32(odd[r], dot[r][c + 1]);
       }
@@ -227,27 +229,18 @@ inline void vnni8_tile(const uint8_t* w, const QuantizedRows8& x, int64_t r0, in
     if constexpr (BITS == 6) {  // unsigned codes, each half summed apart; u - 32 by the half's activation sum
       __m512i last[R];
       for (int r = 0; r < R; ++r) last[r] = _mm512_setzero_si512();
-      constexpr int kOrMasked = 0xf8;  // ternary logic: a | (b & c)
-      const __m512i bits45 = _mm512_set1_epi8(0x30);
       for (int m = 0; m < 4; ++m) {
         const __m512i v = _mm512_loadu_si512(wb + 64 * m);
         // the pair's plane of high bits for chunk 2m's bytes, then (shifted to the same bits) for chunk 2m + 1's
         const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256 + 32 * m));
         const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(plane), _mm256_srli_epi16(plane, 2), 1);
-        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(v, nibble), _mm512_slli_epi16(h, 4), bits45,
-                                                     kOrMasked);
-        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), h, bits45,
-                                                     kOrMasked);
+        const __m512i lo = with_high_bits(_mm512_and_si512(v, nibble), _mm512_slli_epi16(h, 4));
+        const __m512i hi = with_high_bits(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), h);
         const __m512i lo4 = _mm512_permutexvar_epi16(pairs, lo), hi4 = _mm512_permutexvar_epi16(pairs, hi);
         for (int r = 0; r < R; ++r) {
           dot[r] = _mm512_dpbusd_epi32(dot[r], lo4, _mm512_set1_epi32(xq[r][m]));
           last[r] = _mm512_dpbusd_epi32(last[r], hi4, _mm512_set1_epi32(xq[r][m + 4]));
         }
-      }
-      for (int r = 0; r < R; ++r) {  // exact in int32: sum (u - 32) x = sum u x - 32 sum x
-        const int32_t* half = x.half_sum.data() + 2 * ((r0 + r) * blocks_per_row + b);
-        dot[r] = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(32 * half[0]));
-        last[r] = _mm512_sub_epi32(last[r], _mm512_set1_epi32(32 * half[1]));
       }
       affine.at(w, b);
       fold_halves<BITS, FORM, R>(affine, dot, last, x, r0 * blocks_per_row + b, blocks_per_row, acc);

@@ -12,10 +12,10 @@ blocks map onto it exactly, up to the rounding of scale and zero to the activati
                                       the activations are repeated once along K ([x, x]) to meet both.
 
 The K-quants (Q3_K, Q4_K, Q5_K exactly; Q6_K re-coded to 8-bit codes per 32 weights, within 1/8 of its own 6-bit
-step, where it is not kept in its own 6-bit records; Q2_K re-coded within a 510th of each 32 weights' range) map the same way (models/kquant_codes.py), and so do
-Q5_0, Q5_1, IQ4_NL and IQ4_XS, exactly (models/small_block_codes.py). Other types (the IQ1-IQ3 types, TQ1_0, TQ2_0)
-have no such mapping here; their tensors are dequantized and the daemon names them at start-up, in /metrics and in
-the stats the operator reads.
+step, where it is not kept in its own 6-bit records; Q2_K re-coded within a 510th of each 32 weights' range) map the
+same way (models/kquant_codes.py), and so do Q5_0, Q5_1, IQ4_NL and IQ4_XS, exactly (models/small_block_codes.py).
+Other types (the IQ1-IQ3 types, TQ1_0, TQ2_0) have no such mapping here; their tensors are dequantized and the daemon
+names them at start-up, in /metrics and in the stats the operator reads.
 
 Every weight with codes also keeps them as TiledCodes, the layout of the compiled extension's code kernel
 (models/cpu_code_matmul.h): activations quantized to int16 per 32-wide block (int8 from INT8_MIN_ROWS rows where
@@ -171,7 +171,8 @@ def tile_code_bytes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         tiled = tiled & 15
     if bits == 6:
         high = (tiled >> 4).reshape(n // 16, groups, 2, 4, 2, 32)  # [tile, block, lo|hi, m, chunk in pair, byte]
-        plane = high[:, :, 0, :, 0] | (high[:, :, 0, :, 1] << 2) | (high[:, :, 1, :, 0] << 4) | (high[:, :, 1, :, 1] << 6)
+        plane = (high[:, :, 0, :, 0] | (high[:, :, 0, :, 1] << 2)
+                 | (high[:, :, 1, :, 0] << 4) | (high[:, :, 1, :, 1] << 6))
         masks.append(plane.reshape(n // 16, groups, 128))
         tiled = tiled & 15
     if bits != 8:
