@@ -263,32 +263,35 @@ def test_symmetric_types_keep_the_files_bytes(qtype, zeros):
     assert relative_error(_matmul("generic", weight, x, float_out=True), want) < FLOAT_OUT_TOLERANCE
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q3_K"])
 def test_records_of_the_files_integers_on_every_tier(tier, qtype):
     """Q4_K/Q5_K super-block records (the file's integer sub-block scales under each super-block's float16 d and
-    dmin) and Q6_K's 6-bit records (its codes, two int8 scales a block under d): the matmul of gguf's dequantized
-    weights within int16's rounding below the int8 limit and int8's above it, each row's sums its own whatever rows
-    pass beside it, and code_dequantize and code_rows give the weights rounded once to bfloat16, bit for bit. 6-bit
-    records run on AVX512-VNNI; the other tiers' kernels refuse them by name (their tilers never make them), and
-    look their rows up all the same."""
+    dmin) and Q6_K's 6-bit and Q3_K's 3-bit records (their codes, two int8 scales a block under d): the matmul of
+    gguf's dequantized weights within int16's rounding below the int8 limit and int8's above it, each row's sums its
+    own whatever rows pass beside it, and code_dequantize and code_rows give the weights rounded once to bfloat16,
+    bit for bit. 6- and 3-bit records run on AVX512-VNNI; the other tiers' kernels refuse them by name (their
+    tilers never make them), and look their rows up all the same."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     from stallfree.node_daemon.models.gguf_tiles import GgufBlocks
+    from stallfree.bench.gguf_blocks import random_blocks
     from stallfree.node_daemon.models.kquant_tiles import halves_tiles, super_tiles
     from test_kquants import _random_k_blocks
 
     ops = _dequantize_op(tier)
     rows, cols = 48, 512
-    raw = _random_k_blocks(qtype, rows, cols, seed=9)
+    raw = _random_k_blocks(qtype, rows, cols, seed=9) if qtype != "Q3_K" else \
+        random_blocks(qtype, rows, cols, np.random.default_rng(9))
     parts = [(slice(0, rows), GgufBlocks(raw, qtype, cols))]
-    weight = halves_tiles(parts, rows, cols) if qtype == "Q6_K" else super_tiles(parts, rows)
+    halves = qtype in ("Q6_K", "Q3_K")
+    weight = halves_tiles(parts, rows, cols) if halves else super_tiles(parts, rows)
     want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols)).double()
     np.testing.assert_array_equal(weight.dequantize().numpy(), want.float().numpy())
     ids = torch.tensor([0, 17, 47])
     torch.testing.assert_close(ops.code_rows(weight.blocks, ids), want[ids].bfloat16(), rtol=0, atol=0)
     x = torch.randn(21, cols, generator=torch.Generator().manual_seed(9)).bfloat16()
-    if qtype == "Q6_K" and not resolve_tier(tier).vnni:
+    if halves and not resolve_tier(tier).vnni:
         with pytest.raises(RuntimeError, match="AVX512-VNNI only"):
             ops.code_matmul(x, weight.blocks, weight.bits, True)
         return

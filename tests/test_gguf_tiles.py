@@ -1,6 +1,6 @@
 """GGUF K-quant blocks tiled by the compiled library at load (models/cpu_gguf_tiles.h, models/gguf_tiles.py): the
 same bytes as the Python path's decode (kquant_codes.py) and layout (TiledCodes.from_codes; Q4_K and Q5_K
-matrices, and Q6_K ones where the tier runs 6-bit records: records holding the file's integers, kquant_tiles.py,
+matrices, and Q6_K or Q3_K ones where the tier runs 6- and 3-bit records: records holding the file's integers, kquant_tiles.py,
 gguf's values exactly), for Q2_K .. Q6_K alone, for the fused projections of Q4_K_M, Q3_K_M and Q2_K files (Q4_K q/k beside a Q6_K or Q4_K v, Q3_K q/k beside
 a Q5_K or Q6_K v, in any order of arrival, q's rows unpermuted), for Q6_K blocks whose float16 scales cannot give their zeros (the layout then stores zeros, as the
 Python path does), and for a whole model loaded both ways; bad shapes and types are refused with a clear error.
@@ -28,7 +28,8 @@ def library():
 
 def _python_tiles(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCodes:
     """The numpy path's tiles: records of the file's integers where every part is Q4_K or Q5_K, or every part
-    Q6_K on a tier that runs them (kquant_tiles.py), else the decoded codes laid out by TiledCodes.from_codes."""
+    Q6_K (or every part Q3_K) on a tier that runs them (kquant_tiles.py), else the decoded codes laid out by
+    TiledCodes.from_codes."""
     if kquant_tiles.own_bits({p.qtype for _, p in parts}) is not None:
         tiles = kquant_tiles.super_tiles(parts, rows)
         assert tiles is not None and (tiles.is_super or tiles.is_halves)
@@ -45,7 +46,7 @@ def _assert_same_tiles(got: TiledCodes | None, want: TiledCodes) -> None:
     assert torch.equal(got.blocks, want.blocks)
 
 
-@pytest.mark.parametrize("qtype, bits", [("Q2_K", 8), ("Q3_K", 8), ("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 6)])
+@pytest.mark.parametrize("qtype, bits", [("Q2_K", 8), ("Q3_K", 3), ("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 6)])
 def test_one_k_quant_tensor_is_tiled_into_the_python_paths_bytes(qtype, bits):
     rows, cols = 48, 512
     raw = _random_k_blocks(qtype, rows, cols, seed=11) if qtype not in ("Q2_K", "Q3_K") else \
@@ -53,7 +54,7 @@ def test_one_k_quant_tensor_is_tiled_into_the_python_paths_bytes(qtype, bits):
     part = GgufBlocks(raw, qtype, cols)
     got = tiles_of_parts([(slice(0, rows), part)], rows)
     _assert_same_tiles(got, _python_tiles([(slice(0, rows), part)], rows))
-    assert got.bits == (8 if qtype == "Q6_K" and not kquant_tiles.six_bit_records() else bits)
+    assert got.bits == (8 if qtype in ("Q6_K", "Q3_K") and not kquant_tiles.halves_records() else bits)
 
 
 def _q6_k_beside_q3_k(d: float, seed: int) -> tuple[list[tuple[slice, GgufBlocks]], int]:
@@ -138,20 +139,24 @@ def test_the_library_refuses_bad_shapes_and_types_with_a_clear_error():
               torch.from_numpy(gguf_blocks.random_blocks("Q3_K", 16, 256, np.random.default_rng(21))), "Q3_K", none)
 
 
-@pytest.mark.parametrize("qtype, bits_a_weight", [("Q4_K", 4.625), ("Q5_K", 5.625), ("Q6_K", 6.625)])
+@pytest.mark.parametrize("qtype, bits_a_weight",
+                         [("Q4_K", 4.625), ("Q5_K", 5.625), ("Q6_K", 6.625), ("Q3_K", 4.5625)])
 def test_k_quant_matrices_keep_the_files_integers(qtype, bits_a_weight):
     """Super-block records hold the file's sub-block scales and mins and its float16 d and dmin, 6-bit records
-    Q6_K's codes, int8 scales and d: their weights are gguf's dequantized values exactly (no float16 rounding of
-    d * sc, no re-coding), a sixteenth to an eighth of a bit a weight over the file."""
+    Q6_K's codes, int8 scales and d, 3-bit ones Q3_K's: their weights are gguf's dequantized values exactly (no
+    float16 rounding of d * sc, no re-coding), a sixteenth to an eighth of a bit a weight over the file (Q3_K's
+    3-bit codes in 4-bit nibbles: 1.125 bits over its 3.4375, where its 8-bit codes took 8.5)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    if qtype == "Q6_K" and not kquant_tiles.six_bit_records():
-        pytest.skip("this tier keeps Q6_K's 8-bit re-coding (kquant_tiles.six_bit_records)")
+    halves = qtype in ("Q6_K", "Q3_K")
+    if halves and not kquant_tiles.halves_records():
+        pytest.skip(f"this tier keeps {qtype}'s 8-bit codes (kquant_tiles.halves_records)")
     rows, cols = 32, 768
-    raw = _random_k_blocks(qtype, rows, cols, seed=22)
+    raw = _random_k_blocks(qtype, rows, cols, seed=22) if qtype != "Q3_K" else \
+        gguf_blocks.random_blocks(qtype, rows, cols, np.random.default_rng(22))
     tiles = tiles_of_parts([(slice(0, rows), GgufBlocks(raw, qtype, cols))], rows)
-    assert tiles is not None and (tiles.is_halves if qtype == "Q6_K" else tiles.is_super) and not tiles.has_zeros
+    assert tiles is not None and (tiles.is_halves if halves else tiles.is_super) and not tiles.has_zeros
     want = dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols)
     np.testing.assert_array_equal(tiles.dequantize().numpy(), want)
     assert tiles.nbytes * 8 / (rows * cols) == bits_a_weight
@@ -182,5 +187,5 @@ def test_a_k_quant_model_loads_to_the_same_tiles_with_the_library_and_without(tm
     for name in tiled:
         _assert_same_tiles(tiled[name], decoded[name])
     assert sum(t.is_super for t in tiled.values()) >= 4  # gate/up and o of both layers, q/k/v of the first
-    if kquant_tiles.six_bit_records():
+    if kquant_tiles.halves_records():
         assert sum(t.is_halves for t in tiled.values()) >= 2  # the second layer's down and the tied embedding

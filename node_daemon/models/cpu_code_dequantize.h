@@ -30,7 +30,8 @@ inline void record_affine16(const uint8_t* tile, int64_t b, __m512& s, __m512& z
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
   if constexpr (grouped(FORM)) {
     const __m256i* header = reinterpret_cast<const __m256i*>(tile + header_offset(BITS, b));
-    d = _mm512_cvtph_ps(_mm256_loadu_si256(header)), dmin = _mm512_cvtph_ps(_mm256_loadu_si256(header + 1));
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(header));
+    if constexpr (FORM == kSuper) dmin = _mm512_cvtph_ps(_mm256_loadu_si256(header + 1));  // (3-bit kHalves: none)
   }
   affine16<BITS, FORM>(tile + affine_offset(BITS, FORM, b), d, dmin, s, z);
 }
@@ -46,11 +47,11 @@ inline void dequantize_record(const uint8_t* tile, int64_t b, uint16_t* o, int64
   const __m512i nibble = _mm512_set1_epi16(0x0f), sixteen = _mm512_set1_epi16(16);
   __m512 s, z;
   record_affine16<BITS, FORM>(tile, b, s, z);
-  // kHalves: w = s_half * u - 32 s_half (one rounding of an exact value: 18-bit scales, 6-bit codes)
+  // kHalves: w = s_half * u - 2^(BITS-1) s_half (one rounding of an exact value: 18-bit scales, 6-bit codes)
   __m512 scale[2] = {s, s}, zero[2] = {z, z};
   if constexpr (FORM == kHalves) {
-    const __m512 minus32 = _mm512_set1_ps(-32.0f);
-    scale[1] = z, zero[0] = _mm512_mul_ps(s, minus32), zero[1] = _mm512_mul_ps(z, minus32);
+    const __m512 minus_offset = _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1)));
+    scale[1] = z, zero[0] = _mm512_mul_ps(s, minus_offset), zero[1] = _mm512_mul_ps(z, minus_offset);
   }
   // codes u of k and k + 1 (32 lanes, column c's at 2c and 2c + 1) -> rows k, k + 1 of W^T
   const auto two_rows = [&](__m512i u, int64_t k) {

@@ -47,15 +47,22 @@ constexpr int64_t kPrefetchBytes = 4096;
 //               4-5 and 6-7, so that a shift and a masked merge make a code), each block's 16 int8 scales of its
 //               first 16 k (the low nibbles) and 16 of its last 16, the header's 16 float16 d (its dmin half
 //               zero); w = (d * sc) * (u - 32), exactly gguf's. 6.625 bits a weight, the file's 6.5625,
-//               where the 8-bit re-coding took 8.5. Run by the AVX512-VNNI kernel (the other tiers' tilers keep
-//               the 8-bit re-coding: models/kquant_tiles.py six_bit_records).
+//               where the 8-bit re-coding took 8.5. Q3_K's own integers take the same form with 3-bit codes
+//               u = q + 4 in the 4-bit record's nibbles (no plane of high bits), its int8 scales sc - 32 and a
+//               header of its 16 float16 d alone (32 bytes a super-block): w = (d * sc) * (u - 4), 4.5625 bits a
+//               weight (the file: 3.4375) where the 8-bit codes took 8.5. The offset is 2^(BITS-1) either way.
+//               Run by the AVX512-VNNI kernel (the other tiers' tilers keep the 8-bit codes:
+//               models/kquant_tiles.py halves_records).
 enum RecordForm : int { kZeros = 0, kSymmetric = 1, kSuper = 2, kHalves = 3 };
 
 // kSuper and kHalves: a super-block's 8 records stored grouped (codes, integers, header).
 constexpr bool grouped(int form) { return form == kSuper || form == kHalves; }
 
-constexpr int64_t record_size(int bits, int form) {  // codes (and fifth, sixth bits), then scales and zeros
-  return bits * kQBlock * 16 / 8 + (form == kZeros ? 64 : form == kSymmetric ? 32 : 40);
+// A record's bytes of codes (and fifth, sixth bits): 3-bit codes (kHalves) sit in the 4-bit record's nibbles.
+constexpr int64_t code_bytes(int bits) { return (bits == 3 ? 4 : bits) * kQBlock * 16 / 8; }
+
+constexpr int64_t record_size(int bits, int form) {  // codes, then scales and zeros (grouped: a header's share)
+  return code_bytes(bits) + (form == kZeros ? 64 : form == kSymmetric ? 32 : bits == 3 ? 36 : 40);
 }
 template <int BITS, int FORM = kZeros>
 constexpr int64_t record_bytes() {
@@ -85,21 +92,22 @@ inline std::optional<RecordKind> record_kind(int64_t bytes) {
   if (bytes == record_bytes<4, kSuper>()) return RecordKind{4, kSuper};
   if (bytes == record_bytes<5, kSuper>()) return RecordKind{5, kSuper};
   if (bytes == record_bytes<6, kHalves>()) return RecordKind{6, kHalves};
+  if (bytes == record_bytes<3, kHalves>()) return RecordKind{3, kHalves};
   return std::nullopt;
 }
 
 // Where block b's codes and its scales (or sc and m) lie from its tile's first record; grouped forms: its
 // super-block's header too. The other forms keep a record whole: codes, then the affine part.
 constexpr int64_t codes_offset(int bits, int form, int64_t b) {
-  const int64_t rec = record_size(bits, form), code_bytes = bits * kQBlock * 16 / 8;
-  return grouped(form) ? (b / 8) * 8 * rec + (b % 8) * code_bytes : b * rec;
+  const int64_t rec = record_size(bits, form);
+  return grouped(form) ? (b / 8) * 8 * rec + (b % 8) * code_bytes(bits) : b * rec;
 }
 constexpr int64_t affine_offset(int bits, int form, int64_t b) {
-  const int64_t rec = record_size(bits, form), code_bytes = bits * kQBlock * 16 / 8;
-  return grouped(form) ? (b / 8) * 8 * rec + 8 * code_bytes + (b % 8) * 32 : b * rec + code_bytes;
+  const int64_t rec = record_size(bits, form);
+  return grouped(form) ? (b / 8) * 8 * rec + 8 * code_bytes(bits) + (b % 8) * 32 : b * rec + code_bytes(bits);
 }
-constexpr int64_t header_offset(int bits, int64_t b) {
-  return (b / 8) * 8 * record_size(bits, kSuper) + 8 * (bits * kQBlock * 16 / 8 + 32);
+constexpr int64_t header_offset(int bits, int64_t b) {  // kSuper's and kHalves' records are the same size
+  return (b / 8) * 8 * record_size(bits, kSuper) + 8 * (code_bytes(bits) + 32);
 }
 
 // Each row's blocks of 32 as int16 codes with their scale and exact sum.
@@ -172,7 +180,7 @@ inline float half_to_float(uint16_t h) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
-// One record's code u of column c at k = 2p + j (the layout above; bits 4, 5, 6 or 8), and column c's scale and
+// One record's code u of column c at k = 2p + j (the layout above; bits 3, 4, 5, 6 or 8), and column c's scale and
 // zero (w = scale * u + zero): what code_rows and the portable dequantization read, one value at a time.
 inline int record_code(const uint8_t* rb, int bits, int p, int c, int j) {
   if (bits == 8) return rb[32 * p + 2 * c + j];
@@ -194,13 +202,13 @@ struct Affine {
   float scale, zero;
 };
 // Column c's scale and zero in block b of the tile whose first record is `tile`; kHalves: of the block's first
-// (half 0: k < 16) or last 16 k, zero = -32 scale (exact: the float16 d times an int8 scale has 18 bits).
+// (half 0: k < 16) or last 16 k, zero = -2^(bits-1) scale (exact: the float16 d times an int8 scale has 18 bits).
 inline Affine record_affine(const uint8_t* tile, int bits, int form, int c, int64_t b, int half = 0) {
   const uint8_t* a = tile + affine_offset(bits, form, b);
   if (form == kHalves) {
     const uint16_t* header = reinterpret_cast<const uint16_t*>(tile + header_offset(bits, b));
     const float scale = half_to_float(header[c]) * static_cast<float>(static_cast<int8_t>(a[16 * half + c]));
-    return {scale, -32.0f * scale};
+    return {scale, -static_cast<float>(1 << (bits - 1)) * scale};
   }
   if (form == kSuper) {
     const uint16_t* header = reinterpret_cast<const uint16_t*>(tile + header_offset(bits, b));
@@ -214,7 +222,7 @@ inline Affine record_affine(const uint8_t* tile, int bits, int form, int c, int6
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // The 16 columns' scale and zero of a block whose scales (or sc and m) are at `affine`; kSuper: under its
-// super-block's d and dmin; kHalves: s the first 16 k's scale d * sc, z the last 16's (the kernels take u - 32).
+// super-block's d and dmin; kHalves: s the first 16 k's scale d * sc, z the last 16's (the kernels take u - 2^(BITS-1)).
 // What the VNNI kernel and the AVX-512 dequantization both read.
 template <int BITS, int FORM>
 inline void affine16(const uint8_t* affine, __m512 d, __m512 dmin, __m512& s, __m512& z) {
@@ -520,16 +528,17 @@ inline void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, QuantizedR
 #endif
 
 // f(bits, form) with the record kind's bits and form as compile-time constants (std::integral_constant): the
-// kernels are templates on both. kSuper records hold 4- and 5-bit codes only (Q4_K, Q5_K), kHalves 6-bit ones
-// (Q6_K), run where the tier has AVX512-VNNI.
+// kernels are templates on both. kSuper records hold 4- and 5-bit codes only (Q4_K, Q5_K), kHalves 6- and 3-bit
+// ones (Q6_K, Q3_K), run where the tier has AVX512-VNNI.
 template <typename F>
 inline void with_record_kind(const RecordKind& kind, F&& f) {
   using std::integral_constant;
   if (kind.form == kHalves) {
 #ifdef STALLFREE_VNNI_MATMUL
+    if (kind.bits == 3) return f(integral_constant<int, 3>{}, integral_constant<int, kHalves>{});
     return f(integral_constant<int, 6>{}, integral_constant<int, kHalves>{});
 #else
-    TORCH_CHECK(false, "code kernel: 6-bit records (Q6_K's own) run on AVX512-VNNI only");
+    TORCH_CHECK(false, "code kernel: 6- and 3-bit records (Q6_K's and Q3_K's own) run on AVX512-VNNI only");
 #endif
   }
   const auto forms = [&](auto bits_c) {
@@ -551,7 +560,7 @@ inline void with_record_kind(const RecordKind& kind, F&& f) {
 at::Tensor code_matmul(const at::Tensor& x, const at::Tensor& blocks_t, int64_t bits, bool float_out,
                        int64_t int8_min_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "code_matmul: x [rows, K] bfloat16");
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "code_matmul: 4-, 5-, 6- or 8-bit codes");
+  TORCH_CHECK(bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8, "code_matmul: 3-, 4-, 5-, 6- or 8-bit codes");
   const std::optional<RecordKind> kind = record_kind(blocks_t.dim() == 3 ? blocks_t.size(2) : 0);
   TORCH_CHECK(blocks_t.dim() == 3 && blocks_t.scalar_type() == at::kByte && blocks_t.is_contiguous(),
               "code_matmul: weight blocks [N / 16, K / 32, bytes] uint8, contiguous");

@@ -9,8 +9,8 @@
 // built): tests/test_gguf_tiles.py holds the two to the same bytes.
 //
 // A matrix whose parts are all Q4_K or Q5_K takes kSuper records: the file's own integers (sc, m) and float16 (d,
-// dmin), nothing computed; one that is all Q6_K, on a tier that runs them, kHalves records (its codes, int8 scales
-// and d); models/kquant_tiles.py is the reference of both. Elsewhere the values are computed as numpy
+// dmin), nothing computed; one that is all Q6_K or all Q3_K, on a tier that runs them, kHalves records (its codes,
+// int8 scales and d); models/kquant_tiles.py is the reference of both. Elsewhere the values are computed as numpy
 // computes them, in float32 and in the same order, so that both paths round to the same float16 scales and zeros:
 // d * sc and dmin * m are each rounded before they are added (rounded_product keeps the compiler from fusing them
 // into a multiply-add), and a block's zero takes the path its matrix's planes give it:
@@ -108,6 +108,22 @@ inline void decode_q6_k_codes(const uint8_t* b, SuperBlock& out, int8_t* scales)
   out.d = static_cast<uint16_t>(b[208] | (b[209] << 8));
 }
 
+// Q3_K's own integers (3-bit kHalves records): u = q + 4 (0..7: the two low bits, and 4 where the mask bit is set),
+// its 16 scales sc - 32 (-32..31) as int8, its float16 d as bits.
+inline void decode_q3_k_codes(const uint8_t* b, SuperBlock& out, int8_t* scales) {
+  const uint8_t* mask = b;
+  const uint8_t* qs = b + 32;
+  const uint8_t* packed = b + 96;
+  for (int i = 0; i < 16; ++i)
+    scales[i] = static_cast<int8_t>(
+        (((packed[i % 8] >> (4 * (i / 8))) & 15) | (((packed[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) - 32);
+  for (int w = 0; w < 256; ++w) {
+    const int low = (qs[32 * (w / 128) + w % 32] >> (2 * ((w % 128) / 32))) & 3;
+    out.u[w] = static_cast<uint8_t>(low | (((mask[w % 32] >> (w / 32)) & 1) << 2));
+  }
+  out.d = static_cast<uint16_t>(b[108] | (b[109] << 8));
+}
+
 // The zero of an 8-bit block w = s * u + z as TiledCodes.from_codes joins its two planes (lo zero z + 8s, hi 128s).
 inline float eight_bit_zero(float s, float z) {
   return (((z + 8.0f * s) - 8.0f * s) + 128.0f * s) - 128.0f * s;
@@ -167,7 +183,7 @@ inline void decode_q2_k(const uint8_t* b, SuperBlock& out) {
 }
 
 // 16 rows' Q4_K/Q5_K integers for kSuper records: sc, m [16][K / 32], and d, dmin [16][K / 256] (float16 bits);
-// Q6_K's for kHalves: halves [16][K / 16] (an int8 scale per 16 weights) and d.
+// Q6_K's and Q3_K's for kHalves: halves [16][K / 16] (an int8 scale per 16 weights) and d.
 struct SuperInts {
   std::vector<uint8_t> sc, m;
   std::vector<uint16_t> d, dmin;
@@ -175,7 +191,7 @@ struct SuperInts {
 };
 
 // 16 rows' codes [16][K] and affine [16][K / 32] (or, kSuper, their integers) into one tile's records at `tile`
-// (bits 4, 5, 6 or 8, in `form`: codes_offset and affine_offset place each block's parts). False where a record
+// (bits 3, 4, 5, 6 or 8, in `form`: codes_offset and affine_offset place each block's parts). False where a record
 // without zeros cannot hold a block (its zero is not -2^(bits-1) times its float16 scale).
 inline bool write_tile(const uint8_t* u, const float* scale, const float* zero, const SuperInts& ints, int64_t k,
                        int bits, int form, uint8_t* tile) {
@@ -212,7 +228,8 @@ inline bool write_tile(const uint8_t* u, const float* scale, const float* zero, 
                   ((code(c, 2 * q + 16 + j) >> 4) << 4) | ((code(c, 2 * q + 18 + j) >> 4) << 6));
             }
     }
-    if (form == kHalves) {  // the halves' int8 scales; at a super-block's first block its header (16 d, 32 zeros)
+    if (form == kHalves) {  // the halves' int8 scales; at a super-block's first block its header (16 d; 6-bit: 32
+                            // zero bytes after them)
       const int64_t supers = k / 256, super = g / 8;
       for (int c = 0; c < 16; ++c) {
         affine[c] = static_cast<uint8_t>(ints.halves[c * 2 * blocks + 2 * g]);
@@ -220,7 +237,10 @@ inline bool write_tile(const uint8_t* u, const float* scale, const float* zero, 
       }
       if (g % 8 == 0) {
         uint16_t* header = reinterpret_cast<uint16_t*>(tile + header_offset(bits, g));
-        for (int c = 0; c < 16; ++c) header[c] = ints.d[c * supers + super], header[16 + c] = 0;
+        for (int c = 0; c < 16; ++c) {
+          header[c] = ints.d[c * supers + super];
+          if (bits == 6) header[16 + c] = 0;
+        }
       }
       continue;
     }
@@ -270,7 +290,8 @@ inline bool gguf_tiles(at::Tensor out, int64_t row_start, const at::Tensor& raw,
   const bool ordered = order.numel() > 0;
   TORCH_CHECK(!ordered || (order.numel() == rows && order.scalar_type() == at::kLong),
               "gguf_tiles: order [rows] int64");
-  TORCH_CHECK(kind->form == kHalves ? q6 : kind->bits == 8 || (!eight_bit && (kind->bits == 5 || !q5)),
+  TORCH_CHECK(kind->form == kHalves ? (q6 && kind->bits == 6) || (q3 && kind->bits == 3)
+                                     : kind->bits == 8 || (!eight_bit && (kind->bits == 5 || !q5)),
               "gguf_tiles: ", qtype, " codes do not fit ", kind->bits, "-bit records");
   const int64_t* src = ordered ? order.data_ptr<int64_t>() : nullptr;
   for (int64_t i = 0; src && i < rows; ++i)
@@ -292,7 +313,10 @@ inline bool gguf_tiles(at::Tensor out, int64_t row_start, const at::Tensor& raw,
         for (int64_t i = 0; i < supers; ++i) {
           const uint8_t* b = in + from * supers * block_bytes + i * block_bytes;
           if (kind->form == kHalves) {
-            decode_q6_k_codes(b, sb, &ints.halves[c * 2 * blocks + 16 * i]);
+            if (q3)
+              decode_q3_k_codes(b, sb, &ints.halves[c * 2 * blocks + 16 * i]);
+            else
+              decode_q6_k_codes(b, sb, &ints.halves[c * 2 * blocks + 16 * i]);
             std::memcpy(&u[c * k + 256 * i], sb.u, 256);
             ints.d[c * supers + i] = sb.d;
             continue;

@@ -1,8 +1,8 @@
 // The AVX512-VNNI kernel of cpu_code_matmul.h (which says the math and the layout): VPDPWSSD multiplies two codes
 // by two int16 activations a lane and adds, 16 columns to a register, up to 8 rows a pass over a tile's codes.
 // 5-bit codes add their fifth bit from a 32-bit mask per half chunk (one masked add); 6-bit ones (Q6_K's kHalves)
-// merge their high two bits from a plane of them (six_bit_lanes16), and sum each half of a block apart (its own
-// scale), then take the offset 32 off with the half's activation sum.
+// merge their high two bits from a plane of them (six_bit_lanes16); kHalves records (Q6_K's, Q3_K's) sum each half
+// of a block apart (its own scale), then take the offset 2^(BITS-1) off with the half's activation sum.
 // Included by cpu_code_matmul.h where the compiler targets AVX512-VNNI.
 //
 // int16 activations for a few rows, not llama.cpp's int8: int16's rounding (1/65534 of a block's largest value) does
@@ -56,7 +56,8 @@ struct BlockAffine {
     if constexpr (grouped(FORM)) {
       if (b % 8 == 0) {
         const __m256i* header = reinterpret_cast<const __m256i*>(tile + header_offset(BITS, b));
-        d = _mm512_cvtph_ps(_mm256_loadu_si256(header)), dmin = _mm512_cvtph_ps(_mm256_loadu_si256(header + 1));
+        d = _mm512_cvtph_ps(_mm256_loadu_si256(header));
+        if constexpr (FORM == kSuper) dmin = _mm512_cvtph_ps(_mm256_loadu_si256(header + 1));  // (3-bit kHalves: none)
       }
     }
     scales(tile + affine_offset(BITS, FORM, b));
@@ -79,9 +80,9 @@ inline void fold_block(const BlockAffine<BITS, FORM>& a, const __m512i* dot, con
   }
 }
 
-// kHalves: each half's integer sums of unsigned codes u, the offset 32 taken off with the half's activation sum
-// (exact in int32: sum (u - 32) x = sum u x - 32 sum x), then under the half's own scale, no zero. Both activation
-// forms keep each block's half sums (half_sum).
+// kHalves: each half's integer sums of unsigned codes u, the offset o = 2^(BITS-1) taken off with the half's
+// activation sum (exact in int32: sum (u - o) x = sum u x - o sum x), then under the half's own scale, no zero. Both
+// activation forms keep each block's half sums (half_sum).
 template <int BITS, int FORM, int R, typename Rows>
 inline void fold_halves(const BlockAffine<BITS, FORM>& a, const __m512i* first_half, const __m512i* last_half,
                         const Rows& x, int64_t first, int64_t stride, __m512* acc) {
@@ -89,8 +90,9 @@ inline void fold_halves(const BlockAffine<BITS, FORM>& a, const __m512i* first_h
     const int64_t i = first + r * stride;
     const int32_t* half = x.half_sum.data() + 2 * i;
     const __m512 xs = _mm512_set1_ps(x.scale[i]);
-    const __m512i lo = _mm512_sub_epi32(first_half[r], _mm512_set1_epi32(32 * half[0]));
-    const __m512i hi = _mm512_sub_epi32(last_half[r], _mm512_set1_epi32(32 * half[1]));
+    constexpr int offset = 1 << (BITS - 1);
+    const __m512i lo = _mm512_sub_epi32(first_half[r], _mm512_set1_epi32(offset * half[0]));
+    const __m512i hi = _mm512_sub_epi32(last_half[r], _mm512_set1_epi32(offset * half[1]));
     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(a.s, xs), acc[r]);
     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(a.z, xs), acc[r]);
   }
@@ -105,7 +107,7 @@ template <int BITS, int FORM, int R>
 inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int64_t blocks, float* out) {
   constexpr int64_t block_bytes = record_bytes<BITS, FORM>();
   // kHalves keeps at least two: the low nibbles' sums (k < 16) on the even ones, the high nibbles' on the odd
-  constexpr int C = R == 1 ? 4 : R < 4 || BITS == 6 ? 2 : 1;
+  constexpr int C = R == 1 ? 4 : R < 4 || FORM == kHalves ? 2 : 1;
   const int64_t blocks_per_row = x.k / kQBlock;
   BlockAffine<BITS, FORM> affine;
   __m512 acc[R];
@@ -150,7 +152,7 @@ inline void vnni_tile(const uint8_t* w, const QuantizedRows& x, int64_t r0, int6
       }
     }
     affine.at(w, b);
-    if constexpr (BITS == 6) {
+    if constexpr (FORM == kHalves) {
       __m512i even[R], odd[R];
       for (int r = 0; r < R; ++r) {
         even[r] = dot[r][0], odd[r] = dot[r][1];
@@ -226,16 +228,19 @@ inline void vnni8_tile(const uint8_t* w, const QuantizedRows8& x, int64_t r0, in
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     const int32_t* xq[R];  // the rows' block as int8 quads
     for (int r = 0; r < R; ++r) xq[r] = reinterpret_cast<const int32_t*>(x.codes.data() + (r0 + r) * x.k + b * kQBlock);
-    if constexpr (BITS == 6) {  // unsigned codes, each half summed apart; u - 32 by the half's activation sum
+    if constexpr (FORM == kHalves) {  // unsigned codes, each half summed apart; u - 2^(BITS-1) by the half's sum
       __m512i last[R];
       for (int r = 0; r < R; ++r) last[r] = _mm512_setzero_si512();
       for (int m = 0; m < 4; ++m) {
         const __m512i v = _mm512_loadu_si512(wb + 64 * m);
-        // the pair's plane of high bits for chunk 2m's bytes, then (shifted to the same bits) for chunk 2m + 1's
-        const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256 + 32 * m));
-        const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(plane), _mm256_srli_epi16(plane, 2), 1);
-        const __m512i lo = with_high_bits(_mm512_and_si512(v, nibble), _mm512_slli_epi16(h, 4));
-        const __m512i hi = with_high_bits(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), h);
+        __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        if constexpr (BITS == 6) {
+          // the pair's plane of high bits for chunk 2m's bytes, then (shifted to the same bits) for chunk 2m + 1's
+          const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256 + 32 * m));
+          const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(plane), _mm256_srli_epi16(plane, 2), 1);
+          lo = with_high_bits(lo, _mm512_slli_epi16(h, 4));
+          hi = with_high_bits(hi, h);
+        }
         const __m512i lo4 = _mm512_permutexvar_epi16(pairs, lo), hi4 = _mm512_permutexvar_epi16(pairs, hi);
         for (int r = 0; r < R; ++r) {
           dot[r] = _mm512_dpbusd_epi32(dot[r], lo4, _mm512_set1_epi32(xq[r][m]));

@@ -292,11 +292,14 @@ def _log_int4(model: LlamaForCausalLM, reader, codes: dict[str, str]) -> None:
     kinds = sorted(set(codes.values()))
     others = sorted({t.tensor_type.name for t in reader.tensors if _hf_name(t.name, model.shape.family) not in codes
                      and len(t.shape) > 1})
-    six_bit = sum(w.tiles.is_halves for w in model.int4_weights()) if "Q6_K" in kinds else 0
+    halves = [w.tiles.bits for w in model.int4_weights() if w.tiles is not None and w.tiles.is_halves]
     recoded_kinds = [kind for kind in ("Q2_K", "Q6_K") if kind in kinds]
     recoded = f"; {' and '.join(recoded_kinds)} re-coded to 8-bit codes per 32 weights" if recoded_kinds else ""
-    if six_bit:  # the AVX512-VNNI tier: re-coded only where a Q6_K part joins another type's (a Q4_K_M's q/k/v)
-        recoded += f" ({six_bit} Q6_K matrices not: in their own 6-bit records)"
+    if halves.count(6):  # the AVX512-VNNI tier: re-coded only where a Q6_K part joins another type's (q/k/v)
+        recoded += f" ({halves.count(6)} Q6_K matrices not: in their own 6-bit records)"
+    if "Q3_K" in kinds:  # 8-bit codes (exact) except, on AVX512-VNNI, where every part is Q3_K
+        own = f" ({halves.count(3)} Q3_K matrices not: in their own 3-bit records)" if halves.count(3) else ""
+        recoded += f"; Q3_K in 8-bit codes{own}"
 
     log.info("served from their GGUF codes (%s); %d projections dense%s%s%s",
              ", ".join(kinds) or "none", len(dense), f" ({', '.join(dense[:4])}{', ...' if len(dense) > 4 else ''})"

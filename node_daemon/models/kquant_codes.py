@@ -33,10 +33,10 @@ within s/2 = a 510th of the block's range (Q2_K's own step is a third of a half'
 These planes are the Python path's codes. Where they are laid out in the compiled kernel's per-32 records
 (quantized.TiledCodes.from_codes) scale and zero are float16: d*sc has up to 17 significant bits, so there K-quant
 scales and zeros are rounded to float16 (a half ulp, 2^-11, of each: under 1% of a 4-bit step). A matrix whose parts
-are all Q4_K or Q5_K (or, on a tier with AVX512-VNNI, all Q6_K) does not take that path when it is loaded from a
-file: kquant_tiles.py keeps the file's integers (super-block and 6-bit records), and the kernel makes d*sc and
-dmin*m exactly. Q6_K's re-coding here serves the other tiers and a Q6_K part beside another type (a Q4_K_M's v
-beside Q4_K q and k).
+are all Q4_K or Q5_K (or, on a tier with AVX512-VNNI, all Q6_K or all Q3_K) does not take that path when it is
+loaded from a file: kquant_tiles.py keeps the file's integers (super-block, 6-bit and 3-bit records), and the kernel
+makes d*sc and dmin*m exactly. Q6_K's re-coding and Q3_K's 8-bit codes here serve the other tiers and a part beside
+another type (a Q4_K_M's Q6_K v beside Q4_K q and k).
 """
 from __future__ import annotations
 
@@ -163,17 +163,30 @@ def _two_bit_values(qs: np.ndarray) -> np.ndarray:
     return (q & 3).reshape(-1, QK_K)
 
 
-def _q3_k(blocks: np.ndarray):
-    """110 bytes: 32 of high-bit masks, 64 of 2-bit lows, 12 of packed 6-bit scales, d (gguf's Q3_K layout)."""
+def q3_k_integers(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q3_K blocks [n, 110] (32 bytes of high-bit masks, 64 of 2-bit lows, 12 of packed 6-bit scales, d: gguf's
+    layout) -> (q [n, 256] int32 in -4..3, sc [n, 16] int32 in -32..31 (one per 16 weights), d [n] float32):
+    w = d * sc * q."""
     n = blocks.shape[0]
     low = blocks[:, 96:104].reshape(n, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)
     high = blocks[:, 104:108].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)
-    sc = ((low.reshape(n, 16) & 15) | ((high.reshape(n, 16) & 3) << 4)).astype(np.int16) - 32  # one per 16
+    sc = ((low.reshape(n, 16) & 15) | ((high.reshape(n, 16) & 3) << 4)).astype(np.int32) - 32
     mask = (blocks[:, 0:32].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-    q = _two_bit_values(blocks[:, 32:96]).astype(np.int16) - 4 * (1 - mask.reshape(n, QK_K).astype(np.int16))
+    q = _two_bit_values(blocks[:, 32:96]).astype(np.int32) - 4 * (1 - mask.reshape(n, QK_K).astype(np.int32))
+    return q, sc, _f16(blocks[:, 108:110])
+
+
+def _q3_k(blocks: np.ndarray):
+    return q3_k_planes(*q3_k_integers(blocks))
+
+
+def q3_k_planes(q: np.ndarray, sc: np.ndarray, d: np.ndarray):
+    """Q3_K's integers (q3_k_integers) as the exact 8-bit code u = 128 - sc * q under the scale -d (the module's
+    docstring): (codes [n, 2, 256], scale and zero [n, 2, 8]), two planes."""
+    n = q.shape[0]
     p = (q.reshape(n, 16, 16) * sc[:, :, None]).reshape(n, QK_K)  # w = d * p, p in -124..128
     u = (128 - p).astype(np.uint8)  # 0..252: 128 - p, so that p = 128 (sc = -32, q = -4) fits
-    s = np.repeat(-_f16(blocks[:, 108:110])[:, None], 8, axis=1)  # w = -d * (u - 128)
+    s = np.repeat(-d.astype(np.float32)[:, None], 8, axis=1)  # w = -d * (u - 128)
     return _unsigned_as_planes(u & 15, u >> 4, s, -128.0 * s)
 
 

@@ -6,10 +6,12 @@ holds it, in 4.625 bits (Q4_K; 5.625 for Q5_K) where float16 scales and zeros pe
 rounded (the file: 4.5 and 5.5 bits).
 
 Q6_K matrices take 6-bit records of the same grouping (cpu_code_matmul.h's kHalves) where the tier's kernel runs
-them (six_bit_records): the file's codes u = q + 32, its int8 scale of each 16 weights, each super-block's float16 d;
+them (halves_records): the file's codes u = q + 32, its int8 scale of each 16 weights, each super-block's float16 d;
 a weight is (d * sc) * q exactly as gguf computes it, in 6.625 bits (the file: 6.5625) where the 8-bit re-coding
-took 8.5. The AVX2 kernel, whose one-row rate its int16 products already bound, does not run them (they would add
-instructions at every product: no ternary logic, half the lanes); that tier keeps the re-coding.
+took 8.5. Q3_K matrices take the same form with 3-bit codes u = q + 4 in 4-bit nibbles and a header of d alone:
+4.5625 bits (the file: 3.4375) where the 8-bit codes took 8.5. The AVX2 kernel, whose one-row rate its int16
+products already bound, does not run them (they would add instructions at every product: no ternary logic, half
+the lanes); that tier keeps the 8-bit codes.
 
 These are made in numpy here (the reference, and the path while the compiled library is not built) and by the
 compiled tiler (models/cpu_gguf_tiles.h) from the same bytes; tests/test_gguf_tiles.py holds the two equal.
@@ -22,13 +24,14 @@ import numpy as np
 import torch
 
 from stallfree.node_daemon.models import kquant_codes
-from stallfree.node_daemon.models.quantized import SUPER_AFFINE_BYTES, TiledCodes, tile_code_bytes
+from stallfree.node_daemon.models.quantized import TiledCodes, grouped_record_bytes, tile_code_bytes
 
 SUPER_TYPES = ("Q4_K", "Q5_K")
+HALVES_BITS = {"Q6_K": 6, "Q3_K": 3}  # kHalves records' code bits, and their offset 2^(bits-1)
 
 
-def six_bit_records() -> bool:
-    """Whether Q6_K matrices take their own 6-bit records here: the AVX512-VNNI kernel runs them."""
+def halves_records() -> bool:
+    """Whether Q6_K and Q3_K matrices take their own records here: the AVX512-VNNI kernel runs them."""
     from stallfree.node_daemon.models.cpu_tier import cpu_tier
 
     return cpu_tier().vnni
@@ -36,17 +39,17 @@ def six_bit_records() -> bool:
 
 def own_bits(qtypes: set[str]) -> int | None:
     """The code bits of a matrix whose parts have these types, where they keep the file's integers (4: every part
-    Q4_K; 5: Q5_K among them, super-block records; 6: every part Q6_K, on a tier that runs 6-bit records); None
-    for any other type."""
-    if qtypes == {"Q6_K"}:
-        return 6 if six_bit_records() else None
+    Q4_K; 5: Q5_K among them, super-block records; 6: every part Q6_K, 3: every part Q3_K, on a tier that runs
+    kHalves records); None for any other type."""
+    if len(qtypes) == 1 and next(iter(qtypes)) in HALVES_BITS:
+        return HALVES_BITS[next(iter(qtypes))] if halves_records() else None
     if not qtypes or not qtypes <= set(SUPER_TYPES):
         return None
     return 4 if qtypes == {"Q4_K"} else 5
 
 
 def super_record_bytes(bits: int) -> int:
-    return bits * 64 + SUPER_AFFINE_BYTES
+    return grouped_record_bytes(bits)
 
 
 def file_integers(raw: np.ndarray, qtype: str, rows: int, cols: int) \
@@ -81,14 +84,14 @@ def in_whole_tiles(parts: list, rows: int) -> list | None:
 def super_tiles(parts: list, rows: int) -> TiledCodes | None:
     """One matrix's records of the file's integers from its row parts (models/gguf_tiles.py GgufBlocks: q, k, v or
     gate, up; one part for the rest, each part's rows in its `order`): super-block records where every part is Q4_K
-    or Q5_K, 6-bit ones where every part is Q6_K (own_bits). None for other types or unless the parts cover the rows
+    or Q5_K, kHalves ones where every part is Q6_K or every part Q3_K (own_bits). None for other types or unless the parts cover the rows
     in whole tiles of 16."""
     bits = own_bits({part.qtype for _, part in parts})
     ordered = in_whole_tiles(parts, rows)
     if bits is None or ordered is None:
         return None
     cols = ordered[0][1].cols
-    if bits == 6:
+    if bits in (3, 6):
         return halves_tiles(ordered, rows, cols)
     joined = [file_integers(part.raw, part.qtype, part.rows, cols) for _, part in ordered]
     joined = [[a if part.order is None else a[part.order] for a in arrays]
@@ -110,15 +113,18 @@ def super_tiles(parts: list, rows: int) -> TiledCodes | None:
 
 
 def halves_tiles(ordered: list, rows: int, cols: int) -> TiledCodes:
-    """Q6_K parts (in row order, covering the rows in whole tiles: in_whole_tiles) as kHalves records, grouped as
-    super_tiles' (per super-block: 8 blocks' codes, their 8 x (16 first-half and 16 last-half int8 scales), a
-    header of 16 float16 d and 32 zero bytes)."""
+    """Q6_K or Q3_K parts (one type, in row order, covering the rows in whole tiles: in_whole_tiles) as kHalves
+    records, grouped as super_tiles' (per super-block: 8 blocks' codes u = q + 2^(bits-1), their 8 x (16 first-half
+    and 16 last-half int8 scales), a header of 16 float16 d, and for 6 bits 32 zero bytes after them)."""
+    qtype = ordered[0][1].qtype
+    bits = HALVES_BITS[qtype]
+    integers = kquant_codes.q6_k_integers if qtype == "Q6_K" else kquant_codes.q3_k_integers
     joined = []
     for _, part in ordered:
-        blocks = np.ascontiguousarray(part.raw).reshape(-1, kquant_codes.BLOCK_BYTES["Q6_K"])
-        q, sc, d = kquant_codes.q6_k_integers(blocks)
-        arrays = [(q + 32).astype(np.uint8).reshape(part.rows, cols), sc.astype(np.int8).reshape(part.rows, -1),
-                  d.astype(np.float16).view(np.uint16).reshape(part.rows, -1)]
+        blocks = np.ascontiguousarray(part.raw).reshape(-1, kquant_codes.BLOCK_BYTES[qtype])
+        q, sc, d = integers(blocks)
+        arrays = [(q + (1 << (bits - 1))).astype(np.uint8).reshape(part.rows, cols),
+                  sc.astype(np.int8).reshape(part.rows, -1), d.astype(np.float16).view(np.uint16).reshape(part.rows, -1)]
         joined.append([a if part.order is None else a[part.order] for a in arrays])
     codes, sc, d = (np.concatenate(column) for column in zip(*joined))
     tiles, groups, supers = rows // 16, cols // 32, cols // kquant_codes.QK_K
@@ -126,9 +132,10 @@ def halves_tiles(ordered: list, rows: int, cols: int) -> TiledCodes:
     scales = torch.from_numpy(sc.view(np.uint8)).reshape(tiles, 16, groups, 2).permute(0, 2, 3, 1) \
         .reshape(tiles, groups, 32)
     header = torch.from_numpy(d).reshape(tiles, 16, supers).transpose(1, 2).contiguous().view(torch.uint8)
-    header = torch.cat([header, torch.zeros(tiles, supers, 32, dtype=torch.uint8)], dim=-1)  # [tile, super, 64]
+    if bits == 6:
+        header = torch.cat([header, torch.zeros(tiles, supers, 32, dtype=torch.uint8)], dim=-1)  # [tile, super, 64]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        code_bytes = tile_code_bytes(torch.from_numpy(codes), 6)  # [tile, block, 384]
+        code_bytes = tile_code_bytes(torch.from_numpy(codes), bits)  # [tile, block, 384 or 256]
     grouped = torch.cat([code_bytes.reshape(tiles, supers, -1), scales.reshape(tiles, supers, -1), header], dim=-1)
-    return TiledCodes(grouped.reshape(tiles, groups, super_record_bytes(6)).contiguous(), 6)
+    return TiledCodes(grouped.reshape(tiles, groups, super_record_bytes(bits)).contiguous(), bits)

@@ -149,13 +149,24 @@ def decode_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> BlockCod
 
 
 # A grouped record's bytes past its codes: kSuper's 16 sc and 16 m, kHalves' 32 int8 scales; 8 of its
-# super-block's header (64 bytes a super-block).
+# super-block's header (64 bytes a super-block: d and dmin, or d and 32 zero bytes), 4 for 3-bit kHalves records
+# (their header: d alone).
 SUPER_AFFINE_BYTES = 40
 
 
+def record_code_bytes(bits: int) -> int:
+    """A record's bytes of codes (and fifth, sixth bits): 3-bit codes sit in 4-bit nibbles."""
+    return (4 if bits == 3 else bits) * 64
+
+
+def grouped_record_bytes(bits: int) -> int:
+    """A kSuper or kHalves record's size: its codes, its integers, its share of the super-block's header."""
+    return record_code_bytes(bits) + (SUPER_AFFINE_BYTES - 4 if bits == 3 else SUPER_AFFINE_BYTES)
+
+
 def tile_code_bytes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unsigned codes [N, K] uint8 (0..15, 0..31, 0..63 or 0..255) as the records' code bytes [N / 16, K / 32,
-    bits * 64]: chunks of 16 columns' pairs of k (4-bit: pair q in the low nibbles, q + 8 in the high ones; 5-bit:
+    """Unsigned codes [N, K] uint8 (0..7 or 0..15, 0..31, 0..63 or 0..255) as the records' code bytes [N / 16, K / 32,
+    record_code_bytes(bits)]: chunks of 16 columns' pairs of k (4-bit: pair q in the low nibbles, q + 8 in the high ones; 5-bit:
     then a 32-bit mask of pair q's fifth bits and one of pair q + 8's per chunk, bit 2c + j; 6-bit: then per pair of
     chunks 2m, 2m + 1 32 bytes of their high two bits, byte i: chunk 2m's byte i's low nibble's in bits 0-1, chunk
     2m + 1's in 2-3, their high nibbles' in 4-5 and 6-7)."""
@@ -187,12 +198,12 @@ class TiledCodes:
     (4 bits; two planes joined: 5 bits where the high plane is one bit, as Q5_0's, else 8), value = scale * code +
     zero per 32-weight block (zero = -2^(bits-1) scale, not stored, for symmetric types), scale and zero
     float16 (GGUF's own precision), 16 output rows to a tile, and per tile and block one record: the codes, then
-    the 16 rows' scales, then their zeros. Q4_K, Q5_K and Q6_K matrices keep their own integers instead (is_super,
-    is_halves: models/kquant_tiles.py)."""
+    the 16 rows' scales, then their zeros. Q4_K, Q5_K, Q6_K and Q3_K matrices keep their own integers instead
+    (is_super, is_halves: models/kquant_tiles.py)."""
 
     # uint8 [N / 16, K / 32, bits * 64 + 64] (5 bits: 256 bytes of nibbles, 64 of fifth bits), or bits * 64 + 32
-    # where a symmetric type's zeros follow from its scales (has_zeros), or bits * 64 + 40 (is_super; 6 bits:
-    # is_halves)
+    # where a symmetric type's zeros follow from its scales (has_zeros), or grouped_record_bytes(bits) (is_super;
+    # 6 and 3 bits: is_halves)
     blocks: torch.Tensor
     bits: int
 
@@ -252,9 +263,10 @@ class TiledCodes:
 
     @property
     def is_halves(self) -> bool:
-        """Q6_K's own records (cpu_code_matmul.h's kHalves): 6-bit codes u = q + 32, an int8 scale per 16 weights
-        under each super-block's float16 d, grouped as is_super's (models/kquant_tiles.py makes them)."""
-        return self.bits == 6
+        """Q6_K's and Q3_K's own records (cpu_code_matmul.h's kHalves): codes u = q + 2^(bits-1) (6 bits; 3 bits
+        in 4-bit nibbles), an int8 scale per 16 weights under each super-block's float16 d, grouped as is_super's
+        (models/kquant_tiles.py makes them)."""
+        return self.bits in (3, 6)
 
     @property
     def nbytes(self) -> int:
@@ -280,19 +292,19 @@ class TiledCodes:
         return raw.permute(0, 3, 1, 2, 4).reshape(tiles * 16, groups * GROUP_SIZE)
 
     def _halves(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """kHalves records' (signed codes q = u - 32 [N, K] int32, int8 scales [N, K / 16] int32, d [N, K / 256]
-        float32): w = (d * sc) * q."""
+        """kHalves records' (signed codes q = u - 2^(bits-1) [N, K] int32, int8 scales [N, K / 16] int32, d
+        [N, K / 256] float32): w = (d * sc) * q."""
         tiles, groups, _ = self.blocks.shape
         _, ints, header = self._super_parts()  # ints: [tile, block, 16 first-half scales | 16 last-half]
         scales = ints.contiguous().view(torch.int8).reshape(tiles, groups, 2, 16).permute(0, 3, 1, 2)
         d = header[..., :16].float().transpose(1, 2).reshape(tiles * 16, groups // 8)
-        return self._codes().int() - 32, scales.reshape(tiles * 16, groups * 2).int(), d
+        return self._codes().int() - (1 << (self.bits - 1)), scales.reshape(tiles * 16, groups * 2).int(), d
 
     def _codes_and_affine(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(unsigned codes [N, K] uint8, scale and zero [N, K / 32] float32): value = scale * code + zero. Not for
         kHalves records (two scales a block: _halves)."""
         if self.is_halves:
-            raise ValueError("6-bit records hold two scales a block: _halves")
+            raise ValueError("6- and 3-bit records hold two scales a block: _halves")
         tiles, groups, _ = self.blocks.shape
         code_bytes = self.bits * 64
         codes = self._codes()
@@ -310,10 +322,10 @@ class TiledCodes:
 
     def _super_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Grouped records' three parts, each super-block's 8 records as codes, integers, header: (codes [tile,
-        block, bits * 64] uint8, sc | m (kHalves: two int8 scales) [tile, block, 32] uint8, d | dmin (kHalves: d,
-        then zeros) [tile, super-block, 32] float16)."""
+        block, record_code_bytes] uint8, sc | m (kHalves: two int8 scales) [tile, block, 32] uint8, d | dmin
+        (kHalves: d, then zeros; 3 bits: d alone) [tile, super-block, 32 or 16] float16)."""
         tiles, groups, record = self.blocks.shape
-        code_bytes = self.bits * 64
+        code_bytes = record_code_bytes(self.bits)
         grouped = self.blocks.reshape(tiles, groups // 8, 8 * record)
         codes = grouped[..., :8 * code_bytes].reshape(tiles, groups, code_bytes)
         ints = grouped[..., 8 * code_bytes:8 * code_bytes + 256].reshape(tiles, groups, 32)
@@ -332,15 +344,15 @@ class TiledCodes:
 
     def to_block_codes(self) -> BlockCodes:
         """The same weights as BlockCodes (one plane of 4-bit codes, or two for 8-bit ones): what torch's int4
-        pack is made from. kHalves records are re-coded to 8 bits per 32 weights as the Python path decodes Q6_K
-        (kquant_codes.recode_q6_k)."""
+        pack is made from. kHalves records take 8-bit codes per 32 weights as the Python path decodes Q6_K
+        (kquant_codes.recode_q6_k) and Q3_K (q3_k_planes)."""
         if self.is_halves:
             from stallfree.node_daemon.models import kquant_codes
 
             q, sc, d = (t.numpy() for t in self._halves())
             n = q.shape[0]
-            planes, scale, zero = kquant_codes.recode_q6_k(q.reshape(-1, 256), sc.reshape(-1, 16),
-                                                          d.reshape(-1).astype(np.float32))
+            eight_bit = kquant_codes.recode_q6_k if self.bits == 6 else kquant_codes.q3_k_planes
+            planes, scale, zero = eight_bit(q.reshape(-1, 256), sc.reshape(-1, 16), d.reshape(-1).astype(np.float32))
             return BlockCodes(*kquant_codes.as_block_codes(n, planes, scale, zero), 2, "tiles")
         codes, scale, zero = (t.numpy() for t in self._codes_and_affine())
         if self.bits == 4:  # (u - 8) s + (z + 8s) = s u + z
@@ -367,7 +379,7 @@ class TiledCodes:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: what the kernel multiplies by (tests)."""
-        if self.is_halves:  # (d * sc) * q, as gguf computes Q6_K
+        if self.is_halves:  # (d * sc) * q, as gguf computes Q6_K and Q3_K
             q, sc, d = self._halves()
             n = q.shape[0]
             scale = d.repeat_interleave(16, dim=1) * sc.float()  # [N, K / 16]

@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ENV = "STALLFREE_WEIGHT_CACHE"
-FORMAT = 7  # 3: the code kernel's tiles on every tier (TiledCodes); 4: the tiles alone (torch's int4 pack made at use),
+FORMAT = 8  # 3: the code kernel's tiles on every tier (TiledCodes); 4: the tiles alone (torch's int4 pack made at use),
 # and no dense copy of a projection that its codes alone serve; 5: nor of a tied embedding (looked up in its codes),
 # nor of a projection with a oneDNN copy (made from the codes at load); 6: Q4_K/Q5_K in super-block records; 7: Q6_K
-# in its own 6-bit records (AVX512-VNNI)
+# in its own 6-bit records (AVX512-VNNI); 8: Q3_K in its own 3-bit records (AVX512-VNNI)
 _VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "kquant_codes.py", "kquant_tiles.py",
                   "small_block_codes.py", "llama.py", "gguf_tiles.py", "cpu_gguf_tiles.h")
 _TIED_HEAD = "tied_lm_head_int4"
