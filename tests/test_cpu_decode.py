@@ -257,3 +257,26 @@ def test_a_linear_with_a_copy_takes_the_codes_up_to_the_kernels_row_limit():
     assert torch.equal(linear(x[:16]), codes(16))
     assert torch.equal(linear(x), packed_linear(x, linear.packed, None))
     assert not torch.equal(linear(x)[:16], codes(16))  # the two paths differ: the test can tell them apart
+
+
+def test_a_fused_qkv_whose_v_has_records_of_its_own_runs_the_compiled_forward(tmp_path, monkeypatch):
+    """A small Q4_K_M whose second layer's v is Q6_K beside Q4_K q and k: v keeps records of its own (the tiles'
+    tail, models/gguf_tiles.py split_tail), and the compiled forward's logits over a prompt follow the Python
+    forward's, which multiplies the same tiles."""
+    from stallfree.bench.write_random_gguf import write
+
+    if not cpu_decode.ensure_built(background=False):
+        pytest.skip(f"compiled decode path unavailable: {cpu_decode.why_not()}")
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write(str(path), "q4_k_m", hidden=256, layers=2)
+    monkeypatch.setenv("STALLFREE_WEIGHT_CACHE", "off")
+    runner = ModelRunner(ModelConfig(model=str(path), dtype="bfloat16", compiled_decode="now",
+                                     release_dense_weights=True),
+                         CacheConfig(block_size=16, num_blocks=16), max_num_tokens=256, max_num_seqs=4)
+    assert runner.cpu_decode is not None
+    assert any(w.tiles.tail is not None for w in runner.model.int4_weights())
+    req = make_request("tail", [(7 * j) % 200 + 5 for j in range(40)], [1, 2, 3])
+    with _python_path(runner):
+        want = prefill_all_rows(runner, req, 16)
+    got = prefill_all_rows(runner, req, 16)  # rewrites the same slots
+    assert relative_error(got, want) < _path_tolerance()

@@ -15,8 +15,9 @@ import torch
 
 from stallfree.bench import gguf_blocks
 from stallfree.node_daemon.models import cpu_decode, kquant_tiles
-from stallfree.node_daemon.models.gguf_tiles import GgufBlocks, int4_of_parts, tiles_of_parts
+from stallfree.node_daemon.models.gguf_tiles import GgufBlocks, int4_of_parts, split_tail, tiles_of_parts
 from stallfree.node_daemon.models.quantized import TiledCodes, decode_blocks, stack_parts
+from model_helpers import relative_error
 from test_kquants import _random_k_blocks
 
 
@@ -29,7 +30,10 @@ def library():
 def _python_tiles(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCodes:
     """The numpy path's tiles: records of the file's integers where every part is Q4_K or Q5_K, or every part
     Q6_K (or every part Q3_K) on a tier that runs them (kquant_tiles.py), else the decoded codes laid out by
-    TiledCodes.from_codes."""
+    TiledCodes.from_codes; a last part of another type in its own records (split_tail), each piece so made."""
+    head_and_tail = split_tail(parts, rows, tiles_of=_python_tiles)
+    if head_and_tail is not None:
+        return head_and_tail
     if kquant_tiles.own_bits({p.qtype for _, p in parts}) is not None:
         tiles = kquant_tiles.super_tiles(parts, rows)
         assert tiles is not None and (tiles.is_super or tiles.is_halves)
@@ -44,6 +48,9 @@ def _assert_same_tiles(got: TiledCodes | None, want: TiledCodes) -> None:
     assert (got.bits, got.has_zeros, got.is_super, got.is_halves, tuple(got.blocks.shape)) == \
         (want.bits, want.has_zeros, want.is_super, want.is_halves, tuple(want.blocks.shape))
     assert torch.equal(got.blocks, want.blocks)
+    assert (got.tail is None) == (want.tail is None)
+    if got.tail is not None:
+        _assert_same_tiles(got.tail, want.tail)
 
 
 @pytest.mark.parametrize("qtype, bits", [("Q2_K", 8), ("Q3_K", 3), ("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 6)])
@@ -58,12 +65,15 @@ def test_one_k_quant_tensor_is_tiled_into_the_python_paths_bytes(qtype, bits):
 
 
 def _q6_k_beside_q3_k(d: float, seed: int) -> tuple[list[tuple[slice, GgufBlocks]], int]:
-    """A Q6_K part of float16 d beside a Q3_K one (both symmetric: 8-bit records, zeros only where needed)."""
+    """Q6_K parts of float16 d around a Q3_K one (both symmetric: 8-bit records, zeros only where needed; the last
+    part's type is the first's, so no records of its own: split_tail)."""
     rows, cols = 32, 256
     raw = _random_k_blocks("Q6_K", rows, cols, seed=seed).reshape(-1, 210)
     raw[:, 208:210] = np.full((raw.shape[0], 1), d, "<f2").view(np.uint8)
+    q6 = raw.reshape(rows, -1)
     q3 = GgufBlocks(gguf_blocks.random_blocks("Q3_K", 16, cols, np.random.default_rng(seed)), "Q3_K", cols)
-    return [(slice(0, rows), GgufBlocks(raw.reshape(rows, -1), "Q6_K", cols)), (slice(rows, rows + 16), q3)], rows + 16
+    return [(slice(0, 16), GgufBlocks(q6[:16], "Q6_K", cols)), (slice(16, 32), q3),
+            (slice(32, 48), GgufBlocks(q6[16:], "Q6_K", cols))], rows + 16
 
 
 def test_q6_k_blocks_whose_float16_scales_cannot_give_their_zeros_store_zeros():
@@ -103,6 +113,45 @@ def test_fused_q_k_v_parts_of_mixed_types_join_as_the_python_path_joins_them(qk_
     _assert_same_tiles(tiles_of_parts(parts, rows), _python_tiles(parts, rows))
     weight = int4_of_parts(parts, rows, torch.bfloat16)
     assert weight is not None and weight.planes == stack_parts([(r, p.decode()) for r, p in parts], rows).planes
+
+
+@pytest.mark.parametrize("qk_type, v_type", [("Q4_K", "Q6_K"), ("Q3_K", "Q4_K"), ("Q3_K", "Q5_K")])
+def test_a_v_of_another_type_keeps_records_of_its_own(qk_type, v_type):
+    """A Q4_K_M's Q6_K v after Q4_K q and k (a Q3_K_M's Q4_K or Q5_K v after Q3_K q and k): q and k keep their own
+    records and v its own (TiledCodes.tail), fewer bytes than one record kind of 8-bit codes for all three; the
+    weights are the parts' own tiles' joined, and the code kernel's matmul of the whole is x @ W^T of them."""
+    from stallfree.node_daemon.models import cpu_decode
+
+    cols, q_rows, kv_rows = 512, 64, 32
+
+    def blocks(qtype: str, rows: int, seed: int) -> GgufBlocks:
+        raw = gguf_blocks.random_blocks(qtype, rows, cols, np.random.default_rng(seed)) if qtype == "Q3_K" \
+            else _random_k_blocks(qtype, rows, cols, seed=seed)
+        return GgufBlocks(raw, qtype, cols)
+
+    q, k, v = blocks(qk_type, q_rows, 1), blocks(qk_type, kv_rows, 2), blocks(v_type, kv_rows, 3)
+    rows = q_rows + 2 * kv_rows
+    parts = [(slice(0, q_rows), q), (slice(q_rows, q_rows + kv_rows), k), (slice(q_rows + kv_rows, rows), v)]
+    tiles = tiles_of_parts(parts, rows)
+    assert tiles is not None and tiles.tail is not None and tiles.out_features == rows
+    head = tiles_of_parts(parts[:2], q_rows + kv_rows)
+    alone = tiles_of_parts([(slice(0, kv_rows), v)], kv_rows)
+    assert torch.equal(tiles.blocks, head.blocks) and tiles.bits == head.bits
+    assert torch.equal(tiles.tail.blocks, alone.blocks) and tiles.tail.bits == alone.bits
+    one_kind = TiledCodes.from_codes(stack_parts([(r, p.decode()) for r, p in parts], rows))
+    assert one_kind.bits == 8 and tiles.nbytes < one_kind.nbytes
+    want = torch.cat([head.dequantize(), alone.dequantize()])
+    torch.testing.assert_close(tiles.dequantize(), want, rtol=0, atol=0)
+    weight = int4_of_parts(parts, rows, torch.bfloat16)
+    assert weight is not None and weight.out_features == rows
+    weight.code_kernel = (cpu_decode.ops().code_matmul, 64, 9)
+    x = torch.randn(12, cols, generator=torch.Generator().manual_seed(4)).bfloat16()
+    for count in (1, 3, 12):  # int16 activations, then int8 from 9 rows
+        got = weight.matmul(x[:count], float_out=True).double()
+        # float32 sums: int16 activations' rounding (3e-4: test_code_matmul.py), int8's from 9 rows (0.03)
+        assert relative_error(got, x[:count].double() @ want.double().T) < (0.03 if count >= 9 else 3e-4)
+    # the Python path's int4 pack joins the two as stack_parts joins parts
+    assert weight.tiles.to_block_codes().rows == rows and weight.planes == 2
 
 
 def test_parts_that_leave_rows_uncovered_or_split_a_tile_fall_back_to_the_python_path():

@@ -220,11 +220,22 @@ struct RowLimits {
 // scratch past it; else torch's int4 for a few rows and the prepacked bfloat16 weight for more. w: packed int4, its
 // scales, oneDNN (empty when the model was not prepacked), the code kernel's tiles (empty when bits is 0).
 // planes 0: a float weight (F16, BF16, F32 files), w[1] the bfloat16 weight itself where there is no oneDNN copy.
-at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t planes, int64_t bits, const RowLimits& limits) {
+// tail: the weight's last rows in records of their own kind (models/quantized.py TiledCodes.tail; empty where none):
+// what the code kernel and the dequantized scratch give for them joins the tiles' columns.
+at::Tensor project(const at::Tensor& x, const at::Tensor* w, int64_t planes, int64_t bits, const RowLimits& limits,
+                   const at::Tensor& tail) {
   const int64_t rows = x.size(0);
+  const auto with_tail = [&](at::Tensor head, auto&& of_tail) {
+    return tail.numel() == 0 ? head : at::cat({head, of_tail()}, 1);
+  };
   if (planes == 0) return w[2].numel() != 0 ? packed_mm(x, w[2]) : at::linear(x, w[1]);
-  if (bits != 0 && w[2].numel() == 0 && limits.dequant > 0 && rows >= limits.dequant) return dequantized_mm(x, w[3]);
-  if (bits != 0 && (rows <= limits.code || w[2].numel() == 0)) return code_matmul(x, w[3], bits, false, limits.int8);
+  if (bits != 0 && w[2].numel() == 0 && limits.dequant > 0 && rows >= limits.dequant)
+    return with_tail(dequantized_mm(x, w[3]), [&] { return dequantized_mm(x, tail); });
+  if (bits != 0 && (rows <= limits.code || w[2].numel() == 0)) {
+    const auto tail_bits = [&] { return static_cast<int64_t>(record_kind(tail.size(2))->bits); };
+    return with_tail(code_matmul(x, w[3], bits, false, limits.int8),
+                     [&] { return code_matmul(x, tail, tail_bits(), false, limits.int8); });
+  }
   return rows <= limits.int4 || w[2].numel() == 0 ? int4_mm(x, w[0], w[1], planes) : packed_mm(x, w[2]);
 }
 
@@ -586,7 +597,8 @@ void rms_norm_rows(uint16_t* x, const float* w, int64_t rows, int64_t width, dou
 }
 
 // weights: per layer qkv, o, gate_up, down as (int4 packed, scales_and_zeros, oneDNN packed, code tiles)
-// quadruples; planes and bits (0: no tiles): per projection. Rows up to code_max_rows take the code kernel where
+// quadruples; planes and bits (0: no tiles), and tails (the tiles' last rows in records of their own kind, or an
+// empty tensor: project()): per projection. Rows up to code_max_rows take the code kernel where
 // there are tiles, else up to int4_max_rows torch's int4 kernel; more take the oneDNN copies, or without them the
 // dequantized scratch from dequant_min_rows rows (0: never) and the code kernel below (project()), with int8
 // activations from int8_min_rows rows (0: never).
@@ -603,7 +615,8 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
                    at::IntArrayRef planes, at::IntArrayRef bits, at::TensorList kv, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, double eps, int64_t int4_max_rows, int64_t code_max_rows,
                    int64_t dequant_min_rows, int64_t int8_min_rows, const at::Tensor& cos_sin_local,
-                   at::IntArrayRef sliding, int64_t window, double attn_scale, double embed_scale, at::TensorList qkv_bias) {
+                   at::IntArrayRef sliding, int64_t window, double attn_scale, double embed_scale, at::TensorList qkv_bias,
+                   at::TensorList tails) {
   at::NoGradGuard no_grad;
   const int64_t rows = input_ids.size(0), layers = static_cast<int64_t>(kv.size()) / 2;
   const int64_t hidden = embed.scalar_type() == at::kByte ? embed.size(1) * kQBlock : embed.size(1);
@@ -613,6 +626,7 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 16 * layers &&
                   static_cast<int64_t>(planes.size()) == 4 * layers && static_cast<int64_t>(bits.size()) == 4 * layers,
               "forward: 4 projections a layer");
+  TORCH_CHECK(static_cast<int64_t>(tails.size()) == 4 * layers, "forward: a tail (or an empty tensor) a projection");
   const RowLimits limits{int4_max_rows, code_max_rows, dequant_min_rows, int8_min_rows};
   const int64_t norms_per_layer = (static_cast<int64_t>(norms.size()) - 1) / std::max<int64_t>(layers, 1);
   TORCH_CHECK((norms_per_layer == 2 || norms_per_layer == 4 || norms_per_layer == 6) &&
@@ -652,7 +666,7 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
     add_rms_norm(residual.data_ptr<float>(), h.defined() ? bf16_ptr(h) : nullptr, layer_norms[0].data_ptr<float>(),
                  bf16_mut(x), rows, hidden, eps);
     clock.lap(kNorm);
-    at::Tensor qkv = project(x, w, p[0], b[0], limits);
+    at::Tensor qkv = project(x, w, p[0], b[0], limits, tails[4 * l]);
     if (!qkv_bias.empty() && qkv_bias[l].numel()) qkv = qkv + qkv_bias[l];  // Qwen2's biases, rounded as Python's
     clock.lap(kMatmul);
     at::Tensor k_cache = kv[2 * l], v_cache = kv[2 * l + 1];
@@ -672,7 +686,7 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
     clock.lap(kDecodeAttention);
     chunk_attention(q, k_cache, v_cache, plan, attn, d, chunk_scale, layer_window);
     clock.lap(kChunkAttention);
-    at::Tensor o = project(attn, w + 4, p[1], b[1], limits);
+    at::Tensor o = project(attn, w + 4, p[1], b[1], limits, tails[4 * l + 1]);
     clock.lap(kMatmul);
     if (gemma) {  // the attention output's own norm before it joins the residual
       o = o.contiguous();
@@ -681,7 +695,7 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
     add_rms_norm(residual.data_ptr<float>(), bf16_ptr(o), layer_norms[gemma ? 2 : 1].data_ptr<float>(), bf16_mut(x),
                  rows, hidden, eps);
     clock.lap(kNorm);
-    at::Tensor gu = project(x, w + 8, p[2], b[2], limits);
+    at::Tensor gu = project(x, w + 8, p[2], b[2], limits, tails[4 * l + 2]);
     clock.lap(kMatmul);
     const int64_t inter = gu.size(1) / 2;
     at::Tensor act = at::empty({rows, inter}, bf16);
@@ -690,7 +704,7 @@ at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, con
     else
       silu_and_mul(bf16_ptr(gu), bf16_mut(act), rows, inter);
     clock.lap(kSiluMul);
-    h = project(act, w + 12, p[3], b[3], limits);
+    h = project(act, w + 12, p[3], b[3], limits, tails[4 * l + 3]);
     clock.lap(kMatmul);
     if (gemma) {
       h = h.contiguous();
@@ -822,6 +836,6 @@ TORCH_LIBRARY(STALLFREE_OPS_NS, m) {
         "int int4_max_rows, int code_max_rows, int dequant_min_rows, int int8_min_rows, Tensor cos_sin_local, "
         "int[] sliding, "
         "int window, float attn_scale, "
-        "float embed_scale, Tensor[] qkv_bias) -> Tensor",
+        "float embed_scale, Tensor[] qkv_bias, Tensor[] tails) -> Tensor",
         &forward);
 }

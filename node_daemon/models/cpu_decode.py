@@ -255,7 +255,8 @@ def dequantize_tiles(tiles, dtype: torch.dtype) -> torch.Tensor:
     """A coded weight's dense values [N, K] in `dtype` (a oneDNN copy made from the codes): the compiled library's
     code_rows where it is already built for this tier (one pass, all threads), else torch's ops (TiledCodes)."""
     if dtype == torch.bfloat16 and enabled() and load_if_built():
-        return ops().code_rows(tiles.blocks, torch.arange(tiles.blocks.shape[0] * 16))
+        parts = [tiles.head()] + ([tiles.tail] if tiles.tail is not None else [])
+        return torch.cat([ops().code_rows(t.blocks, torch.arange(t.blocks.shape[0] * 16)) for t in parts])
     return tiles.dequantize().to(dtype)
 
 
@@ -419,6 +420,7 @@ class CpuDecode:
             else model.embed_codes.blocks
         self.cos_sin = model.rotary.cos_sin_cache
         self.norms, self.weights, self.planes, self.bits = [], [], [], []
+        self.tails = []  # per projection: its tiles' tail (TiledCodes.tail), or an empty tensor
         code_on = enabled(CODE_KERNEL_SWITCH)
         none = torch.empty(0, dtype=torch.uint8)
         for layer in model.layers:
@@ -435,6 +437,7 @@ class CpuDecode:
                     self.weights += [none, dense, packed, none]
                     self.planes.append(0)
                     self.bits.append(0)
+                    self.tails.append(none)
                     continue
                 tiles = linear.int4.tiles if code_on else None
                 # torch's int4 pack is read only where there are no tiles (the model may release it: release_int4_packs)
@@ -442,6 +445,7 @@ class CpuDecode:
                 self.weights += [*int4, packed, tiles.blocks if tiles is not None else none]
                 self.planes.append(linear.int4.planes)
                 self.bits.append(tiles.bits if tiles is not None else 0)
+                self.tails.append(tiles.tail.blocks if tiles is not None and tiles.tail is not None else none)
         self.norms.append(model.norm.weight)
         # Qwen2's q/k/v biases, one [q + k + v] vector a layer (none: an empty list)
         self.qkv_bias = [layer.self_attn.qkv_proj.bias for layer in model.layers] if model.shape.qkv_bias else []
@@ -478,7 +482,7 @@ class CpuDecode:
         return ops().forward(
             input_ids, positions, slot_mapping, block_tables.contiguous(), seq_lens, query_start_loc, self.embed,
             self.cos_sin, self.norms, self.weights, self.planes, self.bits, self.kv, *self.dims, *self.family_args,
-            self.qkv_bias)
+            self.qkv_bias, self.tails)
 
 
 if __name__ == "__main__":  # the background build's child (_build_quietly)

@@ -292,7 +292,8 @@ def _log_int4(model: LlamaForCausalLM, reader, codes: dict[str, str]) -> None:
     kinds = sorted(set(codes.values()))
     others = sorted({t.tensor_type.name for t in reader.tensors if _hf_name(t.name, model.shape.family) not in codes
                      and len(t.shape) > 1})
-    halves = [w.tiles.bits for w in model.int4_weights() if w.tiles is not None and w.tiles.is_halves]
+    tiles = [t for w in model.int4_weights() if w.tiles is not None for t in (w.tiles.head(), w.tiles.tail) if t]
+    halves = [t.bits for t in tiles if t.is_halves]
     recoded_kinds = [kind for kind in ("Q2_K", "Q6_K") if kind in kinds]
     recoded = f"; {' and '.join(recoded_kinds)} re-coded to 8-bit codes per 32 weights" if recoded_kinds else ""
     if halves.count(6):  # the AVX512-VNNI tier: re-coded only where a Q6_K part joins another type's (q/k/v)

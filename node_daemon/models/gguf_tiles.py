@@ -83,8 +83,12 @@ def tiles_of_parts(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCod
     which makes the same bytes without the library), 6-bit ones where every part is Q6_K and the tier runs them;
     else 8-bit codes (some part Q2_K, Q3_K or Q6_K) with zeros
     unless every part is Q3_K or Q6_K (and then too where a block's float16 scale cannot give its zero), as
-    TiledCodes.from_codes lays the decoded codes out. None unless the parts cover the rows in whole tiles and,
-    but for super-block records, the library is built."""
+    TiledCodes.from_codes lays the decoded codes out. A last part of another type than the others whose codes
+    those would widen keeps records of its own (split_tail). None unless the parts cover the rows in whole tiles
+    and, but for the file's own integers, the library is built."""
+    split = split_tail(parts, rows)
+    if split is not None:
+        return split
     tiler = compiled_tiler()
     types = {part.qtype for _, part in parts}
     own_bits = kquant_tiles.own_bits(types)
@@ -111,6 +115,48 @@ def tiles_of_parts(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCod
     return None
 
 
+def record_bits(types: set[str]) -> int:
+    """The code bits of one record kind for parts of these types (tiles_of_parts)."""
+    return kquant_tiles.own_bits(types) or (8 if types & EIGHT_BIT_TYPES else 5)
+
+
+def split_tail(parts: list[tuple[slice, GgufBlocks]], rows: int, tiles_of=None) -> TiledCodes | None:
+    """A fused matrix whose last part (in row order) is of a type the others are not, where one record kind for all
+    would take wider codes than the others' own (a Q4_K_M's Q6_K v after Q4_K q and k: 8-bit codes with zeros, 9
+    bits a weight, for all three; a Q3_K_M's Q4_K or Q5_K v after Q3_K q and k): the other parts' tiles with the
+    last part's as their tail (TiledCodes.tail), each in its own kind; by the library, or decoded where it is not
+    built, as the unsplit path does (`tiles_of`: another maker of each piece's tiles). None where no such split
+    applies."""
+    ordered = kquant_tiles.in_whole_tiles(parts, rows)
+    if ordered is None or len(ordered) < 2:
+        return None
+    (_, last), head = ordered[-1], ordered[:-1]
+    head_types = {part.qtype for _, part in head}
+    if last.qtype in head_types or record_bits(head_types) >= record_bits(head_types | {last.qtype}):
+        return None
+    head_rows = rows - last.rows
+    tiles_of = tiles_of or _tiles_or_decoded
+    first = tiles_of(head, head_rows)
+    tail = tiles_of([(slice(0, last.rows), last)], last.rows)
+    if first is None or tail is None:
+        return None
+    return TiledCodes(first.blocks, first.bits, tail)
+
+
+def _tiles_or_decoded(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCodes | None:
+    tiles = tiles_of_parts(parts, rows)
+    if tiles is not None:
+        return tiles
+    whole = stack_parts([(r, part.decode()) for r, part in parts], rows)
+    return TiledCodes.from_codes(whole) if whole is not None else None
+
+
+def tile_planes(tiles: TiledCodes) -> int:
+    """The code planes torch's int4 pack takes for these tiles (TiledCodes.to_block_codes): one for 4-bit codes
+    alone, else two."""
+    return 1 if tiles.bits == 4 and (tiles.tail is None or tiles.tail.bits == 4) else 2
+
+
 def int4_of_parts(parts: list[tuple[slice, BlockCodes | GgufBlocks]], rows: int, dtype: torch.dtype) \
         -> Int4Weight | None:
     """The Int4Weight of a projection whose parts have all come (models/llama.py add_codes): tiled by the compiled
@@ -119,7 +165,7 @@ def int4_of_parts(parts: list[tuple[slice, BlockCodes | GgufBlocks]], rows: int,
     if parts and all(isinstance(part, GgufBlocks) for _, part in parts):
         tiles = tiles_of_parts(parts, rows)  # type: ignore[arg-type]
         if tiles is not None:
-            return Int4Weight.from_tiles(tiles, 1 if tiles.bits == 4 else 2, dtype)
+            return Int4Weight.from_tiles(tiles, tile_planes(tiles), dtype)
     decoded = [(r, part.decode() if isinstance(part, GgufBlocks) else part) for r, part in parts]
     whole = stack_parts(decoded, rows)
     return Int4Weight(whole, dtype) if whole is not None and whole.rows % 16 == 0 else None
@@ -131,5 +177,5 @@ def tiles_from_file(raw: np.ndarray, qtype: str, rows: int, cols: int) -> tuple[
     blocks = file_blocks(raw, qtype, rows, cols)
     tiles = tiles_of_parts([(slice(0, rows), blocks)], rows) if blocks is not None else None
     if tiles is not None:
-        return tiles, 1 if tiles.bits == 4 else 2
+        return tiles, tile_planes(tiles)
     return tiles_from_blocks(raw, qtype, rows, cols)

@@ -206,6 +206,18 @@ class TiledCodes:
     # 6 and 3 bits: is_halves)
     blocks: torch.Tensor
     bits: int
+    # The matrix's last rows in records of their own kind, after blocks' rows (a fused q/k/v whose v is another type
+    # than q and k: one record kind for all would widen q and k to v's codes; models/gguf_tiles.py tiles_of_parts).
+    # Its own tail is None. Every reader of blocks and bits (the kernels' callers, the weight cache) takes it too.
+    tail: "TiledCodes | None" = None
+
+    @property
+    def out_features(self) -> int:
+        return (self.blocks.shape[0] + (self.tail.blocks.shape[0] if self.tail is not None else 0)) * 16
+
+    def head(self) -> "TiledCodes":
+        """The rows in blocks alone (the whole matrix where there is no tail)."""
+        return TiledCodes(self.blocks, self.bits) if self.tail is not None else self
 
     @classmethod
     def from_codes(cls, block: BlockCodes, bits: int | None = None, zeros: bool | None = None) -> "TiledCodes":
@@ -270,7 +282,7 @@ class TiledCodes:
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.numel()
+        return self.blocks.numel() + (self.tail.nbytes if self.tail is not None else 0)
 
     def _codes(self) -> torch.Tensor:
         """The unsigned codes [N, K] uint8."""
@@ -345,7 +357,13 @@ class TiledCodes:
     def to_block_codes(self) -> BlockCodes:
         """The same weights as BlockCodes (one plane of 4-bit codes, or two for 8-bit ones): what torch's int4
         pack is made from. kHalves records take 8-bit codes per 32 weights as the Python path decodes Q6_K
-        (kquant_codes.recode_q6_k) and Q3_K (q3_k_planes)."""
+        (kquant_codes.recode_q6_k) and Q3_K (q3_k_planes). A tail's rows join as stack_parts joins parts."""
+        if self.tail is not None:
+            n = self.blocks.shape[0] * 16
+            joined = stack_parts([(slice(0, n), self.head().to_block_codes()),
+                                  (slice(n, self.out_features), self.tail.to_block_codes())], self.out_features)
+            assert joined is not None
+            return joined
         if self.is_halves:
             from stallfree.node_daemon.models import kquant_codes
 
@@ -369,6 +387,8 @@ class TiledCodes:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), K]: the rows of these ids (an embedding lookup in its codes; the compiled forward's
         code_rows computes the same values)."""
+        if self.tail is not None:
+            raise ValueError("rows: an embedding's tiles have no tail")
         ids = ids.reshape(-1).long()
         pick = torch.arange(ids.numel()) * 16 + ids % 16
         if self.is_halves:
@@ -379,6 +399,8 @@ class TiledCodes:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: what the kernel multiplies by (tests)."""
+        if self.tail is not None:
+            return torch.cat([self.head().dequantize(), self.tail.dequantize()])
         if self.is_halves:  # (d * sc) * q, as gguf computes Q6_K and Q3_K
             q, sc, d = self._halves()
             n = q.shape[0]
@@ -414,7 +436,7 @@ class Int4Weight:
     def from_tiles(cls, tiles: TiledCodes, planes: int, dtype: torch.dtype) -> "Int4Weight":
         """One from its tiles alone (models/weight_cache.py keeps them)."""
         weight = cls.__new__(cls)
-        weight.tiles, weight.planes, weight.out_features, weight.dtype = tiles, planes, tiles.blocks.shape[0] * 16, dtype
+        weight.tiles, weight.planes, weight.out_features, weight.dtype = tiles, planes, tiles.out_features, dtype
         weight._pack, weight._pack_released, weight.code_kernel, weight.dequantized = None, False, None, None
         return weight
 
@@ -469,14 +491,17 @@ class Int4Weight:
         extension is loaded (up to its row limit unless `any_rows`; float32 sums when `float_out`), else torch's
         int4 kernel (in x's dtype)."""
         dequantized = self.dequantized
+        tiles = [self.tiles.head()] + ([self.tiles.tail] if self.tiles.tail is not None else [])
         if any_rows and not float_out and dequantized is not None and x.shape[0] >= dequantized[1] \
                 and x.dtype == torch.bfloat16:
-            return dequantized[0](x.contiguous(), self.tiles.blocks)
+            x = x.contiguous()
+            return torch.cat([dequantized[0](x, t.blocks) for t in tiles], dim=-1)
         if self.code_kernel_applies(x.shape[0], any_rows):
             op, _, int8_min_rows = self.code_kernel
             # an LM head's logits (float_out) take int8 from the same rows as the projections (llama.cpp's head
             # takes int8 Q8_0 activations at every row count); one stream's 1-8 rows keep int16
-            return op(x, self.tiles.blocks, self.tiles.bits, float_out, int8_min_rows)
+            outs = [op(x, t.blocks, t.bits, float_out, int8_min_rows) for t in tiles]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         pack = self._torch_pack()
         if pack is None:
             raise RuntimeError("int4 matmul: torch's int4 pack was released for the code kernel, which is not in use")

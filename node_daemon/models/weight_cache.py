@@ -36,7 +36,8 @@ ENV = "STALLFREE_WEIGHT_CACHE"
 FORMAT = 8  # 3: the code kernel's tiles on every tier (TiledCodes); 4: the tiles alone (torch's int4 pack made at use),
 # and no dense copy of a projection that its codes alone serve; 5: nor of a tied embedding (looked up in its codes),
 # nor of a projection with a oneDNN copy (made from the codes at load); 6: Q4_K/Q5_K in super-block records; 7: Q6_K
-# in its own 6-bit records (AVX512-VNNI); 8: Q3_K in its own 3-bit records (AVX512-VNNI)
+# in its own 6-bit records (AVX512-VNNI); 8: Q3_K in its own 3-bit records (AVX512-VNNI), and a fused q/k/v's v of
+# another type in records of its own (TiledCodes.tail)
 _VALUE_SOURCES = ("gguf_loader.py", "gguf_file.py", "quantized.py", "kquant_codes.py", "kquant_tiles.py",
                   "small_block_codes.py", "llama.py", "gguf_tiles.py", "cpu_gguf_tiles.h")
 _TIED_HEAD = "tied_lm_head_int4"
@@ -89,11 +90,14 @@ def save(model: "LlamaForCausalLM", path: Path, background: bool = False) -> boo
     `background`: the tensors are gathered here and written by a thread (a fresh start serves 0.4 s sooner; the
     process waits for it at exit, and flush() waits for it); True then."""
     tensors = {name: p.detach().contiguous() for name, p in model.named_parameters() if p.device.type != "meta"}
-    planes, bits = {}, {}
+    planes, bits, tail_bits = {}, {}, {}
     for name, w in _int4_weights(model).items():
         planes[name] = w.planes
         tensors[f"{name}.tiles.blocks"], bits[name] = w.tiles.blocks, w.tiles.bits
-    metadata = {"planes": json.dumps(planes), "tile_bits": json.dumps(bits), "format": str(FORMAT)}
+        if w.tiles.tail is not None:  # rows in records of their own kind (TiledCodes.tail)
+            tensors[f"{name}.tiles.tail.blocks"], tail_bits[name] = w.tiles.tail.blocks, w.tiles.tail.bits
+    metadata = {"planes": json.dumps(planes), "tile_bits": json.dumps(bits), "tail_bits": json.dumps(tail_bits),
+                "format": str(FORMAT)}
     if not background:
         return _write(tensors, metadata, path)
     thread = threading.Thread(target=_write, args=(tensors, metadata, path), name="weight-cache-write")
@@ -195,6 +199,7 @@ def load(model: "LlamaForCausalLM", path: Path) -> bool:
             metadata = f.metadata()
             planes = json.loads(metadata.get("planes", "{}"))
             bits = json.loads(metadata.get("tile_bits", "{}"))
+            tail_bits = json.loads(metadata.get("tail_bits", "{}"))
         tensors = mapped_tensors(path)
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         log.warning("weight cache: %s unreadable (%s): loading the GGUF file", path, exc)
@@ -208,7 +213,8 @@ def load(model: "LlamaForCausalLM", path: Path) -> bool:
     absent = codes_only | ({"embed_tokens.weight"} if embed_from_codes else set())
     if any(name not in absent and (name not in tensors or tensors[name].shape != p.shape
                                        or tensors[name].dtype != p.dtype) for name, p in params.items()) \
-            or any(f"{n}.tiles.blocks" not in tensors for n in planes) or set(bits) != set(planes):
+            or any(f"{n}.tiles.blocks" not in tensors for n in planes) or set(bits) != set(planes) \
+            or any(f"{n}.tiles.tail.blocks" not in tensors for n in tail_bits):
         log.warning("weight cache: %s does not match this model: loading the GGUF file", path)
         return False
     # Every tensor stays a view of the file's private mapping: nothing is copied, pages are read as first touched
@@ -217,7 +223,8 @@ def load(model: "LlamaForCausalLM", path: Path) -> bool:
         if name not in absent:
             p.data = tensors[name]
     for name, count in planes.items():
-        tiles = TiledCodes(tensors[f"{name}.tiles.blocks"], bits[name])
+        tail = TiledCodes(tensors[f"{name}.tiles.tail.blocks"], tail_bits[name]) if name in tail_bits else None
+        tiles = TiledCodes(tensors[f"{name}.tiles.blocks"], bits[name], tail)
         weight = Int4Weight.from_tiles(tiles, count, model.dtype)
         if name == _TIED_HEAD:
             model.tied_lm_head_int4 = weight
