@@ -122,6 +122,8 @@ def test_a_v_of_another_type_keeps_records_of_its_own(qk_type, v_type):
     weights are the parts' own tiles' joined, and the code kernel's matmul of the whole is x @ W^T of them."""
     from stallfree.node_daemon.models import cpu_decode
 
+    if qk_type == "Q3_K" and not kquant_tiles.halves_records():
+        pytest.skip("this tier keeps Q3_K's 8-bit codes: q and k would take v's codes' width anyway")
     cols, q_rows, kv_rows = 512, 64, 32
 
     def blocks(qtype: str, rows: int, seed: int) -> GgufBlocks:

@@ -68,11 +68,10 @@ def compiled_tiler():
 
 def file_blocks(raw: np.ndarray, qtype: str, rows: int, cols: int) -> GgufBlocks | None:
     """A tensor's bytes as GgufBlocks where they can be tiled from the file's bytes (a K-quant in whole tiles of 16
-    rows: by the compiled library where it is built; Q4_K and Q5_K by numpy too), else None (the Python path
-    decodes it)."""
+    rows: by the compiled library where it is built, the file's own integers by numpy too), else None (the Python
+    path decodes it). Kept undecoded either way until its matrix's parts have all come: int4_of_parts decodes what
+    it cannot tile, so that with the library and without a matrix splits the same way (split_tail)."""
     if qtype not in TILED_TYPES or rows % 16 or cols % kquant_codes.QK_K:
-        return None
-    if kquant_tiles.own_bits({qtype}) is None and compiled_tiler() is None:
         return None
     return GgufBlocks(np.asarray(raw).reshape(rows, -1), qtype, cols)
 
