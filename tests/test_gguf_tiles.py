@@ -16,7 +16,7 @@ import torch
 from stallfree.bench import gguf_blocks
 from stallfree.node_daemon.models import cpu_decode, kquant_tiles
 from stallfree.node_daemon.models.gguf_tiles import GgufBlocks, int4_of_parts, split_tail, tiles_of_parts
-from stallfree.node_daemon.models.quantized import TiledCodes, decode_blocks, stack_parts
+from stallfree.node_daemon.models.quantized import TiledCodes, decode_blocks, grouped_record_bytes, stack_parts
 from model_helpers import relative_error
 from test_kquants import _random_k_blocks
 
@@ -186,7 +186,7 @@ def test_the_library_refuses_bad_shapes_and_types_with_a_clear_error():
     with pytest.raises(RuntimeError, match="out"):
         tiler(torch.empty(1, 8, 100, dtype=torch.uint8), 0, raw, "Q4_K", none)
     with pytest.raises(RuntimeError, match="do not fit"):  # Q3_K's 8-bit codes in 5-bit super-block records
-        tiler(torch.empty(1, 8, kquant_tiles.super_record_bytes(5), dtype=torch.uint8), 0,
+        tiler(torch.empty(1, 8, grouped_record_bytes(5), dtype=torch.uint8), 0,
               torch.from_numpy(gguf_blocks.random_blocks("Q3_K", 16, 256, np.random.default_rng(21))), "Q3_K", none)
 
 

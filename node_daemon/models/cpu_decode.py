@@ -255,8 +255,7 @@ def dequantize_tiles(tiles, dtype: torch.dtype) -> torch.Tensor:
     """A coded weight's dense values [N, K] in `dtype` (a oneDNN copy made from the codes): the compiled library's
     code_rows where it is already built for this tier (one pass, all threads), else torch's ops (TiledCodes)."""
     if dtype == torch.bfloat16 and enabled() and load_if_built():
-        parts = [tiles.head()] + ([tiles.tail] if tiles.tail is not None else [])
-        return torch.cat([ops().code_rows(t.blocks, torch.arange(t.blocks.shape[0] * 16)) for t in parts])
+        return torch.cat([ops().code_rows(t.blocks, torch.arange(t.blocks.shape[0] * 16)) for t in tiles.pieces()])
     return tiles.dequantize().to(dtype)
 
 

@@ -292,15 +292,23 @@ def _log_int4(model: LlamaForCausalLM, reader, codes: dict[str, str]) -> None:
     kinds = sorted(set(codes.values()))
     others = sorted({t.tensor_type.name for t in reader.tensors if _hf_name(t.name, model.shape.family) not in codes
                      and len(t.shape) > 1})
-    tiles = [t for w in model.int4_weights() if w.tiles is not None for t in (w.tiles.head(), w.tiles.tail) if t]
-    halves = [t.bits for t in tiles if t.is_halves]
-    recoded_kinds = [kind for kind in ("Q2_K", "Q6_K") if kind in kinds]
-    recoded = f"; {' and '.join(recoded_kinds)} re-coded to 8-bit codes per 32 weights" if recoded_kinds else ""
-    if halves.count(6):  # the AVX512-VNNI tier: re-coded only where a Q6_K part joins another type's (q/k/v)
-        recoded += f" ({halves.count(6)} Q6_K matrices not: in their own 6-bit records)"
-    if "Q3_K" in kinds:  # 8-bit codes (exact) except, on AVX512-VNNI, where every part is Q3_K
-        own = f" ({halves.count(3)} Q3_K matrices not: in their own 3-bit records)" if halves.count(3) else ""
-        recoded += f"; Q3_K in 8-bit codes{own}"
+    pieces = [t for w in model.int4_weights() if w.tiles is not None for t in w.tiles.pieces()]
+    rows_of = {}  # coded tensor -> its rows (output features)
+    for t in reader.tensors:
+        if len(t.shape) > 1 and (name := _hf_name(t.name, model.shape.family)) in codes:
+            rows_of[name] = int(t.shape[-1])
+    recoded = "; Q2_K re-coded to 8-bit codes per 32 weights" if "Q2_K" in kinds else ""
+    # Q6_K and Q3_K keep their own records on AVX512-VNNI unless joined to another type's part; their rows say
+    # how many did
+    for qtype, bits, otherwise in (("Q6_K", 6, "re-coded to 8-bit codes per 32 weights"),
+                                   ("Q3_K", 3, "in 8-bit codes")):
+        total = sum(rows for name, rows in rows_of.items() if codes[name] == qtype)
+        own = sum(p.out_features for p in pieces if p.bits == bits)
+        if total and not own:
+            recoded += f"; {qtype} {otherwise}"
+        elif total:
+            rest = f" but for {total - own} of its {total} rows ({otherwise})" if own < total else ""
+            recoded += f"; {qtype} in its own {bits}-bit records{rest}"
 
     log.info("served from their GGUF codes (%s); %d projections dense%s%s%s",
              ", ".join(kinds) or "none", len(dense), f" ({', '.join(dense[:4])}{', ...' if len(dense) > 4 else ''})"

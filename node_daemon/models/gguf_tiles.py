@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from stallfree.node_daemon.models import kquant_codes, kquant_tiles
-from stallfree.node_daemon.models.quantized import (BlockCodes, Int4Weight, TiledCodes, decode_blocks, stack_parts,
-                                                    tiles_from_blocks)
+from stallfree.node_daemon.models.quantized import (BlockCodes, Int4Weight, TiledCodes, decode_blocks,
+                                                    grouped_record_bytes, stack_parts, tiles_from_blocks)
 
 TILED_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 EIGHT_BIT_TYPES = {"Q2_K", "Q3_K", "Q6_K"}  # codes past 31
@@ -96,10 +96,10 @@ def tiles_of_parts(parts: list[tuple[slice, GgufBlocks]], rows: int) -> TiledCod
     ordered = kquant_tiles.in_whole_tiles(parts, rows)
     if tiler is None or ordered is None:
         return None
-    bits = own_bits or (8 if types & EIGHT_BIT_TYPES else 5)
+    bits = record_bits(types)
     groups = ordered[0][1].cols // 32
     for zeros in ([False] if own_bits else [False, True] if types <= SYMMETRIC_TYPES else [True]):
-        record = kquant_tiles.super_record_bytes(bits) if own_bits else bits * 64 + (64 if zeros else 32)
+        record = grouped_record_bytes(bits) if own_bits else bits * 64 + (64 if zeros else 32)
         out = torch.empty(rows // 16, groups, record, dtype=torch.uint8)
         written = True
         for rows_slice, part in ordered:

@@ -48,10 +48,6 @@ def own_bits(qtypes: set[str]) -> int | None:
     return 4 if qtypes == {"Q4_K"} else 5
 
 
-def super_record_bytes(bits: int) -> int:
-    return grouped_record_bytes(bits)
-
-
 def file_integers(raw: np.ndarray, qtype: str, rows: int, cols: int) \
         -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A Q4_K/Q5_K tensor's block bytes [rows, cols / 256 * bytes] -> (codes [rows, cols] uint8 in 0..15 or 0..31,
@@ -84,8 +80,8 @@ def in_whole_tiles(parts: list, rows: int) -> list | None:
 def super_tiles(parts: list, rows: int) -> TiledCodes | None:
     """One matrix's records of the file's integers from its row parts (models/gguf_tiles.py GgufBlocks: q, k, v or
     gate, up; one part for the rest, each part's rows in its `order`): super-block records where every part is Q4_K
-    or Q5_K, kHalves ones where every part is Q6_K or every part Q3_K (own_bits). None for other types or unless the parts cover the rows
-    in whole tiles of 16."""
+    or Q5_K, kHalves ones where every part is Q6_K or every part Q3_K (own_bits). None for other types or unless
+    the parts cover the rows in whole tiles of 16."""
     bits = own_bits({part.qtype for _, part in parts})
     ordered = in_whole_tiles(parts, rows)
     if bits is None or ordered is None:
@@ -109,7 +105,7 @@ def super_tiles(parts: list, rows: int) -> TiledCodes | None:
         code_bytes = tile_code_bytes(torch.from_numpy(codes), bits)  # [tile, block, bits * 64]
     ints = torch.cat([per_tile(sc), per_tile(m)], dim=-1)  # [tile, block, 32]
     grouped = torch.cat([code_bytes.reshape(tiles, supers, -1), ints.reshape(tiles, supers, -1), header], dim=-1)
-    return TiledCodes(grouped.reshape(tiles, groups, super_record_bytes(bits)).contiguous(), bits)
+    return TiledCodes(grouped.reshape(tiles, groups, grouped_record_bytes(bits)).contiguous(), bits)
 
 
 def halves_tiles(ordered: list, rows: int, cols: int) -> TiledCodes:
@@ -124,7 +120,8 @@ def halves_tiles(ordered: list, rows: int, cols: int) -> TiledCodes:
         blocks = np.ascontiguousarray(part.raw).reshape(-1, kquant_codes.BLOCK_BYTES[qtype])
         q, sc, d = integers(blocks)
         arrays = [(q + (1 << (bits - 1))).astype(np.uint8).reshape(part.rows, cols),
-                  sc.astype(np.int8).reshape(part.rows, -1), d.astype(np.float16).view(np.uint16).reshape(part.rows, -1)]
+                  sc.astype(np.int8).reshape(part.rows, -1),
+                  d.astype(np.float16).view(np.uint16).reshape(part.rows, -1)]
         joined.append([a if part.order is None else a[part.order] for a in arrays])
     codes, sc, d = (np.concatenate(column) for column in zip(*joined))
     tiles, groups, supers = rows // 16, cols // 32, cols // kquant_codes.QK_K
@@ -138,4 +135,4 @@ def halves_tiles(ordered: list, rows: int, cols: int) -> TiledCodes:
         warnings.simplefilter("ignore", UserWarning)
         code_bytes = tile_code_bytes(torch.from_numpy(codes), bits)  # [tile, block, 384 or 256]
     grouped = torch.cat([code_bytes.reshape(tiles, supers, -1), scales.reshape(tiles, supers, -1), header], dim=-1)
-    return TiledCodes(grouped.reshape(tiles, groups, super_record_bytes(bits)).contiguous(), bits)
+    return TiledCodes(grouped.reshape(tiles, groups, grouped_record_bytes(bits)).contiguous(), bits)

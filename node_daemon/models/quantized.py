@@ -165,9 +165,9 @@ def grouped_record_bytes(bits: int) -> int:
 
 
 def tile_code_bytes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unsigned codes [N, K] uint8 (0..7 or 0..15, 0..31, 0..63 or 0..255) as the records' code bytes [N / 16, K / 32,
-    record_code_bytes(bits)]: chunks of 16 columns' pairs of k (4-bit: pair q in the low nibbles, q + 8 in the high ones; 5-bit:
-    then a 32-bit mask of pair q's fifth bits and one of pair q + 8's per chunk, bit 2c + j; 6-bit: then per pair of
+    """Unsigned codes [N, K] uint8 (0..7 or 0..15, 0..31, 0..63 or 0..255) as the records' code bytes [N / 16,
+    K / 32, record_code_bytes(bits)]: chunks of 16 columns' pairs of k (3- and 4-bit: pair q in the low nibbles,
+    q + 8 in the high ones; 5-bit: then a 32-bit mask of pair q's fifth bits and one of pair q + 8's per chunk, bit 2c + j; 6-bit: then per pair of
     chunks 2m, 2m + 1 32 bytes of their high two bits, byte i: chunk 2m's byte i's low nibble's in bits 0-1, chunk
     2m + 1's in 2-3, their high nibbles' in 4-5 and 6-7)."""
     n, k = codes.shape
@@ -218,6 +218,10 @@ class TiledCodes:
     def head(self) -> "TiledCodes":
         """The rows in blocks alone (the whole matrix where there is no tail)."""
         return TiledCodes(self.blocks, self.bits) if self.tail is not None else self
+
+    def pieces(self) -> list["TiledCodes"]:
+        """The matrix's pieces in row order, each in one record kind: what a kernel call takes, joined by columns."""
+        return [self] if self.tail is None else [self.head(), self.tail]
 
     @classmethod
     def from_codes(cls, block: BlockCodes, bits: int | None = None, zeros: bool | None = None) -> "TiledCodes":
@@ -491,7 +495,7 @@ class Int4Weight:
         extension is loaded (up to its row limit unless `any_rows`; float32 sums when `float_out`), else torch's
         int4 kernel (in x's dtype)."""
         dequantized = self.dequantized
-        tiles = [self.tiles.head()] + ([self.tiles.tail] if self.tiles.tail is not None else [])
+        tiles = self.tiles.pieces()
         if any_rows and not float_out and dequantized is not None and x.shape[0] >= dequantized[1] \
                 and x.dtype == torch.bfloat16:
             x = x.contiguous()
