@@ -167,9 +167,9 @@ def grouped_record_bytes(bits: int) -> int:
 def tile_code_bytes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned codes [N, K] uint8 (0..7 or 0..15, 0..31, 0..63 or 0..255) as the records' code bytes [N / 16,
     K / 32, record_code_bytes(bits)]: chunks of 16 columns' pairs of k (3- and 4-bit: pair q in the low nibbles,
-    q + 8 in the high ones; 5-bit: then a 32-bit mask of pair q's fifth bits and one of pair q + 8's per chunk, bit 2c + j; 6-bit: then per pair of
-    chunks 2m, 2m + 1 32 bytes of their high two bits, byte i: chunk 2m's byte i's low nibble's in bits 0-1, chunk
-    2m + 1's in 2-3, their high nibbles' in 4-5 and 6-7)."""
+    q + 8 in the high ones; 5-bit: then a 32-bit mask of pair q's fifth bits and one of pair q + 8's per chunk, bit
+    2c + j; 6-bit: then per pair of chunks 2m, 2m + 1 32 bytes of their high two bits, byte i: chunk 2m's byte i's
+    low nibble's in bits 0-1, chunk 2m + 1's in 2-3, their high nibbles' in 4-5 and 6-7)."""
     n, k = codes.shape
     groups = k // GROUP_SIZE
     # [tile, column, block, pair of k, k in pair] -> [tile, block, pair, column, k in pair]
